@@ -1,0 +1,6 @@
+"""Ground truth from the same declaration, through Pyro: exact enumeration and comparisons."""
+
+from .compare import Comparison as Comparison
+from .compare import compare as compare
+from .exact import ExactPosterior as ExactPosterior
+from .exact import exact as exact

@@ -1,0 +1,94 @@
+"""Ground truth by exact enumeration in Pyro.
+
+The declaration is run as the Pyro program it is: every edge family is a
+``Categorical`` sample site enumerated in parallel, every potential a
+``pyro.factor``. ``TraceEnum_ELBO.compute_marginals`` gives the edge posteriors,
+``infer_discrete(temperature=0)`` the MAP edges, and the value site under
+enumeration gives v_i(x, j) for every j, contracted with the marginals to
+E[v_i]. The program's output is then recomputed with each value site replaced
+by that exact expectation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from pyro import poutine
+from pyro.infer import TraceEnum_ELBO, infer_discrete
+
+from structattn.declaration import as_declaration
+from structattn.readers import SubstituteExpectations, trace_structure
+
+
+@dataclass
+class ExactPosterior:
+    """What exact enumeration says about a declaration on given inputs.
+
+    marginals[f]: p(φ_i = j | x), ``(*batch, H, C, P)``;
+    expectations[f]: E[v_i], ``(*batch, H, C, d_v)``;
+    map_edges[f]: argmax_j p(φ_i = j | x), ``(*batch, H, C)`` (long);
+    output: the program's output with each value replaced by its expectation.
+    """
+
+    marginals: dict
+    expectations: dict
+    map_edges: dict
+    output: object
+
+
+def _no_guide(*args, **kwargs):
+    pass
+
+
+def _expectation_from_table(table: torch.Tensor, enum_dim: int, probs: torch.Tensor):
+    """Contract an enumerated value table with the edge marginals.
+
+    table: the value site under enumeration, enumerated parent j in batch dim
+    ``enum_dim`` (negative, counted before the event dim d_v); probs: ``(…, C, P)``.
+    """
+    dim = enum_dim - 1  # the value has one event dim
+    if table.dim() < -dim:
+        table = table.reshape((1,) * (-dim - table.dim()) + table.shape)
+    table = table.movedim(dim, -2)  # (…, *batch, H, C or 1, P, d_v)
+    out = (probs.unsqueeze(-1) * table).sum(-2)
+    # other families' enumeration dims are size 1 here: drop them
+    return out.reshape(probs.shape[:-1] + out.shape[-1:])
+
+
+def exact(model, *inputs, **kwargs) -> ExactPosterior:
+    """Exact edge posteriors, value expectations, MAP edges and output by Pyro enumeration.
+
+    Cost: exponential in nothing here — each family is enumerated once in
+    parallel over its P parents — but it materialises ``(P, *batch, H, C, d)``
+    tables, so keep inputs small (it is the oracle, not the layer).
+    """
+    decl = as_declaration(model)
+    program = decl.model
+    structure = trace_structure(program, *inputs, **kwargs)
+    if not structure.families:
+        raise ValueError("the model declares no edge family (structattn.edges); nothing to infer")
+    mpn = structure.max_plate_nesting
+    first_dim = -mpn - 1
+
+    elbo = TraceEnum_ELBO(max_plate_nesting=mpn)
+    marginal_dists = elbo.compute_marginals(program, _no_guide, *inputs, **kwargs)
+    marginals = {name: marginal_dists[name].probs for name in structure.families}
+
+    enum_trace = poutine.trace(poutine.enum(program, first_available_dim=first_dim)).get_trace(
+        *inputs, **kwargs)
+    expectations = {}
+    for name, family in structure.families.items():
+        if family.value is None:
+            continue
+        enum_dim = enum_trace.nodes[name]["infer"]["_enumerate_dim"]
+        table = enum_trace.nodes[f"{name}.value"]["value"]
+        expectations[name] = _expectation_from_table(table, enum_dim, marginals[name])
+
+    map_program = infer_discrete(program, first_available_dim=first_dim, temperature=0)
+    map_trace = poutine.trace(map_program).get_trace(*inputs, **kwargs)
+    map_edges = {name: map_trace.nodes[name]["value"] for name in structure.families}
+
+    with SubstituteExpectations(expectations):
+        output = program(*inputs, **kwargs)
+    return ExactPosterior(marginals, expectations, map_edges, output)

@@ -1,0 +1,43 @@
+"""Cross attention (paper §3.2): each query picks one key, uniformly a priori."""
+
+from __future__ import annotations
+
+import structattn as sa
+
+from ._projections import ProjectedAttention
+
+
+class CrossAttention(ProjectedAttention):
+    """φ_i ~ Uniform(keys); ψ(k_j, q_i) = q_iᵀW_QᵀW_K k_j / τ; v = W_V k_j; y_i = W_O[E v_i]_heads.
+
+    queries: ``(*batch, M, d_query)``, keys: ``(*batch, N, d_key)``
+    → ``(*batch, M, d_out or heads·d_v)``. Cost O(M·N·heads·(d_k + d_v)).
+
+    ::
+
+        keys     k_1  k_2 … k_N
+                   \\   |   /      φ_i ∈ {1..N}
+        queries      q_i
+    """
+
+    def __init__(self, d_query, d_key=None, *, d_k=None, d_v=None, heads=1, out_proj=True,
+                 d_out=None, temperature=None, device=None, dtype=None):
+        d_key = d_query if d_key is None else d_key
+        d_k = d_k or d_query // heads
+        d_v = d_v or d_k
+        out = (d_out or d_query) if out_proj else None
+        super().__init__(d_query, d_key, d_k, d_v, heads, out, temperature, device, dtype)
+        self.d_query, self.d_key = d_query, d_key
+
+    def model(self, queries, keys):
+        q = sa.nodes("queries", queries, features=self.d_query)
+        k = sa.nodes("keys", keys, features=self.d_key)
+        return self.attend("attn", q, k, sa.priors.Uniform())
+
+    def example_inputs(self, n=5, batch=1):
+        return (self._randn(batch, n, self.d_query), self._randn(batch, n + 1, self.d_key))
+
+
+def cross_attention(d_query, d_key=None, **kwargs) -> CrossAttention:
+    """The cross-attention declaration; see :class:`CrossAttention`."""
+    return CrossAttention(d_query, d_key, **kwargs)

@@ -1,0 +1,27 @@
+"""structattn: attention as inference over graph structure.
+
+Declare a Pyro model whose edges are random variables with a prior; compile it
+to an attention layer; check the layer against Pyro; draw the structure.
+"""
+
+from . import inference as inference  # noqa: E402,I001
+from . import models as models  # noqa: E402,I001  (the catalogue uses the primitives above)
+from . import potentials as potentials
+from . import priors as priors
+from . import values as values
+from ._validation import is_validating as is_validating
+from ._validation import set_validation as set_validation
+from ._validation import validation as validation
+from .compiler import CompiledModule as CompiledModule
+from .compiler import compile as compile
+from .declaration import Declaration as Declaration
+from .family import EdgeFamily as EdgeFamily
+from .family import edges as edges
+from .family import potential as potential
+from .family import value as value
+from .heads import merge_heads as merge_heads
+from .heads import split_heads as split_heads
+from .nodes import NodeSet as NodeSet
+from .nodes import nodes as nodes
+from .readers import Structure as Structure
+from .readers import trace_structure as trace_structure

@@ -1,0 +1,63 @@
+"""Value checks that cost a pass over the data, switchable like ``torch.distributions``.
+
+Shape, dtype and device checks are always on (they are free). Checks that read
+tensor *values* — NaN inputs, children whose support is empty — need a pass
+over the data and a device sync, so they follow the ``torch.distributions``
+convention: on by default, off with ``structattn.set_validation(False)``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+_VALIDATE = True
+
+
+def set_validation(enabled: bool) -> None:
+    """Turn the value checks on or off globally (on by default)."""
+    global _VALIDATE
+    _VALIDATE = bool(enabled)
+
+
+def is_validating() -> bool:
+    return _VALIDATE
+
+
+@contextlib.contextmanager
+def validation(enabled: bool):
+    """Context manager: ``with structattn.validation(False): layer(x)``."""
+    global _VALIDATE
+    old, _VALIDATE = _VALIDATE, bool(enabled)
+    try:
+        yield
+    finally:
+        _VALIDATE = old
+
+
+def check_finite(what: str, tensor: torch.Tensor) -> None:
+    """Raise a ValueError naming ``what`` when ``tensor`` holds NaN or ±inf."""
+    if not _VALIDATE or torch.compiler.is_compiling():
+        return
+    bad = ~torch.isfinite(tensor)
+    if bool(bad.any()):
+        first = tuple(int(i) for i in bad.nonzero()[0])
+        raise ValueError(
+            f"{what} contains non-finite values (NaN or inf): {int(bad.sum())} of "
+            f"{tensor.numel()} entries, the first at index {first}. structattn refuses to "
+            f"propagate them into a posterior; clean the input or call "
+            f"structattn.set_validation(False) to skip this check."
+        )
+
+
+def shape_str(shape) -> str:
+    return "(" + ", ".join(str(s) for s in shape) + ")"
+
+
+def same_device(a, b) -> bool:
+    """``cuda`` and ``cuda:0`` name the same device when the index is left out."""
+    a, b = torch.device(a), torch.device(b)
+    if a.type != b.type:
+        return False
+    return a.index is None or b.index is None or a.index == b.index

@@ -1,0 +1,196 @@
+"""Edge families: one categorical edge variable φ_i per child, over its allowed parents.
+
+``edges(name, children, parents, prior)`` is the declaration's edge site. Run as
+plain Pyro (no structattn reader active) it *is* a ``pyro.sample`` site of a
+``Categorical`` over parents inside plates ``(*batch, heads, children)``, marked
+for parallel enumeration; its potentials become ``pyro.factor`` sites and its
+value a ``pyro.deterministic`` site. Under a structattn reader (a Pyro
+``Messenger`` reacting to ``structattn_edges`` messages) the same call returns a
+symbolic handle instead and nothing is sampled.
+
+::
+
+    parents  x_1   x_2  …  x_P
+               \\    |     /        φ_i ∈ Φ_i ⊆ {1..P},  p(φ_i = j) = prior
+    children       x_i              ψ(x_{φ_i}, x_i) = potential, v_i(x, φ_i) = value
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import pyro
+import pyro.distributions as dist
+import torch
+from pyro.poutine.runtime import effectful
+
+from ._validation import same_device, shape_str
+from .nodes import NodeSet
+from .potentials.base import Potential
+from .priors.base import Prior
+from .values.base import Value
+
+
+@dataclass(eq=False)
+class EdgeFamily:
+    """The IR of one edge family: φ = (φ_i)_{i∈children}, one per head."""
+
+    name: str
+    children: NodeSet
+    parents: NodeSet
+    prior: Prior
+    heads: int = 1
+    potentials: list = field(default_factory=list)
+    value: Value | None = None
+    _heads_plate: object = field(default=None, repr=False)
+
+    @property
+    def batch_shape(self) -> torch.Size:
+        return self.children.batch_shape
+
+    @property
+    def plate_nesting(self) -> int:
+        """Plates ``(*batch, heads, children)``."""
+        return len(self.batch_shape) + 2
+
+    def plates(self) -> contextlib.ExitStack:
+        """The Pyro plates of this family's edge variables, (*batch, heads, children)."""
+        if self._heads_plate is None:
+            self._heads_plate = pyro.plate(f"{self.name}.heads", self.heads, dim=-2)
+        *batch, nodes = self.children.plates(event_dims=1)
+        stack = contextlib.ExitStack()
+        for plate in (*batch, self._heads_plate, nodes):
+            stack.enter_context(plate)
+        return stack
+
+    def describe(self) -> str:
+        return (f"φ {self.name!r}: {self.parents.name} → {self.children.name}, "
+                f"prior {self.prior.describe()}, heads={self.heads}")
+
+    def validate_structure(self) -> None:
+        c, p = self.children.states, self.parents.states
+        if c.shape[:-2] != p.shape[:-2]:
+            raise ValueError(
+                f"edge family {self.name!r}: children {self.children.name!r} and parents "
+                f"{self.parents.name!r} must share batch dims; got {shape_str(c.shape)} and "
+                f"{shape_str(p.shape)} (batch {shape_str(c.shape[:-2])} vs "
+                f"{shape_str(p.shape[:-2])})"
+            )
+        if not same_device(c.device, p.device):
+            raise ValueError(
+                f"edge family {self.name!r}: children {self.children.name!r} are on {c.device} "
+                f"but parents {self.parents.name!r} are on {p.device}"
+            )
+        if c.dtype != p.dtype:
+            raise ValueError(
+                f"edge family {self.name!r}: children {self.children.name!r} have dtype "
+                f"{c.dtype} but parents {self.parents.name!r} have dtype {p.dtype}"
+            )
+        self.prior.validate(self.name, self.children.size, self.parents.size, c.device)
+
+    def add_potential(self, potential: Potential) -> None:
+        if not isinstance(potential, Potential):
+            raise ValueError(
+                f"edge family {self.name!r}: a potential must be a structattn Potential; got "
+                f"{type(potential).__name__}"
+            )
+        self._check_heads("potential", potential)
+        potential.validate(self.name, self.children, self.parents)
+        self.potentials.append(potential)
+
+    def set_value(self, value: Value) -> None:
+        if not isinstance(value, Value):
+            raise ValueError(
+                f"edge family {self.name!r}: a value must be a structattn Value; got "
+                f"{type(value).__name__}"
+            )
+        if self.value is not None:
+            raise ValueError(f"edge family {self.name!r} already has a value function")
+        self._check_heads("value", value)
+        value.validate(self.name, self.children, self.parents)
+        self.value = value
+
+    def _check_heads(self, what, obj):
+        if obj.heads != self.heads:
+            raise ValueError(
+                f"edge family {self.name!r} has heads={self.heads} but its {what} "
+                f"{type(obj).__name__} has heads={obj.heads}"
+            )
+
+
+class SampledEdge:
+    """The Pyro reading's handle: φ as sampled (or enumerated) parent indices."""
+
+    def __init__(self, family: EdgeFamily, index: torch.Tensor):
+        self.family, self.index = family, index
+
+    def add_potential(self, potential):
+        fam = self.family
+        fam.add_potential(potential)
+        with fam.plates():
+            pyro.factor(
+                f"{fam.name}.potential{len(fam.potentials) - 1}",
+                potential.at(fam.children.states, fam.parents.states, self.index),
+            )
+
+    def expect(self, value):
+        fam = self.family
+        fam.set_value(value)
+        v = value.at(fam.children.states, fam.parents.states, self.index)
+        with fam.plates():
+            return pyro.deterministic(f"{fam.name}.value", v, event_dim=1)
+
+
+def _sample_edges(family: EdgeFamily) -> SampledEdge:
+    """Default (Pyro) reading of an edge site."""
+    c = family.children
+    log_prior = family.prior.log_prob_table(c.size, family.parents.size, c.states.device,
+                                            c.states.dtype)  # (…, C, P)
+    with family.plates():
+        index = pyro.sample(family.name, dist.Categorical(logits=log_prior),
+                            infer={"enumerate": "parallel"})
+    return SampledEdge(family, index)
+
+
+_edges_effect = effectful(_sample_edges, type="structattn_edges")
+
+
+def edges(name: str, children: NodeSet, parents: NodeSet, prior: Prior, *, heads: int = 1):
+    """Declare the edge family ``name``: for each child i (and head), φ_i ~ prior over parents.
+
+    children, parents: node sets from ``structattn.nodes``; prior: a
+    ``structattn.priors.Prior``. Returns a handle for ``potential`` and ``value``.
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"an edge family needs a non-empty string name; got {name!r}")
+    for role, ns in (("children", children), ("parents", parents)):
+        if not isinstance(ns, NodeSet):
+            raise ValueError(
+                f"edge family {name!r}: {role} must be a node set from structattn.nodes(...); "
+                f"got {type(ns).__name__}"
+            )
+    if not isinstance(prior, Prior):
+        raise ValueError(
+            f"edge family {name!r}: prior must be a structattn prior (e.g. "
+            f"structattn.priors.Uniform()); got {type(prior).__name__}"
+        )
+    if not isinstance(heads, int) or heads < 1:
+        raise ValueError(f"edge family {name!r}: heads must be a positive int; got {heads!r}")
+    family = EdgeFamily(name, children, parents, prior, heads)
+    family.validate_structure()
+    return _edges_effect(family, name=name)
+
+
+def potential(edge, potential: Potential) -> None:
+    """Add the log-potential ψ(x_{φ_i}, x_i) of an edge family (a ``pyro.factor`` site)."""
+    edge.add_potential(potential)
+
+
+def value(edge, value: Value) -> torch.Tensor:
+    """The value v_i(x, φ_i) of an edge family, ``(*batch, heads, children, d_v)``.
+
+    In the Pyro reading this is the value at the sampled edge; compiled, it is its
+    posterior expectation E_{p(φ_i | x)}[v_i(x, φ_i)].
+    """
+    return edge.expect(value)

@@ -1,0 +1,27 @@
+"""Moving between ``(*batch, n, heads*d)`` features and ``(*batch, heads, n, d)`` heads."""
+
+from __future__ import annotations
+
+import torch
+
+
+def split_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """``(*batch, n, heads*d) -> (*batch, heads, n, d)``."""
+    return t.unflatten(-1, (heads, t.shape[-1] // heads)).transpose(-3, -2)
+
+
+def merge_heads(t: torch.Tensor) -> torch.Tensor:
+    """``(*batch, heads, n, d) -> (*batch, n, heads*d)``; also works on Pyro's enumerated
+    values, whose size-1 dims broadcast."""
+    return t.transpose(-3, -2).flatten(-2)
+
+
+def gather_parents(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``t[…, h, index[…, h, i], :]``: per-parent features at each child's chosen parent.
+
+    t: ``(*batch, H, P, d)``; index: broadcastable to ``(*batch, H, C)`` and may carry
+    extra leading (enumeration) dims. Returns ``broadcast(index) + (d,)``.
+    """
+    from pyro.ops.indexing import Vindex
+
+    return Vindex(t.unsqueeze(-3))[..., index, :]

@@ -1,0 +1,4 @@
+"""Edge potentials ψ(x_j, x_i). One class per file."""
+
+from .base import Potential as Potential
+from .bilinear import Bilinear as Bilinear

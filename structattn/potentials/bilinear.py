@@ -1,0 +1,91 @@
+"""Bilinear potential ψ(x_j, x_i) = x_iᵀ W_Qᵀ W_K x_j / τ, one per head."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .._validation import is_validating, same_device, shape_str
+from ..heads import split_heads
+from .base import Potential
+
+
+class Bilinear(Potential):
+    """``ψ_h(x_j, x_i) = (W_Q^h x_i)ᵀ (W_K^h x_j) / τ`` for each head h.
+
+    W_q: ``(heads*d_k, d_child)``, W_k: ``(heads*d_k, d_parent)``. The temperature
+    τ > 0 tempers the posterior (default √d_k); it may be a float or a
+    (learnable) scalar tensor. Paper §3.2, Table 1.
+    """
+
+    def __init__(self, W_q: torch.Tensor, W_k: torch.Tensor, *, heads: int = 1,
+                 temperature: float | torch.Tensor | None = None):
+        if not isinstance(heads, int) or heads < 1:
+            raise ValueError(f"Bilinear potential: heads must be a positive int; got {heads!r}")
+        for name, W in (("W_q", W_q), ("W_k", W_k)):
+            if not isinstance(W, torch.Tensor) or W.dim() != 2:
+                got = shape_str(W.shape) if isinstance(W, torch.Tensor) else type(W).__name__
+                raise ValueError(
+                    f"Bilinear potential: {name} must be a matrix (heads*d_k, features); got {got}"
+                )
+        if W_q.shape[0] != W_k.shape[0] or W_q.shape[0] % heads:
+            raise ValueError(
+                f"Bilinear potential: W_q and W_k must both have heads*d_k rows with heads="
+                f"{heads}; got W_q {shape_str(W_q.shape)} and W_k {shape_str(W_k.shape)}"
+            )
+        self.W_q, self.W_k, self.heads = W_q, W_k, heads
+        self.d_k = W_q.shape[0] // heads
+        if temperature is None:
+            temperature = math.sqrt(self.d_k)
+        if not isinstance(temperature, torch.Tensor):
+            temperature = float(temperature)
+            if not (temperature > 0 and math.isfinite(temperature)):
+                raise ValueError(
+                    f"Bilinear potential: temperature must be a finite number > 0; got {temperature}"
+                )
+        self.temperature = temperature
+
+    def factors(self, children, parents):
+        a = split_heads(children @ self.W_q.T, self.heads)  # (*batch, H, C, d_k)
+        b = split_heads(parents @ self.W_k.T, self.heads)  # (*batch, H, P, d_k)
+        return a, b, 1.0 / self.temperature
+
+    def validate(self, family, children, parents):
+        for role, nodes, W, wname in (("children", children, self.W_q, "W_q"),
+                                      ("parents", parents, self.W_k, "W_k")):
+            x = nodes.states
+            if x.shape[-1] != W.shape[1]:
+                raise ValueError(
+                    f"edge family {family!r}: {role} node set {nodes.name!r} must have shape "
+                    f"(*batch, n, {W.shape[1]}) to match potential {wname} {shape_str(W.shape)}; "
+                    f"got {shape_str(x.shape)}"
+                )
+            if x.dtype != W.dtype:
+                raise ValueError(
+                    f"edge family {family!r}: {role} node set {nodes.name!r} has dtype {x.dtype} "
+                    f"but potential {wname} has dtype {W.dtype}; convert one of them "
+                    f"(e.g. layer.to({x.dtype}))"
+                )
+            if not same_device(x.device, W.device):
+                raise ValueError(
+                    f"edge family {family!r}: {role} node set {nodes.name!r} is on {x.device} "
+                    f"but potential {wname} is on {W.device}; move one of them "
+                    f"(e.g. layer.to({str(x.device)!r}))"
+                )
+        t = self.temperature
+        if isinstance(t, torch.Tensor):
+            if t.numel() != 1:
+                raise ValueError(
+                    f"edge family {family!r}: temperature must be a scalar; got shape "
+                    f"{shape_str(t.shape)}"
+                )
+            if is_validating() and not torch.compiler.is_compiling() and not bool(t > 0):
+                raise ValueError(
+                    f"edge family {family!r}: temperature must be > 0; got {float(t):g}"
+                )
+
+    def describe(self) -> str:
+        t = self.temperature
+        t = f"{float(t):.3g}" if not isinstance(t, torch.Tensor) or t.numel() == 1 else "tensor"
+        return f"Bilinear(heads={self.heads}, d_k={self.d_k}, τ={t})"

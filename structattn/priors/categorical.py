@@ -1,0 +1,52 @@
+"""Categorical prior with explicit logits: p(φ_i = j) ∝ exp(b_ij) on the support."""
+
+from __future__ import annotations
+
+import torch
+
+from .._validation import check_finite
+from .base import Prior
+
+
+class Categorical(Prior):
+    """``p(φ_i = j) = softmax_{j∈Φ_i}(b_ij)`` with logits ``b`` of shape ``(…, children, parents)``
+    (broadcast over batch and heads: ``(C, P)``, ``(H, C, P)`` or ``(*batch, H, C, P)``).
+
+    −∞ logits exclude a parent from the support. Lowered as an additive bias.
+    Paper Table 1 (relative positional encodings).
+    """
+
+    def __init__(self, logits: torch.Tensor, *, causal: bool = False,
+                 support: torch.Tensor | None = None):
+        if not isinstance(logits, torch.Tensor) or not logits.is_floating_point():
+            got = logits.dtype if isinstance(logits, torch.Tensor) else type(logits).__name__
+            raise ValueError(
+                f"Categorical prior: logits must be a floating-point tensor (…, children, "
+                f"parents); got {got}"
+            )
+        if support is not None and (
+            not isinstance(support, torch.Tensor) or support.dtype != torch.bool
+        ):
+            raise ValueError("Categorical prior: support must be a boolean tensor (…, C, P)")
+        self.logits = logits
+        self.causal = bool(causal)
+        self.support = support
+
+    def support_mask(self, num_children, num_parents, device):
+        # −∞ logits are outside the support; an explicit mask restricts further.
+        mask = None if self.support is None else self.support.to(device)
+        if torch.compiler.is_compiling():
+            return mask
+        excluded = torch.isneginf(self.logits)
+        if bool(excluded.any()):
+            allowed = ~excluded.to(device)
+            mask = allowed if mask is None else mask & allowed
+        return mask
+
+    def bias(self, num_children, num_parents, device, dtype):
+        check_finite("Categorical prior logits (finite part)",
+                     self.logits.masked_fill(torch.isneginf(self.logits), 0.0))
+        return self.logits.masked_fill(torch.isneginf(self.logits), 0.0).to(dtype)
+
+    def describe(self) -> str:
+        return f"Categorical(logits {tuple(self.logits.shape)}, {self.short_support()})"

@@ -1,0 +1,65 @@
+"""Read a declaration's structure (node sets and edge families) by running it once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .. import lowering
+from ..family import EdgeFamily
+from ..nodes import NodeSet
+from .marginalise import Marginalise
+
+
+@dataclass
+class Structure:
+    """The IR of a declaration run on concrete inputs."""
+
+    node_sets: dict[str, NodeSet]
+    families: dict[str, EdgeFamily]
+    output: object
+
+    @property
+    def max_plate_nesting(self) -> int:
+        return max((f.plate_nesting for f in self.families.values()), default=0)
+
+    def support(self, name: str) -> torch.Tensor:
+        """Boolean ``(*batch, H, C, P)`` support of family ``name``."""
+        return torch.isfinite(self.log_prior(name))
+
+    def log_prior(self, name: str) -> torch.Tensor:
+        """Normalised log prior ``(*batch, H, C, P)`` of family ``name``."""
+        f = self.families[name]
+        xc = f.children.states
+        t = f.prior.log_prob_table(f.children.size, f.parents.size, xc.device, xc.dtype)
+        return t.expand(*f.batch_shape, f.heads, *t.shape[-2:])
+
+    def posterior(self, name: str) -> torch.Tensor:
+        """Edge posterior ``(*batch, H, C, P)`` of family ``name`` (dense)."""
+        return lowering.posterior(self.families[name])
+
+
+class TraceStructure(Marginalise):
+    """``Marginalise`` that also records the node sets, in declaration order."""
+
+    def __init__(self):
+        super().__init__()
+        self.node_sets: dict[str, NodeSet] = {}
+
+    def _pyro_post_structattn_nodes(self, msg):
+        ns = msg["value"]
+        self.node_sets.setdefault(ns.name, ns)
+
+    def _pyro_structattn_edges(self, msg):
+        super()._pyro_structattn_edges(msg)
+        family = msg["args"][0]
+        for ns in (family.parents, family.children):
+            self.node_sets.setdefault(ns.name, ns)
+
+
+def trace_structure(program, *inputs, **kwargs) -> Structure:
+    """Run ``program(*inputs)`` under ``TraceStructure`` and return its ``Structure``."""
+    with torch.no_grad(), TraceStructure() as reader:
+        out = program(*inputs, **kwargs)
+    return Structure(reader.node_sets, reader.families, out)

@@ -1,0 +1,48 @@
+"""Linear value v_i(x, φ_i = j) = W_V x_j, one per head."""
+
+from __future__ import annotations
+
+import torch
+
+from .._validation import same_device, shape_str
+from ..heads import split_heads
+from .base import Value
+
+
+class Linear(Value):
+    """``v_i(x, φ_i = j) = W_V^h x_j`` per head h; W_v: ``(heads*d_v, d_parent)``. Paper §3.2."""
+
+    def __init__(self, W_v: torch.Tensor, *, heads: int = 1):
+        if not isinstance(W_v, torch.Tensor) or W_v.dim() != 2 or W_v.shape[0] % heads:
+            got = shape_str(W_v.shape) if isinstance(W_v, torch.Tensor) else type(W_v).__name__
+            raise ValueError(
+                f"Linear value: W_v must be a matrix (heads*d_v, features) with heads={heads}; "
+                f"got {got}"
+            )
+        self.W_v, self.heads = W_v, heads
+        self.d_v = W_v.shape[0] // heads
+
+    def parent_values(self, parents):
+        return split_heads(parents @ self.W_v.T, self.heads)  # (*batch, H, P, d_v)
+
+    def validate(self, family, children, parents):
+        x = parents.states
+        if x.shape[-1] != self.W_v.shape[1]:
+            raise ValueError(
+                f"edge family {family!r}: parents node set {parents.name!r} must have shape "
+                f"(*batch, n, {self.W_v.shape[1]}) to match value W_v {shape_str(self.W_v.shape)}; "
+                f"got {shape_str(x.shape)}"
+            )
+        if x.dtype != self.W_v.dtype:
+            raise ValueError(
+                f"edge family {family!r}: parents node set {parents.name!r} has dtype {x.dtype} "
+                f"but value W_v has dtype {self.W_v.dtype}"
+            )
+        if not same_device(x.device, self.W_v.device):
+            raise ValueError(
+                f"edge family {family!r}: parents node set {parents.name!r} is on {x.device} "
+                f"but value W_v is on {self.W_v.device}"
+            )
+
+    def describe(self) -> str:
+        return f"Linear(heads={self.heads}, d_v={self.d_v})"
