@@ -71,9 +71,20 @@ def exact(model, *inputs, **kwargs) -> ExactPosterior:
     mpn = structure.max_plate_nesting
     first_dim = -mpn - 1
 
-    elbo = TraceEnum_ELBO(max_plate_nesting=mpn)
-    marginal_dists = elbo.compute_marginals(program, _no_guide, *inputs, **kwargs)
-    marginals = {name: marginal_dists[name].probs for name in structure.families}
+    # Pyro warns when nothing is enumerable (every family has a single parent)
+    enumerable = any(f.parents.size > 1 for f in structure.families.values())
+    marginal_dists = {}
+    if enumerable:
+        elbo = TraceEnum_ELBO(max_plate_nesting=mpn)
+        marginal_dists = elbo.compute_marginals(program, _no_guide, *inputs, **kwargs)
+    marginals = {}
+    for name, family in structure.families.items():
+        shape = (*family.batch_shape, family.heads, family.children.size, family.parents.size)
+        if name in marginal_dists:  # Pyro drops leading size-1 dims: restore them
+            marginals[name] = marginal_dists[name].probs.expand(shape)
+        else:  # a single parent: not enumerated, φ_i = 0 surely
+            marginals[name] = torch.ones(shape, dtype=family.children.states.dtype,
+                                         device=family.children.states.device)
 
     enum_trace = poutine.trace(poutine.enum(program, first_available_dim=first_dim)).get_trace(
         *inputs, **kwargs)
@@ -81,13 +92,19 @@ def exact(model, *inputs, **kwargs) -> ExactPosterior:
     for name, family in structure.families.items():
         if family.value is None:
             continue
-        enum_dim = enum_trace.nodes[name]["infer"]["_enumerate_dim"]
         table = enum_trace.nodes[f"{name}.value"]["value"]
-        expectations[name] = _expectation_from_table(table, enum_dim, marginals[name])
+        enum_dim = enum_trace.nodes[name]["infer"].get("_enumerate_dim")
+        if enum_dim is None:  # a single parent: the value is its own expectation
+            shape = marginals[name].shape[:-1] + table.shape[-1:]
+            expectations[name] = table.reshape(table.shape[-len(shape):]).expand(shape)
+        else:
+            expectations[name] = _expectation_from_table(table, enum_dim, marginals[name])
 
-    map_program = infer_discrete(program, first_available_dim=first_dim, temperature=0)
+    map_program = (infer_discrete(program, first_available_dim=first_dim, temperature=0)
+                   if enumerable else program)
     map_trace = poutine.trace(map_program).get_trace(*inputs, **kwargs)
-    map_edges = {name: map_trace.nodes[name]["value"] for name in structure.families}
+    map_edges = {name: map_trace.nodes[name]["value"].expand(marginals[name].shape[:-1])
+                 for name in structure.families}
 
     with SubstituteExpectations(expectations):
         output = program(*inputs, **kwargs)

@@ -3,9 +3,8 @@
 Declare a Pyro model whose edges are random variables with a prior; compile it
 to an attention layer; check the layer against Pyro; draw the structure.
 """
+# ruff: noqa: I001, E402  — order matters: the catalogue and inference import the core.
 
-from . import inference as inference  # noqa: E402,I001
-from . import models as models  # noqa: E402,I001  (the catalogue uses the primitives above)
 from . import potentials as potentials
 from . import priors as priors
 from . import values as values
@@ -15,6 +14,10 @@ from ._validation import validation as validation
 from .compiler import CompiledModule as CompiledModule
 from .compiler import compile as compile
 from .declaration import Declaration as Declaration
+from .drawing import RenderError as RenderError
+from .drawing import render as render
+from .drawing import save as save
+from .drawing import to_networkx as to_networkx
 from .family import EdgeFamily as EdgeFamily
 from .family import edges as edges
 from .family import potential as potential
@@ -25,3 +28,6 @@ from .nodes import NodeSet as NodeSet
 from .nodes import nodes as nodes
 from .readers import Structure as Structure
 from .readers import trace_structure as trace_structure
+
+from . import models as models
+from . import inference as inference

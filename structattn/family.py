@@ -56,12 +56,13 @@ class EdgeFamily:
 
     def plates(self) -> contextlib.ExitStack:
         """The Pyro plates of this family's edge variables, (*batch, heads, children)."""
-        if self._heads_plate is None:
+        if self._heads_plate is None and self.heads > 1:  # size-1 plates: see NodeSet.plates
             self._heads_plate = pyro.plate(f"{self.name}.heads", self.heads, dim=-2)
-        *batch, nodes = self.children.plates(event_dims=1)
         stack = contextlib.ExitStack()
-        for plate in (*batch, self._heads_plate, nodes):
+        for plate in self.children.plates(event_dims=1):
             stack.enter_context(plate)
+        if self._heads_plate is not None:
+            stack.enter_context(self._heads_plate)
         return stack
 
     def describe(self) -> str:
@@ -148,8 +149,14 @@ def _sample_edges(family: EdgeFamily) -> SampledEdge:
     log_prior = family.prior.log_prob_table(c.size, family.parents.size, c.states.device,
                                             c.states.dtype)  # (…, C, P)
     with family.plates():
-        index = pyro.sample(family.name, dist.Categorical(logits=log_prior),
-                            infer={"enumerate": "parallel"})
+        if family.parents.size == 1:
+            # One parent: φ_i = 0 surely. Observed, since Pyro cannot enumerate a size-1 support.
+            index = pyro.sample(family.name, dist.Categorical(logits=log_prior),
+                                obs=torch.zeros(log_prior.shape[:-1], dtype=torch.long,
+                                                device=log_prior.device))
+        else:
+            index = pyro.sample(family.name, dist.Categorical(logits=log_prior),
+                                infer={"enumerate": "parallel"})
     return SampledEdge(family, index)
 
 

@@ -30,11 +30,13 @@ class NodeSet:
         site indexed by these nodes shares them; ``event_dims`` extra plate dims (e.g.
         heads) sit between batch and nodes."""
         if self._plates is None:
+            # Size-1 plates are left out: they state no independence, and Pyro's
+            # compute_marginals cannot broadcast over dims it packed away.
             nb = len(self.batch_shape)
             self._plates = [
                 pyro.plate(f"{self.name}.batch_{k}", size, dim=k - nb - 1 - event_dims)
-                for k, size in enumerate(self.batch_shape)
-            ] + [pyro.plate(self.name, self.size, dim=-1)]
+                for k, size in enumerate(self.batch_shape) if size > 1
+            ] + ([pyro.plate(self.name, self.size, dim=-1)] if self.size > 1 else [])
         return self._plates
 
     @property

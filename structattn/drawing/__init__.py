@@ -1,0 +1,7 @@
+"""Drawings of the implied adjacency structure (networkx, graphviz)."""
+
+from .graphviz import RenderError as RenderError
+from .graphviz import graph_to_dot as graph_to_dot
+from .graphviz import render as render
+from .graphviz import save as save
+from .networkx import to_networkx as to_networkx

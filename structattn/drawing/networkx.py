@@ -1,0 +1,65 @@
+"""The implied adjacency as a networkx graph: declared (support, prior) or inferred (posterior)."""
+
+from __future__ import annotations
+
+import networkx as nx
+import torch
+
+from ..declaration import as_declaration
+from ..readers import trace_structure
+
+
+def _inputs_or_examples(decl, inputs):
+    if inputs:
+        return inputs, True
+    return tuple(decl.example_inputs()), False
+
+
+def node_id(node_set: str, index: int) -> str:
+    return f"{node_set}[{index}]"
+
+
+def to_networkx(model, *inputs, batch_index: int = 0) -> nx.MultiDiGraph:
+    """The edge structure of ``model`` as an ``nx.MultiDiGraph`` (a ``DiGraph`` subclass).
+
+    Nodes are ``"name[i]"`` for each node of each node set (attributes
+    ``node_set``, ``index``, ``observed``). Each allowed edge x_j → x_i of each
+    family and head is an edge keyed ``"family/h"`` with attributes ``family``,
+    ``head``, ``support`` (True), ``prior`` p(φ_i = j) and, when inputs are
+    given, ``posterior`` p(φ_i = j | x). Without inputs the declaration's
+    ``example_inputs()`` fix the sizes and only the declared structure is kept.
+    Batched inputs: element ``batch_index`` of the flattened batch is drawn.
+    """
+    decl = as_declaration(model)
+    inputs, inferred = _inputs_or_examples(decl, inputs)
+    structure = trace_structure(decl.model, *inputs)
+    G = nx.MultiDiGraph(inferred=inferred, model=type(decl).__name__, families={})
+    for ns in structure.node_sets.values():
+        for i in range(ns.size):
+            G.add_node(node_id(ns.name, i), node_set=ns.name, index=i, observed=ns.observed)
+    for name, fam in structure.families.items():
+        G.graph["families"][name] = {
+            "children": fam.children.name, "parents": fam.parents.name, "heads": fam.heads,
+            "prior": fam.prior.describe(),
+            "potentials": [p.describe() for p in fam.potentials],
+            "value": fam.value.describe() if fam.value is not None else None,
+        }
+        with torch.no_grad():
+            prior = _select(structure.log_prior(name).exp(), batch_index)  # (H, C, P)
+            post = _select(structure.posterior(name), batch_index) if inferred else None
+        for h, i, j in prior.nonzero().tolist():
+            attrs = {"family": name, "head": h, "support": True,
+                     "prior": float(prior[h, i, j])}
+            if post is not None:
+                attrs["posterior"] = float(post[h, i, j])
+            G.add_edge(node_id(fam.parents.name, j), node_id(fam.children.name, i),
+                       key=f"{name}/{h}", **attrs)
+    return G
+
+
+def _select(t: torch.Tensor, batch_index: int) -> torch.Tensor:
+    """``(*batch, H, C, P) -> (H, C, P)`` at flat batch index ``batch_index``."""
+    flat = t.reshape(-1, *t.shape[-3:])
+    if not 0 <= batch_index < flat.shape[0]:
+        raise ValueError(f"batch_index must be in [0, {flat.shape[0]}); got {batch_index}")
+    return flat[batch_index].double().cpu()

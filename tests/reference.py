@@ -1,0 +1,36 @@
+"""Independent dense references, written from the maths, not from the library."""
+
+import math
+
+import torch
+
+
+def heads_of(t, H):
+    return t.unflatten(-1, (H, t.shape[-1] // H)).transpose(-3, -2)
+
+
+def softmax_attention(W_q, W_k, W_v, W_o, queries, keys, heads, *, mask=None, causal=False,
+                      bias=None, temperature=None):
+    """softmax(Q Kᵀ/τ + bias, masked) V per head, heads concatenated, then W_o. Also returns P."""
+    q, k, v = heads_of(queries @ W_q.T, heads), heads_of(keys @ W_k.T, heads), \
+        heads_of(keys @ W_v.T, heads)
+    tau = math.sqrt(q.shape[-1]) if temperature is None else temperature
+    s = q @ k.transpose(-1, -2) / tau
+    if bias is not None:
+        s = s + bias
+    allowed = torch.ones(s.shape[-2:], dtype=torch.bool)
+    if causal:
+        allowed = allowed.tril()
+    if mask is not None:
+        allowed = allowed & mask
+    s = s.masked_fill(~allowed, float("-inf"))
+    p = s.softmax(-1)
+    y = (p @ v).transpose(-3, -2).flatten(-2)
+    return (y if W_o is None else y @ W_o.T), p
+
+
+def random_support(C, P, *, generator=None, density=0.5):
+    """A random boolean (C, P) mask with at least one allowed parent per child."""
+    m = torch.rand(C, P, generator=generator) < density
+    m[torch.arange(C), torch.randint(P, (C,), generator=generator)] = True
+    return m
