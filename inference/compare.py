@@ -39,7 +39,7 @@ def _maxdiff(a, b) -> float:
     if isinstance(a, torch.Tensor):
         return float((a.detach() - b.detach()).abs().max())
     if isinstance(a, (tuple, list)):
-        return max(_maxdiff(x, y) for x, y in zip(a, b))
+        return max(_maxdiff(x, y) for x, y in zip(a, b, strict=True))
     raise TypeError(f"cannot compare outputs of type {type(a).__name__}")
 
 

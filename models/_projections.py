@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 import structattn as sa
+from structattn.potentials.bilinear import check_temperature
 
 
 class ProjectedAttention(sa.Declaration):
@@ -17,12 +18,10 @@ class ProjectedAttention(sa.Declaration):
         super().__init__()
         for name, val in (("d_k", d_k), ("d_v", d_v), ("heads", heads)):
             if not isinstance(val, int) or val < 1:
-                raise ValueError(f"{type(self).__name__}: {name} must be a positive int; got {val!r}")
-        if temperature is not None and not isinstance(temperature, torch.Tensor):
-            if not float(temperature) > 0:
                 raise ValueError(
-                    f"{type(self).__name__}: temperature must be > 0; got {temperature}"
-                )
+                    f"{type(self).__name__}: {name} must be a positive int; got {val!r}")
+        if temperature is not None:
+            check_temperature(temperature, type(self).__name__)
         kw = {"device": device, "dtype": dtype}
         self.heads, self.d_k, self.d_v = heads, d_k, d_v
         self.temperature = temperature

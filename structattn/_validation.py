@@ -52,7 +52,7 @@ def check_finite(what: str, tensor: torch.Tensor) -> None:
 
 
 def shape_str(shape) -> str:
-    return "(" + ", ".join(str(s) for s in shape) + ")"
+    return str(tuple(int(s) for s in shape))
 
 
 def same_device(a, b) -> bool:

@@ -73,9 +73,9 @@ def graph_to_dot(G: nx.MultiDiGraph, *, heads=None, threshold: float = 0.0,
                                      fillcolor="#eeeeee" if role == "parents" else "#ffffff")
                     # keep rows in index order
                     row_ids = [ids[role, n] for n in nodes_of[ns]]
-                    for a, b in zip(row_ids, row_ids[1:]):
+                    for a, b in zip(row_ids, row_ids[1:], strict=False):
                         panel.edge(a, b, style="invis")
-                for u, v, key, d in G.edges(keys=True, data=True):
+                for u, v, d in G.edges(data=True):
                     if d["family"] != fname or d["head"] != h:
                         continue
                     w = d[weight_key]

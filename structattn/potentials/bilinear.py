@@ -11,6 +11,17 @@ from ..heads import split_heads
 from .base import Potential
 
 
+def check_temperature(temperature, where: str):
+    """A float temperature must be finite and > 0 (checked now); a tensor one is checked when
+    the potential is used (its value may change while learning)."""
+    if isinstance(temperature, torch.Tensor):
+        return temperature
+    t = float(temperature)
+    if not (t > 0 and math.isfinite(t)):
+        raise ValueError(f"{where}: temperature must be a finite number > 0; got {temperature}")
+    return t
+
+
 class Bilinear(Potential):
     """``ψ_h(x_j, x_i) = (W_Q^h x_i)ᵀ (W_K^h x_j) / τ`` for each head h.
 
@@ -38,13 +49,7 @@ class Bilinear(Potential):
         self.d_k = W_q.shape[0] // heads
         if temperature is None:
             temperature = math.sqrt(self.d_k)
-        if not isinstance(temperature, torch.Tensor):
-            temperature = float(temperature)
-            if not (temperature > 0 and math.isfinite(temperature)):
-                raise ValueError(
-                    f"Bilinear potential: temperature must be a finite number > 0; got {temperature}"
-                )
-        self.temperature = temperature
+        self.temperature = check_temperature(temperature, "Bilinear potential")
 
     def factors(self, children, parents):
         a = split_heads(children @ self.W_q.T, self.heads)  # (*batch, H, C, d_k)

@@ -1,0 +1,195 @@
+"""Bad input gets a ValueError naming the node set / edge family, expected vs actual."""
+
+import pytest
+import torch
+
+import structattn as sa
+
+from .reference import random_support
+
+
+def _m(**kw):
+    return sa.models.self_attention(7, d_k=3, heads=2, dtype=torch.float64, **kw)
+
+
+def _x(*shape, dtype=torch.float64):
+    return torch.randn(*shape, dtype=dtype)
+
+
+def test_wrong_feature_size_names_the_node_set():
+    with pytest.raises(ValueError, match=r"node set 'x'.*\(\*batch, n, 7\).*\(2, 5, 6\)"):
+        sa.compile(_m())(_x(2, 5, 6))
+
+
+def test_too_few_dims():
+    with pytest.raises(ValueError, match=r"node set 'x'.*at least 2 dims.*\(7,\)"):
+        sa.compile(_m())(_x(7))
+
+
+def test_integer_states():
+    with pytest.raises(ValueError, match=r"node set 'x'.*floating point.*torch.int64"):
+        sa.compile(_m())(torch.ones(2, 5, 7, dtype=torch.long))
+
+
+def test_dtype_mismatch_names_family_and_node_set():
+    with pytest.raises(ValueError, match=r"edge family 'attn'.*'x' has dtype torch.float32.*"
+                                         r"W_q has dtype torch.float64"):
+        sa.compile(_m())(_x(2, 5, 7, dtype=torch.float32))
+
+
+def test_device_mismatch_names_family():
+    m = sa.models.self_attention(7, d_k=3, heads=2, device="meta")
+    with pytest.raises(ValueError, match=r"edge family 'attn'.*'x' is on cpu.*W_q is on meta"):
+        sa.compile(m)(torch.randn(2, 5, 7))
+
+
+def test_cross_attention_batch_mismatch():
+    m = sa.models.cross_attention(7, 5, d_k=3, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"edge family 'attn'.*share batch dims.*batch \(2,\) vs \(3,\)"):
+        sa.compile(m)(_x(2, 4, 7), _x(3, 4, 5))
+
+
+def test_nan_input():
+    x = _x(2, 5, 7)
+    x[1, 3, 2] = float("nan")
+    with pytest.raises(ValueError, match=r"node set 'x' contains non-finite.*\(1, 3, 2\)"):
+        sa.compile(_m())(x)
+
+
+def test_nan_check_can_be_switched_off():
+    x = _x(2, 5, 7)
+    x[1, 3, 2] = float("nan")
+    with sa.validation(False):
+        y = sa.compile(_m())(x)
+    assert torch.isnan(y[1]).any() and not torch.isnan(y[0]).any()
+
+
+def test_empty_support_names_the_child():
+    mask = random_support(5, 5)
+    mask[3] = False
+    with pytest.raises(ValueError, match=r"edge family 'attn': child 3 .*empty support"):
+        sa.compile(_m())(_x(2, 5, 7), mask)
+
+
+def test_empty_support_also_caught_by_pyro_reading():
+    mask = random_support(5, 5)
+    mask[0] = False
+    with pytest.raises(ValueError, match=r"child 0 .*empty support"):
+        sa.inference.exact(_m(), _x(2, 5, 7), mask)
+
+
+def test_causal_and_mask_together_can_empty_a_row():
+    mask = torch.ones(5, 5, dtype=torch.bool)
+    mask[:, 0] = False  # child 0 may only look at j ≤ 0 = parent 0: nothing left
+    with pytest.raises(ValueError, match=r"child 0 .*empty support"):
+        sa.compile(_m(causal=True))(_x(1, 5, 7), mask)
+
+
+def test_support_mask_wrong_shape():
+    with pytest.raises(ValueError, match=r"edge family 'attn'.*support mask.*\(…, 5, 5\).*"
+                                         r"\(5, 4\)"):
+        sa.compile(_m())(_x(2, 5, 7), torch.ones(5, 4, dtype=torch.bool))
+
+
+def test_support_mask_wrong_dtype():
+    with pytest.raises(ValueError, match=r"support must be a boolean tensor.*torch.float"):
+        sa.compile(_m())(_x(2, 5, 7), torch.ones(5, 5))
+
+
+@pytest.mark.parametrize("t", [0.0, -1.0, float("nan"), float("inf")])
+def test_temperature_must_be_positive(t):
+    with pytest.raises(ValueError, match=r"temperature must be"):
+        sa.models.self_attention(7, d_k=3, temperature=t)
+    W = torch.randn(3, 7)
+    with pytest.raises(ValueError, match=r"temperature must be a finite number > 0"):
+        sa.potentials.Bilinear(W, W, temperature=t)
+
+
+def test_tensor_temperature_checked_at_run_time():
+    W = torch.randn(3, 4, dtype=torch.float64)
+
+    def program(x, tau):
+        n = sa.nodes("x", x)
+        phi = sa.edges("attn", n, n, sa.priors.Uniform())
+        sa.potential(phi, sa.potentials.Bilinear(W, W, temperature=tau))
+        return sa.value(phi, sa.values.Linear(W))
+
+    x = _x(1, 3, 4)
+    layer = sa.compile(program)
+    assert layer(x, torch.tensor(0.5, dtype=torch.float64)).shape == (1, 1, 3, 3)
+    with pytest.raises(ValueError, match=r"edge family 'attn': temperature must be > 0; got -2"):
+        layer(x, torch.tensor(-2.0, dtype=torch.float64))
+
+
+def test_heads_mismatch_between_family_and_potential():
+    W = torch.randn(6, 4, dtype=torch.float64)
+
+    def program(x):
+        n = sa.nodes("x", x)
+        phi = sa.edges("attn", n, n, sa.priors.Uniform(), heads=2)
+        sa.potential(phi, sa.potentials.Bilinear(W, W, heads=3))
+        return sa.value(phi, sa.values.Linear(W, heads=2))
+
+    with pytest.raises(ValueError, match=r"edge family 'attn' has heads=2 but its potential "
+                                         r"Bilinear has heads=3"):
+        sa.compile(program)(_x(1, 3, 4))
+
+
+def test_value_before_potential():
+    W = torch.randn(2, 4, dtype=torch.float64)
+
+    def program(x):
+        n = sa.nodes("x", x)
+        phi = sa.edges("attn", n, n, sa.priors.Uniform())
+        return sa.value(phi, sa.values.Linear(W))
+
+    with pytest.raises(ValueError, match=r"edge family 'attn' has no potential"):
+        sa.compile(program)(_x(1, 3, 4))
+
+
+def test_family_declared_twice():
+    W = torch.randn(2, 4, dtype=torch.float64)
+
+    def program(x):
+        n = sa.nodes("x", x)
+        for _ in range(2):
+            phi = sa.edges("attn", n, n, sa.priors.Uniform())
+            sa.potential(phi, sa.potentials.Bilinear(W, W))
+        return sa.value(phi, sa.values.Linear(W))
+
+    with pytest.raises(ValueError, match=r"edge family 'attn' is declared twice"):
+        sa.compile(program)(_x(1, 3, 4))
+
+
+def test_not_a_node_set_or_prior():
+    x = _x(1, 3, 4)
+    n = sa.nodes("x", x)
+    with pytest.raises(ValueError, match=r"edge family 'attn': children must be a node set"):
+        sa.edges("attn", x, n, sa.priors.Uniform())
+    with pytest.raises(ValueError, match=r"edge family 'attn': prior must be a structattn prior"):
+        sa.edges("attn", n, n, "uniform")
+
+
+def test_categorical_logits_with_nan():
+    logits = torch.zeros(3, 3, dtype=torch.float64)
+    logits[1, 1] = float("nan")
+    W = torch.randn(2, 4, dtype=torch.float64)
+
+    def program(x):
+        n = sa.nodes("x", x)
+        phi = sa.edges("attn", n, n, sa.priors.Categorical(logits))
+        sa.potential(phi, sa.potentials.Bilinear(W, W))
+        return sa.value(phi, sa.values.Linear(W))
+
+    with pytest.raises(ValueError, match=r"Categorical prior logits.*non-finite"):
+        sa.compile(program)(_x(1, 3, 4))
+
+
+def test_no_edge_family_for_exact():
+    with pytest.raises(ValueError, match=r"declares no edge family"):
+        sa.inference.exact(lambda x: sa.nodes("x", x), _x(1, 3, 4))
+
+
+def test_compile_rejects_non_callables():
+    with pytest.raises(ValueError, match=r"expected a structattn Declaration or a callable"):
+        sa.compile(42)

@@ -1,0 +1,50 @@
+"""Every catalogue model is registered and passes the generic checks."""
+
+import pkgutil
+
+import pytest
+import structattn.models
+import torch
+
+import structattn as sa
+
+from .registry import CASES
+
+
+def test_every_model_module_is_registered():
+    modules = {m.name for m in pkgutil.iter_modules(structattn.models.__path__)
+               if not m.name.startswith("_")}
+    assert modules == set(sa.models.REGISTRY), (
+        "each file in models/ must register its factory in structattn.models.REGISTRY")
+    assert set(CASES) == set(sa.models.REGISTRY), (
+        "each registered model needs a case in tests/registry.py")
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_compiled_equals_pyro_enumeration(name):
+    model, inputs = CASES[name]()
+    report = sa.inference.compare(model, *inputs)
+    assert report.max_abs_diff < 1e-6, str(report)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_gradcheck(name):
+    model, inputs = CASES[name]()
+    layer = sa.compile(model)
+    inputs = tuple(x.detach().requires_grad_() for x in inputs)
+    assert torch.autograd.gradcheck(lambda *a: layer(*a), inputs)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_nan_input_is_refused(name):
+    model, inputs = CASES[name]()
+    bad = inputs[0].clone()
+    bad[..., 0, 0] = float("nan")
+    with pytest.raises(ValueError, match=r"node set .* non-finite"):
+        sa.compile(model)(bad, *inputs[1:])
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_factory_is_documented(name):
+    factory = sa.models.REGISTRY[name]
+    assert factory.__doc__ and type(factory(7)).__doc__.count("φ") >= 1
