@@ -37,8 +37,8 @@ def graph_to_dot(G: nx.MultiDiGraph, *, heads=None, threshold: float = 0.0,
     dot = graphviz.Digraph(G.graph.get("model", "structattn"),
                            graph_attr={"rankdir": "TB", "fontname": "Helvetica",
                                        "labelloc": "t", "nodesep": "0.15", "ranksep": "0.9"},
-                           node_attr={"shape": "circle", "fontname": "Helvetica",
-                                      "fontsize": "10", "width": "0.45", "fixedsize": "true"},
+                           node_attr={"shape": "ellipse", "fontname": "Helvetica",
+                                      "fontsize": "10", "width": "0.45", "margin": "0.03"},
                            edge_attr={"dir": "forward"})
     title = [f"{G.graph.get('model', '')} — {'inferred p(φ | x)' if inferred else 'declared prior p(φ)'}"]
     counter = iter(range(10**9))

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Set up everything structattn needs on a fresh machine (Python 3.10+):
+#   - the graphviz `dot` program (apt-get, when missing and apt is available);
+#   - a virtual environment in .venv with torch installed FIRST at a pinned version
+#     (TORCH_SPEC, default torch==2.13.0: on our CPU machines that is a local CPU wheel,
+#     whereas an unpinned torch pulls a multi-GB CUDA build);
+#   - structattn itself, editable, with its dev extras (pytest, hypothesis, ruff).
+# Safe to run again: it only installs what is missing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if ! command -v dot >/dev/null 2>&1; then
+  if command -v apt-get >/dev/null 2>&1; then
+    SUDO=""
+    if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
+    echo "setup: installing graphviz (dot) with apt-get"
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq graphviz >/dev/null
+  else
+    echo "setup: WARNING: graphviz 'dot' not found and no apt-get; install graphviz yourself" \
+         "(macOS: brew install graphviz). Drawing to files will raise a clear error until then." >&2
+  fi
+fi
+
+PYTHON="${PYTHON:-python3}"
+if [ ! -x .venv/bin/python ]; then
+  echo "setup: creating .venv with $($PYTHON --version)"
+  "$PYTHON" -m venv .venv
+fi
+PIP=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
+if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
+  echo "setup: installing ${TORCH_SPEC:-torch==2.13.0}"
+  "${PIP[@]}" "${TORCH_SPEC:-torch==2.13.0}"
+fi
+echo "setup: installing structattn (editable) with dev extras"
+"${PIP[@]}" -e ".[dev]"
+echo "setup: done ($(.venv/bin/python -c 'import torch, pyro; print("torch", torch.__version__, "pyro", pyro.__version__)'))"
