@@ -77,28 +77,35 @@ def exact(model, *inputs, **kwargs) -> ExactPosterior:
     if enumerable:
         elbo = TraceEnum_ELBO(max_plate_nesting=mpn)
         marginal_dists = elbo.compute_marginals(program, _no_guide, *inputs, **kwargs)
-    marginals = {}
+    # marginals of every enumerated site (edge families, and e.g. multihop's later hops)
+    marginals = {name: d.probs for name, d in marginal_dists.items()}
     for name, family in structure.families.items():
         shape = (*family.batch_shape, family.heads, family.children.size, family.parents.size)
-        if name in marginal_dists:  # Pyro drops leading size-1 dims: restore them
-            marginals[name] = marginal_dists[name].probs.expand(shape)
+        if name in marginals:  # Pyro drops leading size-1 dims: restore them
+            marginals[name] = marginals[name].expand(shape)
         else:  # a single parent: not enumerated, φ_i = 0 surely
             marginals[name] = torch.ones(shape, dtype=family.children.states.dtype,
                                          device=family.children.states.device)
 
+    # E[v] = Σ over the value's terms of E_{marginal of the term's edge site}[term]
     enum_trace = poutine.trace(poutine.enum(program, first_available_dim=first_dim)).get_trace(
         *inputs, **kwargs)
     expectations = {}
-    for name, family in structure.families.items():
-        if family.value is None:
+    for site in enum_trace.nodes.values():
+        term = site.get("infer", {}).get("structattn_term") if site["type"] == "sample" else None
+        if term is None:
             continue
-        table = enum_trace.nodes[f"{name}.value"]["value"]
-        enum_dim = enum_trace.nodes[name]["infer"].get("_enumerate_dim")
-        if enum_dim is None:  # a single parent: the value is its own expectation
-            shape = marginals[name].shape[:-1] + table.shape[-1:]
-            expectations[name] = table.reshape(table.shape[-len(shape):]).expand(shape)
+        family = structure.families[term["family"]]
+        target = (*family.batch_shape, family.heads, family.children.size, site["value"].shape[-1])
+        edge = term["edge"]
+        enum_dim = None if edge is None else enum_trace.nodes[edge]["infer"].get("_enumerate_dim")
+        table = site["value"]
+        if enum_dim is None:  # depends on no enumerated edge: its own expectation
+            e = table.reshape(table.shape[max(0, table.dim() - len(target)):]).expand(target)
         else:
-            expectations[name] = _expectation_from_table(table, enum_dim, marginals[name])
+            probs = marginals[edge]
+            e = _expectation_from_table(table, enum_dim, probs.expand(*target[:-1], probs.shape[-1]))
+        expectations[term["family"]] = expectations.get(term["family"], 0) + e
 
     map_program = (infer_discrete(program, first_available_dim=first_dim, temperature=0)
                    if enumerable else program)

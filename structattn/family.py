@@ -65,6 +65,14 @@ class EdgeFamily:
             stack.enter_context(self._heads_plate)
         return stack
 
+    def scores(self) -> torch.Tensor:
+        """Dense unnormalised log posterior ψ + log prior, ``(*batch, H, C, P)``, −∞ off support."""
+        xc, xp = self.children.states, self.parents.states
+        total = self.prior.log_weights(self.children.size, self.parents.size, xc.device, xc.dtype)
+        for psi in self.potentials:
+            total = total + psi.pairwise(xc, xp)
+        return total.expand(*self.batch_shape, self.heads, *total.shape[-2:])
+
     def describe(self) -> str:
         return (f"φ {self.name!r}: {self.parents.name} → {self.children.name}, "
                 f"prior {self.prior.describe()}, heads={self.heads}")
@@ -136,11 +144,8 @@ class SampledEdge:
             )
 
     def expect(self, value):
-        fam = self.family
-        fam.set_value(value)
-        v = value.at(fam.children.states, fam.parents.states, self.index)
-        with fam.plates():
-            return pyro.deterministic(f"{fam.name}.value", v, event_dim=1)
+        self.family.set_value(value)
+        return value.pyro_value(self)
 
 
 def _sample_edges(family: EdgeFamily) -> SampledEdge:

@@ -1,12 +1,15 @@
 """Closed-form marginalisation of one edge family: E_{p(φ_i|x)}[v_i(x, φ_i)].
 
-Two paths that must agree whenever the fast one applies:
+A family's *attention operator* ``attend(u)_i = Σ_j p(φ_i = j | x) u_j`` comes in
+two forms that must agree whenever the fast one applies:
 
-- ``fast_expectation``: ``scaled_dot_product_attention`` with the prior as a
-  boolean mask / ``is_causal`` / additive bias; never forms the C×P matrix;
-- ``naive_expectation``: the dense posterior softmax(ψ + log prior) and its
-  product with the values — the twin used when the posterior is asked for or
-  when a potential/value has no factorised form.
+- ``sdpa_attend``: ``scaled_dot_product_attention`` with the prior as a boolean
+  mask / ``is_causal`` / additive bias; never forms the C×P matrix;
+- ``dense_attend``: the dense posterior softmax(ψ + log prior) times ``u`` — the
+  twin used when the posterior is asked for or a potential has no factorised form.
+
+The value function turns the operator into E[v] (one call for a linear value,
+K calls for K hops).
 
 Cost: fast O(C·P·(d_k + d_v)) time, O((C + P)·d) memory; naive adds O(C·P) memory.
 """
@@ -19,41 +22,35 @@ import torch.nn.functional as F
 from .family import EdgeFamily
 
 
-def scores(family: EdgeFamily) -> torch.Tensor:
-    """Dense unnormalised log posterior ψ + log prior: ``(*batch, H, C, P)``, −∞ off support."""
-    xc, xp = family.children.states, family.parents.states
-    total = family.prior.log_weights(family.children.size, family.parents.size, xc.device,
-                                     xc.dtype)
-    for psi in family.potentials:
-        total = total + psi.pairwise(xc, xp)
-    return total.expand(*family.batch_shape, family.heads, *total.shape[-2:])
-
-
 def posterior(family: EdgeFamily) -> torch.Tensor:
     """p(φ_i = j | x): ``(*batch, H, C, P)``; rows sum to one over the support."""
-    return torch.softmax(scores(family), dim=-1)
+    return torch.softmax(family.scores(), dim=-1)
 
 
-def naive_expectation(family: EdgeFamily):
-    """``(E[v], posterior)`` through the dense posterior."""
-    post = posterior(family)
-    return post @ family.value.parent_values(family.parents.states), post
+def dense_attend(post: torch.Tensor):
+    """``u ↦ P u`` with the dense posterior P: ``(*batch, H, C, P) @ (*batch, H, P, d)``."""
+    return lambda u: post @ u
 
 
 def can_use_fast_path(family: EdgeFamily) -> bool:
     return len(family.potentials) == 1 and family.potentials[0].is_factorised
 
 
-def fast_expectation(family: EdgeFamily) -> torch.Tensor:
+def sdpa_attend(family: EdgeFamily):
+    """``u ↦ E_{p(φ_i|x)}[u_{φ_i}]`` through ``scaled_dot_product_attention``; the score
+    factors and the mask are built once and reused for every call (multihop calls it K times)."""
     xc, xp = family.children.states, family.parents.states
     a, b, scale = family.potentials[0].factors(xc, xp)  # (*batch,H,C,k), (*batch,H,P,k)
-    v = family.value.parent_values(xp)  # (*batch, H, P, d_v)
     mask, is_causal = family.prior.sdpa_inputs(family.children.size, family.parents.size,
                                                xc.device, xc.dtype)
     if isinstance(scale, torch.Tensor):  # a learnable temperature: SDPA wants a float scale
         a, scale = a * scale.to(a.dtype), 1.0
-    return F.scaled_dot_product_attention(a, b, v, attn_mask=mask, is_causal=is_causal,
-                                          scale=float(scale))
+    scale = float(scale)
+
+    def attend(u):
+        return F.scaled_dot_product_attention(a, b, u, attn_mask=mask, is_causal=is_causal,
+                                              scale=scale)
+    return attend
 
 
 def expectation(family: EdgeFamily, *, want_posterior: bool = False):
@@ -65,6 +62,8 @@ def expectation(family: EdgeFamily, *, want_posterior: bool = False):
             f"edge family {family.name!r} has no potential: declare one with "
             f"structattn.potential(edge, …) before structattn.value(edge, …)"
         )
+    xc, xp = family.children.states, family.parents.states
     if want_posterior or not can_use_fast_path(family):
-        return naive_expectation(family)
-    return fast_expectation(family), None
+        post = posterior(family)
+        return family.value.expectation(dense_attend(post), xc, xp), post
+    return family.value.expectation(sdpa_attend(family), xc, xp), None

@@ -2,3 +2,6 @@
 
 from .base import Potential as Potential
 from .bilinear import Bilinear as Bilinear
+from .dot import DotProduct as DotProduct
+from .positional import Positional as Positional
+from .positional import sinusoidal as sinusoidal

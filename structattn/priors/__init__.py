@@ -2,4 +2,6 @@
 
 from .base import Prior as Prior
 from .categorical import Categorical as Categorical
+from .relative import ALiBi as ALiBi
+from .relative import RelativePosition as RelativePosition
 from .uniform import Uniform as Uniform

@@ -1,26 +1,57 @@
-"""Value functions v_i(x, φ_i = j): what child i predicts given its edge.
+"""Value functions v_i(x, φ): what child i predicts given the edges.
 
-``parent_values(parents)`` — ``(*batch, H, P, d_v)`` — says the value depends
-on the chosen parent only (v_i(x, j) = g(x_j)); then E[v_i] = Σ_j p_ij g(x_j)
-is an SDPA call. ``at(children, parents, index)`` is the Pyro reading: the
-value at the sampled/enumerated edge.
+Three readings:
+
+- ``parent_values(parents)`` — ``(*batch, H, P, d_v)`` — for values that depend on the
+  chosen parent only, v_i(x, φ_i = j) = g(x_j);
+- ``expectation(attend, children, parents)``: E_{p(φ|x)}[v_i] given the family's
+  attention operator ``attend(u)_i = Σ_j p(φ_i = j | x) u_j`` (``u``: ``(*batch, H, P, d)``);
+  the default is ``attend(parent_values(parents))``, one SDPA call;
+- ``pyro_value(edge)``: the Pyro reading at the sampled/enumerated edge. It emits
+  value *terms* (``value_term``): deterministic sites whose sum is the value, each
+  depending on one edge site, so ground truth is Σ_terms E_{Pyro marginal}[term].
 """
 
 from __future__ import annotations
 
+import pyro
+import pyro.distributions as dist
 import torch
 
 from ..heads import gather_parents
+
+
+def value_term(name: str, value: torch.Tensor, *, family: str, edge: str | None,
+               weight: float = 1.0) -> torch.Tensor:
+    """Record ``weight · value`` as a term of ``family``'s value that depends on edge site
+    ``edge`` only (``None``: on no edge). Returns ``weight · value``."""
+    value = value * weight
+    # A tensor mask, not mask(False): Pyro's mask(False) log-prob is a float32 zero whatever
+    # the value's dtype, which breaks float64 enumeration once a term joins a contraction.
+    off = torch.zeros((), dtype=torch.bool, device=value.device)
+    pyro.sample(name, dist.Delta(value, event_dim=1).mask(off), obs=value,
+                infer={"_deterministic": True,
+                       "structattn_term": {"family": family, "edge": edge}})
+    return value
 
 
 class Value:
     heads: int = 1
 
     def parent_values(self, parents: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} must define parent_values")
 
     def at(self, children, parents, index):
         return gather_parents(self.parent_values(parents), index)
+
+    def expectation(self, attend, children: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
+        return attend(self.parent_values(parents))
+
+    def pyro_value(self, edge) -> torch.Tensor:
+        fam = edge.family
+        v = self.at(fam.children.states, fam.parents.states, edge.index)
+        with fam.plates():
+            return value_term(f"{fam.name}.value", v, family=fam.name, edge=fam.name)
 
     def validate(self, family: str, children, parents) -> None:
         pass

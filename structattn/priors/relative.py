@@ -1,0 +1,63 @@
+"""Relative-position priors: p(φ_i = j) depends on the offset i − j only."""
+
+from __future__ import annotations
+
+import torch
+
+from .._validation import shape_str
+from .base import Prior
+
+
+def offsets(num_children: int, num_parents: int, device) -> torch.Tensor:
+    """``(C, P)`` long tensor of i − j."""
+    return (torch.arange(num_children, device=device)[:, None]
+            - torch.arange(num_parents, device=device)[None, :])
+
+
+class RelativePosition(Prior):
+    """``p(φ_i = j) ∝ exp(b_{clip(i−j, −K, K)})`` with logits ``b`` of shape ``(2K+1,)`` or
+    ``(heads, 2K+1)`` (index ``K + i − j``), learned or fixed; K = ``max_distance``.
+    Lowered as an additive bias ``(heads, C, P)``. Paper Table 1 (relative positional encodings).
+    """
+
+    def __init__(self, logits: torch.Tensor, *, causal: bool = False):
+        if not isinstance(logits, torch.Tensor) or logits.dim() not in (1, 2) \
+                or logits.shape[-1] % 2 != 1 or not logits.is_floating_point():
+            got = shape_str(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
+            raise ValueError(
+                f"RelativePosition prior: logits must be a float tensor (2K+1,) or (heads, 2K+1) "
+                f"indexed by K + i − j; got {got}"
+            )
+        self.logits, self.causal = logits, bool(causal)
+        self.max_distance = (logits.shape[-1] - 1) // 2
+
+    def bias(self, num_children, num_parents, device, dtype):
+        K = self.max_distance
+        idx = offsets(num_children, num_parents, self.logits.device).clamp(-K, K) + K
+        return self.logits[..., idx].to(dtype)  # (…, C, P)
+
+    def describe(self) -> str:
+        return f"RelativePosition(K={self.max_distance}, {self.short_support()})"
+
+
+def alibi_slopes(heads: int) -> torch.Tensor:
+    """The ALiBi paper's geometric slopes 2^(−8h/H), h = 1..H."""
+    return torch.tensor([2.0 ** (-8.0 * (h + 1) / heads) for h in range(heads)])
+
+
+class ALiBi(Prior):
+    """``p(φ_i = j) ∝ exp(−m_h |i − j|)`` per head (ALiBi, Press et al. 2022): a
+    relative-position prior with fixed slopes m (default: the geometric 2^(−8h/H))."""
+
+    def __init__(self, heads: int = 1, *, slopes: torch.Tensor | None = None, causal: bool = False):
+        slopes = alibi_slopes(heads) if slopes is None else torch.as_tensor(slopes)
+        if slopes.dim() != 1 or not bool((slopes >= 0).all()):
+            raise ValueError(f"ALiBi prior: slopes must be a 1-D tensor of m ≥ 0; got {slopes}")
+        self.slopes, self.causal = slopes, bool(causal)
+
+    def bias(self, num_children, num_parents, device, dtype):
+        dist = offsets(num_children, num_parents, device).abs().to(dtype)
+        return -self.slopes.to(device=device, dtype=dtype)[:, None, None] * dist  # (H, C, P)
+
+    def describe(self) -> str:
+        return f"ALiBi(heads={len(self.slopes)}, {self.short_support()})"

@@ -1,0 +1,303 @@
+"""Graph attention: ``out_i = Σ_{e: dst_e=i} p_e v[src_e]``, p = softmax_{in(i)}(scale·⟨a[dst_e], b[src_e]⟩).
+
+The lowering of a uniform prior restricted to a graph given as an edge list
+(``edge_index``): edge ``e`` links parent ``src_e`` to child ``dst_e``; each child's
+posterior is a softmax over its incoming edges only.
+
+Shapes: a ``(*lead, C, k)`` children, b ``(*lead, P, k)`` parents, v ``(*lead, P, d_v)``
+parent values, src / dst ``(E,)`` int64 shared by every leading index; out
+``(*lead, C, d_v)``, posterior ``(*lead, E)``.
+
+Two forms that must agree whenever the fast one does not raise:
+
+- ``segment_attention``: a custom ``autograd.Function``, flash-attention style over
+  segments: edges are processed in chunks of ``chunk_size``; the forward stores the
+  posterior per edge, never the ``(E, k)`` gathers, and the backward re-gathers chunk
+  by chunk;
+- ``segment_attention_naive``: the naive twin, built from plain differentiable torch
+  ops (gather + scatter-based softmax); autograd keeps every ``(E, k)`` gather.
+
+Cost: time O(E·(k + d_v)) both ways; memory O(E + (C + P)·d) for forward *and*
+backward of the fast path (plus O(chunk_size·d) scratch); the naive twin keeps
+O(E·(k + d_v)) for backward.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._validation import is_validating, same_device, shape_str
+
+__all__ = ["segment_attention", "segment_attention_naive"]
+
+_EMPTY_MODES = ("error", "zero")
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Accumulate half-precision inputs in float32."""
+    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+
+
+def _dot(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Row-wise inner product over the last dim: (G, c, k) · (G, c, k) -> (G, c)."""
+    return torch.linalg.vecdot(x, y)
+
+
+def _check_values(src, dst, num_parents: int, num_children: int, empty: str, who: str) -> None:
+    """Index ranges and childless children: a pass over the edge list and one sync.
+
+    Skipped under ``torch.compile`` and with ``structattn.set_validation(False)``;
+    then out-of-range indices are undefined behaviour and childless children get a
+    zero output whatever ``empty`` says.
+    """
+    if not is_validating() or torch.compiler.is_compiling():
+        return
+    if src.numel() > 0:
+        lo_s, hi_s, lo_d, hi_d = (int(t) for t in torch.stack([src.min(), src.max(), dst.min(), dst.max()]))
+        for name, lo, hi, n, what in (("src", lo_s, hi_s, num_parents, "parents P"),
+                                      ("dst", lo_d, hi_d, num_children, "children C")):
+            if lo < 0 or hi >= n:
+                bad = lo if lo < 0 else hi
+                raise ValueError(
+                    f"{who}: {name} must hold indices in [0, {n}) ({what} = {n}); got a value {bad} "
+                    f"(min {lo}, max {hi})"
+                )
+    if empty == "error" and num_children > 0:
+        counts = torch.bincount(dst, minlength=num_children)
+        missing = counts == 0
+        n_missing = int(missing.sum())
+        if n_missing:
+            first = int(missing.nonzero()[0, 0])
+            raise ValueError(
+                f"{who}: child {first} has no incoming edge ({n_missing} of {num_children} children "
+                f"have none); every child needs at least one parent in (src, dst) for its softmax "
+                f"to be defined. Pass empty='zero' to give such children a zero output."
+            )
+
+
+def _prepare(a, b, v, src, dst, num_children, scale, chunk_size, empty, who):
+    """Validate; return flattened ``(a, b, v, src, dst, scale, lead)`` with a/b/v as (G, ·, ·)."""
+    for name, t in (("a", a), ("b", b), ("v", v), ("src", src), ("dst", dst)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{who}: {name} must be a torch.Tensor; got {type(t).__name__}")
+    for name, t, want in (("a", a, "(*lead, C, k)"), ("b", b, "(*lead, P, k)"), ("v", v, "(*lead, P, d_v)")):
+        if t.dim() < 2:
+            raise ValueError(
+                f"{who}: {name} must have shape {want} (at least 2 dims); got {shape_str(t.shape)}"
+            )
+        if not t.is_floating_point():
+            raise ValueError(f"{who}: {name} must be floating point; got dtype {t.dtype}")
+    if not (a.dtype == b.dtype == v.dtype):
+        raise ValueError(
+            f"{who}: a, b and v must share a dtype; got a {a.dtype}, b {b.dtype}, v {v.dtype}"
+        )
+    if not (same_device(a.device, b.device) and same_device(a.device, v.device)):
+        raise ValueError(
+            f"{who}: a, b and v must be on one device; got a on {a.device}, b on {b.device}, v on {v.device}"
+        )
+    lead = a.shape[:-2]
+    if b.shape[:-2] != lead or v.shape[:-2] != lead:
+        raise ValueError(
+            f"{who}: a, b and v must share leading dims; got a {shape_str(a.shape)} (lead "
+            f"{shape_str(lead)}), b {shape_str(b.shape)} (lead {shape_str(b.shape[:-2])}), v "
+            f"{shape_str(v.shape)} (lead {shape_str(v.shape[:-2])})"
+        )
+    if isinstance(num_children, bool) or not isinstance(num_children, int):
+        raise ValueError(f"{who}: num_children must be an int; got {type(num_children).__name__}")
+    C, k = a.shape[-2], a.shape[-1]
+    if C != num_children:
+        raise ValueError(
+            f"{who}: a must have shape (*lead, num_children={num_children}, k); got {shape_str(a.shape)}"
+        )
+    if b.shape[-1] != k:
+        raise ValueError(
+            f"{who}: a and b must share their last (feature) dim; got a {shape_str(a.shape)}, "
+            f"b {shape_str(b.shape)}"
+        )
+    P = b.shape[-2]
+    if v.shape[-2] != P:
+        raise ValueError(
+            f"{who}: v must have shape (*lead, P={P}, d_v) with P = b.shape[-2]; got v {shape_str(v.shape)}, "
+            f"b {shape_str(b.shape)}"
+        )
+    for name, t in (("src", src), ("dst", dst)):
+        if t.dtype != torch.long:
+            raise ValueError(f"{who}: {name} must have dtype torch.int64 (long); got {t.dtype}")
+        if t.dim() != 1:
+            raise ValueError(f"{who}: {name} must be 1-D (E,); got shape {shape_str(t.shape)}")
+        if not same_device(t.device, a.device):
+            raise ValueError(f"{who}: {name} must be on a's device {a.device}; got {t.device}")
+    if src.shape != dst.shape:
+        raise ValueError(
+            f"{who}: src and dst must have equal length E; got src {shape_str(src.shape)}, "
+            f"dst {shape_str(dst.shape)}"
+        )
+    if isinstance(scale, torch.Tensor):
+        if scale.dim() != 0:
+            raise ValueError(
+                f"{who}: scale must be a float or a 0-dim tensor; got shape {shape_str(scale.shape)}"
+            )
+        if not scale.is_floating_point():
+            raise ValueError(f"{who}: scale tensor must be floating point; got dtype {scale.dtype}")
+    elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise ValueError(f"{who}: scale must be a float or a 0-dim tensor; got {type(scale).__name__}")
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"{who}: chunk_size must be a positive int; got {chunk_size!r}")
+    if empty not in _EMPTY_MODES:
+        raise ValueError(f"{who}: empty must be one of {_EMPTY_MODES}; got {empty!r}")
+    _check_values(src, dst, P, C, empty, who)
+    a = a.reshape(-1, C, k)
+    b = b.reshape(-1, P, k)
+    v = v.reshape(-1, P, v.shape[-1])
+    return a, b, v, src, dst, scale, lead
+
+
+class _SegmentAttention(torch.autograd.Function):
+    """(a, b, v) -> (out, p) over an edge list; saves a, b, v, src, dst, p, out: O(E + (C+P)·d)."""
+
+    @staticmethod
+    def forward(ctx, a, b, v, src, dst, scale: float, chunk_size: int):
+        G, C, _ = a.shape
+        d_v = v.shape[-1]
+        E = src.numel()
+        acc = _acc_dtype(a.dtype)
+        dev = a.device
+        # pass 1: scores s (G, E) and per-child max m (G, C)
+        p = torch.empty(G, E, dtype=acc, device=dev)
+        m = torch.full((G, C), float("-inf"), dtype=acc, device=dev)
+        for lo in range(0, E, chunk_size):
+            hi = min(lo + chunk_size, E)
+            s_c, d_c = src[lo:hi], dst[lo:hi]
+            sc = _dot(a.index_select(1, d_c).to(acc), b.index_select(1, s_c).to(acc))
+            if scale != 1.0:
+                sc = sc * scale
+            p[:, lo:hi] = sc
+            m.scatter_reduce_(1, d_c.expand(G, -1), sc, reduce="amax", include_self=True)
+        # O(E) normalisation: children without edges keep m = -inf, Z = 0 and are never read
+        p.sub_(m.index_select(1, dst)).exp_()
+        z = torch.zeros(G, C, dtype=acc, device=dev).index_add_(1, dst, p)
+        p.div_(z.index_select(1, dst))
+        # pass 2: out_i = Σ_e p_e v[src_e]
+        out = torch.zeros(G, C, d_v, dtype=acc, device=dev)
+        for lo in range(0, E, chunk_size):
+            hi = min(lo + chunk_size, E)
+            s_c, d_c = src[lo:hi], dst[lo:hi]
+            out.index_add_(1, d_c, p[:, lo:hi, None] * v.index_select(1, s_c).to(acc))
+        ctx.save_for_backward(a, b, v, src, dst, p, out)
+        ctx.scale, ctx.chunk_size = scale, chunk_size
+        ctx.set_materialize_grads(False)
+        return out.to(a.dtype), p.to(a.dtype)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, gout, gp):
+        a, b, v, src, dst, p, out = ctx.saved_tensors
+        scale, chunk_size = ctx.scale, ctx.chunk_size
+        need_a, need_b, need_v = ctx.needs_input_grad[:3]
+        G, C, k = a.shape
+        E = src.numel()
+        acc = p.dtype
+        dev = a.device
+        ga = torch.zeros(G, C, k, dtype=acc, device=dev) if need_a else None
+        gb = torch.zeros(b.shape, dtype=acc, device=dev) if need_b else None
+        gv = torch.zeros(v.shape, dtype=acc, device=dev) if need_v else None
+        if (gout is None and gp is None) or not (need_a or need_b or need_v):
+            return _cast(ga, a), _cast(gb, b), _cast(gv, v), None, None, None, None
+        gout = None if gout is None else gout.to(acc)
+        gp = None if gp is None else gp.to(acc)
+        need_s = need_a or need_b
+        if need_s:
+            # D_i = Σ_{e ∈ in(i)} p_e dp_e = <gout_i, out_i> + Σ_{e ∈ in(i)} p_e gp_e
+            D = (gout * out).sum(-1) if gout is not None else torch.zeros(G, C, dtype=acc, device=dev)
+            if gp is not None:
+                D.index_add_(1, dst, p * gp)
+        for lo in range(0, E, chunk_size):
+            hi = min(lo + chunk_size, E)
+            s_c, d_c = src[lo:hi], dst[lo:hi]
+            pc = p[:, lo:hi]
+            go = gout.index_select(1, d_c) if gout is not None else None  # (G, c, d_v)
+            if need_v and go is not None:
+                gv.index_add_(1, s_c, pc[..., None] * go)
+            if not need_s:
+                continue
+            dp = _dot(go, v.index_select(1, s_c).to(acc)) if go is not None else 0.0
+            if gp is not None:
+                dp = dp + gp[:, lo:hi]
+            ds = pc * (dp - D.index_select(1, d_c))
+            if scale != 1.0:
+                ds = ds * scale
+            ds = ds[..., None]
+            if need_a:
+                ga.index_add_(1, d_c, ds * b.index_select(1, s_c).to(acc))
+            if need_b:
+                gb.index_add_(1, s_c, ds * a.index_select(1, d_c).to(acc))
+        return _cast(ga, a), _cast(gb, b), _cast(gv, v), None, None, None, None
+
+
+def _cast(g, like):
+    return None if g is None else g.to(like.dtype)
+
+
+def segment_attention(a, b, v, src, dst, num_children, scale=1.0, *, chunk_size=65536, empty="error",
+                      return_posterior=False):
+    """Graph attention over an edge list, memory O(E + (C+P)·d) forward and backward.
+
+    ``out_i = Σ_{e: dst_e = i} p_e v[src_e]``, ``p_e`` = softmax of ``s_e`` over the
+    edges sharing ``dst_e``, ``s_e = scale · <a[dst_e], b[src_e]>``.
+
+    Args:
+        a: ``(*lead, C, k)`` child features.
+        b: ``(*lead, P, k)`` parent features.
+        v: ``(*lead, P, d_v)`` parent values.
+        src, dst: ``(E,)`` int64; edge ``e`` is parent ``src_e`` -> child ``dst_e``. The
+            same graph serves every leading index. Duplicate edges count twice.
+        num_children: ``C`` (must equal ``a.shape[-2]``).
+        scale: python float or 0-dim tensor (a tensor that requires grad gets one).
+        chunk_size: edges processed at once; scratch memory is O(chunk_size·(k + d_v)).
+        empty: ``"error"`` -> ValueError naming the first child with no incoming edge;
+            ``"zero"`` -> such children get a zero output (and zero, finite gradients).
+        return_posterior: also return ``p`` of shape ``(*lead, E)``.
+
+    Returns ``out`` ``(*lead, C, d_v)`` in the input dtype, or ``(out, p)``. Half
+    precision inputs are accumulated in float32. Double backward is not supported.
+
+    Index-range and empty-child checks read values (one device sync); they are
+    skipped under ``torch.compile`` and with ``structattn.set_validation(False)``.
+    """
+    who = "segment_attention"
+    a, b, v, src, dst, scale, lead = _prepare(a, b, v, src, dst, num_children, scale, chunk_size, empty, who)
+    if isinstance(scale, torch.Tensor):  # a learnable temperature: scale the children outside
+        a, scale = a * scale.to(a.dtype), 1.0
+    out, p = _SegmentAttention.apply(a, b, v, src, dst, float(scale), chunk_size)
+    out = out.reshape(*lead, *out.shape[-2:])
+    if return_posterior:
+        return out, p.reshape(*lead, p.shape[-1])
+    return out
+
+
+def segment_attention_naive(a, b, v, src, dst, num_children, scale=1.0, *, chunk_size=65536, empty="error",
+                            return_posterior=False):
+    """The naive twin of :func:`segment_attention`; must agree whenever the fast one does not raise.
+
+    Plain differentiable torch ops (gather, scatter-max, ``index_add``), no custom
+    Function: autograd keeps O(E·(k + d_v)) for backward. ``chunk_size`` is validated
+    and otherwise ignored.
+    """
+    who = "segment_attention_naive"
+    a, b, v, src, dst, scale, lead = _prepare(a, b, v, src, dst, num_children, scale, chunk_size, empty, who)
+    dtype = a.dtype
+    acc = _acc_dtype(dtype)
+    a, b, v = a.to(acc), b.to(acc), v.to(acc)
+    G, C, _ = a.shape
+    s = (a.index_select(1, dst) * b.index_select(1, src)).sum(-1) * scale  # (G, E)
+    m = torch.full((G, C), float("-inf"), dtype=acc, device=a.device)
+    m = m.scatter_reduce(1, dst.expand(G, -1), s.detach(), reduce="amax", include_self=True)
+    w = torch.exp(s - m.index_select(1, dst))
+    z = torch.zeros(G, C, dtype=acc, device=a.device).index_add(1, dst, w)
+    p = w / z.index_select(1, dst)
+    out = torch.zeros(G, C, v.shape[-1], dtype=acc, device=a.device)
+    out = out.index_add(1, dst, p[..., None] * v.index_select(1, src))
+    out = out.to(dtype).reshape(*lead, C, v.shape[-1])
+    if return_posterior:
+        return out, p.to(dtype).reshape(*lead, p.shape[-1])
+    return out
