@@ -4,12 +4,27 @@ Every public model here is listed in ``REGISTRY`` (name → factory); the test
 suite fails when a module in this package is not registered.
 """
 
+from .absolute_position_attention import AbsolutePositionAttention as AbsolutePositionAttention
+from .absolute_position_attention import absolute_position_attention as absolute_position_attention
+from .alibi_attention import ALiBiAttention as ALiBiAttention
+from .alibi_attention import alibi_attention as alibi_attention
+from .classification import Classification as Classification
+from .classification import classification as classification
 from .cross_attention import CrossAttention as CrossAttention
 from .cross_attention import cross_attention as cross_attention
+from .multihop_attention import MultihopAttention as MultihopAttention
+from .multihop_attention import multihop_attention as multihop_attention
+from .relative_position_attention import RelativePositionAttention as RelativePositionAttention
+from .relative_position_attention import relative_position_attention as relative_position_attention
 from .self_attention import SelfAttention as SelfAttention
 from .self_attention import self_attention as self_attention
 
 REGISTRY = {
+    "absolute_position_attention": absolute_position_attention,
+    "alibi_attention": alibi_attention,
+    "classification": classification,
     "cross_attention": cross_attention,
+    "multihop_attention": multihop_attention,
+    "relative_position_attention": relative_position_attention,
     "self_attention": self_attention,
 }

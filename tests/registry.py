@@ -23,7 +23,44 @@ def cross_attention_case():
     return m, (_x(2, 5, 7), _x(2, 3, 11))
 
 
+def relative_position_attention_case():
+    m = sa.models.relative_position_attention(7, max_distance=2, d_k=3, heads=2, causal=True,
+                                              dtype=torch.float64)
+    with torch.no_grad():
+        m.position_logits.normal_()
+    return m, (_x(2, 5, 7),)
+
+
+def alibi_attention_case():
+    m = sa.models.alibi_attention(7, d_k=3, heads=3, dtype=torch.float64)
+    return m, (_x(2, 5, 7),)
+
+
+def absolute_position_attention_case():
+    m = sa.models.absolute_position_attention(7, max_len=11, d_k=3, heads=2,
+                                              temperature="learned", dtype=torch.float64)
+    with torch.no_grad():
+        m.positions.normal_()
+    return m, (_x(2, 5, 7),)
+
+
+def classification_case():
+    m = sa.models.classification(7, 5, temperature=0.7, dtype=torch.float64)
+    return m, (_x(2, 3, 7),)
+
+
+def multihop_attention_case():
+    m = sa.models.multihop_attention(7, d_k=3, heads=2, hop_weights=(1 / 3, 1 / 3, 1 / 3),
+                                     dtype=torch.float64)
+    return m, (_x(2, 4, 7),)
+
+
 CASES = {
-    "self_attention": self_attention_case,
+    "absolute_position_attention": absolute_position_attention_case,
+    "alibi_attention": alibi_attention_case,
+    "classification": classification_case,
     "cross_attention": cross_attention_case,
+    "multihop_attention": multihop_attention_case,
+    "relative_position_attention": relative_position_attention_case,
+    "self_attention": self_attention_case,
 }

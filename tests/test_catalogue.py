@@ -28,11 +28,18 @@ def test_compiled_equals_pyro_enumeration(name):
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_gradcheck(name):
+def test_gradcheck_inputs_and_every_parameter(name):
     model, inputs = CASES[name]()
     layer = sa.compile(model)
     inputs = tuple(x.detach().requires_grad_() for x in inputs)
-    assert torch.autograd.gradcheck(lambda *a: layer(*a), inputs)
+    names = [n for n, _ in layer.named_parameters()]
+    params = tuple(p.detach().clone().requires_grad_() for p in layer.parameters())
+
+    def f(*args):
+        ins, ps = args[:len(inputs)], args[len(inputs):]
+        return torch.func.functional_call(layer, dict(zip(names, ps, strict=True)), ins)
+
+    assert torch.autograd.gradcheck(f, inputs + params)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

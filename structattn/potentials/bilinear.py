@@ -22,6 +22,20 @@ def check_temperature(temperature, where: str):
     return t
 
 
+def check_temperature_value(t, family: str) -> None:
+    """A tensor temperature must be a positive scalar (its value is checked while validating)."""
+    if not isinstance(t, torch.Tensor):
+        return
+    if t.numel() != 1:
+        raise ValueError(
+            f"edge family {family!r}: temperature must be a scalar; got shape {shape_str(t.shape)}"
+        )
+    if is_validating() and not torch.compiler.is_compiling() and not bool(t > 0):
+        raise ValueError(
+            f"edge family {family!r}: temperature must be > 0; got {float(t.detach()):g}"
+        )
+
+
 class Bilinear(Potential):
     """``ψ_h(x_j, x_i) = (W_Q^h x_i)ᵀ (W_K^h x_j) / τ`` for each head h.
 
@@ -78,19 +92,9 @@ class Bilinear(Potential):
                     f"but potential {wname} is on {W.device}; move one of them "
                     f"(e.g. layer.to({str(x.device)!r}))"
                 )
-        t = self.temperature
-        if isinstance(t, torch.Tensor):
-            if t.numel() != 1:
-                raise ValueError(
-                    f"edge family {family!r}: temperature must be a scalar; got shape "
-                    f"{shape_str(t.shape)}"
-                )
-            if is_validating() and not torch.compiler.is_compiling() and not bool(t > 0):
-                raise ValueError(
-                    f"edge family {family!r}: temperature must be > 0; got {float(t):g}"
-                )
+        check_temperature_value(self.temperature, family)
 
     def describe(self) -> str:
         t = self.temperature
-        t = f"{float(t):.3g}" if not isinstance(t, torch.Tensor) or t.numel() == 1 else "tensor"
+        t = f"{float(t.detach() if isinstance(t, torch.Tensor) else t):.3g}"
         return f"Bilinear(heads={self.heads}, d_k={self.d_k}, τ={t})"

@@ -6,7 +6,7 @@ import torch
 
 from .._validation import shape_str
 from .base import Potential
-from .bilinear import check_temperature
+from .bilinear import check_temperature, check_temperature_value
 
 
 class DotProduct(Potential):
@@ -22,6 +22,7 @@ class DotProduct(Potential):
         return children.unsqueeze(-3), parents.unsqueeze(-3), 1.0 / self.temperature
 
     def validate(self, family, children, parents):
+        check_temperature_value(self.temperature, family)
         if children.features != parents.features:
             raise ValueError(
                 f"edge family {family!r}: a DotProduct potential needs children and parents of "

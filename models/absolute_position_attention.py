@@ -1,0 +1,51 @@
+"""Self attention with absolute positional encodings in the potential (paper Table 1)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import structattn as sa
+
+from ._projections import ProjectedAttention
+
+
+class AbsolutePositionAttention(ProjectedAttention):
+    """φ_i ~ Uniform (causal: j ≤ i); ψ = (x_i + e_i)ᵀW_QᵀW_K(x_j + e_j) / τ; v = W_V x_j.
+
+    e: learned ``(max_len, d_model)`` (``positions="learned"``) or fixed sinusoidal
+    (``"sinusoidal"``). x: ``(*batch, n ≤ max_len, d_model)`` → ``(*batch, n, d_model)``.
+    """
+
+    def __init__(self, d_model, *, max_len=512, positions="learned", d_k=None, d_v=None, heads=1,
+                 causal=False, out_proj=True, temperature=None, device=None, dtype=None):
+        d_k = d_k or d_model // heads
+        d_v = d_v or d_k
+        super().__init__(d_model, d_model, d_k, d_v, heads, d_model if out_proj else None,
+                         temperature, device, dtype)
+        self.d_model, self.causal, self.max_len = d_model, causal, max_len
+        if positions == "learned":
+            self.positions = nn.Parameter(0.02 * torch.randn(max_len, d_model, device=device,
+                                                             dtype=dtype))
+        elif positions == "sinusoidal":
+            self.register_buffer("positions", sa.potentials.sinusoidal(
+                max_len, d_model, device=device, dtype=dtype or torch.get_default_dtype()))
+        else:
+            raise ValueError(f"AbsolutePositionAttention: positions must be 'learned' or "
+                             f"'sinusoidal'; got {positions!r}")
+
+    def model(self, x):
+        tokens = sa.nodes("x", x, features=self.d_model)
+        if tokens.size > self.max_len:
+            raise ValueError(f"node set 'x' has {tokens.size} tokens but positional encodings "
+                             f"exist for max_len={self.max_len}")
+        prior = sa.priors.Uniform(causal=self.causal)
+        return self.attend("attn", tokens, tokens, prior, positions=self.positions[: tokens.size])
+
+    def example_inputs(self, n=5, batch=1):
+        return (self._randn(batch, n, self.d_model),)
+
+
+def absolute_position_attention(d_model, **kwargs) -> AbsolutePositionAttention:
+    """Absolute-position self attention; see :class:`AbsolutePositionAttention`."""
+    return AbsolutePositionAttention(d_model, **kwargs)

@@ -1,0 +1,55 @@
+"""A classification layer as attention (paper Table 1): outputs pick a class embedding."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+import structattn as sa
+
+
+class Classification(sa.Declaration):
+    """φ_i ~ Uniform(classes); ψ(y_j, f_i) = f_iᵀ y_j / τ; v = y_j.
+
+    The edge posterior p(φ_i = j | f) = softmax_j(f_iᵀ y_j / τ) *is* the class
+    distribution, so −log p(φ_i = c_i | f) is the cross-entropy of the logits f Yᵀ/τ.
+    features f: ``(*batch, n, d)`` (network outputs) → E[y_{φ_i}] ``(*batch, n, d)``;
+    ``class_probabilities(f)``: ``(*batch, n, num_classes)``.
+    """
+
+    def __init__(self, d, num_classes, *, temperature=1.0, device=None, dtype=None):
+        super().__init__()
+        self.d, self.num_classes = d, num_classes
+        self.class_embeddings = nn.Parameter(torch.randn(num_classes, d, device=device,
+                                                         dtype=dtype) / math.sqrt(d))
+        if temperature == "learned":
+            self.log_temperature = nn.Parameter(torch.zeros((), device=device, dtype=dtype))
+        else:
+            sa.potentials.bilinear.check_temperature(temperature, "Classification")
+            self.log_temperature, self._temperature = None, temperature
+
+    @property
+    def temperature(self):
+        return self._temperature if self.log_temperature is None else self.log_temperature.exp()
+
+    def model(self, features):
+        outputs = sa.nodes("outputs", features, features=self.d)
+        y = self.class_embeddings.expand(*features.shape[:-2], self.num_classes, self.d)
+        classes = sa.nodes("classes", y)
+        phi = sa.edges("class", outputs, classes, sa.priors.Uniform())
+        sa.potential(phi, sa.potentials.DotProduct(temperature=self.temperature))
+        return sa.value(phi, sa.values.Identity())[..., 0, :, :]
+
+    def class_probabilities(self, features):
+        """p(φ_i = class | f): ``(*batch, n, num_classes)``."""
+        return sa.compile(self)(features, return_posterior=True)[1][..., 0, :, :]
+
+    def example_inputs(self, n=3, batch=1):
+        return (self._randn(batch, n, self.d),)
+
+
+def classification(d, num_classes=4, **kwargs) -> Classification:
+    """The classification-layer declaration; see :class:`Classification`."""
+    return Classification(d, num_classes, **kwargs)
