@@ -6,7 +6,7 @@ import pathlib
 import pytest
 
 GALLERY = pathlib.Path(__file__).resolve().parents[1] / "gallery"
-RUN_IN_TESTS = {"plot_quickstart.py": ["--quick"]}
+RUN_IN_TESTS = {"plot_quickstart.py": ["--quick"], "plot_multihop.py": ["--quick"]}
 
 
 def _load(path):
@@ -27,3 +27,25 @@ def test_gallery_script_writes_pictures(script, tmp_path):
     for path in written:
         data = pathlib.Path(path).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" or data.lstrip()[:5] in (b"<?xml", b"<svg ")
+
+
+def test_multihop_toy_data_is_the_papers_chain():
+    """y = W(2z₀ + z₁ + z₂) with z₂ the last token and (z₀, z₁) two of the shuffled others."""
+    import itertools
+
+    import torch
+
+    mod = _load(GALLERY / "plot_multihop.py")
+    problem = mod.ChainProblem(3, 6, generator=torch.Generator().manual_seed(0))
+    X, y = problem.sample(32)
+    assert X.shape == (32, 6, 3) and y.shape == (32, 1)
+    positions_of_z0 = set()
+    for b in range(32):
+        z2 = X[b, -1]
+        fits = [(i, j) for i, j in itertools.permutations(range(5), 2)
+                if torch.allclose(problem.W @ (2 * X[b, i] + X[b, j] + z2), y[b], atol=1e-4)]
+        assert len(fits) == 1, fits
+        i, _ = fits[0]
+        assert bool(((X[b, i] >= 0) & (X[b, i] < 10)).all())
+        positions_of_z0.add(i)
+    assert len(positions_of_z0) > 1  # shuffled
