@@ -43,6 +43,18 @@ def _maxdiff(a, b) -> float:
     raise TypeError(f"cannot compare outputs of type {type(a).__name__}")
 
 
+def _in_layout(family, dense: torch.Tensor) -> torch.Tensor:
+    """A dense ``(…, C, P)`` posterior in the compiled layout: per edge ``(…, E)`` for
+    edge-list supports (causal edges only when causal), else unchanged."""
+    if family.prior.edge_index is None:
+        return dense
+    src, dst = family.prior.edge_index.to(dense.device)
+    if family.prior.causal:
+        keep = src <= dst
+        src, dst = src[keep], dst[keep]
+    return dense[..., dst, src]
+
+
 def compare(model, *inputs, **kwargs) -> Comparison:
     """Run the compiled module (fast path) and Pyro enumeration; report max abs differences
     of the output, each family's edge posterior and each family's value expectation.
@@ -56,9 +68,10 @@ def compare(model, *inputs, **kwargs) -> Comparison:
             out = layer.declaration.model(*inputs, **kwargs)
         _, posteriors = layer(*inputs, return_posterior=True, **kwargs)
     if isinstance(posteriors, torch.Tensor):
-        posteriors = {next(iter(truth.marginals)): posteriors}
+        posteriors = {next(iter(fast.families)): posteriors}
     return Comparison(
         _maxdiff(out, truth.output),
-        {k: _maxdiff(p, truth.marginals[k]) for k, p in posteriors.items()},
+        {k: _maxdiff(p, _in_layout(fast.families[k], truth.marginals[k]))
+         for k, p in posteriors.items()},
         {k: _maxdiff(v, truth.expectations[k]) for k, v in fast.expectations.items()},
     )

@@ -18,6 +18,7 @@ from pyro import poutine
 from pyro.infer import TraceEnum_ELBO, infer_discrete
 
 from structattn.declaration import as_declaration
+from structattn.lowering import keep_children
 from structattn.readers import SubstituteExpectations, trace_structure
 
 
@@ -106,6 +107,12 @@ def exact(model, *inputs, **kwargs) -> ExactPosterior:
             probs = marginals[edge]
             e = _expectation_from_table(table, enum_dim, probs.expand(*target[:-1], probs.shape[-1]))
         expectations[term["family"]] = expectations.get(term["family"], 0) + e
+    for name, family in structure.families.items():  # empty="zero": children without parents
+        keep = keep_children(family)
+        if keep is not None:
+            marginals[name] = marginals[name] * keep
+            if name in expectations:
+                expectations[name] = expectations[name] * keep
 
     map_program = (infer_discrete(program, first_available_dim=first_dim, temperature=0)
                    if enumerable else program)

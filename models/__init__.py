@@ -12,6 +12,8 @@ from .classification import Classification as Classification
 from .classification import classification as classification
 from .cross_attention import CrossAttention as CrossAttention
 from .cross_attention import cross_attention as cross_attention
+from .graph_attention import GraphAttention as GraphAttention
+from .graph_attention import graph_attention as graph_attention
 from .multihop_attention import MultihopAttention as MultihopAttention
 from .multihop_attention import multihop_attention as multihop_attention
 from .relative_position_attention import RelativePositionAttention as RelativePositionAttention
@@ -24,6 +26,7 @@ REGISTRY = {
     "alibi_attention": alibi_attention,
     "classification": classification,
     "cross_attention": cross_attention,
+    "graph_attention": graph_attention,
     "multihop_attention": multihop_attention,
     "relative_position_attention": relative_position_attention,
     "self_attention": self_attention,

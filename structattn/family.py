@@ -145,7 +145,11 @@ class SampledEdge:
 
     def expect(self, value):
         self.family.set_value(value)
-        return value.pyro_value(self)
+        out = value.pyro_value(self)
+        from .lowering import keep_children  # children without parents predict zero
+
+        keep = keep_children(self.family)
+        return out if keep is None else out * keep
 
 
 def _sample_edges(family: EdgeFamily) -> SampledEdge:

@@ -53,8 +53,43 @@ def sdpa_attend(family: EdgeFamily):
     return attend
 
 
+def segment_attend(family: EdgeFamily):
+    """``u ↦ E[u_{φ_i}]`` over an edge-list support: O(E) memory, never C×P."""
+    from .segment import segment_attention
+
+    xc, xp = family.children.states, family.parents.states
+    src, dst = family.prior.edge_index.to(xc.device)
+    if family.prior.causal:
+        keep = src <= dst
+        src, dst = src[keep], dst[keep]
+    a, b, scale = family.potentials[0].factors(xc, xp)
+    if isinstance(scale, torch.Tensor):
+        a, scale = a * scale.to(a.dtype), 1.0
+    kwargs = {"empty": family.prior.empty}
+
+    def attend(u):
+        return segment_attention(a, b, u, src, dst, family.children.size, float(scale), **kwargs)
+
+    def posterior():  # p(φ_i = src_e | x) per edge e: (*batch, H, E)
+        dummy = b.new_zeros(*b.shape[:-1], 1)
+        return segment_attention(a, b, dummy, src, dst, family.children.size, float(scale),
+                                 return_posterior=True, **kwargs)[1]
+    return attend, posterior
+
+
+def keep_children(family: EdgeFamily) -> torch.Tensor | None:
+    """``(…, C, 1)`` 0/1 factor zeroing children without parents (``empty="zero"``), or None."""
+    xc = family.children.states
+    empty = family.prior.empty_children(family.children.size, family.parents.size, xc.device)
+    return None if empty is None else (~empty).to(xc.dtype)[..., None]
+
+
 def expectation(family: EdgeFamily, *, want_posterior: bool = False):
-    """``(E[v], posterior or None)`` by the fastest exact path available."""
+    """``(E[v], posterior or None)`` by the fastest exact path available.
+
+    The posterior is dense ``(*batch, H, C, P)``, or per edge ``(*batch, H, E)`` when the
+    support is an edge list.
+    """
     if family.value is None:
         raise ValueError(f"edge family {family.name!r} has no value function")
     if not family.potentials:
@@ -63,7 +98,24 @@ def expectation(family: EdgeFamily, *, want_posterior: bool = False):
             f"structattn.potential(edge, …) before structattn.value(edge, …)"
         )
     xc, xp = family.children.states, family.parents.states
+    if family.prior.edge_index is not None:
+        if not can_use_fast_path(family):
+            raise NotImplementedError(
+                f"edge family {family.name!r}: an edge-list support needs exactly one "
+                f"factorised potential (ψ = ⟨a_i, b_j⟩·scale), e.g. Bilinear")
+        attend, posterior_fn = segment_attend(family)
+        return family.value.expectation(attend, xc, xp), (posterior_fn() if want_posterior
+                                                          else None)
+    post = None
     if want_posterior or not can_use_fast_path(family):
         post = posterior(family)
-        return family.value.expectation(dense_attend(post), xc, xp), post
-    return family.value.expectation(sdpa_attend(family), xc, xp), None
+        attend = dense_attend(post)
+    else:
+        attend = sdpa_attend(family)
+    keep = keep_children(family)
+    if keep is not None:  # children without parents: zero value, zero posterior row
+        inner = attend
+        def attend(u):  # noqa: E306
+            return inner(u) * keep
+        post = None if post is None else post * keep
+    return family.value.expectation(attend, xc, xp), post

@@ -55,11 +55,21 @@ def multihop_attention_case():
     return m, (_x(2, 4, 7),)
 
 
+def graph_attention_case():
+    m = sa.models.graph_attention(7, d_k=3, heads=2, dtype=torch.float64)
+    n = 5
+    ring = torch.arange(n)
+    edge_index = torch.cat([torch.stack([ring, ring]), torch.stack([(ring + 1) % n, ring]),
+                            torch.tensor([[0, 3], [2, 4]])], dim=1)  # self-loops, ring, two chords
+    return m, (_x(2, n, 7), edge_index)
+
+
 CASES = {
     "absolute_position_attention": absolute_position_attention_case,
     "alibi_attention": alibi_attention_case,
     "classification": classification_case,
     "cross_attention": cross_attention_case,
+    "graph_attention": graph_attention_case,
     "multihop_attention": multihop_attention_case,
     "relative_position_attention": relative_position_attention_case,
     "self_attention": self_attention_case,

@@ -9,12 +9,18 @@ from .base import Prior
 
 class Uniform(Prior):
     """``p(φ_i = j) = 1/|Φ_i|``, Φ_i = all parents, optionally ∩ {j ≤ i} (``causal``)
-    and ∩ {j : support[…, i, j]} (a boolean mask ``(…, children, parents)``).
+    and ∩ {j : support[…, i, j]} (a boolean mask ``(…, children, parents)``) or ∩ the
+    graph ``edge_index`` ``(2, E)`` (row 0 parents j, row 1 children i; lowered to an
+    O(E)-memory segment softmax, never a C×P matrix).
+
+    ``empty="error"`` (default) refuses children with no allowed parent;
+    ``empty="zero"`` gives them a zero value and an all-zero posterior row.
 
     Paper §3.2 (cross/self attention), Table 1 (graph/sparse attention).
     """
 
-    def __init__(self, *, causal: bool = False, support: torch.Tensor | None = None):
+    def __init__(self, *, causal: bool = False, support: torch.Tensor | None = None,
+                 edge_index: torch.Tensor | None = None, empty: str = "error"):
         if support is not None:
             if not isinstance(support, torch.Tensor) or support.dtype != torch.bool:
                 got = support.dtype if isinstance(support, torch.Tensor) else type(support).__name__
@@ -22,10 +28,28 @@ class Uniform(Prior):
                     f"Uniform prior: support must be a boolean tensor (…, children, parents); "
                     f"got {got}"
                 )
+        if edge_index is not None:
+            if support is not None:
+                raise ValueError("Uniform prior: give the support as a dense mask or as an "
+                                 "edge_index, not both")
+            if not isinstance(edge_index, torch.Tensor) or edge_index.dtype != torch.long:
+                got = edge_index.dtype if isinstance(edge_index, torch.Tensor) \
+                    else type(edge_index).__name__
+                raise ValueError(f"Uniform prior: edge_index must be an int64 tensor (2, E); "
+                                 f"got {got}")
+        if empty not in ("error", "zero"):
+            raise ValueError(f"Uniform prior: empty must be 'error' or 'zero'; got {empty!r}")
         self.causal = bool(causal)
         self.support = support
+        self.edge_index = edge_index
+        self.empty = empty
 
     def support_mask(self, num_children, num_parents, device):
+        if self.edge_index is not None:  # the dense reading of an edge list (small graphs only)
+            src, dst = self.edge_index.to(device)
+            mask = torch.zeros(num_children, num_parents, dtype=torch.bool, device=device)
+            mask[dst, src] = True
+            return mask
         return None if self.support is None else self.support.to(device)
 
     def describe(self) -> str:
