@@ -60,3 +60,22 @@ class ProjectedAttention(sa.Declaration):
         value = sa.values.Linear(self.W_v, heads=self.heads) if value is None else value
         y = sa.merge_heads(sa.value(phi, value))
         return y if self.W_o is None else y @ self.W_o.T
+
+
+class TokenAttention(ProjectedAttention):
+    """Attention among one set of tokens x ``(*batch, n, d_model)`` (children = parents):
+    d_k defaults to d_model/heads, d_v to d_k, and W_O maps back to d_model."""
+
+    def __init__(self, d_model, *, d_k=None, d_v=None, heads=1, causal=False, out_proj=True,
+                 temperature=None, device=None, dtype=None):
+        d_k = d_k or d_model // heads
+        d_v = d_v or d_k
+        super().__init__(d_model, d_model, d_k, d_v, heads, d_model if out_proj else None,
+                         temperature, device, dtype)
+        self.d_model, self.causal = d_model, causal
+
+    def tokens(self, x):
+        return sa.nodes("x", x, features=self.d_model)
+
+    def example_inputs(self, n=5, batch=1):
+        return (self._randn(batch, n, self.d_model),)

@@ -7,23 +7,20 @@ from torch import nn
 
 import structattn as sa
 
-from ._projections import ProjectedAttention
+from ._projections import TokenAttention
 
 
-class AbsolutePositionAttention(ProjectedAttention):
+class AbsolutePositionAttention(TokenAttention):
     """φ_i ~ Uniform (causal: j ≤ i); ψ = (x_i + e_i)ᵀW_QᵀW_K(x_j + e_j) / τ; v = W_V x_j.
 
     e: learned ``(max_len, d_model)`` (``positions="learned"``) or fixed sinusoidal
     (``"sinusoidal"``). x: ``(*batch, n ≤ max_len, d_model)`` → ``(*batch, n, d_model)``.
     """
 
-    def __init__(self, d_model, *, max_len=512, positions="learned", d_k=None, d_v=None, heads=1,
-                 causal=False, out_proj=True, temperature=None, device=None, dtype=None):
-        d_k = d_k or d_model // heads
-        d_v = d_v or d_k
-        super().__init__(d_model, d_model, d_k, d_v, heads, d_model if out_proj else None,
-                         temperature, device, dtype)
-        self.d_model, self.causal, self.max_len = d_model, causal, max_len
+    def __init__(self, d_model, *, max_len=512, positions="learned", device=None, dtype=None,
+                 **kwargs):
+        super().__init__(d_model, device=device, dtype=dtype, **kwargs)
+        self.max_len = max_len
         if positions == "learned":
             self.positions = nn.Parameter(0.02 * torch.randn(max_len, d_model, device=device,
                                                              dtype=dtype))
@@ -35,15 +32,12 @@ class AbsolutePositionAttention(ProjectedAttention):
                              f"'sinusoidal'; got {positions!r}")
 
     def model(self, x):
-        tokens = sa.nodes("x", x, features=self.d_model)
+        tokens = self.tokens(x)
         if tokens.size > self.max_len:
             raise ValueError(f"node set 'x' has {tokens.size} tokens but positional encodings "
                              f"exist for max_len={self.max_len}")
         prior = sa.priors.Uniform(causal=self.causal)
         return self.attend("attn", tokens, tokens, prior, positions=self.positions[: tokens.size])
-
-    def example_inputs(self, n=5, batch=1):
-        return (self._randn(batch, n, self.d_model),)
 
 
 def absolute_position_attention(d_model, **kwargs) -> AbsolutePositionAttention:

@@ -6,10 +6,10 @@ import torch
 
 import structattn as sa
 
-from ._projections import ProjectedAttention
+from ._projections import TokenAttention
 
 
-class GraphAttention(ProjectedAttention):
+class GraphAttention(TokenAttention):
     """φ_i ~ Uniform(N(i)), N(i) = the parents of node i in ``adjacency``;
     ψ = x_iᵀW_QᵀW_K x_j / τ; v = W_V x_j.
 
@@ -22,22 +22,18 @@ class GraphAttention(ProjectedAttention):
     the posterior (``return_posterior=True``) is per edge, ``(*batch, heads, E)``.
     """
 
-    def __init__(self, d_model, *, d_k=None, d_v=None, heads=1, out_proj=True, temperature=None,
-                 empty="error", device=None, dtype=None):
-        d_k = d_k or d_model // heads
-        d_v = d_v or d_k
-        super().__init__(d_model, d_model, d_k, d_v, heads, d_model if out_proj else None,
-                         temperature, device, dtype)
+    def __init__(self, d_model, *, empty="error", **kwargs):
+        super().__init__(d_model, **kwargs)
         if empty not in ("error", "zero"):
             raise ValueError(f"GraphAttention: empty must be 'error' or 'zero'; got {empty!r}")
-        self.d_model, self.empty = d_model, empty
+        self.empty = empty
 
     def model(self, x, adjacency):
-        tokens = sa.nodes("x", x, features=self.d_model)
+        tokens = self.tokens(x)
         if isinstance(adjacency, torch.Tensor) and adjacency.dtype == torch.bool:
-            prior = sa.priors.Uniform(support=adjacency, empty=self.empty)
+            prior = sa.priors.Uniform(support=adjacency, causal=self.causal, empty=self.empty)
         elif isinstance(adjacency, torch.Tensor) and adjacency.dtype == torch.long:
-            prior = sa.priors.Uniform(edge_index=adjacency, empty=self.empty)
+            prior = sa.priors.Uniform(edge_index=adjacency, causal=self.causal, empty=self.empty)
         else:
             got = adjacency.dtype if isinstance(adjacency, torch.Tensor) else type(adjacency).__name__
             raise ValueError(

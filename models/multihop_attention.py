@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import structattn as sa
 
-from ._projections import ProjectedAttention
+from ._projections import TokenAttention
 
 
-class MultihopAttention(ProjectedAttention):
+class MultihopAttention(TokenAttention):
     """φ_i ~ Uniform (causal: j ≤ i); ψ = x_iᵀW_QᵀW_K x_j / τ;
     v_i = Σ_k w_k W_V x_{φ^k(i)} (φ^k: k steps along the edges) ⇒ y = W_O[Σ_k w_k P^k V X]_heads.
 
@@ -16,24 +16,16 @@ class MultihopAttention(ProjectedAttention):
     x: ``(*batch, n, d_model)`` → ``(*batch, n, d_model or heads·d_v)``.
     """
 
-    def __init__(self, d_model, *, hop_weights=(0.0, 1.0, 1.0), d_k=None, d_v=None, heads=1,
-                 causal=False, out_proj=True, temperature=None, device=None, dtype=None):
-        d_k = d_k or d_model // heads
-        d_v = d_v or d_k
-        super().__init__(d_model, d_model, d_k, d_v, heads, d_model if out_proj else None,
-                         temperature, device, dtype)
-        self.d_model, self.causal = d_model, causal
+    def __init__(self, d_model, *, hop_weights=(0.0, 1.0, 1.0), heads=1, **kwargs):
+        super().__init__(d_model, heads=heads, **kwargs)
         self.hop_weights = tuple(float(w) for w in hop_weights)
         sa.values.Hops(self.W_v, self.hop_weights, heads=heads)  # validate the weights now
 
     def model(self, x):
-        tokens = sa.nodes("x", x, features=self.d_model)
+        tokens = self.tokens(x)
         value = sa.values.Hops(self.W_v, self.hop_weights, heads=self.heads)
         return self.attend("attn", tokens, tokens, sa.priors.Uniform(causal=self.causal),
                            value=value)
-
-    def example_inputs(self, n=5, batch=1):
-        return (self._randn(batch, n, self.d_model),)
 
 
 def multihop_attention(d_model, **kwargs) -> MultihopAttention:

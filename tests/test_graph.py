@@ -132,3 +132,14 @@ def test_graph_bad_input():
     with pytest.raises(ValueError, match=r"dense mask or as an edge_index, not both"):
         sa.priors.Uniform(support=torch.ones(2, 2, dtype=torch.bool),
                           edge_index=torch.zeros(2, 1, dtype=torch.long))
+
+
+def test_causal_graph_keeps_only_edges_to_the_past():
+    g = torch.Generator().manual_seed(4)
+    mask, edge_index = random_graph(6, g, density=0.6)
+    m = sa.models.graph_attention(4, d_k=2, heads=2, causal=True, dtype=torch.float64)
+    x = torch.randn(2, 6, 4, dtype=torch.float64)
+    ref, _ = softmax_attention(m.W_q, m.W_k, m.W_v, m.W_o, x, x, 2, mask=mask, causal=True)
+    for adjacency in (mask, edge_index):
+        torch.testing.assert_close(sa.compile(m)(x, adjacency), ref, atol=TOL, rtol=0)
+        assert sa.inference.compare(m, x, adjacency).max_abs_diff < TOL
