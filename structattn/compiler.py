@@ -27,7 +27,7 @@ class CompiledModule(nn.Module):
         self.declaration = declaration
 
     def forward(self, *inputs, return_posterior: bool = False, **kwargs):
-        with Marginalise(record_posterior=return_posterior) as reader:
+        with Marginalise(record_posterior=return_posterior).direct() as reader:
             out = self.declaration.model(*inputs, **kwargs)
         if not return_posterior:
             return out

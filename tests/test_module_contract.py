@@ -51,6 +51,23 @@ def test_bias_prior_in_bfloat16():
     assert (y.double() - golden).abs().max() < 0.1
 
 
+@pytest.mark.parametrize("name", ["self_attention", "relative_position_attention",
+                                  "alibi_attention", "multihop_attention", "graph_attention"])
+def test_torch_compile_traces_one_graph(name):
+    """Compiled modules skip Pyro's handler stack, so dynamo sees one graph, no breaks."""
+    import torch._dynamo
+
+    from .registry import CASES
+
+    model, inputs = CASES[name]()
+    layer = sa.compile(model.float())
+    inputs = tuple(x.float() if x.is_floating_point() else x for x in inputs)
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(layer)(*inputs)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    torch.testing.assert_close(torch.compile(layer)(*inputs), layer(*inputs))
+
+
 def test_torch_compile_matches_eager():
     m = sa.models.self_attention(16, d_k=4, heads=4, causal=True)
     layer = sa.compile(m)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+
 from pyro.poutine.messenger import Messenger
 
 from .. import lowering
+from .._direct import DIRECT
 from ..family import EdgeFamily
 
 
@@ -35,12 +38,25 @@ class Marginalise(Messenger):
         self.expectations: dict = {}
 
     def _pyro_structattn_edges(self, msg):
-        family = msg["args"][0]
+        msg["value"] = self.edge(msg["args"][0])
+        msg["done"] = True
+
+    def edge(self, family) -> MarginalEdge:
         if family.name in self.families:
             raise ValueError(f"edge family {family.name!r} is declared twice in one model")
         self.families[family.name] = family
-        msg["value"] = MarginalEdge(family, self)
-        msg["done"] = True
+        return MarginalEdge(family, self)
+
+    @contextlib.contextmanager
+    def direct(self):
+        """Enter this reader without Pyro's handler stack: the primitives call it directly.
+        Compiled modules use this — same reading, no Pyro ``Message`` per site, so
+        ``torch.compile`` traces one graph."""
+        DIRECT.append(self)
+        try:
+            yield self
+        finally:
+            DIRECT.pop()
 
     def expectation(self, family: EdgeFamily):
         out, post = lowering.expectation(family, want_posterior=self.record_posterior)
