@@ -31,17 +31,23 @@ def _edge_style(weight: float, colour: str) -> dict:
 
 def graph_to_dot(G: nx.MultiDiGraph, *, heads=None, threshold: float = 0.0,
                  labels: bool = False, max_nodes: int = 64) -> graphviz.Digraph:
-    """Lay out a graph from ``to_networkx`` as a ``graphviz.Digraph``."""
+    """Lay out a graph from ``to_networkx`` as a ``graphviz.Digraph``.
+
+    Positions are pinned (engine ``neato``): one panel per family and head, parents in
+    a row above children, both in index order, so the picture reads like the matrix.
+    """
     inferred = G.graph.get("inferred", False)
     weight_key = "posterior" if inferred else "prior"
-    dot = graphviz.Digraph(G.graph.get("model", "structattn"),
-                           graph_attr={"rankdir": "TB", "fontname": "Helvetica",
-                                       "labelloc": "t", "nodesep": "0.15", "ranksep": "0.9"},
+    dot = graphviz.Digraph(G.graph.get("model", "structattn"), engine="neato",
+                           graph_attr={"fontname": "Helvetica", "labelloc": "t",
+                                       "splines": "false", "outputorder": "edgesfirst"},
                            node_attr={"shape": "ellipse", "fontname": "Helvetica",
                                       "fontsize": "10", "width": "0.45", "margin": "0.03"},
                            edge_attr={"dir": "forward"})
-    title = [f"{G.graph.get('model', '')} — {'inferred p(φ | x)' if inferred else 'declared prior p(φ)'}"]
+    kind = "inferred p(φ | x)" if inferred else "declared prior p(φ)"
+    title = [f"{G.graph.get('model', '')} — {kind}"]
     counter = iter(range(10**9))
+    panel_x = 0.0  # left edge of the next panel, inches
     for f_i, (fname, info) in enumerate(G.graph["families"].items()):
         title.append(f"φ '{fname}': {info['parents']} → {info['children']}, prior {info['prior']}, "
                      f"heads={info['heads']}")
@@ -55,37 +61,33 @@ def graph_to_dot(G: nx.MultiDiGraph, *, heads=None, threshold: float = 0.0,
             )
         head_list = range(info["heads"]) if heads is None else (
             [heads] if isinstance(heads, int) else list(heads))
+        width = max(len(v) for v in nodes_of.values())
+        step = max(0.9, 0.09 * max(len(n) for v in nodes_of.values() for n in v) + 0.3)
         for h in head_list:
             if not 0 <= h < info["heads"]:
                 raise ValueError(f"head must be in [0, {info['heads']}); got {h}")
             colour = _COLOURS[(f_i + h) % len(_COLOURS)]
-            with dot.subgraph(name=f"cluster_{next(counter)}") as panel:
-                panel.attr(label=graphviz.escape(f"{fname} · head {h}"), style="rounded",
-                           color="#bbbbbb", fontname="Helvetica", fontsize="11")
-                ids = {}
-                for role, ns in (("parents", info["parents"]), ("children", info["children"])):
-                    with panel.subgraph() as row:
-                        row.attr(rank="same")
-                        for n in nodes_of[ns]:
-                            ids[role, n] = f"n{next(counter)}"
-                            row.node(ids[role, n], graphviz.escape(n),
-                                     style="filled",
-                                     fillcolor="#eeeeee" if role == "parents" else "#ffffff")
-                    # keep rows in index order
-                    row_ids = [ids[role, n] for n in nodes_of[ns]]
-                    for a, b in zip(row_ids, row_ids[1:], strict=False):
-                        panel.edge(a, b, style="invis")
-                for u, v, d in G.edges(data=True):
-                    if d["family"] != fname or d["head"] != h:
-                        continue
-                    w = d[weight_key]
-                    if w < threshold:
-                        continue
-                    attrs = _edge_style(w, colour)
-                    if labels:
-                        attrs["label"] = f"{w:.2f}"
-                        attrs["fontsize"] = "8"
-                    panel.edge(ids["parents", u], ids["children", v], **attrs)
+            dot.node(f"n{next(counter)}", graphviz.escape(f"{fname} · head {h}"), shape="plaintext",
+                     pos=f"{panel_x + (width - 1) * step / 2:.2f},2.75!", fontsize="11")
+            ids = {}
+            for role, y in (("parents", 1.9), ("children", 0.0)):
+                for k, n in enumerate(nodes_of[info[role]]):
+                    ids[role, n] = f"n{next(counter)}"
+                    dot.node(ids[role, n], graphviz.escape(n), pos=f"{panel_x + k * step:.2f},{y}!",
+                             style="filled",
+                             fillcolor="#eeeeee" if role == "parents" else "#ffffff")
+            for u, v, d in G.edges(data=True):
+                if d["family"] != fname or d["head"] != h:
+                    continue
+                w = d[weight_key]
+                if w < threshold:
+                    continue
+                attrs = _edge_style(w, colour)
+                if labels:
+                    attrs["label"] = f"{w:.2f}"
+                    attrs["fontsize"] = "8"
+                dot.edge(ids["parents", u], ids["children", v], **attrs)
+            panel_x += width * step + 0.8
     dot.attr(label=graphviz.escape("\n".join(title)))
     return dot
 
