@@ -132,6 +132,8 @@ class Prior:
                 )
         if not is_validating() or torch.compiler.is_compiling() or self.empty == "zero":
             return
+        if self.support_mask(num_children, num_parents, device) is None:
+            return  # all parents, or j ≤ i alone: column 0 is always allowed, no row is empty
         mask = self.full_mask(num_children, num_parents, device)
         if mask is not None:
             empty = ~mask.any(-1)
