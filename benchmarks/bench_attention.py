@@ -23,12 +23,23 @@ C, B, A, ...) so that machine drift hits all of them alike; the table shows the 
 (and min/max) of the repeats, and the ratio of medians as well as the median of the
 per-round ratios.
 
-Memory: ``--child VARIANT`` (internal) runs one variant in a fresh interpreter and reports
-``ru_maxrss`` after the run minus ``ru_maxrss`` right after building weights/inputs and a
-small warm-up of the same variant (so code pages and thread-pool stacks are not counted).
-As a cross-check the child also replays the run under ``torch.profiler`` with
-``profile_memory=True`` and integrates the allocator's alloc/free events to get the peak
-of live tensor bytes (allocator-level; excludes malloc fragmentation and page rounding).
+Memory: ``--child VARIANT`` (internal) runs one variant in a fresh interpreter: it builds
+weights and inputs, warms the variant up on a small input (so code pages and thread-pool
+stacks are not counted), returns freed heap to the OS (``malloc_trim``), resets the RSS
+high-water mark to the current RSS (``/proc/self/clear_refs``), runs forward + backward once
+and reports the high-water mark (``VmHWM``, the value ``ru_maxrss`` reports; falls back to
+``ru_maxrss`` where /proc is not available) after the run minus the one before it.
+(``ru_maxrss`` itself cannot be reset once a thread has exited, hence ``VmHWM``.)
+The full run measures this with glibc's defaults (median of 3 processes) and once more
+with ``MALLOC_MMAP_THRESHOLD_=131072``, which switches off glibc's adaptive mmap threshold:
+freed temporaries otherwise raise that threshold, later blocks of that size come from the
+heap, and freed heap blocks stay resident, so RSS depends on the *history* of allocations,
+not only on the live bytes. As a cross-check the child replays the run under
+``torch.profiler`` with ``profile_memory=True`` and integrates the allocator's alloc/free
+events to get the peak of live tensor bytes (no fragmentation or page rounding).
+
+Each section also reports the share of the machine's CPU used by other processes while it
+ran (/proc/stat minus this process tree); above 10% the timings are flagged as suspect.
 """
 
 from __future__ import annotations
@@ -51,6 +62,9 @@ import torch.nn.functional as F
 
 import structattn as sa
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _memory import peak_rss_kib, release_and_reset_peak, rss_kib  # noqa: E402
+
 MiB = 2**20
 
 # ---------------------------------------------------------------------------------------
@@ -61,16 +75,19 @@ FULL = {
     "time": {"batch": 8, "heads": 8, "n": 1024, "d_k": 64, "warmup": 2, "repeats": 9},
     "pyro": {"batch": 1, "heads": 1, "n": 256, "d_model": 64, "warmup": 1, "repeats": 5,
              "compiled_repeats": 200},
-    "memory": {"batch": 1, "heads": 8, "n": 4096, "d_k": 64},
-    "overhead": {"batch": 1, "heads": 1, "n": 16, "d_k": 16},
+    "memory": {"batch": 1, "heads": 8, "n": 4096, "d_k": 64, "causal": [False, True],
+               "repeats": 3, "static_malloc": True,
+               "variants": ["sdpa", "compiled", "compiled_noval", "materialised"]},
+    "overhead": {"batch": 1, "heads": 1, "n": 16, "d_k": 16, "min_run_time": 0.5},
 }
 
 QUICK = {
     "time": {"batch": 2, "heads": 2, "n": 128, "d_k": 16, "warmup": 1, "repeats": 3},
     "pyro": {"batch": 1, "heads": 1, "n": 32, "d_model": 16, "warmup": 1, "repeats": 2,
              "compiled_repeats": 20},
-    "memory": {"batch": 1, "heads": 2, "n": 2048, "d_k": 16},
-    "overhead": {"batch": 1, "heads": 1, "n": 16, "d_k": 16},
+    "memory": {"batch": 1, "heads": 2, "n": 2048, "d_k": 16, "causal": [False], "repeats": 1,
+               "static_malloc": False, "variants": ["sdpa", "compiled", "materialised"]},
+    "overhead": {"batch": 1, "heads": 1, "n": 16, "d_k": 16, "min_run_time": 0.2},
 }
 
 TIME_TARGET = 1.05  # compiled / SDPA, forward + backward
@@ -159,7 +176,7 @@ def fwd_bwd(fn, m, x):
 
 def time_interleaved(fns: dict, warmup: int, repeats: int, m, x) -> dict:
     """Median/min/max seconds per call of each fn, interleaved (order reversed every round)."""
-    for name, fn in fns.items():
+    for fn in fns.values():
         for _ in range(warmup):
             fwd_bwd(fn, m, x)
     times = {name: [] for name in fns}
@@ -215,7 +232,7 @@ def section_time(cfg, seed, log):
         for name, ts in times.items():
             med = statistics.median(ts)
             ratio = med / base
-            paired = statistics.median(a / b for a, b in zip(ts, times["sdpa"]))
+            paired = statistics.median(a / b for a, b in zip(ts, times["sdpa"], strict=True))
             target = ""
             if name == "compiled":
                 target = _verdict(ratio, TIME_TARGET)
@@ -249,7 +266,7 @@ def section_overhead(cfg, seed, log):
     with torch.no_grad():
         for name in ("sdpa", "compiled", "compiled_noval"):
             t = Timer("f(x)", globals={"f": v[name], "x": x}, num_threads=torch.get_num_threads())
-            out[name] = t.blocked_autorange(min_run_time=0.5).median
+            out[name] = t.blocked_autorange(min_run_time=c["min_run_time"]).median
     log(f"\n    fixed per-call cost, forward only, no_grad, B={c['batch']} H={c['heads']} "
         f"N={c['n']} d_k={c['d_k']} (torch.utils.benchmark.Timer): "
         + ", ".join(f"{LABELS[k]} {s * 1e6:.0f} us" for k, s in out.items())
@@ -304,11 +321,6 @@ def section_pyro(cfg, seed, log):
 # ---------------------------------------------------------------------------------------
 
 
-def _rss_kib() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 1024
-
-
 def _profiler_peak_bytes(fn, m, x):
     """Peak of live tensor bytes during fn, from the profiler's alloc/free ([memory]) events."""
     from torch.profiler import ProfilerActivity, profile
@@ -337,21 +349,23 @@ def run_child(args) -> None:
     del small
     clear_grads(m, x)
     gc.collect()
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
-    rss_before = _rss_kib()
+    hwm_reset = release_and_reset_peak()
+    before, source = peak_rss_kib()
+    rss_before = rss_kib()
     t0 = time.perf_counter()
     fn(x).sum().backward()
     elapsed = time.perf_counter() - t0
-    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    try:
-        prof_peak = _profiler_peak_bytes(fn, m, x)
-    except Exception as e:  # private profiler API: report, do not fail the benchmark
-        prof_peak, prof_err = None, f"{type(e).__name__}: {e}"
-    else:
-        prof_err = None
+    after, _ = peak_rss_kib()
+    prof_peak = prof_err = None
+    if args.profile:
+        try:
+            prof_peak = _profiler_peak_bytes(fn, m, x)
+        except Exception as e:  # private profiler API: report, do not fail the benchmark
+            prof_err = f"{type(e).__name__}: {e}"
     print(json.dumps({
-        "variant": args.child, "causal": args.causal,
-        "maxrss_before_kib": before, "maxrss_after_kib": after, "rss_before_kib": rss_before,
+        "variant": args.child, "causal": args.causal, "hwm_reset": hwm_reset,
+        "peak_source": source, "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_"),
+        "peak_before_kib": before, "peak_after_kib": after, "rss_before_kib": rss_before,
         "peak_delta_mib": (after - before) / 1024,
         "slack_mib": (before - rss_before) / 1024,
         "profiler_peak_mib": None if prof_peak is None else prof_peak / MiB,
@@ -364,48 +378,101 @@ def _ratio(a, b):
     return a / b if a is not None and b else float("nan")
 
 
+# glibc's malloc raises its mmap threshold (up to 32 MiB) each time it frees an mmapped
+# block, after which large blocks come from the heap and freed ones stay resident; a
+# fixed threshold (which also fixes the trim threshold) turns that adaptation off.
+STATIC_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072"}
+
+
+def _run_child(variant, causal, c, seed, threads, static_malloc, profile):
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", variant,
+           "--batch", str(c["batch"]), "--heads", str(c["heads"]), "--n", str(c["n"]),
+           "--d-k", str(c["d_k"]), "--seed", str(seed), "--threads", str(threads)]
+    if causal:
+        cmd.append("--causal")
+    if profile:
+        cmd.append("--profile")
+    env = dict(os.environ)
+    env.pop("MALLOC_MMAP_THRESHOLD_", None)
+    if static_malloc:
+        env.update(STATIC_MALLOC_ENV)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        tail = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else ""
+        raise RuntimeError(f"child {variant} (causal={causal}) exit {proc.returncode}: {tail}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def section_memory(cfg, seed, threads, log):
     c = cfg["memory"]
+    reps = c["repeats"]
+    static = c["static_malloc"]
     log(f"\n[3] peak memory of forward + backward, B={c['batch']} H={c['heads']} N={c['n']} "
         f"d_k=d_v={c['d_k']} d_model={c['heads'] * c['d_k']} float32\n"
-        f"    method: each variant in a fresh subprocess; 'peak RSS' = ru_maxrss after the run "
-        f"minus ru_maxrss after\n    building weights/inputs + a small warm-up of the same "
-        f"variant (includes the gradients); 'tensors' = peak\n    live tensor bytes from "
-        f"torch.profiler(profile_memory=True) alloc/free events (cross-check)")
-    header = (f"    {'causal':<7}{'variant':<30}{'peak RSS MiB':>13}{'/ SDPA':>9}"
-              f"{'tensors MiB':>13}{'/ SDPA':>9}  target")
-    log(header)
-    log("    " + "-" * (len(header) - 4))
+        f"    method: each variant in a fresh subprocess, warmed up on N=64; peak RSS = RSS "
+        f"high-water mark (VmHWM,\n    what ru_maxrss reports) after one forward+backward minus "
+        f"the mark right before it, which is\n    reset to the current RSS there (malloc_trim + "
+        f"/proc/self/clear_refs); includes the gradients.\n"
+        f"    'default malloc' = median [min-max] of {reps} processes (materialised: 1) with "
+        f"glibc's defaults;\n"
+        + ("    'static mmap thr.' = 1 process with MALLOC_MMAP_THRESHOLD_=131072 (glibc's "
+           "adaptive threshold off;\n    see benchmarks/README.md);\n" if static else "")
+        + "    'tensors' = peak live tensor bytes from torch.profiler(profile_memory=True) "
+          "alloc/free events\n    (allocator level, no fragmentation; a cross-check)")
+    cols = [("peak RSS MiB, default malloc", 30), ("/ SDPA", 8)]
+    if static:
+        cols += [("static mmap thr.", 17), ("/ SDPA", 8)]
+    cols += [("tensors MiB", 12), ("/ SDPA", 8)]
+    head = f"    {'causal':<7}{'variant':<29}" + "".join(f"{t:>{w}}" for t, w in cols) + "  target"
+    log(head)
+    log("    " + "-" * (len(head) - 4))
     rows = []
-    for causal in (False, True):
+    for causal in c["causal"]:
         res = {}
-        for variant in ("sdpa", "compiled", "materialised"):
-            cmd = [sys.executable, os.path.abspath(__file__), "--child", variant,
-                   "--batch", str(c["batch"]), "--heads", str(c["heads"]), "--n", str(c["n"]),
-                   "--d-k", str(c["d_k"]), "--seed", str(seed), "--threads", str(threads)]
-            if causal:
-                cmd.append("--causal")
-            proc = subprocess.run(cmd, capture_output=True, text=True)
-            if proc.returncode != 0:
-                log(f"    {str(causal):<7}{LABELS[variant]:<30} FAILED (exit {proc.returncode}): "
-                    f"{proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else ''}")
+        for variant in c["variants"]:
+            n_default = reps if variant != "materialised" else 1
+            try:
+                runs = [_run_child(variant, causal, c, seed, threads, False,
+                                   profile=(not static and i == 0)) for i in range(n_default)]
+                static_run = (_run_child(variant, causal, c, seed, threads, True, profile=True)
+                              if static else None)
+            except RuntimeError as e:
+                log(f"    {str(causal):<7}{LABELS[variant]:<29} FAILED: {e}")
                 continue
-            res[variant] = json.loads(proc.stdout.strip().splitlines()[-1])
+            deltas = [r["peak_delta_mib"] for r in runs]
+            res[variant] = {
+                "variant": variant, "causal": causal,
+                "default_mib": statistics.median(deltas), "default_runs_mib": deltas,
+                "static_mib": static_run["peak_delta_mib"] if static_run else None,
+                "profiler_mib": (static_run or runs[0])["profiler_peak_mib"],
+                "profiler_error": (static_run or runs[0])["profiler_error"],
+                "slack_mib": max(r["slack_mib"] for r in runs + ([static_run] if static_run else [])),
+                "hwm_reset_ok": all(r["hwm_reset"] and r["peak_source"] == "VmHWM"
+                                    for r in runs + ([static_run] if static_run else [])),
+                "children": runs + ([static_run] if static_run else []),
+            }
+        base = res.get("sdpa", {})
         for variant, r in res.items():
-            base = res.get("sdpa")
-            ratio = _ratio(r["peak_delta_mib"], base and base["peak_delta_mib"])
-            pratio = _ratio(r["profiler_peak_mib"], base and base["profiler_peak_mib"])
-            pp = r["profiler_peak_mib"]
-            target = ""
-            if variant == "compiled":
-                target = _verdict(ratio, MEM_TARGET)
-            pp_s = f"{pp:>13.1f}" if pp is not None else f"{'n/a':>13}"
-            log(f"    {str(causal):<7}{LABELS[variant]:<30}{r['peak_delta_mib']:>13.1f}"
-                f"{ratio:>9.3f}{pp_s}{pratio:>9.3f}  {target}")
-            rows.append({**r, "ratio_vs_sdpa": ratio, "profiler_ratio_vs_sdpa": pratio})
+            r["default_ratio"] = _ratio(r["default_mib"], base.get("default_mib"))
+            r["static_ratio"] = _ratio(r["static_mib"], base.get("static_mib"))
+            r["profiler_ratio"] = _ratio(r["profiler_mib"], base.get("profiler_mib"))
+            d = r["default_runs_mib"]
+            spread = f"[{min(d):.1f}-{max(d):.1f}]" if len(d) > 1 else ""
+            cells = [f"{r['default_mib']:.1f} {spread}".rstrip(), f"{r['default_ratio']:.3f}"]
+            if static:
+                cells += [f"{r['static_mib']:.1f}", f"{r['static_ratio']:.3f}"]
+            cells += ["n/a" if r["profiler_mib"] is None else f"{r['profiler_mib']:.1f}",
+                      f"{r['profiler_ratio']:.3f}"]
+            target = _verdict(r["default_ratio"], MEM_TARGET) if variant == "compiled" else ""
+            log(f"    {str(causal):<7}{LABELS[variant]:<29}"
+                + "".join(f"{cell:>{w}}" for cell, (_, w) in zip(cells, cols, strict=True)) + f"  {target}")
+            rows.append(r)
     slack = max((r["slack_mib"] for r in rows), default=0.0)
-    log(f"    (largest ru_maxrss - current RSS at the baseline: {slack:.1f} MiB; the RSS "
-        f"columns can under-read by at most that)")
+    if not all(r["hwm_reset_ok"] for r in rows):
+        log("    WARNING: could not reset the RSS high-water mark (/proc/self/clear_refs, "
+            "VmHWM); fell back to ru_maxrss")
+    log(f"    (largest high-water mark - current RSS at a baseline: {slack:.1f} MiB: the RSS "
+        f"columns under-read by at most that)")
     return {"config": c, "rows": rows}
 
 
@@ -433,14 +500,77 @@ def header(args, log):
         "cpu_count": os.cpu_count(),
         "cpu_affinity": affinity,
         "seed": args.seed,
+        "loadavg_start": _loadavg(),
     }
+    meta["git_commit"], meta["git_dirty"] = _git_state()
     log(f"structattn attention benchmark ({meta['mode']} run, {meta['date']})")
-    log(f"torch {meta['torch']} | structattn {meta['structattn']} | pyro {meta['pyro']} | "
+    git = ("" if meta["git_commit"] is None else
+           f" (git {meta['git_commit']}{', uncommitted changes' if meta['git_dirty'] else ''})")
+    log(f"torch {meta['torch']} | structattn {meta['structattn']}{git} | pyro {meta['pyro']} | "
         f"python {meta['python']} | {meta['machine']} {meta['cpu_capability']}")
     log(f"torch threads {meta['threads']} (interop {meta['interop_threads']}) | cores: "
         f"os.cpu_count()={meta['cpu_count']}, usable (affinity)={meta['cpu_affinity']} | "
         f"seed {meta['seed']}")
+    la = meta["loadavg_start"]
+    if la is not None:
+        log(f"load average at the start: {la[0]:.2f} (1 min), {la[1]:.2f} (5 min)"
+            + ("  (machine not idle)" if la[0] > 0.5 else ""))
     return meta
+
+
+def _git_state():
+    """(short commit, dirty?) of the repository holding this script, or (None, None)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        head = subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"],
+                              capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "-C", here, "status", "--porcelain",
+                                "--untracked-files=no", "--", ":!benchmarks"],
+                               capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None, None
+    if head.returncode != 0:
+        return None, None
+    return head.stdout.strip(), bool(dirty.stdout.strip())
+
+
+class CpuMeter:
+    """CPU seconds spent by *other* processes over an interval: system-wide busy time from
+    /proc/stat minus this process's (and its children's) own CPU time. Linux only; None
+    elsewhere. A large share means the timings were taken on a contended machine."""
+
+    def __init__(self):
+        self.start = self._sample()
+
+    @staticmethod
+    def _sample():
+        try:
+            with open("/proc/stat") as f:
+                fields = [int(v) for v in f.readline().split()[1:]]
+        except (OSError, ValueError):
+            return None
+        hz = os.sysconf("SC_CLK_TCK")
+        user, nice, system, idle, iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
+        busy = (user + nice + system + irq + softirq + steal) / hz
+        own = sum(getattr(resource.getrusage(who), f) for who in
+                  (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN) for f in ("ru_utime", "ru_stime"))
+        return busy, own, time.perf_counter()
+
+    def other_share(self):
+        """Fraction of the machine's CPU capacity used by other processes since start."""
+        end = self._sample()
+        if self.start is None or end is None:
+            return None
+        busy, own, wall = (e - s for e, s in zip(end, self.start, strict=True))
+        capacity = wall * (os.cpu_count() or 1)
+        return max(0.0, busy - own) / capacity if capacity > 0 else None
+
+
+def _loadavg():
+    try:
+        return os.getloadavg()
+    except OSError:
+        return None
 
 
 def _dist_version(name):
@@ -474,6 +604,7 @@ def parse_args(argv=None):
     p.add_argument("--n", type=int, help=argparse.SUPPRESS)
     p.add_argument("--d-k", type=int, help=argparse.SUPPRESS)
     p.add_argument("--causal", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--profile", action="store_true", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
@@ -495,14 +626,32 @@ def main(argv=None) -> int:
 
     start = time.perf_counter()
     results = {"meta": header(args, log)}
-    if "time" not in args.skip:
-        results["time"] = section_time(cfg, args.seed, log)
-    if "overhead" not in args.skip:
-        results["overhead"] = section_overhead(cfg, args.seed, log)
-    if "pyro" not in args.skip:
-        results["pyro"] = section_pyro(cfg, args.seed, log)
-    if "memory" not in args.skip:
-        results["memory"] = section_memory(cfg, args.seed, args.threads, log)
+    sections = {"time": lambda: section_time(cfg, args.seed, log),
+                "overhead": lambda: section_overhead(cfg, args.seed, log),
+                "pyro": lambda: section_pyro(cfg, args.seed, log),
+                "memory": lambda: section_memory(cfg, args.seed, args.threads, log)}
+    contended = []
+    for name, run in sections.items():
+        if name in args.skip:
+            continue
+        t0, meter = time.perf_counter(), CpuMeter()
+        results[name] = run()
+        results[name]["section_wall_s"] = time.perf_counter() - t0
+        share = meter.other_share()
+        results[name]["other_processes_cpu_share"] = share
+        if share is not None:
+            log(f"    [other processes used {share:.0%} of the machine's CPU during this section]")
+            if share > 0.10 and name != "memory":
+                contended.append(name)
+    if contended:
+        log(f"\nWARNING: other processes competed for the CPU during {', '.join(contended)}; "
+            f"those timings are inflated and noisy (small, many-op workloads suffer most: "
+            f"OpenMP threads wait for a descheduled peer). Re-run on an idle machine.")
+    load = _loadavg()
+    results["meta"]["loadavg_end"] = load
+    if load is not None:
+        log(f"\nload average at the end: {load[0]:.2f} (1 min), {load[1]:.2f} (5 min) on "
+            f"{os.cpu_count()} cores")
     results["meta"]["wall_s"] = time.perf_counter() - start
     log(f"\ntotal wall time {results['meta']['wall_s']:.0f} s")
     if args.json:

@@ -7,8 +7,8 @@
    forward+backward time and peak memory; against the dense-mask path (SDPA with a
    boolean mask) at a size where the dense mask fits, with the same average degree.
 
-Peak memory is the growth of the process's peak RSS (``ru_maxrss``) over the RSS after
-the inputs are built, each variant in a fresh subprocess. Run:
+Peak memory: each graph variant runs in a fresh subprocess, warmed up once; the peak is
+the growth of the RSS high-water mark during one forward+backward (``_memory.py``). Run:
 ``python benchmarks/bench_single_shot.py [--quick] [--json PATH]``.
 """
 
@@ -18,7 +18,6 @@ import argparse
 import json
 import math
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -29,6 +28,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import structattn as sa  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _memory import measure_peak_mib  # noqa: E402
 
 
 def heads_of(t, H):
@@ -142,15 +144,16 @@ def graph_child(variant, n, degree, d, repeats):
     else:
         adjacency = edge_index
     layer = sa.compile(m)
-    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    params = [x, *m.parameters()]
+    fwd_bwd(lambda: layer(x, adjacency), params)  # warm-up
+    peak = measure_peak_mib(lambda: fwd_bwd(lambda: layer(x, adjacency), params))
     times = []
     for _ in range(repeats):
         t = time.perf_counter()
-        fwd_bwd(lambda: layer(x, adjacency), [x, *m.parameters()])
+        fwd_bwd(lambda: layer(x, adjacency), params)
         times.append(time.perf_counter() - t)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0
     print(json.dumps({"seconds": min(times), "median_s": statistics.median(times),
-                      "peak_mib": peak / 1024, "edges": int(edge_index.shape[1])}))
+                      "peak_mib": peak, "edges": int(edge_index.shape[1])}))
 
 
 def run_graph_child(variant, n, degree, d, repeats):
