@@ -25,7 +25,7 @@ import pyro.distributions as dist
 import torch
 from pyro.poutine.runtime import effectful
 
-from ._direct import DIRECT
+from ._direct import direct_readers
 from ._validation import same_device, shape_str
 from .nodes import NodeSet
 from .potentials.base import Potential
@@ -196,8 +196,9 @@ def edges(name: str, children: NodeSet, parents: NodeSet, prior: Prior, *, heads
         raise ValueError(f"edge family {name!r}: heads must be a positive int; got {heads!r}")
     family = EdgeFamily(name, children, parents, prior, heads)
     family.validate_structure()
-    if DIRECT:  # a compiled module's reader, entered without Pyro's stack
-        return DIRECT[-1].edge(family)
+    readers = direct_readers()
+    if readers:  # a compiled module's reader, entered without Pyro's stack
+        return readers[-1].edge(family)
     return _edges_effect(family, name=name)
 
 

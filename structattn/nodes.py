@@ -13,7 +13,7 @@ import pyro
 import torch
 from pyro.poutine.runtime import effectful
 
-from ._direct import DIRECT
+from ._direct import direct_readers
 from ._validation import check_finite, shape_str
 
 
@@ -97,6 +97,6 @@ def nodes(name: str, states: torch.Tensor, *, features: int | None = None) -> No
     ``features`` (optional) is the expected size of the last dimension; a
     mismatch is a ``ValueError`` naming the node set.
     """
-    if DIRECT:  # a compiled module: no Pyro message needed
+    if direct_readers():  # a compiled module: no Pyro message needed
         return _make_node_set(name, states, features, True)
     return _nodes(name, states, features, True, name=name)

@@ -121,3 +121,18 @@ def test_ddp_single_process(tmp_path):
         assert all(p.grad is not None for p in layer.parameters())
     finally:
         dist.destroy_process_group()
+
+
+def test_compiled_modules_run_concurrently_in_threads():
+    """Readers are per thread (as nn.DataParallel replicas run): no cross-talk between calls."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    a = sa.compile(sa.models.self_attention(8, d_k=4, heads=2, causal=True))
+    b = sa.compile(sa.models.multihop_attention(8, d_k=4, heads=2))
+    xs = [torch.randn(2, 5 + i % 3, 8) for i in range(16)]
+    expected = [(a(x), b(x)) for x in xs]
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda x: (a(x), b(x)), xs))
+    for (ea, eb), (ga, gb) in zip(expected, got, strict=True):
+        torch.testing.assert_close(ga, ea)
+        torch.testing.assert_close(gb, eb)

@@ -7,7 +7,7 @@ import contextlib
 from pyro.poutine.messenger import Messenger
 
 from .. import lowering
-from .._direct import DIRECT
+from .._direct import direct_readers
 from ..family import EdgeFamily
 
 
@@ -52,11 +52,12 @@ class Marginalise(Messenger):
         """Enter this reader without Pyro's handler stack: the primitives call it directly.
         Compiled modules use this — same reading, no Pyro ``Message`` per site, so
         ``torch.compile`` traces one graph."""
-        DIRECT.append(self)
+        stack = direct_readers()
+        stack.append(self)
         try:
             yield self
         finally:
-            DIRECT.pop()
+            stack.pop()
 
     def expectation(self, family: EdgeFamily):
         out, post = lowering.expectation(family, want_posterior=self.record_posterior)
