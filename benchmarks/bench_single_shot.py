@@ -92,36 +92,35 @@ def check_close(a, b, what):
     return err
 
 
+def compare_with_baseline(what, m, baseline, baseline_label, cfg, log, target=1.1):
+    """Time the compiled declaration ``m`` against ``baseline(m, x)`` (same weights)."""
+    B, N = cfg["B"], cfg["N"]
+    x = torch.randn(B, N, m.d_model, requires_grad=True)
+    layer = sa.compile(m)
+    err = check_close(layer(x), baseline(m, x), what)
+    t = time_pair({"structattn": lambda: layer(x), "baseline": lambda: baseline(m, x)},
+                  [x, *m.parameters()], cfg["warmup"], cfg["repeats"])
+    ratio = t["structattn"] / t["baseline"]
+    log(f"{what}, B={B} H={m.heads} N={N} d={m.d_k}, fwd+bwd: structattn "
+        f"{t['structattn'] * 1e3:.1f} ms, {baseline_label} {t['baseline'] * 1e3:.1f} ms, ratio "
+        f"{ratio:.3f} (target ≤ {target}) {'OK' if ratio <= target else 'MISS'}; max|Δ| {err:.1e}")
+    return {"structattn_s": t["structattn"], "baseline_s": t["baseline"], "ratio": ratio}
+
+
 def section_relative(cfg, log):
-    B, H, N, d = cfg["B"], cfg["H"], cfg["N"], cfg["d"]
+    H, d = cfg["H"], cfg["d"]
     m = sa.models.relative_position_attention(H * d, max_distance=cfg["K"], heads=H, d_k=d)
     with torch.no_grad():
         m.position_logits.normal_()
-    x = torch.randn(B, N, H * d, requires_grad=True)
-    layer = sa.compile(m)
-    err = check_close(layer(x), relative_sdpa(m, x), "relative")
-    t = time_pair({"structattn": lambda: layer(x), "sdpa+bias": lambda: relative_sdpa(m, x)},
-                  [x, *m.parameters()], cfg["warmup"], cfg["repeats"])
-    ratio = t["structattn"] / t["sdpa+bias"]
-    log(f"relative positions, B={B} H={H} N={N} d={d} K={cfg['K']}, fwd+bwd: structattn "
-        f"{t['structattn'] * 1e3:.1f} ms, hand-written SDPA + same bias {t['sdpa+bias'] * 1e3:.1f} "
-        f"ms, ratio {ratio:.3f} (target ≤ 1.1) {'OK' if ratio <= 1.1 else 'MISS'}; max|Δ| {err:.1e}")
-    return {"structattn_s": t["structattn"], "baseline_s": t["sdpa+bias"], "ratio": ratio}
+    return compare_with_baseline(f"relative positions (K={cfg['K']})", m, relative_sdpa,
+                                 "hand-written SDPA + same bias", cfg, log)
 
 
 def section_multihop(cfg, log):
-    B, H, N, d = cfg["B"], cfg["H"], cfg["N"], cfg["d"]
+    H, d = cfg["H"], cfg["d"]
     m = sa.models.multihop_attention(H * d, heads=H, d_k=d, hop_weights=(0, 1, 1))
-    x = torch.randn(B, N, H * d, requires_grad=True)
-    layer = sa.compile(m)
-    err = check_close(layer(x), two_sdpa_calls(m, x), "multihop")
-    t = time_pair({"structattn": lambda: layer(x), "2×sdpa": lambda: two_sdpa_calls(m, x)},
-                  [x, *m.parameters()], cfg["warmup"], cfg["repeats"])
-    ratio = t["structattn"] / t["2×sdpa"]
-    log(f"multihop (P + P²)VX, B={B} H={H} N={N} d={d}, fwd+bwd: structattn "
-        f"{t['structattn'] * 1e3:.1f} ms, two hand-written SDPA calls {t['2×sdpa'] * 1e3:.1f} ms, "
-        f"ratio {ratio:.3f} (target ≤ 1.1) {'OK' if ratio <= 1.1 else 'MISS'}; max|Δ| {err:.1e}")
-    return {"structattn_s": t["structattn"], "baseline_s": t["2×sdpa"], "ratio": ratio}
+    return compare_with_baseline("multihop (P + P²)VX", m, two_sdpa_calls,
+                                 "two hand-written SDPA calls", cfg, log)
 
 
 # -- graph: each variant in its own process for an honest peak -----------------------------
