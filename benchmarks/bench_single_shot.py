@@ -129,7 +129,8 @@ def random_graph(n, degree, seed):
     g = torch.Generator().manual_seed(seed)
     nodes = torch.arange(n)
     others = torch.randint(n, (2, n * (degree - 1)), generator=g)
-    return torch.cat([torch.stack([nodes, nodes]), others], dim=1)  # self-loops: no empty child
+    # self-loops: no child without parents; a support is a set: no duplicate edges
+    return torch.cat([torch.stack([nodes, nodes]), others], dim=1).unique(dim=1)
 
 
 def graph_child(variant, n, degree, d, repeats):

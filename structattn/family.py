@@ -97,13 +97,20 @@ class EdgeFamily:
                 f"edge family {self.name!r}: children {self.children.name!r} have dtype "
                 f"{c.dtype} but parents {self.parents.name!r} have dtype {p.dtype}"
             )
-        self.prior.validate(self.name, self.children.size, self.parents.size, c.device)
+        self.prior.validate(self.name, self.children.size, self.parents.size, c.device,
+                            batch_shape=self.batch_shape, heads=self.heads)
 
     def add_potential(self, potential: Potential) -> None:
         if not isinstance(potential, Potential):
             raise ValueError(
                 f"edge family {self.name!r}: a potential must be a structattn Potential; got "
                 f"{type(potential).__name__}"
+            )
+        if self.value is not None:
+            raise ValueError(
+                f"edge family {self.name!r}: potentials must be declared before "
+                f"structattn.value(...) — the value is the expectation under the posterior those "
+                f"potentials define"
             )
         self._check_heads("potential", potential)
         potential.validate(self.name, self.children, self.parents)
@@ -118,6 +125,13 @@ class EdgeFamily:
         if self.value is not None:
             raise ValueError(f"edge family {self.name!r} already has a value function")
         self._check_heads("value", value)
+        if self.prior.empty == "zero" and not value.single_edge:
+            raise ValueError(
+                f"edge family {self.name!r}: empty='zero' gives parentless children a zero value, "
+                f"which is defined for values of a single edge; a {type(value).__name__} value "
+                f"walks on through parentless nodes. Use empty='error' (give every node a parent, "
+                f"e.g. a self-loop)"
+            )
         value.validate(self.name, self.children, self.parents)
         self.value = value
 

@@ -84,12 +84,8 @@ def keep_children(family: EdgeFamily) -> torch.Tensor | None:
     return None if empty is None else (~empty).to(xc.dtype)[..., None]
 
 
-def expectation(family: EdgeFamily, *, want_posterior: bool = False):
-    """``(E[v], posterior or None)`` by the fastest exact path available.
-
-    The posterior is dense ``(*batch, H, C, P)``, or per edge ``(*batch, H, E)`` when the
-    support is an edge list.
-    """
+def check_complete(family: EdgeFamily) -> None:
+    """A family to marginalise needs a value and at least one potential."""
     if family.value is None:
         raise ValueError(f"edge family {family.name!r} has no value function")
     if not family.potentials:
@@ -97,6 +93,15 @@ def expectation(family: EdgeFamily, *, want_posterior: bool = False):
             f"edge family {family.name!r} has no potential: declare one with "
             f"structattn.potential(edge, …) before structattn.value(edge, …)"
         )
+
+
+def expectation(family: EdgeFamily, *, want_posterior: bool = False):
+    """``(E[v], posterior or None)`` by the fastest exact path available.
+
+    The posterior is dense ``(*batch, H, C, P)``, or per edge ``(*batch, H, E)`` when the
+    support is an edge list.
+    """
+    check_complete(family)
     xc, xp = family.children.states, family.parents.states
     if family.prior.edge_index is not None:
         if not can_use_fast_path(family):

@@ -86,8 +86,9 @@ def test_causal_and_mask_together_can_empty_a_row():
 
 
 def test_support_mask_wrong_shape():
-    with pytest.raises(ValueError, match=r"edge family 'attn'.*support mask.*\(…, 5, 5\).*"
-                                         r"\(5, 4\)"):
+    with pytest.raises(ValueError, match=r"edge family 'attn': prior support mask must broadcast "
+                                         r"to \(\*batch, heads, children, parents\)=\(2, 2, 5, 5\); "
+                                         r"got \(5, 4\)"):
         sa.compile(_m())(_x(2, 5, 7), torch.ones(5, 4, dtype=torch.bool))
 
 
@@ -181,7 +182,7 @@ def test_categorical_logits_with_nan():
         sa.potential(phi, sa.potentials.Bilinear(W, W))
         return sa.value(phi, sa.values.Linear(W))
 
-    with pytest.raises(ValueError, match=r"Categorical prior logits.*non-finite"):
+    with pytest.raises(ValueError, match=r"edge family 'attn': prior log weights .* non-finite"):
         sa.compile(program)(_x(1, 3, 4))
 
 

@@ -1,23 +1,25 @@
 """The prior over one edge family: p(φ_i = j) for each child i over parents j.
 
-A prior is data, not code in the compiler. It states three things, each
-optional, and the compiler and the Pyro reading both derive everything
-from them:
+A prior is data, not code in the compiler. A subclass states up to three things and
+the compiler, the Pyro reading and the drawings derive everything else here:
 
 - ``causal``: the support is restricted to j ≤ i;
-- ``support_mask(C, P)``: a boolean ``(…, C, P)`` restriction of the support;
-- ``bias(C, P)``: unnormalised log prior weights ``(…, C, P)`` (finite).
+- ``explicit_support(C, P)``: a boolean ``(…, C, P)`` restriction (a mask, or the
+  dense reading of an edge list ``edge_index``);
+- ``log_table(C, P)``: unnormalised log prior weights ``(…, C, P)``; −∞ marks a
+  parent outside the support.
 
-The log prior is ``log p(φ_i = j) = bias_ij − logsumexp_{j'∈Φ_i} bias_ij'`` on the
-support Φ_i and −∞ outside. The normaliser is constant in j, so attention
-only needs ``bias`` as an additive score term and the support as a mask.
+Everything broadcasts against ``(*batch, heads, C, P)``. The log prior is
+``log p(φ_i = j) = b_ij − logsumexp_{j'∈Φ_i} b_ij'`` on the support Φ_i and −∞
+outside; the normaliser is constant in j, so attention needs only the finite part of
+``b`` as an additive score term (``bias``) and the support as a mask.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .._validation import is_validating, same_device, shape_str
+from .._validation import check_finite, is_validating, same_device, shape_str
 
 
 class Prior:
@@ -29,11 +31,11 @@ class Prior:
     #: the support as an edge list (2, E) — row 0 parents j, row 1 children i — or None (dense)
     edge_index: torch.Tensor | None = None
 
-    # -- what a prior states -------------------------------------------------
-    def support_mask(self, num_children: int, num_parents: int, device) -> torch.Tensor | None:
+    # -- what a subclass states -------------------------------------------------
+    def explicit_support(self, num_children: int, num_parents: int, device) -> torch.Tensor | None:
         return None
 
-    def bias(self, num_children: int, num_parents: int, device, dtype) -> torch.Tensor | None:
+    def log_table(self, num_children: int, num_parents: int, device, dtype) -> torch.Tensor | None:
         return None
 
     def describe(self) -> str:
@@ -49,7 +51,24 @@ class Prior:
             parts.append(f"graph, {self.edge_index.shape[1]} edges")
         return " ∧ ".join(parts) if parts else "all parents"
 
-    # -- what is derived from it -------------------------------------------
+    # -- what is derived from it ---------------------------------------------------
+    def bias(self, num_children, num_parents, device, dtype) -> torch.Tensor | None:
+        """The finite part of ``log_table`` (−∞ entries set to 0; they are masked anyway)."""
+        table = self.log_table(num_children, num_parents, device, dtype)
+        if table is None:
+            return None
+        return table.masked_fill(torch.isneginf(table), 0.0)
+
+    def support_mask(self, num_children, num_parents, device) -> torch.Tensor | None:
+        """Boolean ``(…, C, P)``: the explicit support ∩ the finite entries of ``log_table``,
+        or None when neither restricts (built from tensor ops only, so it traces)."""
+        mask = self.explicit_support(num_children, num_parents, device)
+        table = self.log_table(num_children, num_parents, device, torch.float32)
+        if table is not None:
+            finite = ~torch.isneginf(table)
+            mask = finite if mask is None else mask & finite
+        return mask
+
     def full_mask(self, num_children, num_parents, device) -> torch.Tensor | None:
         """Boolean support ``(…, C, P)`` including causality, or None for 'all parents'."""
         mask = self.support_mask(num_children, num_parents, device)
@@ -73,84 +92,95 @@ class Prior:
                 table = torch.where(mask.any(-1, keepdim=True), table, torch.zeros_like(table))
         return table
 
+    def log_prob_table(self, num_children, num_parents, device, dtype) -> torch.Tensor:
+        """Normalised log prior ``(…, C, P)``: rows are log p(φ_i = ·)."""
+        return torch.log_softmax(self.log_weights(num_children, num_parents, device, dtype), -1)
+
     def empty_children(self, num_children, num_parents, device) -> torch.Tensor | None:
-        """Boolean ``(…, C)``: children with no allowed parent, when ``empty == "zero"``."""
+        """Boolean ``(…, C)``: children with no allowed parent, when ``empty == "zero"``;
+        None when no row can be empty (all parents, or j ≤ i alone: never C×P work)."""
         if self.empty != "zero":
             return None
         if self.edge_index is not None and not self.causal:  # O(E): count incoming edges
             dst = self.edge_index[1].to(device)
             return torch.bincount(dst, minlength=num_children) == 0
-        mask = self.full_mask(num_children, num_parents, device)
-        return None if mask is None else ~mask.any(-1)
-
-    def log_prob_table(self, num_children, num_parents, device, dtype) -> torch.Tensor:
-        """Normalised log prior ``(…, C, P)``: rows are log p(φ_i = ·)."""
-        return torch.log_softmax(self.log_weights(num_children, num_parents, device, dtype), -1)
+        if self.support_mask(num_children, num_parents, device) is None:
+            return None
+        return ~self.full_mask(num_children, num_parents, device).any(-1)
 
     def sdpa_inputs(self, num_children, num_parents, device, dtype):
         """``(attn_mask, is_causal)`` for ``scaled_dot_product_attention``.
 
         Causality alone lowers to the fused ``is_causal`` path; a support mask
-        alone to a boolean mask; a bias to an additive float mask with −∞
+        alone to a boolean mask; a log table to an additive float mask with −∞
         outside the support.
         """
-        bias = self.bias(num_children, num_parents, device, dtype)
-        mask = self.support_mask(num_children, num_parents, device)
-        if bias is None and mask is None:
+        table = self.log_table(num_children, num_parents, device, dtype)
+        if table is None and self.explicit_support(num_children, num_parents, device) is None:
             return None, self.causal
-        if bias is None:
+        if table is None:
             mask = self.full_mask(num_children, num_parents, device)
             if self.empty == "zero":  # let empty rows attend anywhere; the caller zeroes them
                 mask = mask | ~mask.any(-1, keepdim=True)
             return mask, False
         return self.log_weights(num_children, num_parents, device, dtype), False
 
-    # -- checks ---------------------------------------------------------------
-    def validate(self, family: str, num_children: int, num_parents: int, device) -> None:
-        """Check shapes always and, while validating, that no child has an empty support."""
+    # -- checks ---------------------------------------------------------------------
+    def validate(self, family: str, num_children: int, num_parents: int, device, *,
+                 batch_shape=(), heads: int = 1) -> None:
+        """Shapes always (each table must broadcast to ``(*batch, heads, C, P)``); values
+        (NaN/+∞ log weights, children with an empty support) while validating."""
         if self.empty not in ("error", "zero"):
             raise ValueError(f"edge family {family!r}: prior empty= must be 'error' or 'zero'; "
                              f"got {self.empty!r}")
         if self.edge_index is not None:  # O(E) checks; never the dense C×P reading
-            check_edge_index(family, self.edge_index, num_children, num_parents, self.empty)
+            check_edge_index(family, self.edge_index, num_children, num_parents, self.empty,
+                             self.causal)
             return
-        for what, t in (
-            ("support mask", self.support_mask(num_children, num_parents, device)),
-            ("bias", self.bias(num_children, num_parents, device, torch.float32)),
-        ):
+        target = (*batch_shape, heads, num_children, num_parents)
+        table = self.log_table(num_children, num_parents, device, torch.float32)
+        for what, t in (("support mask", self.explicit_support(num_children, num_parents, device)),
+                        ("log weights", table)):
             if t is None:
                 continue
-            if t.dim() < 2 or tuple(t.shape[-2:]) != (num_children, num_parents):
+            try:
+                ok = tuple(torch.broadcast_shapes(t.shape, target)) == target
+            except RuntimeError:
+                ok = False
+            if not ok:
                 raise ValueError(
-                    f"edge family {family!r}: prior {what} must have shape (…, children, parents)"
-                    f"=(…, {num_children}, {num_parents}); got {shape_str(t.shape)}"
+                    f"edge family {family!r}: prior {what} must broadcast to (*batch, heads, "
+                    f"children, parents)={shape_str(target)}; got {shape_str(t.shape)}"
                 )
-            if what == "bias" and not same_device(t.device, device):
+            if what == "log weights" and not same_device(t.device, device):
                 raise ValueError(
-                    f"edge family {family!r}: prior {what} is on {t.device} but the node states "
+                    f"edge family {family!r}: prior {what} are on {t.device} but the node states "
                     f"are on {device}; move the declaration with .to({str(device)!r})"
                 )
+        if table is not None:  # −∞ excludes a parent; NaN and +∞ are errors
+            check_finite(f"edge family {family!r}: prior log weights (finite part)",
+                         table.masked_fill(torch.isneginf(table), 0.0))
         if not is_validating() or torch.compiler.is_compiling() or self.empty == "zero":
             return
         if self.support_mask(num_children, num_parents, device) is None:
             return  # all parents, or j ≤ i alone: column 0 is always allowed, no row is empty
         mask = self.full_mask(num_children, num_parents, device)
-        if mask is not None:
-            empty = ~mask.any(-1)
-            if bool(empty.any()):
-                where = tuple(int(i) for i in empty.nonzero()[0])
-                raise ValueError(
-                    f"edge family {family!r}: child {where[-1]} (index {where}) has an empty "
-                    f"support — no parent is allowed, so p(φ_i | x) does not exist. "
-                    f"{int(empty.sum())} of {empty.numel()} children are affected. Allow at "
-                    f"least one parent per child (e.g. a self-loop), or ask for a zero output "
-                    f"with empty='zero'."
-                )
+        empty = ~mask.any(-1)
+        if bool(empty.any()):
+            where = tuple(int(i) for i in empty.nonzero()[0])
+            raise ValueError(
+                f"edge family {family!r}: child {where[-1]} (index {where}) has an empty "
+                f"support — no parent is allowed, so p(φ_i | x) does not exist. "
+                f"{int(empty.sum())} of {empty.numel()} children are affected. Allow at "
+                f"least one parent per child (e.g. a self-loop), or ask for a zero output "
+                f"with empty='zero'."
+            )
 
 
 def check_edge_index(family: str, edge_index: torch.Tensor, num_children: int, num_parents: int,
-                     empty: str) -> None:
-    """Shape and dtype always; index ranges and parentless children while validating."""
+                     empty: str, causal: bool = False) -> None:
+    """Shape always; index ranges, duplicate edges and parentless children while validating
+    (all O(E); with ``causal`` only edges j ≤ i count)."""
     if edge_index.dim() != 2 or edge_index.shape[0] != 2:
         raise ValueError(
             f"edge family {family!r}: edge_index must have shape (2, E) — row 0 parents, row 1 "
@@ -165,13 +195,24 @@ def check_edge_index(family: str, edge_index: torch.Tensor, num_children: int, n
             raise ValueError(
                 f"edge family {family!r}: edge_index {what} indices must be in [0, {n}); got {bad}"
             )
+    # a support is a set: an edge listed twice would count twice in a softmax over edges
+    keys = dst * num_parents + src
+    unique, counts = torch.unique(keys, return_counts=True)
+    if bool((counts > 1).any()):
+        k = int(unique[counts > 1][0])
+        raise ValueError(
+            f"edge family {family!r}: edge_index lists the edge {k % num_parents} → "
+            f"{k // num_parents} (parent → child) {int(counts[counts > 1][0])} times; an edge is "
+            f"in the support or not — remove duplicates (e.g. torch.unique(edge_index, dim=1))"
+        )
     if empty == "error":
-        counts = torch.bincount(dst, minlength=num_children)
+        kept = dst[src <= dst] if causal else dst
+        counts = torch.bincount(kept, minlength=num_children)
         if bool((counts == 0).any()):
             first = int((counts == 0).nonzero()[0])
             raise ValueError(
                 f"edge family {family!r}: child {first} has an empty support — no edge in "
-                f"edge_index points to it ({int((counts == 0).sum())} of {num_children} children "
-                f"are affected). Add edges (e.g. self-loops) or ask for a zero output with "
-                f"empty='zero'."
+                f"edge_index{' from j ≤ i' if causal else ''} points to it "
+                f"({int((counts == 0).sum())} of {num_children} children are affected). Add "
+                f"edges (e.g. self-loops) or ask for a zero output with empty='zero'."
             )

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 
-from .._validation import check_finite
 from .base import Prior
 
 
@@ -32,21 +31,11 @@ class Categorical(Prior):
         self.causal = bool(causal)
         self.support = support
 
-    def support_mask(self, num_children, num_parents, device):
-        # −∞ logits are outside the support; an explicit mask restricts further.
-        mask = None if self.support is None else self.support.to(device)
-        if torch.compiler.is_compiling():
-            return mask
-        excluded = torch.isneginf(self.logits)
-        if bool(excluded.any()):
-            allowed = ~excluded.to(device)
-            mask = allowed if mask is None else mask & allowed
-        return mask
+    def explicit_support(self, num_children, num_parents, device):
+        return None if self.support is None else self.support.to(device)
 
-    def bias(self, num_children, num_parents, device, dtype):
-        check_finite("Categorical prior logits (finite part)",
-                     self.logits.masked_fill(torch.isneginf(self.logits), 0.0))
-        return self.logits.masked_fill(torch.isneginf(self.logits), 0.0).to(dtype)
+    def log_table(self, num_children, num_parents, device, dtype):
+        return self.logits.to(dtype)  # −∞ entries: outside the support
 
     def describe(self) -> str:
         return f"Categorical(logits {tuple(self.logits.shape)}, {self.short_support()})"

@@ -31,7 +31,7 @@ class RelativePosition(Prior):
         self.logits, self.causal = logits, bool(causal)
         self.max_distance = (logits.shape[-1] - 1) // 2
 
-    def bias(self, num_children, num_parents, device, dtype):
+    def log_table(self, num_children, num_parents, device, dtype):
         K = self.max_distance
         idx = offsets(num_children, num_parents, self.logits.device).clamp(-K, K) + K
         return self.logits[..., idx].to(dtype)  # (…, C, P)
@@ -52,11 +52,11 @@ class ALiBi(Prior):
     def __init__(self, heads: int = 1, *, slopes: torch.Tensor | None = None, causal: bool = False):
         slopes = alibi_slopes(heads) if slopes is None else torch.as_tensor(slopes)
         checking = is_validating() and not torch.compiler.is_compiling()
-        if slopes.dim() != 1 or (checking and not bool((slopes >= 0).all())):
-            raise ValueError(f"ALiBi prior: slopes must be a 1-D tensor of m ≥ 0; got {slopes}")
+        if slopes.dim() != 1 or (checking and not bool(((slopes >= 0) & slopes.isfinite()).all())):
+            raise ValueError(f"ALiBi prior: slopes must be a 1-D tensor of finite m ≥ 0; got {slopes}")
         self.slopes, self.causal = slopes, bool(causal)
 
-    def bias(self, num_children, num_parents, device, dtype):
+    def log_table(self, num_children, num_parents, device, dtype):
         dist = offsets(num_children, num_parents, device).abs().to(dtype)
         return -self.slopes.to(device=device, dtype=dtype)[:, None, None] * dist  # (H, C, P)
 

@@ -44,7 +44,7 @@ class Uniform(Prior):
         self.edge_index = edge_index
         self.empty = empty
 
-    def support_mask(self, num_children, num_parents, device):
+    def explicit_support(self, num_children, num_parents, device):
         if self.edge_index is not None:  # the dense reading of an edge list (small graphs only)
             src, dst = self.edge_index.to(device)
             mask = torch.zeros(num_children, num_parents, dtype=torch.bool, device=device)

@@ -14,7 +14,8 @@ from .marginalise import Marginalise
 
 @dataclass
 class Structure:
-    """The IR of a declaration run on concrete inputs."""
+    """The IR of a declaration run on concrete inputs (``output``: the program's output with
+    placeholder zero values — for shapes only)."""
 
     node_sets: dict[str, NodeSet]
     families: dict[str, EdgeFamily]
@@ -33,15 +34,28 @@ class Structure:
         f = self.families[name]
         xc = f.children.states
         t = f.prior.log_prob_table(f.children.size, f.parents.size, xc.device, xc.dtype)
+        keep = lowering.keep_children(f)
+        if keep is not None:  # parentless children (empty="zero") have no prior edge at all
+            t = t.masked_fill(keep == 0, float("-inf"))
         return t.expand(*f.batch_shape, f.heads, *t.shape[-2:])
 
     def posterior(self, name: str) -> torch.Tensor:
-        """Edge posterior ``(*batch, H, C, P)`` of family ``name`` (dense)."""
-        return lowering.posterior(self.families[name])
+        """Edge posterior ``(*batch, H, C, P)`` of family ``name`` (dense; all-zero rows for
+        parentless children under empty="zero")."""
+        f = self.families[name]
+        post, keep = lowering.posterior(f), lowering.keep_children(f)
+        return post if keep is None else post * keep
 
 
 class TraceStructure(Marginalise):
-    """``Marginalise`` that also records the node sets, in declaration order."""
+    """Records node sets (in declaration order) and edge families without computing any
+    expectation: values are zeros of the right shape, so an oracle that traces the
+    structure first never runs the compiled lowering."""
+
+    def expectation(self, family):
+        lowering.check_complete(family)
+        v = family.value.parent_values(family.parents.states)  # (*batch, H, P, d_v)
+        return v.new_zeros(*family.batch_shape, family.heads, family.children.size, v.shape[-1])
 
     def __init__(self):
         super().__init__()

@@ -37,6 +37,8 @@ def value_term(name: str, value: torch.Tensor, *, family: str, edge: str | None,
 
 class Value:
     heads: int = 1
+    #: v_i depends on φ_i alone (not on a walk of several edges)
+    single_edge: bool = True
 
     def parent_values(self, parents: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError(f"{type(self).__name__} must define parent_values")

@@ -24,6 +24,8 @@ class Hops(Value):
     Σ_k w_k P^k V X is exact; ground truth enumerates the walk (φ^1_i, …, φ^K_i) jointly.
     """
 
+    single_edge = False
+
     def __init__(self, W_v: torch.Tensor, weights=(0.0, 1.0, 1.0), *, heads: int = 1):
         if not isinstance(W_v, torch.Tensor) or W_v.dim() != 2 or W_v.shape[0] % heads:
             got = shape_str(W_v.shape) if isinstance(W_v, torch.Tensor) else type(W_v).__name__
@@ -58,8 +60,11 @@ class Hops(Value):
             for k, w in enumerate(self.weights[1:], start=1):
                 if k > 1:  # the next step: a fresh edge from the node reached
                     site = f"{fam.name}.hop{k}"
-                    index = pyro.sample(site, dist.Categorical(logits=gather_parents(scores, index)),
-                                        infer={"enumerate": "parallel"})
+                    step = dist.Categorical(logits=gather_parents(scores, index))
+                    if fam.parents.size == 1:  # one node: the walk stays there surely
+                        index = pyro.sample(site, step, obs=torch.zeros_like(index))
+                    else:
+                        index = pyro.sample(site, step, infer={"enumerate": "parallel"})
                 total = total + value_term(f"{fam.name}.value.hop{k}", gather_parents(values, index),
                                            family=fam.name, edge=site, weight=w)
         return total
@@ -69,6 +74,12 @@ class Hops(Value):
             raise ValueError(
                 f"edge family {family!r}: a Hops value walks along edges, so children and parents "
                 f"must be the same node set; got {children.name!r} and {parents.name!r}"
+            )
+        if parents.states.dtype != self.W_v.dtype or parents.states.device != self.W_v.device:
+            raise ValueError(
+                f"edge family {family!r}: node set {parents.name!r} ({parents.states.dtype}, "
+                f"{parents.states.device}) and Hops W_v ({self.W_v.dtype}, {self.W_v.device}) must "
+                f"share dtype and device"
             )
         if parents.features != self.W_v.shape[1]:
             raise ValueError(
