@@ -29,7 +29,9 @@ class ExactPosterior:
     marginals[f]: p(φ_i = j | x), ``(*batch, H, C, P)``;
     expectations[f]: E[v_i], ``(*batch, H, C, d_v)``;
     map_edges[f]: argmax_j p(φ_i = j | x), ``(*batch, H, C)`` (long);
-    output: the program's output with each value replaced by its expectation.
+    output: the program's output with each value replaced by its expectation — equal to
+    E[output] when the program is affine in its values; ``sample`` estimates E[output]
+    without that assumption.
     """
 
     marginals: dict
