@@ -16,10 +16,13 @@ class ProjectedAttention(sa.Declaration):
     and optionally ``W_o: (d_out, H·d_v)``; subclasses say which node sets they connect."""
 
     def __init__(self, d_child, d_parent, d_k, d_v, heads, out_features, temperature,
-                 device=None, dtype=None):
+                 device=None, dtype=None, name="attn"):
         super().__init__()
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"{type(self).__name__}: name must be a non-empty string; got {name!r}")
+        self.family_name = name  # the edge family's name: distinct names let layers share a model
         for name, val in (("d_k", d_k), ("d_v", d_v), ("heads", heads)):
-            if not isinstance(val, int) or val < 1:
+            if not isinstance(val, int) or isinstance(val, bool) or val < 1:
                 raise ValueError(
                     f"{type(self).__name__}: {name} must be a positive int; got {val!r}")
         learned = isinstance(temperature, str)
@@ -67,11 +70,11 @@ class TokenAttention(ProjectedAttention):
     d_k defaults to d_model/heads, d_v to d_k, and W_O maps back to d_model."""
 
     def __init__(self, d_model, *, d_k=None, d_v=None, heads=1, causal=False, out_proj=True,
-                 temperature=None, device=None, dtype=None):
-        d_k = d_k or d_model // heads
-        d_v = d_v or d_k
+                 temperature=None, device=None, dtype=None, name="attn"):
+        d_k = d_model // heads if d_k is None else d_k
+        d_v = d_k if d_v is None else d_v
         super().__init__(d_model, d_model, d_k, d_v, heads, d_model if out_proj else None,
-                         temperature, device, dtype)
+                         temperature, device, dtype, name)
         self.d_model, self.causal = d_model, causal
 
     def tokens(self, x):

@@ -37,7 +37,7 @@ class AbsolutePositionAttention(TokenAttention):
             raise ValueError(f"node set 'x' has {tokens.size} tokens but positional encodings "
                              f"exist for max_len={self.max_len}")
         prior = sa.priors.Uniform(causal=self.causal)
-        return self.attend("attn", tokens, tokens, prior, positions=self.positions[: tokens.size])
+        return self.attend(self.family_name, tokens, tokens, prior, positions=self.positions[: tokens.size])
 
 
 def absolute_position_attention(d_model, **kwargs) -> AbsolutePositionAttention:

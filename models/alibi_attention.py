@@ -22,7 +22,7 @@ class ALiBiAttention(TokenAttention):
     def model(self, x):
         tokens = self.tokens(x)
         prior = sa.priors.ALiBi(self.heads, slopes=self.slopes, causal=self.causal)
-        return self.attend("attn", tokens, tokens, prior)
+        return self.attend(self.family_name, tokens, tokens, prior)
 
 
 def alibi_attention(d_model, **kwargs) -> ALiBiAttention:

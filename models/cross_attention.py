@@ -21,18 +21,18 @@ class CrossAttention(ProjectedAttention):
     """
 
     def __init__(self, d_query, d_key=None, *, d_k=None, d_v=None, heads=1, out_proj=True,
-                 d_out=None, temperature=None, device=None, dtype=None):
+                 d_out=None, temperature=None, device=None, dtype=None, name="attn"):
         d_key = d_query if d_key is None else d_key
-        d_k = d_k or d_query // heads
-        d_v = d_v or d_k
+        d_k = d_query // heads if d_k is None else d_k
+        d_v = d_k if d_v is None else d_v
         out = (d_out or d_query) if out_proj else None
-        super().__init__(d_query, d_key, d_k, d_v, heads, out, temperature, device, dtype)
+        super().__init__(d_query, d_key, d_k, d_v, heads, out, temperature, device, dtype, name)
         self.d_query, self.d_key = d_query, d_key
 
     def model(self, queries, keys):
         q = sa.nodes("queries", queries, features=self.d_query)
         k = sa.nodes("keys", keys, features=self.d_key)
-        return self.attend("attn", q, k, sa.priors.Uniform())
+        return self.attend(self.family_name, q, k, sa.priors.Uniform())
 
     def example_inputs(self, n=5, batch=1):
         return (self._randn(batch, n, self.d_query), self._randn(batch, n + 1, self.d_key))

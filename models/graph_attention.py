@@ -40,7 +40,7 @@ class GraphAttention(TokenAttention):
                 f"GraphAttention: adjacency must be a boolean (n, n) mask or an int64 edge_index "
                 f"(2, E); got {got}"
             )
-        return self.attend("attn", tokens, tokens, prior)
+        return self.attend(self.family_name, tokens, tokens, prior)
 
     def example_inputs(self, n=5, batch=1):
         ring = torch.arange(n)

@@ -24,7 +24,7 @@ class MultihopAttention(TokenAttention):
     def model(self, x):
         tokens = self.tokens(x)
         value = sa.values.Hops(self.W_v, self.hop_weights, heads=self.heads)
-        return self.attend("attn", tokens, tokens, sa.priors.Uniform(causal=self.causal),
+        return self.attend(self.family_name, tokens, tokens, sa.priors.Uniform(causal=self.causal),
                            value=value)
 
 

@@ -29,7 +29,7 @@ class RelativePositionAttention(TokenAttention):
     def model(self, x):
         tokens = self.tokens(x)
         prior = sa.priors.RelativePosition(self.position_logits, causal=self.causal)
-        return self.attend("attn", tokens, tokens, prior)
+        return self.attend(self.family_name, tokens, tokens, prior)
 
 
 def relative_position_attention(d_model, **kwargs) -> RelativePositionAttention:

@@ -23,7 +23,7 @@ class SelfAttention(TokenAttention):
     def model(self, x, support=None):
         tokens = self.tokens(x)
         prior = sa.priors.Uniform(causal=self.causal, support=support)
-        return self.attend("attn", tokens, tokens, prior)
+        return self.attend(self.family_name, tokens, tokens, prior)
 
 
 def self_attention(d_model, **kwargs) -> SelfAttention:

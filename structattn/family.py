@@ -206,7 +206,7 @@ def edges(name: str, children: NodeSet, parents: NodeSet, prior: Prior, *, heads
             f"edge family {name!r}: prior must be a structattn prior (e.g. "
             f"structattn.priors.Uniform()); got {type(prior).__name__}"
         )
-    if not isinstance(heads, int) or heads < 1:
+    if not isinstance(heads, int) or isinstance(heads, bool) or heads < 1:
         raise ValueError(f"edge family {name!r}: heads must be a positive int; got {heads!r}")
     family = EdgeFamily(name, children, parents, prior, heads)
     family.validate_structure()

@@ -53,8 +53,10 @@ def sdpa_attend(family: EdgeFamily):
     return attend
 
 
-def segment_attend(family: EdgeFamily):
-    """``u ↦ E[u_{φ_i}]`` over an edge-list support: O(E) memory, never C×P."""
+def segment_attend(family: EdgeFamily, want_posterior: bool = False):
+    """``u ↦ E[u_{φ_i}]`` over an edge-list support: O(E) memory, never C×P. With
+    ``want_posterior`` the first call also keeps the per-edge posterior, which
+    ``posterior()`` then returns without another pass."""
     from .segment import segment_attention
 
     xc, xp = family.children.states, family.parents.states
@@ -66,14 +68,19 @@ def segment_attend(family: EdgeFamily):
     if isinstance(scale, torch.Tensor):
         a, scale = a * scale.to(a.dtype), 1.0
     kwargs = {"empty": family.prior.empty}
+    kept = {}
 
     def attend(u):
+        if want_posterior and "p" not in kept:
+            out, kept["p"] = segment_attention(a, b, u, src, dst, family.children.size,
+                                               float(scale), return_posterior=True, **kwargs)
+            return out
         return segment_attention(a, b, u, src, dst, family.children.size, float(scale), **kwargs)
 
     def posterior():  # p(φ_i = src_e | x) per edge e: (*batch, H, E)
-        dummy = b.new_zeros(*b.shape[:-1], 1)
-        return segment_attention(a, b, dummy, src, dst, family.children.size, float(scale),
-                                 return_posterior=True, **kwargs)[1]
+        if "p" not in kept:
+            attend(b.new_zeros(*b.shape[:-1], 1))
+        return kept["p"]
     return attend, posterior
 
 
@@ -108,9 +115,9 @@ def expectation(family: EdgeFamily, *, want_posterior: bool = False):
             raise NotImplementedError(
                 f"edge family {family.name!r}: an edge-list support needs exactly one "
                 f"factorised potential (ψ = ⟨a_i, b_j⟩·scale), e.g. Bilinear")
-        attend, posterior_fn = segment_attend(family)
-        return family.value.expectation(attend, xc, xp), (posterior_fn() if want_posterior
-                                                          else None)
+        attend, posterior_fn = segment_attend(family, want_posterior)
+        out = family.value.expectation(attend, xc, xp)
+        return out, (posterior_fn() if want_posterior else None)
     post = None
     if want_posterior or not can_use_fast_path(family):
         post = posterior(family)

@@ -129,3 +129,61 @@ def test_drawings_give_parentless_children_no_edges():
         G = sa.to_networkx(m, x, adjacency)
         assert list(G.in_edges("x[2]")) == []
         assert len(list(G.in_edges("x[1]"))) == 1
+
+
+def test_render_refuses_big_graphs_before_quadratic_work():
+    import time
+
+    m = sa.models.self_attention(8, d_k=2)
+    t = time.perf_counter()
+    with pytest.raises(ValueError, match=r"family 'attn' has 3000 nodes to draw \(1500 parents \+ "
+                                         r"1500 children\), more than max_nodes=64"):
+        sa.render(m, torch.randn(1, 1500, 8))
+    assert time.perf_counter() - t < 20  # was ~50 s of edge building before the check
+
+
+def test_two_catalogue_layers_in_one_declaration_and_render_heads_per_family():
+    class Stack(sa.Declaration):
+        def __init__(self):
+            super().__init__()
+            self.local = sa.models.self_attention(6, d_k=2, heads=2, causal=True, name="local",
+                                                  dtype=torch.float64)
+            self.cross = sa.models.cross_attention(6, 4, d_k=3, heads=1, name="memory",
+                                                   dtype=torch.float64)
+
+        def model(self, x, mem):
+            return self.local.model(x) + self.cross.model(x, mem)
+
+    m = Stack()
+    x, mem = _x(2, 5, 6), _x(2, 3, 4)
+    _, posts = sa.compile(m)(x, mem, return_posterior=True)
+    assert set(posts) == {"local", "memory"}
+    assert sa.inference.compare(m, x, mem).max_abs_diff < TOL
+    dot = sa.render(m, x, mem, heads=1)  # 'memory' has one head: drawn for 'local' only
+    assert "local · head 1" in dot.source and "memory · head" not in dot.source
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"heads": True}, r"heads must be a positive int; got True"),
+    ({"d_k": 0}, r"d_k must be a positive int; got 0"),
+    ({"temperature": "hot"}, r"temperature must be a number > 0, a tensor, None"),
+])
+def test_catalogue_argument_checks(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        sa.models.self_attention(6, **kwargs)
+
+
+def test_classification_temperature_string():
+    with pytest.raises(ValueError, match=r"Classification: temperature must be a finite number > 0 "
+                                         r"or a tensor; got 'learn'"):
+        sa.models.classification(6, 3, temperature="learn")
+
+
+def test_edge_list_posterior_comes_from_the_same_pass():
+    m = sa.models.graph_attention(4, d_k=2, heads=2, dtype=torch.float64)
+    ring = torch.arange(5)
+    ei = torch.cat([torch.stack([ring, ring]), torch.stack([(ring + 1) % 5, ring])], dim=1)
+    x = _x(2, 5, 4)
+    y, post = sa.compile(m)(x, ei, return_posterior=True)
+    torch.testing.assert_close(y, sa.compile(m)(x, ei), atol=1e-12, rtol=0)
+    torch.testing.assert_close(post.sum(-1), torch.full((2, 2), 5.0, dtype=torch.float64))

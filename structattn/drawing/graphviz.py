@@ -59,13 +59,15 @@ def graph_to_dot(G: nx.MultiDiGraph, *, heads=None, threshold: float = 0.0,
                 f"family {fname!r} has {sum(len(v) for v in nodes_of.values())} nodes to draw, "
                 f"more than max_nodes={max_nodes}; draw fewer nodes or raise max_nodes"
             )
-        head_list = range(info["heads"]) if heads is None else (
+        wanted = range(info["heads"]) if heads is None else (
             [heads] if isinstance(heads, int) else list(heads))
+        for h in wanted:
+            if not 0 <= h < max(f["heads"] for f in G.graph["families"].values()):
+                raise ValueError(f"head must be in [0, {info['heads']}); got {h}")
+        head_list = [h for h in wanted if h < info["heads"]]  # families with fewer heads
         width = max(len(v) for v in nodes_of.values())
         step = max(0.9, 0.09 * max(len(n) for v in nodes_of.values() for n in v) + 0.3)
         for h in head_list:
-            if not 0 <= h < info["heads"]:
-                raise ValueError(f"head must be in [0, {info['heads']}); got {h}")
             colour = _COLOURS[(f_i + h) % len(_COLOURS)]
             dot.node(f"n{next(counter)}", graphviz.escape(f"{fname} · head {h}"), shape="plaintext",
                      pos=f"{panel_x + (width - 1) * step / 2:.2f},2.75!", fontsize="11")
@@ -102,7 +104,7 @@ def render(model, *inputs, heads=None, threshold: float = 0.0, labels: bool = Fa
     ``dot`` binary is missing, the DOT source is written beside it (``.dot``) and
     ``RenderError`` explains how to install graphviz.
     """
-    G = to_networkx(model, *inputs, batch_index=batch_index)
+    G = to_networkx(model, *inputs, batch_index=batch_index, max_nodes=max_nodes)
     dot = graph_to_dot(G, heads=heads, threshold=threshold, labels=labels, max_nodes=max_nodes)
     if filename is not None:
         save(dot, filename)

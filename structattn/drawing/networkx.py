@@ -19,7 +19,8 @@ def node_id(node_set: str, index: int) -> str:
     return f"{node_set}[{index}]"
 
 
-def to_networkx(model, *inputs, batch_index: int = 0) -> nx.MultiDiGraph:
+def to_networkx(model, *inputs, batch_index: int = 0, max_nodes: int | None = None
+                ) -> nx.MultiDiGraph:
     """The edge structure of ``model`` as an ``nx.MultiDiGraph`` (a ``DiGraph`` subclass).
 
     Nodes are ``"name[i]"`` for each node of each node set (attributes
@@ -28,11 +29,21 @@ def to_networkx(model, *inputs, batch_index: int = 0) -> nx.MultiDiGraph:
     ``head``, ``support`` (True), ``prior`` p(φ_i = j) and, when inputs are
     given, ``posterior`` p(φ_i = j | x). Without inputs the declaration's
     ``example_inputs()`` fix the sizes and only the declared structure is kept.
-    Batched inputs: element ``batch_index`` of the flattened batch is drawn.
+    Batched inputs: element ``batch_index`` of the flattened batch is drawn. ``max_nodes``
+    (optional): refuse families whose two rows (parents and children) hold more nodes,
+    before any O(C·P) work.
     """
     decl = as_declaration(model)
     inputs, inferred = _inputs_or_examples(decl, inputs)
     structure = trace_structure(decl.model, *inputs)
+    for name, fam in structure.families.items():
+        drawn = fam.children.size + fam.parents.size
+        if max_nodes is not None and drawn > max_nodes:
+            raise ValueError(
+                f"family {name!r} has {drawn} nodes to draw ({fam.parents.size} parents + "
+                f"{fam.children.size} children), more than max_nodes={max_nodes}; draw fewer "
+                f"nodes or raise max_nodes"
+            )
     G = nx.MultiDiGraph(inferred=inferred, model=type(decl).__name__, families={})
     for ns in structure.node_sets.values():
         for i in range(ns.size):

@@ -16,7 +16,11 @@ def check_temperature(temperature, where: str):
     the potential is used (its value may change while learning)."""
     if isinstance(temperature, torch.Tensor):
         return temperature
-    t = float(temperature)
+    try:
+        t = float(temperature)
+    except (TypeError, ValueError):
+        raise ValueError(f"{where}: temperature must be a finite number > 0 or a tensor; got "
+                         f"{temperature!r}") from None
     if not (t > 0 and math.isfinite(t)):
         raise ValueError(f"{where}: temperature must be a finite number > 0; got {temperature}")
     return t
