@@ -44,6 +44,8 @@ class Comparison:
 
 def _maxdiff(a, b) -> float:
     if isinstance(a, torch.Tensor):
+        if a.numel() == 0:  # nothing to disagree about (e.g. a graph with no edges)
+            return 0.0
         return float((a.detach() - b.detach()).abs().max())
     if isinstance(a, (tuple, list)):
         return max(_maxdiff(x, y) for x, y in zip(a, b, strict=True))

@@ -71,6 +71,10 @@ def exact(model, *inputs, **kwargs) -> ExactPosterior:
     structure = trace_structure(program, *inputs, **kwargs)
     if not structure.families:
         raise ValueError("the model declares no edge family (structattn.edges); nothing to infer")
+    for name, f in structure.families.items():
+        if 0 in f.batch_shape:
+            raise ValueError(f"edge family {name!r}: the batch is empty (batch shape "
+                             f"{tuple(f.batch_shape)}); Pyro cannot enumerate over it")
     mpn = structure.max_plate_nesting
     first_dim = -mpn - 1
 

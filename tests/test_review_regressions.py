@@ -187,3 +187,13 @@ def test_edge_list_posterior_comes_from_the_same_pass():
     y, post = sa.compile(m)(x, ei, return_posterior=True)
     torch.testing.assert_close(y, sa.compile(m)(x, ei), atol=1e-12, rtol=0)
     torch.testing.assert_close(post.sum(-1), torch.full((2, 2), 5.0, dtype=torch.float64))
+
+
+def test_empty_edge_list_and_empty_batch():
+    m = sa.models.graph_attention(4, d_k=2, empty="zero", dtype=torch.float64)
+    x = _x(1, 3, 4)
+    no_edges = torch.zeros(2, 0, dtype=torch.long)
+    assert sa.compile(m)(x, no_edges).abs().max() == 0
+    assert sa.inference.compare(m, x, no_edges).max_abs_diff == 0
+    with pytest.raises(ValueError, match=r"edge family 'attn': the batch is empty"):
+        sa.inference.exact(sa.models.self_attention(4, d_k=2, dtype=torch.float64), _x(0, 3, 4))
