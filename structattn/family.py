@@ -208,6 +208,7 @@ def edges(name: str, children: NodeSet, parents: NodeSet, prior: Prior, *, heads
         )
     if not isinstance(heads, int) or isinstance(heads, bool) or heads < 1:
         raise ValueError(f"edge family {name!r}: heads must be a positive int; got {heads!r}")
+    prior.reset()  # tables are built once per family, i.e. per forward pass
     family = EdgeFamily(name, children, parents, prior, heads)
     family.validate_structure()
     readers = direct_readers()

@@ -197,3 +197,29 @@ def test_empty_edge_list_and_empty_batch():
     assert sa.inference.compare(m, x, no_edges).max_abs_diff == 0
     with pytest.raises(ValueError, match=r"edge family 'attn': the batch is empty"):
         sa.inference.exact(sa.models.self_attention(4, d_k=2, dtype=torch.float64), _x(0, 3, 4))
+
+
+def test_prior_table_is_built_once_per_forward_and_fresh_each_forward():
+    calls = []
+
+    class CountingRelative(sa.priors.RelativePosition):
+        def log_table(self, *args):
+            calls.append(1)
+            return super().log_table(*args)
+
+    logits = torch.nn.Parameter(torch.randn(2, 5, dtype=torch.float64))
+    prior = CountingRelative(logits, causal=True)  # one object reused across steps
+    program, _ = _program(lambda: prior, heads=2)
+    layer = sa.compile(program)
+    opt = torch.optim.SGD([logits], lr=0.5)
+    x = _x(2, 6, 4)
+    outs = []
+    for _ in range(2):
+        calls.clear()
+        out = layer(x)
+        assert len(calls) == 1
+        out.square().sum().backward()  # a second step must not reuse the freed graph
+        opt.step()
+        opt.zero_grad()
+        outs.append(out.detach())
+    assert not torch.allclose(outs[0], outs[1])  # the updated logits were used

@@ -36,6 +36,7 @@ class Prior:
         return None
 
     def log_table(self, num_children: int, num_parents: int, device, dtype) -> torch.Tensor | None:
+        """``(…, C, P)`` log weights in ``dtype`` (None: the parameters' own), or None."""
         return None
 
     def describe(self) -> str:
@@ -52,9 +53,28 @@ class Prior:
         return " ∧ ".join(parts) if parts else "all parents"
 
     # -- what is derived from it ---------------------------------------------------
+    def reset(self) -> None:
+        """Forget tables built for an earlier edge family. Each family (one forward pass)
+        starts afresh, so a (C, P) table is built once per pass however many readings use
+        it, and never outlives the parameters or the autograd graph it came from."""
+        self.__dict__["_tables"] = {}
+
+    def _memo(self, what, fn, *key):
+        tables = self.__dict__.setdefault("_tables", {})
+        key = (what, *(str(k) if isinstance(k, torch.device) else k for k in key))
+        if key not in tables:
+            tables[key] = fn()
+        return tables[key]
+
+    def table(self, num_children, num_parents, device, dtype) -> torch.Tensor | None:
+        """``log_table`` in ``dtype`` (None: its own), built once per family."""
+        t = self._memo("table", lambda: self.log_table(num_children, num_parents, device, None),
+                       num_children, num_parents, device)
+        return t if t is None or dtype is None else t.to(dtype)
+
     def bias(self, num_children, num_parents, device, dtype) -> torch.Tensor | None:
         """The finite part of ``log_table`` (−∞ entries set to 0; they are masked anyway)."""
-        table = self.log_table(num_children, num_parents, device, dtype)
+        table = self.table(num_children, num_parents, device, dtype)
         if table is None:
             return None
         return table.masked_fill(torch.isneginf(table), 0.0)
@@ -62,12 +82,14 @@ class Prior:
     def support_mask(self, num_children, num_parents, device) -> torch.Tensor | None:
         """Boolean ``(…, C, P)``: the explicit support ∩ the finite entries of ``log_table``,
         or None when neither restricts (built from tensor ops only, so it traces)."""
-        mask = self.explicit_support(num_children, num_parents, device)
-        table = self.log_table(num_children, num_parents, device, torch.float32)
-        if table is not None:
-            finite = ~torch.isneginf(table)
-            mask = finite if mask is None else mask & finite
-        return mask
+        def build():
+            mask = self.explicit_support(num_children, num_parents, device)
+            table = self.table(num_children, num_parents, device, None)
+            if table is not None:
+                finite = ~torch.isneginf(table)
+                mask = finite if mask is None else mask & finite
+            return mask
+        return self._memo("support", build, num_children, num_parents, device)
 
     def full_mask(self, num_children, num_parents, device) -> torch.Tensor | None:
         """Boolean support ``(…, C, P)`` including causality, or None for 'all parents'."""
@@ -115,7 +137,7 @@ class Prior:
         alone to a boolean mask; a log table to an additive float mask with −∞
         outside the support.
         """
-        table = self.log_table(num_children, num_parents, device, dtype)
+        table = self.table(num_children, num_parents, device, dtype)
         if table is None and self.explicit_support(num_children, num_parents, device) is None:
             return None, self.causal
         if table is None:
@@ -138,7 +160,7 @@ class Prior:
                              self.causal)
             return
         target = (*batch_shape, heads, num_children, num_parents)
-        table = self.log_table(num_children, num_parents, device, torch.float32)
+        table = self.table(num_children, num_parents, device, None)
         for what, t in (("support mask", self.explicit_support(num_children, num_parents, device)),
                         ("log weights", table)):
             if t is None:

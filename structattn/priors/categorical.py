@@ -35,7 +35,7 @@ class Categorical(Prior):
         return None if self.support is None else self.support.to(device)
 
     def log_table(self, num_children, num_parents, device, dtype):
-        return self.logits.to(dtype)  # −∞ entries: outside the support
+        return self.logits if dtype is None else self.logits.to(dtype)  # −∞: outside the support
 
     def describe(self) -> str:
         return f"Categorical(logits {tuple(self.logits.shape)}, {self.short_support()})"

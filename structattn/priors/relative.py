@@ -34,7 +34,8 @@ class RelativePosition(Prior):
     def log_table(self, num_children, num_parents, device, dtype):
         K = self.max_distance
         idx = offsets(num_children, num_parents, self.logits.device).clamp(-K, K) + K
-        return self.logits[..., idx].to(dtype)  # (…, C, P)
+        table = self.logits[..., idx]  # (…, C, P)
+        return table if dtype is None else table.to(dtype)
 
     def describe(self) -> str:
         return f"RelativePosition(K={self.max_distance}, {self.short_support()})"
@@ -57,6 +58,7 @@ class ALiBi(Prior):
         self.slopes, self.causal = slopes, bool(causal)
 
     def log_table(self, num_children, num_parents, device, dtype):
+        dtype = dtype or self.slopes.dtype
         dist = offsets(num_children, num_parents, device).abs().to(dtype)
         return -self.slopes.to(device=device, dtype=dtype)[:, None, None] * dist  # (H, C, P)
 
