@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from .._validation import check_finite, is_validating, same_device, shape_str
+from .._validation import is_validating, same_device, shape_str
 
 
 class Prior:
@@ -138,8 +138,14 @@ class Prior:
         outside the support.
         """
         table = self.table(num_children, num_parents, device, dtype)
-        if table is None and self.explicit_support(num_children, num_parents, device) is None:
+        explicit = self.explicit_support(num_children, num_parents, device)
+        if table is None and explicit is None:
             return None, self.causal
+        if table is not None and explicit is None and self.empty == "error":
+            # the table itself is the additive mask (−∞ = outside the support): no copies;
+            # causality still takes SDPA's fused path only when nothing else restricts
+            if not self.causal:
+                return table, False
         if table is None:
             mask = self.full_mask(num_children, num_parents, device)
             if self.empty == "zero":  # let empty rows attend anywhere; the caller zeroes them
@@ -179,12 +185,21 @@ class Prior:
                     f"edge family {family!r}: prior {what} are on {t.device} but the node states "
                     f"are on {device}; move the declaration with .to({str(device)!r})"
                 )
-        if table is not None:  # −∞ excludes a parent; NaN and +∞ are errors
-            check_finite(f"edge family {family!r}: prior log weights (finite part)",
-                         table.masked_fill(torch.isneginf(table), 0.0))
-        if not is_validating() or torch.compiler.is_compiling() or self.empty == "zero":
+        if not is_validating() or torch.compiler.is_compiling():
             return
-        if self.support_mask(num_children, num_parents, device) is None:
+        explicit = self.explicit_support(num_children, num_parents, device)
+        if table is not None:  # −∞ excludes a parent; NaN and +∞ are errors
+            bad = table.isnan() | table.isposinf()
+            if bool(bad.any()):
+                first = tuple(int(i) for i in bad.nonzero()[0])
+                raise ValueError(
+                    f"edge family {family!r}: prior log weights contain non-finite values (NaN "
+                    f"or +inf) at index {first}; only −inf (a parent outside the support) is "
+                    f"allowed"
+                )
+        if self.empty == "zero":
+            return
+        if explicit is None and (table is None or not bool(torch.isneginf(table).any())):
             return  # all parents, or j ≤ i alone: column 0 is always allowed, no row is empty
         mask = self.full_mask(num_children, num_parents, device)
         empty = ~mask.any(-1)
