@@ -36,6 +36,13 @@ def validation(enabled: bool):
         _VALIDATE = old
 
 
+def first_true(flags: torch.Tensor) -> tuple[int, ...] | None:
+    """The index of the first True in a boolean tensor, or None when there is none."""
+    if not bool(flags.any()):
+        return None
+    return tuple(int(i) for i in flags.nonzero()[0])
+
+
 def check_finite(what: str, tensor: torch.Tensor) -> None:
     """Raise a ValueError naming ``what`` when ``tensor`` holds NaN or ±inf."""
     if not _VALIDATE or torch.compiler.is_compiling():
@@ -45,8 +52,8 @@ def check_finite(what: str, tensor: torch.Tensor) -> None:
     if bool(torch.isfinite(tensor.sum())):
         return
     bad = ~torch.isfinite(tensor)
-    if bool(bad.any()):
-        first = tuple(int(i) for i in bad.nonzero()[0])
+    first = first_true(bad)
+    if first is not None:
         raise ValueError(
             f"{what} contains non-finite values (NaN or inf): {int(bad.sum())} of "
             f"{tensor.numel()} entries, the first at index {first}. structattn refuses to "

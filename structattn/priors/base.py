@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from .._validation import is_validating, same_device, shape_str
+from .._validation import first_true, is_validating, same_device, shape_str
 
 
 class Prior:
@@ -189,9 +189,8 @@ class Prior:
             return
         explicit = self.explicit_support(num_children, num_parents, device)
         if table is not None:  # −∞ excludes a parent; NaN and +∞ are errors
-            bad = table.isnan() | table.isposinf()
-            if bool(bad.any()):
-                first = tuple(int(i) for i in bad.nonzero()[0])
+            first = first_true(table.isnan() | table.isposinf())
+            if first is not None:
                 raise ValueError(
                     f"edge family {family!r}: prior log weights contain non-finite values (NaN "
                     f"or +inf) at index {first}; only −inf (a parent outside the support) is "
@@ -203,8 +202,8 @@ class Prior:
             return  # all parents, or j ≤ i alone: column 0 is always allowed, no row is empty
         mask = self.full_mask(num_children, num_parents, device)
         empty = ~mask.any(-1)
-        if bool(empty.any()):
-            where = tuple(int(i) for i in empty.nonzero()[0])
+        where = first_true(empty)
+        if where is not None:
             raise ValueError(
                 f"edge family {family!r}: child {where[-1]} (index {where}) has an empty "
                 f"support — no parent is allowed, so p(φ_i | x) does not exist. "
