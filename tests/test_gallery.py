@@ -6,7 +6,8 @@ import pathlib
 import pytest
 
 GALLERY = pathlib.Path(__file__).resolve().parents[1] / "gallery"
-RUN_IN_TESTS = {"plot_quickstart.py": ["--quick"], "plot_multihop.py": ["--quick"]}
+RUN_IN_TESTS = {"plot_quickstart.py": ["--quick"], "plot_multihop.py": ["--quick"],
+                "plot_catalogue.py": ["--quick"]}
 
 
 def _load(path):
