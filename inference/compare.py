@@ -57,10 +57,7 @@ def _in_layout(family, dense: torch.Tensor) -> torch.Tensor:
     edge-list supports (causal edges only when causal), else unchanged."""
     if family.prior.edge_index is None:
         return dense
-    src, dst = family.prior.edge_index.to(dense.device)
-    if family.prior.causal:
-        keep = src <= dst
-        src, dst = src[keep], dst[keep]
+    src, dst = family.prior.edges(dense.device)
     return dense[..., dst, src]
 
 

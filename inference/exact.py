@@ -18,7 +18,6 @@ from pyro import poutine
 from pyro.infer import TraceEnum_ELBO, infer_discrete
 
 from structattn.declaration import as_declaration
-from structattn.lowering import keep_children
 from structattn.readers import SubstituteExpectations, trace_structure
 
 
@@ -114,7 +113,7 @@ def exact(model, *inputs, **kwargs) -> ExactPosterior:
             e = _expectation_from_table(table, enum_dim, probs.expand(*target[:-1], probs.shape[-1]))
         expectations[term["family"]] = expectations.get(term["family"], 0) + e
     for name, family in structure.families.items():  # empty="zero": children without parents
-        keep = keep_children(family)
+        keep = family.keep()
         if keep is not None:
             marginals[name] = marginals[name] * keep
             if name in expectations:

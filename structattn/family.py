@@ -74,6 +74,13 @@ class EdgeFamily:
             total = total + psi.pairwise(xc, xp)
         return total.expand(*self.batch_shape, self.heads, *total.shape[-2:])
 
+    def keep(self) -> torch.Tensor | None:
+        """``(…, C, 1)`` 0/1 factor zeroing children without parents (``empty="zero"``): their
+        value and posterior row are zero in every reading; None when no child can be empty."""
+        xc = self.children.states
+        empty = self.prior.empty_children(self.children.size, self.parents.size, xc.device)
+        return None if empty is None else (~empty).to(xc.dtype)[..., None]
+
     def describe(self) -> str:
         return (f"φ {self.name!r}: {self.parents.name} → {self.children.name}, "
                 f"prior {self.prior.describe()}, heads={self.heads}")
@@ -161,9 +168,7 @@ class SampledEdge:
     def expect(self, value):
         self.family.set_value(value)
         out = value.pyro_value(self)
-        from .lowering import keep_children  # children without parents predict zero
-
-        keep = keep_children(self.family)
+        keep = self.family.keep()  # children without parents predict zero
         return out if keep is None else out * keep
 
 

@@ -23,8 +23,10 @@ from .family import EdgeFamily
 
 
 def posterior(family: EdgeFamily) -> torch.Tensor:
-    """p(φ_i = j | x): ``(*batch, H, C, P)``; rows sum to one over the support."""
-    return torch.softmax(family.scores(), dim=-1)
+    """p(φ_i = j | x): ``(*batch, H, C, P)``; rows sum to one over the support (all-zero
+    rows for children without parents under ``empty="zero"``)."""
+    post, keep = torch.softmax(family.scores(), dim=-1), family.keep()
+    return post if keep is None else post * keep
 
 
 def dense_attend(post: torch.Tensor):
@@ -36,16 +38,22 @@ def can_use_fast_path(family: EdgeFamily) -> bool:
     return len(family.potentials) == 1 and family.potentials[0].is_factorised
 
 
+def score_factors(family: EdgeFamily):
+    """``(a, b, scale)`` with ψ = scale·⟨a_i, b_j⟩ and ``scale`` a float: a tensor (learnable)
+    temperature is folded into ``a``, since the fused kernels take a float scale."""
+    a, b, scale = family.potentials[0].factors(family.children.states, family.parents.states)
+    if isinstance(scale, torch.Tensor):
+        a, scale = a * scale.to(a.dtype), 1.0
+    return a, b, float(scale)
+
+
 def sdpa_attend(family: EdgeFamily):
     """``u ↦ E_{p(φ_i|x)}[u_{φ_i}]`` through ``scaled_dot_product_attention``; the score
     factors and the mask are built once and reused for every call (multihop calls it K times)."""
-    xc, xp = family.children.states, family.parents.states
-    a, b, scale = family.potentials[0].factors(xc, xp)  # (*batch,H,C,k), (*batch,H,P,k)
+    xc = family.children.states
+    a, b, scale = score_factors(family)  # (*batch, H, C, k), (*batch, H, P, k)
     mask, is_causal = family.prior.sdpa_inputs(family.children.size, family.parents.size,
                                                xc.device, xc.dtype)
-    if isinstance(scale, torch.Tensor):  # a learnable temperature: SDPA wants a float scale
-        a, scale = a * scale.to(a.dtype), 1.0
-    scale = float(scale)
 
     def attend(u):
         return F.scaled_dot_product_attention(a, b, u, attn_mask=mask, is_causal=is_causal,
@@ -59,36 +67,23 @@ def segment_attend(family: EdgeFamily, want_posterior: bool = False):
     ``posterior()`` then returns without another pass."""
     from .segment import segment_attention
 
-    xc, xp = family.children.states, family.parents.states
-    src, dst = family.prior.edge_index.to(xc.device)
-    if family.prior.causal:
-        keep = src <= dst
-        src, dst = src[keep], dst[keep]
-    a, b, scale = family.potentials[0].factors(xc, xp)
-    if isinstance(scale, torch.Tensor):
-        a, scale = a * scale.to(a.dtype), 1.0
+    src, dst = family.prior.edges(family.children.states.device)
+    a, b, scale = score_factors(family)
     kwargs = {"empty": family.prior.empty}
     kept = {}
 
     def attend(u):
         if want_posterior and "p" not in kept:
-            out, kept["p"] = segment_attention(a, b, u, src, dst, family.children.size,
-                                               float(scale), return_posterior=True, **kwargs)
+            out, kept["p"] = segment_attention(a, b, u, src, dst, family.children.size, scale,
+                                               return_posterior=True, **kwargs)
             return out
-        return segment_attention(a, b, u, src, dst, family.children.size, float(scale), **kwargs)
+        return segment_attention(a, b, u, src, dst, family.children.size, scale, **kwargs)
 
     def posterior():  # p(φ_i = src_e | x) per edge e: (*batch, H, E)
         if "p" not in kept:
             attend(b.new_zeros(*b.shape[:-1], 1))
         return kept["p"]
     return attend, posterior
-
-
-def keep_children(family: EdgeFamily) -> torch.Tensor | None:
-    """``(…, C, 1)`` 0/1 factor zeroing children without parents (``empty="zero"``), or None."""
-    xc = family.children.states
-    empty = family.prior.empty_children(family.children.size, family.parents.size, xc.device)
-    return None if empty is None else (~empty).to(xc.dtype)[..., None]
 
 
 def check_complete(family: EdgeFamily) -> None:
@@ -118,16 +113,12 @@ def expectation(family: EdgeFamily, *, want_posterior: bool = False):
         attend, posterior_fn = segment_attend(family, want_posterior)
         out = family.value.expectation(attend, xc, xp)
         return out, (posterior_fn() if want_posterior else None)
-    post = None
     if want_posterior or not can_use_fast_path(family):
-        post = posterior(family)
-        attend = dense_attend(post)
-    else:
-        attend = sdpa_attend(family)
-    keep = keep_children(family)
-    if keep is not None:  # children without parents: zero value, zero posterior row
+        post = posterior(family)  # parentless rows already zero
+        return family.value.expectation(dense_attend(post), xc, xp), post
+    attend, keep = sdpa_attend(family), family.keep()
+    if keep is not None:  # children without parents: zero value
         inner = attend
         def attend(u):  # noqa: E306
             return inner(u) * keep
-        post = None if post is None else post * keep
-    return family.value.expectation(attend, xc, xp), post
+    return family.value.expectation(attend, xc, xp), None

@@ -114,6 +114,15 @@ class Prior:
                 table = torch.where(mask.any(-1, keepdim=True), table, torch.zeros_like(table))
         return table
 
+    def edges(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(src, dst)`` of an edge-list support on ``device``: parents and children, only
+        the edges j ≤ i when causal."""
+        src, dst = self.edge_index.to(device)
+        if self.causal:
+            keep = src <= dst
+            src, dst = src[keep], dst[keep]
+        return src, dst
+
     def log_prob_table(self, num_children, num_parents, device, dtype) -> torch.Tensor:
         """Normalised log prior ``(…, C, P)``: rows are log p(φ_i = ·)."""
         return torch.log_softmax(self.log_weights(num_children, num_parents, device, dtype), -1)

@@ -34,7 +34,7 @@ class Structure:
         f = self.families[name]
         xc = f.children.states
         t = f.prior.log_prob_table(f.children.size, f.parents.size, xc.device, xc.dtype)
-        keep = lowering.keep_children(f)
+        keep = f.keep()
         if keep is not None:  # parentless children (empty="zero") have no prior edge at all
             t = t.masked_fill(keep == 0, float("-inf"))
         return t.expand(*f.batch_shape, f.heads, *t.shape[-2:])
@@ -42,9 +42,7 @@ class Structure:
     def posterior(self, name: str) -> torch.Tensor:
         """Edge posterior ``(*batch, H, C, P)`` of family ``name`` (dense; all-zero rows for
         parentless children under empty="zero")."""
-        f = self.families[name]
-        post, keep = lowering.posterior(f), lowering.keep_children(f)
-        return post if keep is None else post * keep
+        return lowering.posterior(self.families[name])
 
 
 class TraceStructure(Marginalise):

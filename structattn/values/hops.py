@@ -6,12 +6,12 @@ import pyro
 import pyro.distributions as dist
 import torch
 
-from .._validation import shape_str
-from ..heads import gather_parents, split_heads
-from .base import Value, value_term
+from ..heads import gather_parents
+from .base import value_term
+from .linear import Linear
 
 
-class Hops(Value):
+class Hops(Linear):
     """``v_i(x, φ) = Σ_k w_k W_V x_{φ^k(i)}``, φ^0(i) = i, φ^k(i) = φ_{φ^{k−1}(i)}: the value of
     a walk of k steps along the edges ⇒ E[v] = Σ_k w_k P^k (V X).
 
@@ -27,16 +27,11 @@ class Hops(Value):
     single_edge = False
 
     def __init__(self, W_v: torch.Tensor, weights=(0.0, 1.0, 1.0), *, heads: int = 1):
-        if not isinstance(W_v, torch.Tensor) or W_v.dim() != 2 or W_v.shape[0] % heads:
-            got = shape_str(W_v.shape) if isinstance(W_v, torch.Tensor) else type(W_v).__name__
-            raise ValueError(f"Hops value: W_v must be (heads*d_v, features); got {got}")
+        super().__init__(W_v, heads=heads)  # W_V and its checks: a Linear value per hop
         weights = [float(w) for w in weights]
         if len(weights) < 2:
             raise ValueError(f"Hops value: weights must be (w_0, …, w_K) with K ≥ 1; got {weights}")
-        self.W_v, self.heads, self.weights = W_v, heads, weights
-
-    def parent_values(self, parents):
-        return split_heads(parents @ self.W_v.T, self.heads)
+        self.weights = weights
 
     def expectation(self, attend, children, parents):
         u = self.parent_values(parents)  # (*batch, H, P, d_v): V X
@@ -75,17 +70,7 @@ class Hops(Value):
                 f"edge family {family!r}: a Hops value walks along edges, so children and parents "
                 f"must be the same node set; got {children.name!r} and {parents.name!r}"
             )
-        if parents.states.dtype != self.W_v.dtype or parents.states.device != self.W_v.device:
-            raise ValueError(
-                f"edge family {family!r}: node set {parents.name!r} ({parents.states.dtype}, "
-                f"{parents.states.device}) and Hops W_v ({self.W_v.dtype}, {self.W_v.device}) must "
-                f"share dtype and device"
-            )
-        if parents.features != self.W_v.shape[1]:
-            raise ValueError(
-                f"edge family {family!r}: node set {parents.name!r} must have shape "
-                f"(*batch, n, {self.W_v.shape[1]}) to match W_v; got {shape_str(parents.states.shape)}"
-            )
+        super().validate(family, children, parents)
 
     def describe(self) -> str:
         return f"Hops(weights={tuple(self.weights)}, heads={self.heads})"
