@@ -37,6 +37,9 @@ class ExactPosterior:
     expectations: dict
     map_edges: dict
     output: object
+    #: −log p(x, z) with the edges summed out (TraceEnum_ELBO's loss; z the given latents),
+    #: summed over the batch: the collapsed free energy
+    free_energy: float | None = None
 
 
 def _no_guide(*args, **kwargs):
@@ -58,8 +61,20 @@ def _expectation_from_table(table: torch.Tensor, enum_dim: int, probs: torch.Ten
     return out.reshape(probs.shape[:-1] + out.shape[-1:])
 
 
-def exact(model, *inputs, **kwargs) -> ExactPosterior:
+def condition_latents(program, latents: dict):
+    """``program`` with every latent node set's ``pyro.sample`` site observed at ``latents``
+    (name → states ``(*batch, n, d)``)."""
+    data = {name: z.unsqueeze(-3) for name, z in latents.items()}  # the sites' heads dim
+    return poutine.condition(program, data=data)
+
+
+def exact(model, *inputs, latents: dict | None = None, **kwargs) -> ExactPosterior:
     """Exact edge posteriors, value expectations, MAP edges and output by Pyro enumeration.
+
+    Models with latent node sets (``structattn.latent``) are read at given latent states
+    ``latents`` (name → states): the latent sites are observed there, so everything is
+    exact *conditional* on them — e.g. at a compiled module's final iterate, or at Pyro's
+    MAP (``structattn.inference.map_estimate``).
 
     Cost: exponential in nothing here — each family is enumerated once in
     parallel over its P parents — but it materialises ``(P, *batch, H, C, d)``
@@ -68,6 +83,18 @@ def exact(model, *inputs, **kwargs) -> ExactPosterior:
     decl = as_declaration(model)
     program = decl.model
     structure = trace_structure(program, *inputs, **kwargs)
+    if structure.latents and latents is None:
+        raise ValueError(
+            f"the model has latent node sets {sorted(structure.latents)}: exact enumeration "
+            f"reads it at given latent states — pass latents={{name: states}} (e.g. a compiled "
+            f"layer's trace.states or structattn.inference.map_estimate(...).latents)")
+    if latents is not None:
+        unknown = set(latents) - set(structure.latents)
+        if unknown:
+            raise ValueError(f"latents= names {sorted(unknown)} that are not latent node sets "
+                             f"of the model; its latents: {sorted(structure.latents)}")
+        structure = trace_structure(program, *inputs, latent_values=latents, **kwargs)
+        program = condition_latents(program, latents)
     if not structure.families:
         raise ValueError("the model declares no edge family (structattn.edges); nothing to infer")
     for name, f in structure.families.items():
@@ -125,6 +152,8 @@ def exact(model, *inputs, **kwargs) -> ExactPosterior:
     map_edges = {name: map_trace.nodes[name]["value"].expand(marginals[name].shape[:-1])
                  for name in structure.families}
 
-    with SubstituteExpectations(expectations):
+    free_energy = (TraceEnum_ELBO(max_plate_nesting=mpn).loss(program, _no_guide, *inputs, **kwargs)
+                   if enumerable else None)
+    with SubstituteExpectations(expectations, latent_values=latents):
         output = program(*inputs, **kwargs)
-    return ExactPosterior(marginals, expectations, map_edges, output)
+    return ExactPosterior(marginals, expectations, map_edges, output, free_energy)

@@ -14,12 +14,16 @@ from .cross_attention import CrossAttention as CrossAttention
 from .cross_attention import cross_attention as cross_attention
 from .graph_attention import GraphAttention as GraphAttention
 from .graph_attention import graph_attention as graph_attention
+from .hopfield import Hopfield as Hopfield
+from .hopfield import hopfield as hopfield
 from .multihop_attention import MultihopAttention as MultihopAttention
 from .multihop_attention import multihop_attention as multihop_attention
 from .relative_position_attention import RelativePositionAttention as RelativePositionAttention
 from .relative_position_attention import relative_position_attention as relative_position_attention
 from .self_attention import SelfAttention as SelfAttention
 from .self_attention import self_attention as self_attention
+from .slot_attention import SlotAttention as SlotAttention
+from .slot_attention import slot_attention as slot_attention
 
 REGISTRY = {
     "absolute_position_attention": absolute_position_attention,
@@ -27,7 +31,9 @@ REGISTRY = {
     "classification": classification,
     "cross_attention": cross_attention,
     "graph_attention": graph_attention,
+    "hopfield": hopfield,
     "multihop_attention": multihop_attention,
     "relative_position_attention": relative_position_attention,
     "self_attention": self_attention,
+    "slot_attention": slot_attention,
 }

@@ -23,6 +23,13 @@ from .family import edges as edges
 from .family import potential as potential
 from .family import value as value
 from .heads import merge_heads as merge_heads
+from .iterate import Step as Step
+from .iterate import Trace as Trace
+from .latent import IterationOptions as IterationOptions
+from .latent import LatentNodeSet as LatentNodeSet
+from .latent import infer as infer
+from .latent import iteration as iteration
+from .latent import latent as latent
 from .heads import split_heads as split_heads
 from .nodes import NodeSet as NodeSet
 from .nodes import nodes as nodes

@@ -20,19 +20,33 @@ class CompiledModule(nn.Module):
     The output is E[program output] whenever the program is affine in its
     values (true of every catalogue model); ``structattn.inference.compare``
     checks it against Pyro.
+
+    Models with latent node sets (``structattn.latent``) iterate: the latents move to the
+    (approximate) fixed point of their collapsed free energy before any value is read.
+    ``return_trace=True`` also returns the ``Trace`` (states and free energy per step;
+    with ``trace_posteriors=True`` the edge posteriors per step too). Outputs come in the
+    order (output, posterior, trace).
     """
 
     def __init__(self, declaration: Declaration):
         super().__init__()
         self.declaration = declaration
 
-    def forward(self, *inputs, return_posterior: bool = False, **kwargs):
-        with Marginalise(record_posterior=return_posterior).direct() as reader:
+    def forward(self, *inputs, return_posterior: bool = False, return_trace: bool = False,
+                trace_posteriors: bool = False, **kwargs):
+        with Marginalise(record_posterior=return_posterior, record_trace=return_trace,
+                         record_trace_posteriors=trace_posteriors).direct() as reader:
             out = self.declaration.model(*inputs, **kwargs)
-        if not return_posterior:
-            return out
-        posts = reader.posteriors
-        return out, (next(iter(posts.values())) if len(posts) == 1 else dict(posts))
+        result = (out,)
+        if return_posterior:
+            posts = reader.posteriors
+            result += (next(iter(posts.values())) if len(posts) == 1 else dict(posts),)
+        if return_trace:
+            if reader.trace is None:
+                raise ValueError(f"{type(self.declaration).__name__} declares no latent node set "
+                                 f"(structattn.latent): there is no iteration to trace")
+            result += (reader.trace,)
+        return result[0] if len(result) == 1 else result
 
     def extra_repr(self) -> str:
         return f"compiled from {type(self.declaration).__name__}"

@@ -37,8 +37,13 @@ class NodeSet:
             self._plates = [
                 pyro.plate(f"{self.name}.batch_{k}", size, dim=k - nb - 1 - event_dims)
                 for k, size in enumerate(self.batch_shape) if size > 1
-            ] + ([pyro.plate(self.name, self.size, dim=-1)] if self.size > 1 else [])
+            ] + ([pyro.plate(f"{self.name}.nodes", self.size, dim=-1)] if self.size > 1 else [])
         return self._plates
+
+    def batch_plates(self, event_dims: int = 0) -> list:
+        """The batch plates alone (see ``plates``)."""
+        plates = self.plates(event_dims)
+        return plates[:-1] if self.size > 1 else plates
 
     @property
     def size(self) -> int:

@@ -64,13 +64,26 @@ def graph_attention_case():
     return m, (_x(2, n, 7), edge_index)
 
 
+def hopfield_case():
+    m = sa.models.hopfield(7, 5, heads=2, d_k=3, d_v=2, beta=0.8, update_steps=3,
+                           dtype=torch.float64)
+    return m, (_x(2, 3, 7), _x(2, 6, 5))
+
+
+def slot_attention_case():
+    m = sa.models.slot_attention(3, 5, iters=2, hidden_dim=8, dtype=torch.float64)
+    return m, (_x(2, 7, 5), _x(2, 3, 5))
+
+
 CASES = {
     "absolute_position_attention": absolute_position_attention_case,
     "alibi_attention": alibi_attention_case,
     "classification": classification_case,
     "cross_attention": cross_attention_case,
     "graph_attention": graph_attention_case,
+    "hopfield": hopfield_case,
     "multihop_attention": multihop_attention_case,
     "relative_position_attention": relative_position_attention_case,
     "self_attention": self_attention_case,
+    "slot_attention": slot_attention_case,
 }

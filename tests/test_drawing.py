@@ -18,7 +18,11 @@ def test_declared_and_inferred_graphs(name, tmp_path):
     assert isinstance(declared, nx.DiGraph) and not declared.graph["inferred"]
     G = sa.to_networkx(model, *inputs, batch_index=1)
     assert G.graph["inferred"]
-    posts = sa.inference.exact(model, *inputs).marginals  # dense (…, H, C, P), from Pyro
+    latents = None
+    if sa.trace_structure(model.model, *inputs).latents:  # drawn at the inferred states
+        _, trace = sa.compile(model)(*inputs, return_trace=True)
+        latents = {k: s[-1] for k, s in trace.states.items()}
+    posts = sa.inference.exact(model, *inputs, latents=latents).marginals  # (…, H, C, P), Pyro
     for fam in G.graph["families"]:
         p = posts[fam].detach()
         info = G.graph["families"][fam]

@@ -27,7 +27,8 @@ def to_networkx(model, *inputs, batch_index: int = 0, max_nodes: int | None = No
     ``node_set``, ``index``, ``observed``). Each allowed edge x_j → x_i of each
     family and head is an edge keyed ``"family/h"`` with attributes ``family``,
     ``head``, ``support`` (True), ``prior`` p(φ_i = j) and, when inputs are
-    given, ``posterior`` p(φ_i = j | x). Without inputs the declaration's
+    given, ``posterior`` p(φ_i = j | x) (for latent node sets, at the compiled reading's
+    final states). Without inputs the declaration's
     ``example_inputs()`` fix the sizes and only the declared structure is kept.
     Batched inputs: element ``batch_index`` of the flattened batch is drawn. ``max_nodes``
     (optional): refuse families whose two rows (parents and children) hold more nodes,
@@ -36,6 +37,13 @@ def to_networkx(model, *inputs, batch_index: int = 0, max_nodes: int | None = No
     decl = as_declaration(model)
     inputs, inferred = _inputs_or_examples(decl, inputs)
     structure = trace_structure(decl.model, *inputs)
+    if inferred and structure.latents:  # latent node sets: drawn at their inferred states
+        from ..compiler import compile as compile_model
+
+        with torch.no_grad():
+            _, trace = compile_model(decl)(*inputs, return_trace=True)
+        final = {name: states[-1] for name, states in trace.states.items()}
+        structure = trace_structure(decl.model, *inputs, latent_values=final)
     for name, fam in structure.families.items():
         drawn = fam.children.size + fam.parents.size
         if max_nodes is not None and drawn > max_nodes:

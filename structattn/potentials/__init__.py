@@ -3,5 +3,7 @@
 from .base import Potential as Potential
 from .bilinear import Bilinear as Bilinear
 from .dot import DotProduct as DotProduct
+from .mapped import Mapped as Mapped
 from .positional import Positional as Positional
 from .positional import sinusoidal as sinusoidal
+from .squared_distance import SquaredDistance as SquaredDistance

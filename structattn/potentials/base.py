@@ -8,6 +8,21 @@ A potential offers up to three readings of itself:
   naive twin; derived from ``factors`` when it exists);
 - ``at(children, parents, index)``: ψ at the parent each child picked, the
   Pyro reading's ``pyro.factor`` (derived from ``factors`` when it exists).
+
+A factorised potential may state its two halves separately, ``child_factor(x)`` and
+``parent_factor(x)`` with ``factor_scale()``: the iterative engine then computes the half
+on an observed node set once per forward, not once per step.
+
+For latent node sets (the iterative engine) a potential may also give, in closed form,
+
+- ``expected_gradient(side, op)``: E_{p(φ|x)}[∂ψ/∂x_side] summed over the edges of each
+  node on ``side`` ("children" or "parents"), shaped like that node set's states — by
+  Lemma 7.1 of the paper, the gradient of the family's log-partition;
+- ``expected_curvature(side, op)``: E[−∂²ψ/∂x_side²] when it is a multiple of the identity
+  (0 for potentials linear in that side), which makes the CCCP/EM update closed-form.
+
+Either may return None: the engine then differentiates the log-partition with autograd
+(gradient) or refuses the closed-form update (curvature).
 """
 
 from __future__ import annotations
@@ -23,10 +38,38 @@ class Potential:
     @property
     def is_factorised(self) -> bool:
         """True when ``factors`` is implemented (the SDPA fast path applies)."""
-        return type(self).factors is not Potential.factors
+        return self.is_split or type(self).factors is not Potential.factors
+
+    @property
+    def is_split(self) -> bool:
+        """True when the two halves of ``factors`` are given separately."""
+        return type(self).child_factor is not Potential.child_factor
+
+    def child_factor(self, children: torch.Tensor) -> torch.Tensor:
+        """a: ``(*batch, H, C, k)`` from the children's states ``(*batch, C, d)``."""
+        raise NotImplementedError
+
+    def parent_factor(self, parents: torch.Tensor) -> torch.Tensor:
+        """b: ``(*batch, H, P, k)`` from the parents' states ``(*batch, P, d)``."""
+        raise NotImplementedError
+
+    def factor_scale(self):
+        """The scale of ⟨a, b⟩: a float or a scalar tensor."""
+        return 1.0
 
     def factors(self, children: torch.Tensor, parents: torch.Tensor):
         """``(a, b, scale)`` with a: (*batch, H, C, k), b: (*batch, H, P, k); or None."""
+        if self.is_split:
+            return self.child_factor(children), self.parent_factor(parents), self.factor_scale()
+        return None
+
+    def expected_gradient(self, side: str, op) -> torch.Tensor | None:
+        """E_{p(φ|x)}[∂ψ/∂x_side] per node of ``side``, shaped like its states; None: unknown."""
+        return None
+
+    def expected_curvature(self, side: str, op):
+        """E[−∂²ψ/∂x_side²] as a scalar multiple of the identity per node (a float or a tensor
+        broadcastable to the states); None when it is not one."""
         return None
 
     def pairwise(self, children: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,7 @@ import math
 import torch
 
 from .._validation import is_validating, same_device, shape_str
-from ..heads import split_heads
+from ..heads import merge_heads, split_heads
 from .base import Potential
 
 
@@ -43,41 +43,78 @@ def check_temperature_value(t, family: str) -> None:
 class Bilinear(Potential):
     """``ψ_h(x_j, x_i) = (W_Q^h x_i)ᵀ (W_K^h x_j) / τ`` for each head h.
 
-    W_q: ``(heads*d_k, d_child)``, W_k: ``(heads*d_k, d_parent)``. The temperature
-    τ > 0 tempers the posterior (default √d_k); it may be a float or a
-    (learnable) scalar tensor. Paper §3.2, Table 1.
+    W_q: ``(heads*d_k, d_child)``, W_k: ``(heads*d_k, d_parent)``; either may be None for
+    the identity (that side's states are already ``heads*d_k`` features, e.g. a Hopfield
+    state ξ). The temperature τ > 0 tempers the posterior (default √d_k); it may be a
+    float or a (learnable) scalar tensor. Paper §3.2, Table 1; §4.2 (Hopfield).
+
+    Linear in each side, so for a latent side the expected gradient is one attention call,
+    E[∂ψ/∂x_i] = W_Qᵀ Σ_j p_ij W_K x_j / τ (children) or W_Kᵀ Σ_i p_ij W_Q x_i / τ (parents),
+    and the curvature is zero (the CCCP update is closed-form).
     """
 
-    def __init__(self, W_q: torch.Tensor, W_k: torch.Tensor, *, heads: int = 1,
+    def __init__(self, W_q: torch.Tensor | None, W_k: torch.Tensor | None, *, heads: int = 1,
                  temperature: float | torch.Tensor | None = None):
         if not isinstance(heads, int) or heads < 1:
             raise ValueError(f"Bilinear potential: heads must be a positive int; got {heads!r}")
         for name, W in (("W_q", W_q), ("W_k", W_k)):
-            if not isinstance(W, torch.Tensor) or W.dim() != 2:
+            if W is not None and (not isinstance(W, torch.Tensor) or W.dim() != 2):
                 got = shape_str(W.shape) if isinstance(W, torch.Tensor) else type(W).__name__
                 raise ValueError(
-                    f"Bilinear potential: {name} must be a matrix (heads*d_k, features); got {got}"
+                    f"Bilinear potential: {name} must be a matrix (heads*d_k, features) or None "
+                    f"(identity); got {got}"
                 )
-        if W_q.shape[0] != W_k.shape[0] or W_q.shape[0] % heads:
+        if W_q is None and W_k is None:
+            raise ValueError("Bilinear potential: W_q and W_k cannot both be None; use "
+                             "DotProduct(heads=…) for ψ = x_iᵀx_j / τ")
+        rows = [W.shape[0] for W in (W_q, W_k) if W is not None]
+        if len(set(rows)) > 1 or rows[0] % heads:
             raise ValueError(
                 f"Bilinear potential: W_q and W_k must both have heads*d_k rows with heads="
-                f"{heads}; got W_q {shape_str(W_q.shape)} and W_k {shape_str(W_k.shape)}"
+                f"{heads}; got W_q {None if W_q is None else shape_str(W_q.shape)} and W_k "
+                f"{None if W_k is None else shape_str(W_k.shape)}"
             )
         self.W_q, self.W_k, self.heads = W_q, W_k, heads
-        self.d_k = W_q.shape[0] // heads
+        self.d_k = rows[0] // heads
         if temperature is None:
             temperature = math.sqrt(self.d_k)
         self.temperature = check_temperature(temperature, "Bilinear potential")
 
-    def factors(self, children, parents):
-        a = split_heads(children @ self.W_q.T, self.heads)  # (*batch, H, C, d_k)
-        b = split_heads(parents @ self.W_k.T, self.heads)  # (*batch, H, P, d_k)
-        return a, b, 1.0 / self.temperature
+    def child_factor(self, children):
+        q = children if self.W_q is None else children @ self.W_q.T
+        return split_heads(q, self.heads)  # (*batch, H, C, d_k)
+
+    def parent_factor(self, parents):
+        k = parents if self.W_k is None else parents @ self.W_k.T
+        return split_heads(k, self.heads)  # (*batch, H, P, d_k)
+
+    def factor_scale(self):
+        return 1.0 / self.temperature
+
+    def expected_gradient(self, side, op):
+        a, b, scale = op.factors(self)
+        if side == "children":  # Σ_j p_ij ∂ψ_ij/∂x_i = W_Qᵀ (P b)_i · scale
+            g, W = merge_heads(op.attend(b)), self.W_q
+        else:  # Σ_i p_ij ∂ψ_ij/∂x_j = W_Kᵀ (Pᵀ a)_j · scale
+            g, W = merge_heads(op.adjoint(a)), self.W_k
+        g = g * scale
+        return g if W is None else g @ W
+
+    def expected_curvature(self, side, op):
+        return 0.0  # linear in each side
 
     def validate(self, family, children, parents):
         for role, nodes, W, wname in (("children", children, self.W_q, "W_q"),
                                       ("parents", parents, self.W_k, "W_k")):
             x = nodes.states
+            if W is None:
+                if x.shape[-1] != self.heads * self.d_k:
+                    raise ValueError(
+                        f"edge family {family!r}: {role} node set {nodes.name!r} must have shape "
+                        f"(*batch, n, heads*d_k={self.heads * self.d_k}) for a Bilinear potential "
+                        f"with {wname}=None (identity); got {shape_str(x.shape)}"
+                    )
+                continue
             if x.shape[-1] != W.shape[1]:
                 raise ValueError(
                     f"edge family {family!r}: {role} node set {nodes.name!r} must have shape "

@@ -5,21 +5,39 @@ from __future__ import annotations
 import torch
 
 from .._validation import shape_str
+from ..heads import merge_heads, split_heads
 from .base import Potential
 from .bilinear import check_temperature, check_temperature_value
 
 
 class DotProduct(Potential):
-    """``ψ(x_j, x_i) = x_iᵀ x_j / τ`` — e.g. a classification layer's ``f_θ(X)_iᵀ y_j``
-    (paper Table 1). One head; τ > 0 (float or tensor), default 1."""
+    """``ψ_h(x_j, x_i) = ⟨x_i^h, x_j^h⟩ / τ`` on the h-th of ``heads`` equal slices of the
+    features — e.g. a classification layer's ``f_θ(X)_iᵀ y_j`` (paper Table 1, one head) or
+    a Hopfield retrieval ``β ξᵀ x_j`` (τ = 1/β, §4.2). τ > 0 (float or tensor), default 1.
+    Linear in each side: closed-form expected gradient, zero curvature."""
 
-    heads = 1
-
-    def __init__(self, *, temperature: float | torch.Tensor = 1.0):
+    def __init__(self, *, temperature: float | torch.Tensor = 1.0, heads: int = 1):
+        if not isinstance(heads, int) or isinstance(heads, bool) or heads < 1:
+            raise ValueError(f"DotProduct potential: heads must be a positive int; got {heads!r}")
         self.temperature = check_temperature(temperature, "DotProduct potential")
+        self.heads = heads
 
-    def factors(self, children, parents):
-        return children.unsqueeze(-3), parents.unsqueeze(-3), 1.0 / self.temperature
+    def child_factor(self, children):
+        return split_heads(children, self.heads)
+
+    def parent_factor(self, parents):
+        return split_heads(parents, self.heads)
+
+    def factor_scale(self):
+        return 1.0 / self.temperature
+
+    def expected_gradient(self, side, op):
+        a, b, scale = op.factors(self)
+        g = op.attend(b) if side == "children" else op.adjoint(a)
+        return merge_heads(g) * scale
+
+    def expected_curvature(self, side, op):
+        return 0.0
 
     def validate(self, family, children, parents):
         check_temperature_value(self.temperature, family)
@@ -29,6 +47,11 @@ class DotProduct(Potential):
                 f"equal feature size; got {children.name!r} {shape_str(children.states.shape)} and "
                 f"{parents.name!r} {shape_str(parents.states.shape)}"
             )
+        if children.features % self.heads:
+            raise ValueError(
+                f"edge family {family!r}: a DotProduct potential with heads={self.heads} needs a "
+                f"feature size divisible by {self.heads}; got {children.features}"
+            )
 
     def describe(self) -> str:
-        return "DotProduct"
+        return "DotProduct" if self.heads == 1 else f"DotProduct(heads={self.heads})"

@@ -9,6 +9,9 @@ from pyro.poutine.messenger import Messenger
 from .. import lowering
 from .._direct import direct_readers
 from ..family import EdgeFamily
+from ..iterate import Engine, Trace
+from ..latent import LatentNodeSet
+from ..operator import FamilyOperator
 
 
 class MarginalEdge:
@@ -22,24 +25,84 @@ class MarginalEdge:
 
     def expect(self, value):
         self.family.set_value(value)
-        return self.reader.expectation(self.family)
+        fam = self.family
+        if any(not ns.observed and not ns.inferred for ns in (fam.children, fam.parents)):
+            self.reader.infer()  # a value is read at the inferred states
+        return self.reader.expectation(fam)
 
 
 class Marginalise(Messenger):
     """Pyro effect handler: ``structattn_edges`` sites return ``MarginalEdge`` handles and
     ``structattn.value`` returns E_{p(φ|x)}[v] (SDPA fast path, or the dense twin when
-    ``record_posterior``). Families seen are kept in ``self.families`` (the IR)."""
+    ``record_posterior``). Families seen are kept in ``self.families`` (the IR).
 
-    def __init__(self, *, record_posterior: bool = False):
+    Latent node sets (``structattn.latent``) start at their initial state; ``infer`` (called
+    by ``structattn.infer`` or by the first value of a family touching a latent) iterates
+    every pending latent against the families declared so far (``structattn.iterate``) and
+    keeps the ``Trace`` in ``self.trace``. ``latent_values`` fixes latents to given states
+    instead (no iteration): the reading of a model at a point, e.g. Pyro's MAP."""
+
+    def __init__(self, *, record_posterior: bool = False, record_trace: bool = False,
+                 record_trace_posteriors: bool = False, latent_values: dict | None = None):
         super().__init__()
         self.record_posterior = record_posterior
+        self.record_trace = record_trace or record_trace_posteriors
+        self.record_trace_posteriors = record_trace_posteriors
+        self.latent_values = latent_values
         self.families: dict[str, EdgeFamily] = {}
+        self.latents: dict[str, LatentNodeSet] = {}
         self.posteriors: dict = {}
         self.expectations: dict = {}
+        self.trace: Trace | None = None
+        self._caches: dict = {}
 
     def _pyro_structattn_edges(self, msg):
         msg["value"] = self.edge(msg["args"][0])
         msg["done"] = True
+
+    def _pyro_structattn_latent(self, msg):
+        msg["value"] = self.latent(msg["args"][0])
+        msg["done"] = True
+
+    def _pyro_structattn_infer(self, msg):
+        self.infer()
+        msg["value"] = msg["args"]
+        msg["done"] = True
+
+    def latent(self, node_set: LatentNodeSet) -> LatentNodeSet:
+        if node_set.name in self.latents:
+            raise ValueError(f"latent node set {node_set.name!r} is declared twice in one model")
+        if self.latent_values is not None:
+            try:
+                value = self.latent_values[node_set.name]
+            except KeyError:
+                raise ValueError(f"no value given for latent node set {node_set.name!r}; "
+                                 f"given: {sorted(self.latent_values)}") from None
+            if value.shape != node_set.states.shape:
+                raise ValueError(f"latent node set {node_set.name!r}: the given value has shape "
+                                 f"{tuple(value.shape)}, expected {tuple(node_set.states.shape)}")
+            node_set.states, node_set.inferred = value, True
+        self.latents[node_set.name] = node_set
+        return node_set
+
+    def infer(self) -> None:
+        """Iterate the pending latents to their fixed point (see ``structattn.iterate``)."""
+        pending = [z for z in self.latents.values() if not z.inferred]
+        if not pending:
+            return
+        for z in pending:
+            if not any(z is f.children or z is f.parents for f in self.families.values()):
+                raise ValueError(f"latent node set {z.name!r} is in no edge family: declare "
+                                 f"its families (structattn.edges) before inferring it")
+        engine = Engine(pending, dict(self.families), self._caches)
+        self.trace = engine.run(record=self.record_trace,
+                                record_posteriors=self.record_trace_posteriors)
+        for z in pending:
+            z.inferred = True
+        if self.record_posterior:  # the posteriors at the inferred states (the last step's)
+            for name, fam in engine.families.items():
+                self.posteriors[name] = FamilyOperator(fam, self._caches.setdefault(name, {})
+                                                       ).posterior()
 
     def edge(self, family) -> MarginalEdge:
         if family.name in self.families:
@@ -71,8 +134,8 @@ class SubstituteExpectations(Marginalise):
     """Every value site returns a given expectation (e.g. Pyro's exact one), so the rest of
     the program — head merging, output projections — runs on ground truth."""
 
-    def __init__(self, expectations: dict):
-        super().__init__()
+    def __init__(self, expectations: dict, latent_values: dict | None = None):
+        super().__init__(latent_values=latent_values)
         self.expectations = expectations
 
     def expectation(self, family):

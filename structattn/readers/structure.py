@@ -22,6 +22,11 @@ class Structure:
     output: object
 
     @property
+    def latents(self) -> dict:
+        """The latent node sets (``structattn.latent``) by name, in declaration order."""
+        return {k: ns for k, ns in self.node_sets.items() if not ns.observed}
+
+    @property
     def max_plate_nesting(self) -> int:
         return max((f.plate_nesting for f in self.families.values()), default=0)
 
@@ -55,9 +60,18 @@ class TraceStructure(Marginalise):
         v = family.value.parent_values(family.parents.states)  # (*batch, H, P, d_v)
         return v.new_zeros(*family.batch_shape, family.heads, family.children.size, v.shape[-1])
 
-    def __init__(self):
-        super().__init__()
+    def __init__(self, latent_values: dict | None = None):
+        super().__init__(latent_values=latent_values)
         self.node_sets: dict[str, NodeSet] = {}
+
+    def latent(self, node_set):
+        node_set = super().latent(node_set)
+        self.node_sets.setdefault(node_set.name, node_set)
+        return node_set
+
+    def infer(self):  # the structure only: latents stay at their initial (or given) state
+        for z in self.latents.values():
+            z.inferred = True
 
     def _pyro_post_structattn_nodes(self, msg):
         ns = msg["value"]
@@ -70,8 +84,9 @@ class TraceStructure(Marginalise):
             self.node_sets.setdefault(ns.name, ns)
 
 
-def trace_structure(program, *inputs, **kwargs) -> Structure:
-    """Run ``program(*inputs)`` under ``TraceStructure`` and return its ``Structure``."""
-    with torch.no_grad(), TraceStructure() as reader:
+def trace_structure(program, *inputs, latent_values: dict | None = None, **kwargs) -> Structure:
+    """Run ``program(*inputs)`` under ``TraceStructure`` and return its ``Structure`` (latent
+    node sets at their initial state, or at ``latent_values``)."""
+    with torch.no_grad(), TraceStructure(latent_values) as reader:
         out = program(*inputs, **kwargs)
     return Structure(reader.node_sets, reader.families, out)

@@ -1,0 +1,96 @@
+"""Ground truth for latent node sets: Pyro's MAP of the collapsed model.
+
+The declaration runs as the Pyro program it is — each latent node set a ``pyro.sample``
+site with its Gaussian (or flat) prior, each edge family a ``Categorical`` site
+enumerated in parallel by ``TraceEnum_ELBO`` — and a point-mass guide (``AutoDelta``)
+on the latents is fitted by minimising the ELBO's loss, which for a point mass is
+−log p(x, z) with the edges summed out: the collapsed free energy. No code of the
+compiled reading is used: not its operators, not its update rules.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pyro
+import torch
+from pyro import poutine
+from pyro.infer import TraceEnum_ELBO
+from pyro.infer.autoguide import AutoDelta
+from pyro.infer.autoguide.initialization import init_to_value
+from tqdm.auto import tqdm
+
+from structattn.declaration import as_declaration
+from structattn.readers import trace_structure
+
+from .exact import _no_guide
+
+
+@dataclass
+class MAPEstimate:
+    """latents[name]: argmax_z p(z | x) ``(*batch, n, d)``; free_energy: −log p(x, z) at it
+    (summed over the batch); losses: the loss per optimiser iteration; converged: whether
+    the gradient's max norm fell below ``gtol``."""
+
+    latents: dict
+    free_energy: float
+    losses: list
+    converged: bool
+
+
+def map_estimate(model, *inputs, init: dict | None = None, max_iter: int = 500,
+                 gtol: float = 1e-10, progress: bool = False, **kwargs) -> MAPEstimate:
+    """Fit the MAP of the latents under the collapsed model with Pyro.
+
+    init: starting states by latent name (default: each latent's declared ``init``, the
+    compiled reading's starting point, so both find the same local optimum). Optimised with
+    L-BFGS (strong Wolfe line search) on ``TraceEnum_ELBO().differentiable_loss`` with an
+    ``AutoDelta`` guide — deterministic, and precise enough for 1e-4 agreement in float64.
+    """
+    program = as_declaration(model).model
+    structure = trace_structure(program, *inputs, **kwargs)
+    latents = structure.latents
+    if not latents:
+        raise ValueError("the model declares no latent node set (structattn.latent): use "
+                         "structattn.inference.exact for its ground truth")
+    start = {name: ns.states.detach().clone() for name, ns in latents.items()}
+    for name, value in (init or {}).items():
+        if name not in latents:
+            raise ValueError(f"init= names {name!r}, not a latent node set of the model; "
+                             f"latents: {sorted(latents)}")
+        start[name] = value.detach().clone()
+    values = {name: z.unsqueeze(-3) for name, z in start.items()}  # the sites' heads dim
+
+    with pyro.get_param_store().scope():
+        guide = AutoDelta(poutine.block(program, expose=list(latents)),
+                          init_loc_fn=init_to_value(values=values))
+        elbo = TraceEnum_ELBO(max_plate_nesting=structure.max_plate_nesting)
+        guide(*inputs, **kwargs)  # create the point-mass parameters
+        params = list(guide.parameters())
+        opt = torch.optim.LBFGS(params, lr=1.0, max_iter=20, tolerance_grad=gtol,
+                                tolerance_change=0.0, history_size=50,
+                                line_search_fn="strong_wolfe")
+        losses, converged = [], False
+
+        def closure():
+            opt.zero_grad()
+            loss = elbo.differentiable_loss(program, guide, *inputs, **kwargs)
+            loss.backward()
+            return loss.detach()
+
+        bar = tqdm(range(max(1, max_iter // 20)), disable=not progress, desc="MAP (L-BFGS)")
+        for _ in bar:
+            loss = float(opt.step(closure).detach())
+            losses.append(loss)
+            bar.set_postfix(loss=f"{loss:.6g}")
+            grad = max(float(p.grad.abs().max()) for p in params)
+            if grad <= gtol:
+                converged = True
+                break
+        with torch.no_grad():
+            found = guide.median(*inputs, **kwargs)
+            free_energy = TraceEnum_ELBO(max_plate_nesting=structure.max_plate_nesting).loss(
+                poutine.condition(program, data=found), _no_guide, *inputs, **kwargs)
+    shapes = {name: ns.states.shape for name, ns in latents.items()}
+    return MAPEstimate({name: found[name].detach().reshape(shapes[name]) for name in latents},
+                       free_energy, losses, converged)

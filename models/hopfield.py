@@ -1,0 +1,91 @@
+"""Modern continuous Hopfield network (paper §4.2): latent states retrieve stored patterns."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+import structattn as sa
+
+
+class Hopfield(sa.Declaration):
+    """ξ_i ~ N(0, β⁻¹ I) (latent); φ_i ~ Uniform(stored patterns); ψ(y_j, ξ_i) = β ξ_iᵀ W_K y_j;
+    v = W_V y_j — per head. Collapsed free energy (per query and head, up to a constant):
+    β·E(ξ) with E(ξ) = −(1/β)·lse(β K ξ) + ½‖ξ‖², K = W_K Y (Ramsauer et al.'s energy).
+
+    The CCCP update of ξ is ξ ← Kᵀ softmax(β K ξ), ``update_steps`` times from
+    ξ₀ = W_Q r; the output is W_O concat_h(Vᵀ softmax(β K ξ_T)), V = W_V Y — the
+    semantics of hopfield-layers' ``Hopfield(update_steps_max=T)`` without
+    normalisation or biases. ``update_steps=0`` is cross attention (one softmax).
+
+    queries r: ``(*batch, M, d_query)``, keys Y: ``(*batch, N, d_key)`` →
+    ``(*batch, M, d_out or heads·d_v)``. Parameters ``W_q (heads·d_k, d_query)``,
+    ``W_k (heads·d_k, d_key)``, ``W_v (heads·d_v, d_key)``, ``W_o (d_out, heads·d_v)``.
+    Cost per step O(M·N·heads·d_k) (one SDPA call); memory O((M + N)·d).
+
+    ::
+
+        stored  y_1 … y_N          φ_i ~ Uniform, ψ = β ξ_iᵀ W_K y_j
+                   \\ | /
+        latent     ξ_i  ← Σ_j p(φ_i = j | ξ) W_K y_j   (T times)
+    """
+
+    def __init__(self, d_query, d_key=None, *, heads=1, d_k=None, d_v=None, d_out=None,
+                 beta=None, update_steps=0, tol=None, grad="unroll", out_proj=True,
+                 name="retrieve", device=None, dtype=None):
+        super().__init__()
+        d_key = d_query if d_key is None else d_key
+        d_k = d_query // heads if d_k is None else d_k
+        d_v = d_k if d_v is None else d_v
+        for what, val in (("d_query", d_query), ("d_key", d_key), ("heads", heads), ("d_k", d_k),
+                          ("d_v", d_v)):
+            if not isinstance(val, int) or isinstance(val, bool) or val < 1:
+                raise ValueError(f"Hopfield: {what} must be a positive int; got {val!r}")
+        if not isinstance(update_steps, int) or isinstance(update_steps, bool) or update_steps < 0:
+            raise ValueError(f"Hopfield: update_steps must be an int ≥ 0; got {update_steps!r}")
+        beta = 1.0 / math.sqrt(d_k) if beta is None else beta
+        if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not (
+                math.isfinite(beta) and beta > 0):
+            raise ValueError(f"Hopfield: beta must be a finite number > 0; got {beta!r}")
+        sa.IterationOptions(steps=update_steps, tol=tol, grad=grad)  # check them now
+        kw = {"device": device, "dtype": dtype}
+        self.d_query, self.d_key, self.heads, self.d_k, self.d_v = d_query, d_key, heads, d_k, d_v
+        self.beta, self.update_steps, self.tol, self.grad = float(beta), update_steps, tol, grad
+        self.family_name = name
+        self.W_q = nn.Parameter(torch.empty(heads * d_k, d_query, **kw))
+        self.W_k = nn.Parameter(torch.empty(heads * d_k, d_key, **kw))
+        self.W_v = nn.Parameter(torch.empty(heads * d_v, d_key, **kw))
+        self.W_o = (nn.Parameter(torch.empty(d_out or d_query, heads * d_v, **kw))
+                    if out_proj else None)
+        for p in (self.W_q, self.W_k, self.W_v, self.W_o):
+            if p is not None:
+                nn.init.xavier_uniform_(p)
+
+    def model(self, queries, keys):
+        stored = sa.nodes("stored", keys, features=self.d_key)
+        sa.nodes("queries", queries, features=self.d_query)  # the observed cue r
+        state = sa.latent("state", queries @ self.W_q.T, scale=self.beta ** -0.5,
+                          steps=self.update_steps, tol=self.tol, grad=self.grad)
+        phi = sa.edges(self.family_name, state, stored, sa.priors.Uniform(), heads=self.heads)
+        sa.potential(phi, sa.potentials.Bilinear(None, self.W_k, heads=self.heads,
+                                                 temperature=1.0 / self.beta))
+        y = sa.merge_heads(sa.value(phi, sa.values.Linear(self.W_v, heads=self.heads)))
+        return y if self.W_o is None else y @ self.W_o.T
+
+    def energy(self, state: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """Ramsauer et al.'s energy E(ξ) = Σ_{i,h} [−(1/β)·lse_j(β k_jᵀξ_i) + ½‖ξ_i‖²] of states
+        ``(*batch, M, heads·d_k)`` (e.g. ``trace.states["state"][t]``), ``(*batch,)``."""
+        K = sa.split_heads(keys @ self.W_k.T, self.heads)  # (*batch, H, N, d_k)
+        xi = sa.split_heads(state, self.heads)  # (*batch, H, M, d_k)
+        lse = torch.logsumexp(self.beta * xi @ K.transpose(-1, -2), -1)
+        return (-lse / self.beta + 0.5 * (xi * xi).sum(-1)).sum((-2, -1))
+
+    def example_inputs(self, n=5, batch=1):
+        return (self._randn(batch, 3, self.d_query), self._randn(batch, n, self.d_key))
+
+
+def hopfield(d_query, d_key=None, **kwargs) -> Hopfield:
+    """The modern Hopfield layer; see :class:`Hopfield`."""
+    return Hopfield(d_query, d_key, **kwargs)

@@ -1,0 +1,140 @@
+"""Slot attention (paper §4.3): each input picks a slot, so slots compete for inputs."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+import structattn as sa
+
+RECIPES = ("original", "collapsed")
+
+
+class SlotAttention(sa.Declaration):
+    """z_s ~ N(μ, σ²) (latent slots); each input j picks a slot, φ_j ~ Uniform(slots), so the
+    posterior is a softmax over *slots*; the slots are updated from it ``iters`` times.
+
+    - ``recipe="original"`` (Locatello et al. 2020; a drop-in for the ``slot-attention``
+      package's ``SlotAttention``, same parameter names): ψ(z_s, x_j) = to_k(x̂_j)ᵀ
+      to_q(LN(z_s)) / √dim with x̂ = LN(x); updates_s = Σ_j w_js to_v(x̂_j) with
+      w_js ∝ p(φ_j = s) + ε normalised over inputs; z ← GRU(updates, z); z ← z + MLP(LN(z)).
+      The GRU + MLP is the engine's user-callable update rule.
+    - ``recipe="collapsed"``: the pure collapsed-VI model. ψ(z_s, k_j) = −‖z_s − k_j‖²/(2τ)
+      with k = to_k(LN(x)) (a Gaussian mixture over the keys with the slots as means, τ =
+      √dim); the CCCP/EM update is the posterior-weighted mean
+      z_s ← (μ/σ² + Σ_j p(φ_j = s) k_j/τ) / (1/σ² + Σ_j p(φ_j = s)/τ), and the free energy
+      never increases (its MAP is ``structattn.inference.map_estimate``'s answer).
+
+    inputs: ``(B, N, dim)``; slots (optional initial slots): ``(B, S, dim)``, else
+    μ + σ·ε with S = ``num_slots`` (per call) or the constructor's → slots ``(B, S, dim)``.
+    Cost per iteration O(B·N·S·dim) + the GRU/MLP on B·S slots.
+
+    ::
+
+        slots   z_1  z_2 … z_S      φ_j ~ Uniform(slots): softmax over slots
+                  \\   |   /
+        inputs       x_j
+    """
+
+    def __init__(self, num_slots, dim, *, iters=3, eps=1e-8, hidden_dim=128, recipe="original",
+                 temperature=None, grad="unroll", device=None, dtype=None):
+        super().__init__()
+        for what, val in (("num_slots", num_slots), ("dim", dim), ("hidden_dim", hidden_dim)):
+            if not isinstance(val, int) or isinstance(val, bool) or val < 1:
+                raise ValueError(f"SlotAttention: {what} must be a positive int; got {val!r}")
+        if recipe not in RECIPES:
+            raise ValueError(f"SlotAttention: recipe must be one of {RECIPES}; got {recipe!r}")
+        if not (isinstance(eps, (int, float)) and eps >= 0 and math.isfinite(eps)):
+            raise ValueError(f"SlotAttention: eps must be a finite number ≥ 0; got {eps!r}")
+        sa.IterationOptions(steps=iters, grad=grad)  # check them now
+        temperature = math.sqrt(dim) if temperature is None else temperature
+        sa.potentials.bilinear.check_temperature(temperature, "SlotAttention")
+        kw = {"device": device, "dtype": dtype}
+        self.num_slots, self.dim, self.iters, self.eps = num_slots, dim, iters, eps
+        self.recipe, self.temperature, self.grad = recipe, temperature, grad
+        self.scale = dim ** -0.5
+        self.slots_mu = nn.Parameter(torch.randn(1, 1, dim, **kw))
+        self.slots_logsigma = nn.Parameter(torch.zeros(1, 1, dim, **kw))
+        nn.init.xavier_uniform_(self.slots_logsigma)
+        self.norm_input = nn.LayerNorm(dim, **kw)
+        self.to_k = nn.Linear(dim, dim, **kw)
+        if recipe == "original":
+            self.to_q = nn.Linear(dim, dim, **kw)
+            self.to_v = nn.Linear(dim, dim, **kw)
+            self.gru = nn.GRUCell(dim, dim, **kw)
+            hidden_dim = max(dim, hidden_dim)
+            self.mlp = nn.Sequential(nn.Linear(dim, hidden_dim, **kw), nn.ReLU(inplace=True),
+                                     nn.Linear(hidden_dim, dim, **kw))
+            self.norm_slots = nn.LayerNorm(dim, **kw)
+            self.norm_pre_ff = nn.LayerNorm(dim, **kw)
+
+    # -- the declaration ---------------------------------------------------------------
+    def model(self, inputs, slots=None, num_slots=None):
+        init = self.initial_slots(inputs, slots, num_slots)
+        x = self.norm_input(inputs)
+        if self.recipe == "original":
+            return self._original(x, init)
+        return self._collapsed(x, init)
+
+    def _original(self, x, init):
+        inputs = sa.nodes("inputs", x, features=self.dim)
+        v = self.to_v(x)  # (B, N, dim)
+
+        def gru_mlp(z, step):  # the original recipe's update, from the posterior over slots
+            w = step.posterior("assign").squeeze(-3) + self.eps  # (B, N, S): p(φ_j = s) + ε
+            w = w / w.sum(-2, keepdim=True)  # normalised over inputs
+            updates = w.transpose(-1, -2) @ v  # (B, S, dim)
+            d = z.shape[-1]
+            z = self.gru(updates.reshape(-1, d), z.reshape(-1, d)).reshape(z.shape)
+            return z + self.mlp(self.norm_pre_ff(z))
+
+        slots = sa.latent("slots", init, loc=self.slots_mu, scale=self.slots_logsigma.exp(),
+                          steps=self.iters, update=gru_mlp, grad=self.grad)
+        phi = sa.edges("assign", inputs, slots, sa.priors.Uniform())  # each input picks a slot
+        psi = sa.potentials.DotProduct(temperature=self.temperature)
+        sa.potential(phi, sa.potentials.Mapped(
+            psi, children=self.to_k, parents=lambda z: self.to_q(self.norm_slots(z))))
+        return sa.infer(slots)
+
+    def _collapsed(self, x, init):
+        keys = sa.nodes("inputs", self.to_k(x), features=self.dim)
+        slots = sa.latent("slots", init, loc=self.slots_mu, scale=self.slots_logsigma.exp(),
+                          steps=self.iters, update="cccp", grad=self.grad)
+        phi = sa.edges("assign", keys, slots, sa.priors.Uniform())
+        sa.potential(phi, sa.potentials.SquaredDistance(temperature=self.temperature))
+        return sa.infer(slots)
+
+    def initial_slots(self, inputs, slots=None, num_slots=None):
+        """The given slots (checked), or μ + σ·ε for ``num_slots`` (default: the constructor's)."""
+        if not isinstance(inputs, torch.Tensor) or inputs.dim() != 3 or inputs.shape[-1] != self.dim:
+            got = tuple(inputs.shape) if isinstance(inputs, torch.Tensor) else type(inputs).__name__
+            raise ValueError(f"SlotAttention: inputs must have shape (batch, n, {self.dim}); "
+                             f"got {got}")
+        if num_slots is not None and (not isinstance(num_slots, int) or isinstance(num_slots, bool)
+                                      or num_slots < 1):
+            raise ValueError(f"SlotAttention: num_slots must be a positive int; got {num_slots!r}")
+        b = inputs.shape[0]
+        if slots is not None:
+            if not isinstance(slots, torch.Tensor):
+                raise ValueError(f"SlotAttention: slots must be a tensor (batch, num_slots, dim); "
+                                 f"got {type(slots).__name__}")
+            want = (b, num_slots or slots.shape[-2] if slots.dim() == 3 else -1, self.dim)
+            if tuple(slots.shape) != want:
+                n_s = "num_slots" if num_slots is None else f"num_slots={num_slots}"
+                raise ValueError(f"SlotAttention: slots must have shape (batch={b}, {n_s}, "
+                                 f"dim={self.dim}); got {tuple(slots.shape)}")
+            return slots
+        n_s = num_slots or self.num_slots
+        mu = self.slots_mu.expand(b, n_s, -1)
+        sigma = self.slots_logsigma.exp().expand(b, n_s, -1)
+        return mu + sigma * torch.randn(mu.shape, device=inputs.device, dtype=inputs.dtype)
+
+    def example_inputs(self, n=6, batch=1):
+        return (self._randn(batch, n, self.dim), self._randn(batch, self.num_slots, self.dim))
+
+
+def slot_attention(num_slots, dim, **kwargs) -> SlotAttention:
+    """Slot attention; see :class:`SlotAttention`."""
+    return SlotAttention(num_slots, dim, **kwargs)

@@ -1,0 +1,257 @@
+"""The iterating reader's loop: collapsed-variational inference of latent node sets.
+
+With the edges summed out, the free energy of point estimates μ of the latents is
+(paper §4.1, Eq. 4–8)
+
+    F(μ) = −Σ_z log p(z = μ_z) − Σ_families Σ_{i,h} log Σ_j exp(ψ_ij(μ) + log p(φ_i = j)),
+
+and its gradient is the expectation, under the edge posterior, of the ordinary one
+(Lemma 7.1): ∂F/∂μ = ∂(−log p(μ))/∂μ − E_{p(φ|x,μ)}[∂ψ/∂μ]. Update rules:
+
+- ``"cccp"``: minimise the bound F(μ) ≤ −log p(μ) − E_{q_t(φ)}[ψ(μ)] − H[q_t] (tight at
+  μ_t, q_t = p(φ | x, μ_t)). When every potential is linear or isotropic-quadratic in μ
+  (Bilinear, DotProduct, SquaredDistance) the bound is a quadratic with curvature
+  H = 1/scale² + E[−∂²ψ/∂μ²] and its minimiser is μ_t − ∇F(μ_t)/H: the CCCP fixed point
+  for bilinear potentials (Hopfield: ξ ← Kᵀ softmax(βKξ)) and the EM M-step for Gaussian
+  ones (a posterior-weighted mean). F never increases.
+- ``"gradient"``: μ ← μ − η ∇F(μ).
+- a callable ``update(state, step) -> state`` (e.g. slot attention's GRU + MLP), given a
+  ``Step``: the operators of the latent's families at the current states.
+
+Latents are updated one after another within a step (block coordinate descent), each from
+the latest states of the others.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+
+from .latent import LatentNodeSet
+from .operator import FamilyOperator
+
+
+@dataclass
+class Trace:
+    """What an iteration did. ``states[name]``: ``(T + 1, *batch, n, d)`` (initial state first);
+    ``free_energy``: ``(T + 1, *batch)``, F at each recorded state; ``posteriors[family]``:
+    ``(T + 1, *batch, H, C, P)`` when recorded; ``steps``: T, the updates made; ``converged``:
+    whether the tolerance was met (None without one)."""
+
+    states: dict = field(default_factory=dict)
+    free_energy: torch.Tensor | None = None
+    posteriors: dict | None = None
+    steps: int = 0
+    converged: bool | None = None
+
+
+def sides(family, latent) -> list[str]:
+    """Which ends of ``family`` are the latent node set (both for self-attention over it)."""
+    return [s for s, ns in (("children", family.children), ("parents", family.parents))
+            if ns is latent]
+
+
+class Step:
+    """What an update rule sees for one latent at one step: its state and the operators
+    (``attend``, ``adjoint``, ``mass``, ``posterior``, ``log_partition``) of every family
+    at the current states, by family name or handle."""
+
+    def __init__(self, engine: Engine, latent: LatentNodeSet):
+        self.engine, self.latent = engine, latent
+        self._ops = {}
+
+    @property
+    def state(self) -> torch.Tensor:
+        return self.latent.states
+
+    def operator(self, family) -> FamilyOperator:
+        name = family if isinstance(family, str) else family.family.name
+        if name not in self._ops:
+            try:
+                fam = self.engine.families[name]
+            except KeyError:
+                raise ValueError(f"no edge family {name!r} in this model; families: "
+                                 f"{sorted(self.engine.families)}") from None
+            self._ops[name] = FamilyOperator(fam, self.engine.caches.setdefault(name, {}))
+        return self._ops[name]
+
+    def posterior(self, family):
+        return self.operator(family).posterior()
+
+    def attend(self, family, u):
+        return self.operator(family).attend(u)
+
+    def adjoint(self, family, u):
+        return self.operator(family).adjoint(u)
+
+    def mass(self, family):
+        return self.operator(family).mass()
+
+    def families(self) -> list:
+        """The families with this latent at one end."""
+        return [f for f in self.engine.families.values() if sides(f, self.latent)]
+
+    def expected_gradient(self) -> torch.Tensor:
+        """Σ_families E_{p(φ|x,μ)}[∂ψ/∂μ] (the gradient of Σ log_partition), like the state."""
+        total = torch.zeros_like(self.state)
+        for fam in self.families():
+            op = self.operator(fam.name)
+            closed = [psi.expected_gradient(side, op) for side in sides(fam, self.latent)
+                      for psi in fam.potentials]
+            if any(g is None for g in closed):
+                total = total + self._autograd_gradient(fam)
+            else:
+                total = total + sum(closed)
+        return total
+
+    def _autograd_gradient(self, fam) -> torch.Tensor:
+        """∂ Σ log_partition / ∂μ by autograd (Lemma 7.1), for potentials without a closed form."""
+        z = self.latent.states
+        outer = torch.is_grad_enabled()
+        with torch.enable_grad():
+            leaf = z if z.requires_grad else z.detach().requires_grad_()
+            self.latent.states = leaf
+            try:
+                op = FamilyOperator(fam, self.engine.caches.setdefault(fam.name, {}))
+                (g,) = torch.autograd.grad(op.log_partition().sum(), leaf,
+                                           create_graph=outer and z.requires_grad)
+            finally:
+                self.latent.states = z
+        return g
+
+    def free_energy_gradient(self) -> torch.Tensor:
+        """∂F/∂μ = (μ − loc)/scale² − E[∂ψ/∂μ]."""
+        return self.latent.prior_gradient(self.state) - self.expected_gradient()
+
+    def curvature(self):
+        """1/scale² + Σ E[−∂²ψ/∂μ²] (a multiple of the identity per node), or None when a
+        potential is not linear or isotropic-quadratic in this latent."""
+        total = self.latent.prior_precision()
+        for fam in self.families():
+            op = self.operator(fam.name)
+            for side in sides(fam, self.latent):
+                for psi in fam.potentials:
+                    c = psi.expected_curvature(side, op)
+                    if c is None:
+                        return None
+                    total = total + c
+        return total
+
+    def cccp(self) -> torch.Tensor:
+        """The closed-form CCCP/EM update μ − ∇F/H (see the module docstring)."""
+        h = self.curvature()
+        name = self.latent.name
+        if h is None:
+            raise ValueError(
+                f"latent node set {name!r}: update='cccp' needs potentials that are linear or "
+                f"isotropic-quadratic in it (Bilinear, DotProduct, SquaredDistance); a Mapped "
+                f"potential or a projected SquaredDistance side has no closed form. Use "
+                f"update='gradient' or a callable update(state, step)"
+            )
+        if isinstance(h, float) and h == 0.0:
+            raise ValueError(
+                f"latent node set {name!r}: update='cccp' with a flat prior (scale=None) and "
+                f"potentials linear in it has no fixed point (F is unbounded below); give it "
+                f"a Gaussian prior (scale=…) or a Gaussian (SquaredDistance) potential"
+            )
+        return self.state - self.free_energy_gradient() / h
+
+    def gradient_step(self, step_size: float) -> torch.Tensor:
+        return self.state - step_size * self.free_energy_gradient()
+
+
+class Engine:
+    """Runs the iteration over the latents and families a reader has seen."""
+
+    def __init__(self, latents: list, families: dict, caches: dict):
+        self.latents, self.families, self.caches = latents, families, caches
+
+    def free_energy(self) -> torch.Tensor:
+        """F at the current states, ``(*batch,)``."""
+        total = 0
+        for z in self.latents:
+            total = total - z.log_prior()
+        for name, fam in self.families.items():
+            op = FamilyOperator(fam, self.caches.setdefault(name, {}))
+            total = total - op.log_partition().sum((-2, -1))
+        return total
+
+    def _update(self, z: LatentNodeSet) -> torch.Tensor:
+        o = z.options
+        step = Step(self, z)
+        if o.update == "cccp":
+            new = step.cccp()
+        elif o.update == "gradient":
+            new = step.gradient_step(o.step_size)
+        else:
+            new = o.update(z.states, step)
+            if not isinstance(new, torch.Tensor) or new.shape != z.states.shape:
+                got = tuple(new.shape) if isinstance(new, torch.Tensor) else type(new).__name__
+                raise ValueError(f"latent node set {z.name!r}: the update rule must return a "
+                                 f"tensor of the state's shape {tuple(z.states.shape)}; got {got}")
+        if o.damping:
+            new = (1 - o.damping) * new + o.damping * z.states
+        return new
+
+    def _one_step(self, active) -> float:
+        moved = 0.0
+        for z in active:
+            new = self._update(z)
+            if z.options.tol is not None:
+                moved = max(moved, float((new - z.states).abs().max().detach()))
+            z.states = new
+        return moved
+
+    def run(self, *, record: bool = False, record_posteriors: bool = False) -> Trace:
+        grads = {z.options.grad for z in self.latents}
+        if len(grads) > 1:
+            raise ValueError(f"latent node sets {[z.name for z in self.latents]} ask for "
+                             f"different grad= options {sorted(grads)}; use one per model")
+        last_only = grads == {"last"}
+        budget = max(z.options.steps for z in self.latents)
+        trace = Trace(converged=None if all(z.options.tol is None for z in self.latents)
+                      else False)
+        history, energies, posts = {z.name: [] for z in self.latents}, [], {}
+
+        def remember():
+            if not record:
+                return
+            for z in self.latents:
+                history[z.name].append(z.states)
+            energies.append(self.free_energy())
+            if record_posteriors:
+                for name, fam in self.families.items():
+                    op = FamilyOperator(fam, self.caches.setdefault(name, {}))
+                    posts.setdefault(name, []).append(op.posterior())
+
+        remember()
+        t = 0
+        free_steps = budget - 1 if last_only else budget
+        no_grad = torch.no_grad() if last_only else contextlib.nullcontext()
+        with no_grad:
+            while t < free_steps:
+                active = [z for z in self.latents if t < z.options.steps]
+                moved = self._one_step(active)
+                t += 1
+                remember()
+                if trace.converged is not None and moved <= min(
+                        z.options.tol for z in self.latents if z.options.tol is not None):
+                    trace.converged = True
+                    break
+        if last_only and budget > 0:  # one differentiable step from the detached state
+            for cache in self.caches.values():  # built without gradients: build them again
+                cache.clear()
+            for z in self.latents:
+                z.states = z.states.detach()
+            self._one_step([z for z in self.latents if t < z.options.steps or trace.converged])
+            t += 1
+            remember()
+        trace.steps = t
+        if record:
+            trace.states = {k: torch.stack(v) for k, v in history.items()}
+            trace.free_energy = torch.stack(energies)
+            if record_posteriors:
+                trace.posteriors = {k: torch.stack(v) for k, v in posts.items()}
+        return trace

@@ -1,0 +1,240 @@
+"""Latent node sets: nodes whose states are inferred, not observed (paper §4, SPEC "Iterative").
+
+``latent(name, init, loc=…, scale=…)`` declares nodes z ``(*batch, n, features)`` with a
+Gaussian prior z ~ N(loc, scale² I) (``scale=None``: a flat, improper prior). With the
+edges summed out the model is p(x, z) = p(z) Π_i Σ_{φ_i} p(φ_i) exp ψ(x, z, φ_i), and its
+free energy at a point estimate μ is
+
+    F(μ) = −log p(x, z = μ) = −log p(μ) − Σ_i log Σ_j exp(ψ_ij(μ) + log p(φ_i = j)).
+
+Readings:
+
+- **Pyro**: one ``pyro.sample(name, Normal(loc, scale).to_event(2))`` site inside the batch
+  plates, so SVI with a point-mass guide (edges enumerated) finds the MAP of p(x, z);
+- **compiled**: the current iterate μ_t. ``infer(z)`` (or the first ``value`` of a family
+  touching z) runs the iteration — CCCP/EM fixed point, gradient steps or the user's
+  update — and every later read sees the final state.
+
+::
+
+    observed x_1 … x_N        φ collapsed: Σ_φ
+                 \\  |  /
+    latent        z_i  ~ N(loc, scale²)     μ ← update(μ, E_{p(φ|x, μ)}[∂ψ/∂μ])
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+from dataclasses import dataclass, replace
+
+import pyro
+import pyro.distributions as dist
+import torch
+from pyro.distributions import constraints
+from pyro.poutine.runtime import effectful
+
+from ._direct import direct_readers
+from ._validation import shape_str
+from .nodes import NodeSet, _make_node_set
+
+UPDATES = ("cccp", "gradient")
+GRADIENTS = ("unroll", "last")
+
+
+@dataclass(frozen=True)
+class IterationOptions:
+    """How the compiled reading infers one latent node set.
+
+    steps: number of updates (a budget when ``tol`` is set); tol: stop once every latent
+    moved by at most ``tol`` (max abs) in one step; damping α: μ ← (1 − α)·update + α·μ;
+    update: ``"cccp"`` (the closed-form fixed point: CCCP/EM), ``"gradient"`` (μ ← μ − η∇F,
+    η = ``step_size``) or a callable ``update(state, step) -> new_state`` (``step``: a
+    ``structattn.Step``); grad: ``"unroll"`` (back-propagate through every step) or
+    ``"last"`` (iterate without gradients, then one differentiable step from the detached
+    state: first-order implicit differentiation).
+    """
+
+    steps: int = 3
+    tol: float | None = None
+    damping: float = 0.0
+    update: object = "cccp"
+    step_size: float = 0.1
+    grad: str = "unroll"
+
+    def __post_init__(self):
+        check_options(self)
+
+
+def check_options(o: IterationOptions, where: str = "latent") -> None:
+    if not isinstance(o.steps, int) or isinstance(o.steps, bool) or o.steps < 0:
+        raise ValueError(f"{where}: steps must be an int ≥ 0; got {o.steps!r}")
+    if o.tol is not None and not (isinstance(o.tol, (int, float)) and o.tol > 0
+                                  and math.isfinite(o.tol)):
+        raise ValueError(f"{where}: tol must be a finite number > 0 or None; got {o.tol!r}")
+    if not (isinstance(o.damping, (int, float)) and 0 <= o.damping < 1):
+        raise ValueError(f"{where}: damping must be a number in [0, 1); got {o.damping!r}")
+    if not (callable(o.update) or o.update in UPDATES):
+        raise ValueError(f"{where}: update must be one of {UPDATES} or a callable "
+                         f"update(state, step) -> state; got {o.update!r}")
+    if not (isinstance(o.step_size, (int, float)) and o.step_size > 0
+            and math.isfinite(o.step_size)):
+        raise ValueError(f"{where}: step_size must be a finite number > 0; got {o.step_size!r}")
+    if o.grad not in GRADIENTS:
+        raise ValueError(f"{where}: grad must be one of {GRADIENTS}; got {o.grad!r}")
+
+
+_overrides = threading.local()
+
+
+@contextlib.contextmanager
+def iteration(**options):
+    """Override every latent's iteration options in this thread, e.g.
+    ``with structattn.iteration(steps=500, tol=1e-12): layer(x)`` (run to a fixed point)."""
+    unknown = set(options) - set(IterationOptions.__dataclass_fields__)
+    if unknown:
+        raise ValueError(f"structattn.iteration: unknown options {sorted(unknown)}; expected "
+                         f"some of {sorted(IterationOptions.__dataclass_fields__)}")
+    check_options(replace(IterationOptions(), **options), "structattn.iteration")
+    old = getattr(_overrides, "options", {})
+    _overrides.options = {**old, **options}
+    try:
+        yield
+    finally:
+        _overrides.options = old
+
+
+class LatentNodeSet(NodeSet):
+    """A node set whose states are inferred: prior N(loc, scale²) (or flat), an initial state,
+    and the options of its iteration. ``states`` is the current iterate."""
+
+    def __init__(self, name, init, loc, scale, options: IterationOptions):
+        super().__init__(name, init, observed=False)
+        self.init, self.loc, self.scale, self._options = init, loc, scale, options
+        self.inferred = False
+
+    @property
+    def options(self) -> IterationOptions:
+        over = getattr(_overrides, "options", None)
+        return replace(self._options, **over) if over else self._options
+
+    def prior_precision(self):
+        """1/scale² (0 for a flat prior), broadcastable to the states."""
+        if self.scale is None:
+            return 0.0
+        return self.scale ** -2
+
+    def log_prior(self, states: torch.Tensor | None = None) -> torch.Tensor:
+        """log p(z) summed over nodes and features: ``(*batch,)`` (0 for a flat prior)."""
+        z = self.states if states is None else states
+        if self.scale is None:
+            return z.new_zeros(z.shape[:-2])
+        scale = torch.as_tensor(self.scale, dtype=z.dtype, device=z.device)
+        lp = -0.5 * ((z - self.loc) / scale) ** 2 - torch.log(scale) - 0.5 * math.log(2 * math.pi)
+        return lp.expand(z.shape).sum((-2, -1))
+
+    def prior_gradient(self, states: torch.Tensor) -> torch.Tensor:
+        """∂(−log p(z))/∂z = (z − loc)/scale² (0 for a flat prior)."""
+        if self.scale is None:
+            return torch.zeros_like(states)
+        return (states - self.loc) * self.prior_precision()
+
+    def __repr__(self) -> str:
+        prior = "flat" if self.scale is None else "Gaussian"
+        return f"LatentNodeSet({self.name!r}, {prior} prior, states={shape_str(self.states.shape)})"
+
+
+def _check_prior_param(name, what, value, init):
+    if isinstance(value, torch.Tensor):
+        try:
+            torch.broadcast_shapes(value.shape, init.shape)
+        except RuntimeError:
+            raise ValueError(f"latent node set {name!r}: {what} must broadcast to the states "
+                             f"{shape_str(init.shape)}; got {shape_str(value.shape)}") from None
+        if what == "scale" and not torch.compiler.is_compiling() and bool((value <= 0).any()):
+            raise ValueError(f"latent node set {name!r}: scale must be > 0 everywhere")
+        return value
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"latent node set {name!r}: {what} must be a number or a tensor; got "
+                         f"{value!r}") from None
+    if not math.isfinite(v) or (what == "scale" and v <= 0):
+        cond = "a finite number > 0" if what == "scale" else "finite"
+        raise ValueError(f"latent node set {name!r}: {what} must be {cond}; got {value!r}")
+    return v
+
+
+def _make_latent(name, init, loc, scale, options, features):
+    ns = _make_node_set(name, init, features, observed=False)
+    loc = _check_prior_param(name, "loc", loc, init)
+    scale = None if scale is None else _check_prior_param(name, "scale", scale, init)
+    return LatentNodeSet(name, ns.states, loc, scale, options)
+
+
+def _sample_latent(node_set: LatentNodeSet) -> LatentNodeSet:
+    """Default (Pyro) reading: z is a ``pyro.sample`` site in the plates (*batch, heads = 1,
+    nodes) of the families, event dim = features; its value is ``(*batch, 1, n, d)``."""
+    z = node_set.init
+    shape = (*z.shape[:-2], 1, z.shape[-2])
+    if node_set.scale is None:
+        prior = dist.ImproperUniform(constraints.real, shape, z.shape[-1:])
+    else:
+        loc = torch.as_tensor(node_set.loc, dtype=z.dtype, device=z.device).expand(z.shape)
+        scale = torch.as_tensor(node_set.scale, dtype=z.dtype, device=z.device).expand(z.shape)
+        prior = dist.Normal(loc.unsqueeze(-3), scale.unsqueeze(-3)).to_event(1)
+    with contextlib.ExitStack() as stack:
+        for plate in node_set.plates(event_dims=1):
+            stack.enter_context(plate)
+        value = pyro.sample(node_set.name, prior)
+    node_set.states = value.reshape(z.shape)
+    return node_set
+
+
+_latent_effect = effectful(_sample_latent, type="structattn_latent")
+
+
+def latent(name: str, init: torch.Tensor, *, loc=0.0, scale=1.0, steps: int = 3,
+           tol: float | None = None, damping: float = 0.0, update="cccp", step_size: float = 0.1,
+           grad: str = "unroll", features: int | None = None) -> LatentNodeSet:
+    """Declare a latent node set ``name`` with prior z ~ N(loc, scale²·I) (``scale=None``: flat)
+    and initial state ``init`` ``(*batch, n, features)``.
+
+    The remaining arguments say how the compiled reading infers it (see
+    ``IterationOptions``): ``steps``, ``tol``, ``damping``, ``update`` ("cccp", "gradient" or
+    a callable ``update(state, step)``), ``step_size`` (gradient updates) and ``grad``
+    ("unroll" or "last"). Returns a node set for ``edges``; read its inferred states with
+    ``structattn.infer``.
+    """
+    options = IterationOptions(steps, tol, damping, update, step_size, grad)
+    node_set = _make_latent(name, init, loc, scale, options, features)
+    readers = direct_readers()
+    if readers:
+        return readers[-1].latent(node_set)
+    return _latent_effect(node_set, name=name)
+
+
+def _infer_default(*node_sets):
+    return node_sets
+
+
+_infer_effect = effectful(_infer_default, type="structattn_infer")
+
+
+def infer(*node_sets: LatentNodeSet):
+    """The inferred states of latent node sets: the compiled reading iterates every latent
+    declared so far to its (approximate) fixed point; the Pyro reading returns the sampled
+    (or guided) value. One node set → its states ``(*batch, n, features)``; several → a tuple.
+    """
+    for ns in node_sets:
+        if not isinstance(ns, LatentNodeSet):
+            raise ValueError(f"structattn.infer takes latent node sets from structattn.latent(...); "
+                             f"got {type(ns).__name__}")
+    readers = direct_readers()
+    if readers:
+        readers[-1].infer()
+    else:
+        _infer_effect(*node_sets, name="structattn.infer")
+    states = tuple(ns.states for ns in node_sets)
+    return states[0] if len(states) == 1 else states
