@@ -25,9 +25,11 @@ SETTINGS = {
     "classification": dict(d=8, num_classes=4),
     "cross_attention": dict(d_query=8, heads=2),
     "graph_attention": dict(d_model=8, heads=2),
+    "hopfield": dict(d_query=8, heads=2, update_steps=3),
     "multihop_attention": dict(d_model=8, heads=2, causal=True),
     "relative_position_attention": dict(d_model=8, max_distance=2, heads=2, causal=True),
     "self_attention": dict(d_model=8, heads=2, causal=True),
+    "slot_attention": dict(num_slots=3, dim=8, iters=3, hidden_dim=16),
 }
 
 
@@ -47,6 +49,10 @@ def build(name):
 def heatmap(model, inputs, path, title):
     with torch.no_grad():
         structure = sa.trace_structure(model.model, *inputs)
+        if structure.latents:  # latent node sets: the posterior at the inferred states
+            _, trace = sa.compile(model)(*inputs, return_trace=True)
+            final = {name: states[-1] for name, states in trace.states.items()}
+            structure = sa.trace_structure(model.model, *inputs, latent_values=final)
     families = list(structure.families)
     heads = max(structure.families[f].heads for f in families)
     fig, axes = plt.subplots(len(families), heads, figsize=(2.6 * heads, 2.4 * len(families)),
