@@ -95,15 +95,20 @@ class Step:
 
     def expected_gradient(self) -> torch.Tensor:
         """Σ_families E_{p(φ|x,μ)}[∂ψ/∂μ] (the gradient of Σ log_partition), like the state."""
-        total = torch.zeros_like(self.state)
+        terms = []
         for fam in self.families():
             op = self.operator(fam.name)
             closed = [psi.expected_gradient(side, op) for side in sides(fam, self.latent)
                       for psi in fam.potentials]
             if any(g is None for g in closed):
-                total = total + self._autograd_gradient(fam)
+                terms.append(self._autograd_gradient(fam))
             else:
-                total = total + sum(closed)
+                terms.extend(closed)
+        if not terms:
+            return torch.zeros_like(self.state)
+        total = terms[0]
+        for g in terms[1:]:
+            total = total + g
         return total
 
     def _autograd_gradient(self, fam) -> torch.Tensor:
@@ -143,6 +148,12 @@ class Step:
         """The closed-form CCCP/EM update μ − ∇F/H (see the module docstring)."""
         h = self.curvature()
         name = self.latent.name
+        z = self.latent
+        if h is not None and z.scale is not None and isinstance(h, float) \
+                and h == z.prior_precision():
+            # every potential is linear in μ: the update is loc + scale²·E[∂ψ/∂μ] (CCCP)
+            new = z.scale ** 2 * self.expected_gradient()
+            return new if isinstance(z.loc, float) and z.loc == 0.0 else new + z.loc
         if h is None:
             raise ValueError(
                 f"latent node set {name!r}: update='cccp' needs potentials that are linear or "

@@ -18,6 +18,8 @@ Cost per step: attend O(C·P·k) time, O((C + P)·k) memory; the dense readings 
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -43,6 +45,13 @@ class FamilyOperator:
         return self._const("log_weights", lambda: f.prior.log_weights(
             f.children.size, f.parents.size, xc.device, xc.dtype))
 
+    def flat_prior(self) -> bool:
+        """True when the prior is uniform over all parents (no mask, no table): its log weights
+        are zero and need not be added to the scores."""
+        f, xc = self.family, self.family.children.states
+        return self._const("flat", lambda: f.prior.edge_index is None and f.prior.sdpa_inputs(
+            f.children.size, f.parents.size, xc.device, xc.dtype) == (None, False))
+
     def log_normaliser(self) -> torch.Tensor:
         """log Σ_j exp(log weights) per child ``(…, C)``: log p(φ_i = j) = weights − this."""
         return self._const("log_normaliser", lambda: torch.logsumexp(self.log_weights(), -1))
@@ -65,13 +74,17 @@ class FamilyOperator:
         """ψ + log prior (unnormalised), ``(*batch, H, C, P)``, −∞ off the support."""
         if self._scores is None:
             f = self.family
-            total = self.log_weights()
+            total = None if self.flat_prior() else self.log_weights()
             for psi in f.potentials:
                 if psi.is_factorised:
                     a, b, scale = self.factors(psi)
-                    total = total + (a @ b.transpose(-1, -2)) * scale
+                    if a.shape[-2] <= b.shape[-2]:  # scale the smaller factor, not C×P scores
+                        term = (a * scale) @ b.transpose(-1, -2)
+                    else:
+                        term = a @ (b * scale).transpose(-1, -2)
                 else:
-                    total = total + psi.pairwise(f.children.states, f.parents.states)
+                    term = psi.pairwise(f.children.states, f.parents.states)
+                total = term if total is None else total + term
             self._scores = total.expand(*f.batch_shape, f.heads, *total.shape[-2:])
         return self._scores
 
@@ -111,4 +124,7 @@ class FamilyOperator:
 
     def log_partition(self) -> torch.Tensor:
         """log Σ_j exp(ψ_ij) p(φ_i = j) per child and head, ``(*batch, H, C)``."""
-        return torch.logsumexp(self.scores(), -1) - self.log_normaliser()
+        lse = torch.logsumexp(self.scores(), -1)
+        if self.flat_prior():
+            return lse - math.log(self.family.parents.size)
+        return lse - self.log_normaliser()

@@ -21,3 +21,5 @@ def test_readme_examples_run(tmp_path, monkeypatch):
     q, m = torch.randn(2, 3, 8, dtype=torch.float64), torch.randn(2, 5, 8, dtype=torch.float64)
     assert sa.compile(reader)(q, m).shape == (2, 3, 8)
     assert sa.inference.compare(reader, q, m).max_abs_diff < 1e-6
+    report = sa.inference.compare(ns["retrieve"], ns["q"], ns["Y"])  # the iterative example
+    assert report.max_abs_diff < 1e-9 and report.fixed_point is not None

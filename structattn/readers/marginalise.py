@@ -123,7 +123,16 @@ class Marginalise(Messenger):
             stack.pop()
 
     def expectation(self, family: EdgeFamily):
-        out, post = lowering.expectation(family, want_posterior=self.record_posterior)
+        if family.name in self._caches and family.prior.edge_index is None:
+            # a family the iteration used: its operator's cache (prior tables, the observed
+            # side's factor) serves the value too
+            lowering.check_complete(family)
+            op = FamilyOperator(family, self._caches[family.name])
+            post = op.posterior() if self.record_posterior else None
+            out = family.value.expectation(op.attend, family.children.states,
+                                           family.parents.states)
+        else:
+            out, post = lowering.expectation(family, want_posterior=self.record_posterior)
         if post is not None:
             self.posteriors[family.name] = post
         self.expectations[family.name] = out
