@@ -408,3 +408,41 @@ def test_state_dict_round_trip_and_float32(tmp_path):
     y = sa.compile(h)(torch.randn(2, 3, 8, dtype=torch.bfloat16),
                       torch.randn(2, 5, 8, dtype=torch.bfloat16))
     assert y.dtype == torch.bfloat16 and torch.isfinite(y).all()
+
+
+# -- an ordinary module -------------------------------------------------------------------------
+def test_torch_compile_traces_the_loop_in_one_graph():
+    import torch._dynamo
+
+    cases = [(sa.models.hopfield(8, heads=2, update_steps=3), (torch.randn(2, 3, 8),
+                                                              torch.randn(2, 5, 8))),
+             (sa.models.slot_attention(3, 8, iters=2, hidden_dim=8), (torch.randn(2, 6, 8),
+                                                                     torch.randn(2, 3, 8)))]
+    for m, inputs in cases:
+        layer = sa.compile(m)
+        torch._dynamo.reset()
+        explained = torch._dynamo.explain(layer)(*inputs)
+        assert explained.graph_break_count == 0, explained.break_reasons
+        torch.testing.assert_close(torch.compile(layer)(*inputs), layer(*inputs))
+
+
+def test_ddp_single_process_iterative(tmp_path):
+    import os
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    try:
+        layer = sa.compile(sa.models.slot_attention(3, 8, iters=2, hidden_dim=8))
+        x = torch.randn(2, 6, 8)
+        torch.manual_seed(3)  # the initial slots μ + σ·ε are drawn: μ and σ get gradients
+        out = DDP(layer)(x)
+        torch.manual_seed(3)
+        torch.testing.assert_close(out, layer(x))
+        out.square().mean().backward()
+        assert all(p.grad is not None for p in layer.parameters())
+    finally:
+        dist.destroy_process_group()
