@@ -66,6 +66,17 @@ class Step:
     def state(self) -> torch.Tensor:
         return self.latent.states
 
+    def move_to(self, state: torch.Tensor) -> Step:
+        """Put the latent at ``state`` within this update (e.g. after a GRU, before a read from a
+        memory): operators built from now on see it there. Returns this step."""
+        if not isinstance(state, torch.Tensor) or state.shape != self.latent.states.shape:
+            got = tuple(state.shape) if isinstance(state, torch.Tensor) else type(state).__name__
+            raise ValueError(f"latent node set {self.latent.name!r}: move_to needs a tensor of "
+                             f"the state's shape {tuple(self.latent.states.shape)}; got {got}")
+        self.latent.states = state
+        self._ops = {}
+        return self
+
     def operator(self, family) -> FamilyOperator:
         name = family if isinstance(family, str) else family.family.name
         if name not in self._ops:
@@ -191,6 +202,7 @@ class Engine:
 
     def _update(self, z: LatentNodeSet) -> torch.Tensor:
         o = z.options
+        old = z.states
         step = Step(self, z)
         if o.update == "cccp":
             new = step.cccp()
@@ -202,16 +214,18 @@ class Engine:
                 got = tuple(new.shape) if isinstance(new, torch.Tensor) else type(new).__name__
                 raise ValueError(f"latent node set {z.name!r}: the update rule must return a "
                                  f"tensor of the state's shape {tuple(z.states.shape)}; got {got}")
+        z.states = old  # (an update may have moved it: Step.move_to)
         if o.damping:
-            new = (1 - o.damping) * new + o.damping * z.states
+            new = (1 - o.damping) * new + o.damping * old
         return new
 
     def _one_step(self, active) -> float:
         moved = 0.0
         for z in active:
+            old = z.states
             new = self._update(z)
             if z.options.tol is not None:
-                moved = max(moved, float((new - z.states).abs().max().detach()))
+                moved = max(moved, float((new - old).abs().max().detach()))
             z.states = new
         return moved
 

@@ -195,7 +195,8 @@ def _family(potential_side, potential):
     lambda: sa.potentials.Bilinear(None, torch.randn(4, 4, dtype=f64), heads=2, temperature=0.7),
     lambda: sa.potentials.DotProduct(heads=2, temperature=0.9),
     lambda: sa.potentials.SquaredDistance(temperature=1.7),
-], ids=["bilinear", "bilinear-identity", "dot", "squared-distance"])
+    lambda: sa.potentials.SquaredDistance(temperature=0.6, heads=2),
+], ids=["bilinear", "bilinear-identity", "dot", "squared-distance", "squared-distance-heads"])
 def test_closed_form_expected_gradient_is_the_log_partition_gradient(side, make):
     """Lemma 7.1: Σ_i ∇ log Σ_j exp ψ_ij = E_post[∇ψ] — the closed form against autograd."""
     psi = make()
