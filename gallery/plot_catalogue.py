@@ -22,6 +22,8 @@ import structattn as sa  # noqa: E402
 SETTINGS = {
     "absolute_position_attention": dict(d_model=8, max_len=16, heads=2, causal=True),
     "alibi_attention": dict(d_model=8, heads=2),
+    "block_slot_attention": dict(num_slots=3, dim=8, num_blocks=2, num_prototypes=3, iters=3,
+                                 hidden_dim=16),
     "classification": dict(d=8, num_classes=4),
     "cross_attention": dict(d_query=8, heads=2),
     "graph_attention": dict(d_model=8, heads=2),

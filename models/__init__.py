@@ -8,6 +8,8 @@ from .absolute_position_attention import AbsolutePositionAttention as AbsolutePo
 from .absolute_position_attention import absolute_position_attention as absolute_position_attention
 from .alibi_attention import ALiBiAttention as ALiBiAttention
 from .alibi_attention import alibi_attention as alibi_attention
+from .block_slot_attention import BlockSlotAttention as BlockSlotAttention
+from .block_slot_attention import block_slot_attention as block_slot_attention
 from .classification import Classification as Classification
 from .classification import classification as classification
 from .cross_attention import CrossAttention as CrossAttention
@@ -28,6 +30,7 @@ from .slot_attention import slot_attention as slot_attention
 REGISTRY = {
     "absolute_position_attention": absolute_position_attention,
     "alibi_attention": alibi_attention,
+    "block_slot_attention": block_slot_attention,
     "classification": classification,
     "cross_attention": cross_attention,
     "graph_attention": graph_attention,

@@ -75,9 +75,16 @@ def slot_attention_case():
     return m, (_x(2, 7, 5), _x(2, 3, 5))
 
 
+def block_slot_attention_case():
+    m = sa.models.block_slot_attention(3, 6, num_blocks=2, num_prototypes=4, iters=2,
+                                       hidden_dim=8, dtype=torch.float64)
+    return m, (_x(2, 7, 6), _x(2, 3, 6))
+
+
 CASES = {
     "absolute_position_attention": absolute_position_attention_case,
     "alibi_attention": alibi_attention_case,
+    "block_slot_attention": block_slot_attention_case,
     "classification": classification_case,
     "cross_attention": cross_attention_case,
     "graph_attention": graph_attention_case,
