@@ -29,6 +29,7 @@ SETTINGS = {
     "graph_attention": dict(d_model=8, heads=2),
     "hopfield": dict(d_query=8, heads=2, update_steps=3),
     "multihop_attention": dict(d_model=8, heads=2, causal=True),
+    "predictive_coding": dict(layer_sizes=[6, 4, 3], steps=10),
     "relative_position_attention": dict(d_model=8, max_distance=2, heads=2, causal=True),
     "self_attention": dict(d_model=8, heads=2, causal=True),
     "slot_attention": dict(num_slots=3, dim=8, iters=3, hidden_dim=16),

@@ -57,7 +57,7 @@ class Comparison:
             lines.append(f"  E[output] by posterior samples: {self.sampled_output:.3g} "
                          f"({self.sampled_z:.2f} standard errors)")
         if self.fixed_point is not None:
-            lines.append("max |compiled final state − Pyro MAP| (TraceEnum_ELBO, point mass):")
+            lines.append("max |compiled final state − Pyro MAP| (Pyro ELBO, point-mass guide):")
             for k, v in self.fixed_point.items():
                 lines.append(f"  latent[{k}]  {v:.3g}")
             lines.append(f"  F(compiled) − F(MAP)  {self.fixed_point_free_energy:.3g}")
@@ -161,5 +161,6 @@ def _compare_latent(layer, *inputs, samples=0, **kwargs) -> Comparison:
                             f"steps; run it to a fixed point (structattn.iteration(steps=…, "
                             f"tol=…)) to compare fixed points")
     if not found.converged:
-        report.notes.append("Pyro's MAP search did not reach its gradient tolerance")
+        report.notes.append(f"Pyro's MAP search stopped at max |∇F| = {found.gradient:.2g}, "
+                            f"above its tolerance")
     return report

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 from pyro import poutine
-from pyro.infer import TraceEnum_ELBO, infer_discrete
+from pyro.infer import Trace_ELBO, TraceEnum_ELBO, infer_discrete
 
 from structattn.declaration import as_declaration
 from structattn.readers import SubstituteExpectations, trace_structure
@@ -95,7 +95,7 @@ def exact(model, *inputs, latents: dict | None = None, **kwargs) -> ExactPosteri
                              f"of the model; its latents: {sorted(structure.latents)}")
         structure = trace_structure(program, *inputs, latent_values=latents, **kwargs)
         program = condition_latents(program, latents)
-    if not structure.families:
+    if not structure.families and not structure.latents:
         raise ValueError("the model declares no edge family (structattn.edges); nothing to infer")
     for name, f in structure.families.items():
         if 0 in f.batch_shape:
@@ -152,8 +152,8 @@ def exact(model, *inputs, latents: dict | None = None, **kwargs) -> ExactPosteri
     map_edges = {name: map_trace.nodes[name]["value"].expand(marginals[name].shape[:-1])
                  for name in structure.families}
 
-    free_energy = (TraceEnum_ELBO(max_plate_nesting=mpn).loss(program, _no_guide, *inputs, **kwargs)
-                   if enumerable else None)
+    elbo = TraceEnum_ELBO(max_plate_nesting=mpn) if enumerable else Trace_ELBO(max_plate_nesting=mpn)
+    free_energy = elbo.loss(program, _no_guide, *inputs, **kwargs)
     with SubstituteExpectations(expectations, latent_values=latents):
         output = program(*inputs, **kwargs)
     return ExactPosterior(marginals, expectations, map_edges, output, free_energy)

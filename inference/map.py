@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import pyro
 import torch
 from pyro import poutine
-from pyro.infer import TraceEnum_ELBO
+from pyro.infer import Trace_ELBO, TraceEnum_ELBO
 from pyro.infer.autoguide import AutoDelta
 from pyro.infer.autoguide.initialization import init_to_value
 from tqdm.auto import tqdm
@@ -29,13 +29,14 @@ from .exact import _no_guide
 @dataclass
 class MAPEstimate:
     """latents[name]: argmax_z p(z | x) ``(*batch, n, d)``; free_energy: −log p(x, z) at it
-    (summed over the batch); losses: the loss per optimiser iteration; converged: whether
-    the gradient's max norm fell below ``gtol``."""
+    (summed over the batch); losses: the loss per optimiser round; gradient: max |∂F/∂z| at
+    the end; converged: whether it fell below ``gtol``."""
 
     latents: dict
     free_energy: float
     losses: list
     converged: bool
+    gradient: float = float("nan")
 
 
 def map_estimate(model, *inputs, init: dict | None = None, max_iter: int = 500,
@@ -64,13 +65,16 @@ def map_estimate(model, *inputs, init: dict | None = None, max_iter: int = 500,
     with pyro.get_param_store().scope():
         guide = AutoDelta(poutine.block(program, expose=list(latents)),
                           init_loc_fn=init_to_value(values=values))
-        elbo = TraceEnum_ELBO(max_plate_nesting=structure.max_plate_nesting)
+        mpn = structure.max_plate_nesting
+        enumerable = any(f.parents.size > 1 for f in structure.families.values())
+        elbo = TraceEnum_ELBO(max_plate_nesting=mpn) if enumerable else \
+            Trace_ELBO(max_plate_nesting=mpn)  # nothing to enumerate (node energies only)
         guide(*inputs, **kwargs)  # create the point-mass parameters
         params = list(guide.parameters())
         opt = torch.optim.LBFGS(params, lr=1.0, max_iter=20, tolerance_grad=gtol,
                                 tolerance_change=0.0, history_size=50,
                                 line_search_fn="strong_wolfe")
-        losses, converged = [], False
+        losses, converged, grad = [], False, float("nan")
 
         def closure():
             opt.zero_grad()
@@ -89,8 +93,8 @@ def map_estimate(model, *inputs, init: dict | None = None, max_iter: int = 500,
                 break
         with torch.no_grad():
             found = guide.median(*inputs, **kwargs)
-            free_energy = TraceEnum_ELBO(max_plate_nesting=structure.max_plate_nesting).loss(
+            free_energy = type(elbo)(max_plate_nesting=mpn).loss(
                 poutine.condition(program, data=found), _no_guide, *inputs, **kwargs)
     shapes = {name: ns.states.shape for name, ns in latents.items()}
     return MAPEstimate({name: found[name].detach().reshape(shapes[name]) for name in latents},
-                       free_energy, losses, converged)
+                       free_energy, losses, converged, grad)

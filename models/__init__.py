@@ -20,6 +20,8 @@ from .hopfield import Hopfield as Hopfield
 from .hopfield import hopfield as hopfield
 from .multihop_attention import MultihopAttention as MultihopAttention
 from .multihop_attention import multihop_attention as multihop_attention
+from .predictive_coding import PredictiveCoding as PredictiveCoding
+from .predictive_coding import predictive_coding as predictive_coding
 from .relative_position_attention import RelativePositionAttention as RelativePositionAttention
 from .relative_position_attention import relative_position_attention as relative_position_attention
 from .self_attention import SelfAttention as SelfAttention
@@ -36,6 +38,7 @@ REGISTRY = {
     "graph_attention": graph_attention,
     "hopfield": hopfield,
     "multihop_attention": multihop_attention,
+    "predictive_coding": predictive_coding,
     "relative_position_attention": relative_position_attention,
     "self_attention": self_attention,
     "slot_attention": slot_attention,

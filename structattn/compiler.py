@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from .declaration import Declaration, as_declaration
+from .iterate import Engine
 from .readers.marginalise import Marginalise
 
 
@@ -47,6 +48,23 @@ class CompiledModule(nn.Module):
                                  f"(structattn.latent): there is no iteration to trace")
             result += (reader.trace,)
         return result[0] if len(result) == 1 else result
+
+    def free_energy(self, *inputs, latents: dict | None = None, **kwargs):
+        """F = −log p(x, z) with the edges summed out, ``(*batch,)``, at given latent states
+        ``latents`` (name → states; default: the final iterate of a forward pass). Its
+        gradient with respect to the parameters at fixed states is predictive coding's local
+        learning rule: ``layer.free_energy(x, latents=final).sum().backward()``."""
+        if latents is None:
+            _, trace = self(*inputs, return_trace=True, **kwargs)
+            return trace.free_energy[-1]
+        with Marginalise(latent_values=latents).direct() as reader:
+            self.declaration.model(*inputs, **kwargs)
+        missing = set(latents) - set(reader.latents)
+        if missing:
+            raise ValueError(f"latents= names {sorted(missing)}, which the model does not "
+                             f"declare; its latents: {sorted(reader.latents)}")
+        return Engine(list(reader.latents.values()), dict(reader.families), {},
+                      dict(reader.energies)).free_energy()
 
     def extra_repr(self) -> str:
         return f"compiled from {type(self.declaration).__name__}"

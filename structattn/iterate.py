@@ -122,28 +122,45 @@ class Step:
             total = total + g
         return total
 
-    def _autograd_gradient(self, fam) -> torch.Tensor:
-        """∂ Σ log_partition / ∂μ by autograd (Lemma 7.1), for potentials without a closed form."""
+    def _partial(self, fn) -> torch.Tensor:
+        """∂fn/∂μ with every other node state held fixed (``torch.func.grad``: a partial
+        derivative, not a total one through states computed from μ's history), itself
+        differentiable for the outer autograd."""
         z = self.latent.states
-        outer = torch.is_grad_enabled()
-        with torch.enable_grad():
-            leaf = z if z.requires_grad else z.detach().requires_grad_()
-            self.latent.states = leaf
+
+        def at(mu):
+            self.latent.states = mu
             try:
-                op = FamilyOperator(fam, self.engine.caches.setdefault(fam.name, {}))
-                (g,) = torch.autograd.grad(op.log_partition().sum(), leaf,
-                                           create_graph=outer and z.requires_grad)
+                return fn()
             finally:
                 self.latent.states = z
-        return g
+        return torch.func.grad(at)(z)
+
+    def _autograd_gradient(self, fam) -> torch.Tensor:
+        """∂ Σ log_partition / ∂μ by autograd (Lemma 7.1), for potentials without a closed form."""
+        cache = dict(self.engine.caches.get(fam.name, {}))  # nothing built in here leaks out
+        return self._partial(lambda: FamilyOperator(fam, cache).log_partition().sum())
+
+    def energy_gradient(self) -> torch.Tensor | None:
+        """∂(Σ node energies)/∂μ by autograd (``structattn.energy``), or None without any."""
+        terms = [e for e in self.engine.energies.values() if e.touches(self.latent)]
+        if not terms:
+            return None
+        return self._partial(lambda: sum(e.value().sum() for e in terms))
 
     def free_energy_gradient(self) -> torch.Tensor:
-        """∂F/∂μ = (μ − loc)/scale² − E[∂ψ/∂μ]."""
-        return self.latent.prior_gradient(self.state) - self.expected_gradient()
+        """∂F/∂μ = (μ − loc)/scale² − E[∂ψ/∂μ] + ∂(node energies)/∂μ."""
+        g = self.latent.prior_gradient(self.state)
+        if self.families():
+            g = g - self.expected_gradient()
+        e = self.energy_gradient()
+        return g if e is None else g + e
 
     def curvature(self):
         """1/scale² + Σ E[−∂²ψ/∂μ²] (a multiple of the identity per node), or None when a
         potential is not linear or isotropic-quadratic in this latent."""
+        if any(e.touches(self.latent) for e in self.engine.energies.values()):
+            return None  # a node energy: no closed form
         total = self.latent.prior_precision()
         for fam in self.families():
             op = self.operator(fam.name)
@@ -169,8 +186,8 @@ class Step:
             raise ValueError(
                 f"latent node set {name!r}: update='cccp' needs potentials that are linear or "
                 f"isotropic-quadratic in it (Bilinear, DotProduct, SquaredDistance); a Mapped "
-                f"potential or a projected SquaredDistance side has no closed form. Use "
-                f"update='gradient' or a callable update(state, step)"
+                f"potential, a projected SquaredDistance side or a node energy has no closed "
+                f"form. Use update='gradient' or a callable update(state, step)"
             )
         if isinstance(h, float) and h == 0.0:
             raise ValueError(
@@ -187,14 +204,17 @@ class Step:
 class Engine:
     """Runs the iteration over the latents and families a reader has seen."""
 
-    def __init__(self, latents: list, families: dict, caches: dict):
+    def __init__(self, latents: list, families: dict, caches: dict, energies: dict | None = None):
         self.latents, self.families, self.caches = latents, families, caches
+        self.energies = energies or {}
 
     def free_energy(self) -> torch.Tensor:
         """F at the current states, ``(*batch,)``."""
         total = 0
         for z in self.latents:
             total = total - z.log_prior()
+        for term in self.energies.values():
+            total = total + term.value()
         for name, fam in self.families.items():
             op = FamilyOperator(fam, self.caches.setdefault(name, {}))
             total = total - op.log_partition().sum((-2, -1))

@@ -173,13 +173,21 @@ def _make_latent(name, init, loc, scale, options, features):
     return LatentNodeSet(name, ns.states, loc, scale, options)
 
 
+class _Flat(dist.ImproperUniform):
+    """Pyro's improper flat density, with log p = 0 in the value's dtype (Pyro's is float32)."""
+
+    def log_prob(self, value):
+        shape = value.shape[:value.dim() - self.event_dim]
+        return value.new_zeros(torch.broadcast_shapes(shape, self.batch_shape))
+
+
 def _sample_latent(node_set: LatentNodeSet) -> LatentNodeSet:
     """Default (Pyro) reading: z is a ``pyro.sample`` site in the plates (*batch, heads = 1,
     nodes) of the families, event dim = features; its value is ``(*batch, 1, n, d)``."""
     z = node_set.init
     shape = (*z.shape[:-2], 1, z.shape[-2])
     if node_set.scale is None:
-        prior = dist.ImproperUniform(constraints.real, shape, z.shape[-1:])
+        prior = _Flat(constraints.real, shape, z.shape[-1:])
     else:
         loc = torch.as_tensor(node_set.loc, dtype=z.dtype, device=z.device).expand(z.shape)
         scale = torch.as_tensor(node_set.scale, dtype=z.dtype, device=z.device).expand(z.shape)

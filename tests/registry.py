@@ -81,6 +81,11 @@ def block_slot_attention_case():
     return m, (_x(2, 7, 6), _x(2, 3, 6))
 
 
+def predictive_coding_case():
+    m = sa.models.predictive_coding([5, 4, 3], steps=3, step_size=0.2, dtype=torch.float64)
+    return m, (_x(2, 5),)
+
+
 CASES = {
     "absolute_position_attention": absolute_position_attention_case,
     "alibi_attention": alibi_attention_case,
@@ -90,6 +95,7 @@ CASES = {
     "graph_attention": graph_attention_case,
     "hopfield": hopfield_case,
     "multihop_attention": multihop_attention_case,
+    "predictive_coding": predictive_coding_case,
     "relative_position_attention": relative_position_attention_case,
     "self_attention": self_attention_case,
     "slot_attention": slot_attention_case,

@@ -85,7 +85,7 @@ def test_gradcheck_one_step():
         names = [n for n, _ in layer.named_parameters()]
         x, z = torch.randn(1, 3, 4, dtype=f64), torch.randn(1, 2, 4, dtype=f64)
 
-        def f(x, z, *ps):
+        def f(x, z, *ps, layer=layer, names=names):
             return torch.func.functional_call(layer, dict(zip(names, ps, strict=True)), (x, z))
 
         params = tuple(p.detach().clone().requires_grad_() for p in layer.parameters())

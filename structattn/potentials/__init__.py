@@ -6,4 +6,5 @@ from .dot import DotProduct as DotProduct
 from .mapped import Mapped as Mapped
 from .positional import Positional as Positional
 from .positional import sinusoidal as sinusoidal
+from .prediction_error import PredictionError as PredictionError
 from .squared_distance import SquaredDistance as SquaredDistance

@@ -51,6 +51,7 @@ class Marginalise(Messenger):
         self.latent_values = latent_values
         self.families: dict[str, EdgeFamily] = {}
         self.latents: dict[str, LatentNodeSet] = {}
+        self.energies: dict = {}
         self.posteriors: dict = {}
         self.expectations: dict = {}
         self.trace: Trace | None = None
@@ -63,6 +64,16 @@ class Marginalise(Messenger):
     def _pyro_structattn_latent(self, msg):
         msg["value"] = self.latent(msg["args"][0])
         msg["done"] = True
+
+    def _pyro_structattn_energy(self, msg):
+        msg["value"] = self.energy(msg["args"][0])
+        msg["done"] = True
+
+    def energy(self, term):
+        if term.name in self.energies:
+            raise ValueError(f"energy {term.name!r} is declared twice in one model")
+        self.energies[term.name] = term
+        return term
 
     def _pyro_structattn_infer(self, msg):
         self.infer()
@@ -91,10 +102,12 @@ class Marginalise(Messenger):
         if not pending:
             return
         for z in pending:
-            if not any(z is f.children or z is f.parents for f in self.families.values()):
-                raise ValueError(f"latent node set {z.name!r} is in no edge family: declare "
-                                 f"its families (structattn.edges) before inferring it")
-        engine = Engine(pending, dict(self.families), self._caches)
+            if not any(z is f.children or z is f.parents for f in self.families.values()) \
+                    and not any(e.touches(z) for e in self.energies.values()):
+                raise ValueError(f"latent node set {z.name!r} is in no edge family and no "
+                                 f"energy: declare its families (structattn.edges) or energies "
+                                 f"(structattn.energy) before inferring it")
+        engine = Engine(pending, dict(self.families), self._caches, dict(self.energies))
         self.trace = engine.run(record=self.record_trace,
                                 record_posteriors=self.record_trace_posteriors)
         for z in pending:

@@ -28,7 +28,8 @@ class Structure:
 
     @property
     def max_plate_nesting(self) -> int:
-        return max((f.plate_nesting for f in self.families.values()), default=0)
+        latents = [len(ns.batch_shape) + 2 for ns in self.latents.values()]  # (*batch, 1, n)
+        return max([f.plate_nesting for f in self.families.values()] + latents, default=0)
 
     def support(self, name: str) -> torch.Tensor:
         """Boolean ``(*batch, H, C, P)`` support of family ``name``."""
