@@ -53,8 +53,9 @@ class PredictiveCoding(sa.Declaration):
         self.layer_sizes, self.attention, self.precision = sizes, bool(attention), precision
         self.activation, self.steps, self.step_size, self.grad = activation, steps, step_size, grad
         self.f = ACTIVATIONS[activation][0]
+        pairs = zip(sizes, sizes[1:], strict=False)  # (n_{l−1}, n_l)
         self.weights = nn.ParameterList(
-            nn.Parameter(torch.randn(n, m, **kw) / math.sqrt(m)) for m, n in zip(sizes, sizes[1:], strict=False))
+            nn.Parameter(torch.randn(n, m, **kw) / math.sqrt(m)) for m, n in pairs)
         self.biases = nn.ParameterList(nn.Parameter(torch.zeros(n, **kw)) for n in sizes[1:])
 
     def predict(self, l: int, below: torch.Tensor) -> torch.Tensor:
