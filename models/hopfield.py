@@ -22,7 +22,10 @@ class Hopfield(sa.Declaration):
 
     queries r: ``(*batch, M, d_query)``, keys Y: ``(*batch, N, d_key)`` →
     ``(*batch, M, d_out or heads·d_v)``. Parameters ``W_q (heads·d_k, d_query)``,
-    ``W_k (heads·d_k, d_key)``, ``W_v (heads·d_v, d_key)``, ``W_o (d_out, heads·d_v)``.
+    ``W_k (heads·d_k, d_key)``, ``W_v (heads·d_v, d_key)``, ``W_o (d_out, heads·d_v)``;
+    ``projections=False`` drops all four (the classical network of §4.2: ξ₀ = r, K = V = Y,
+    d_query = d_key). The output reads the memory once more at ξ_T, so with V = K (no
+    projections) it is ξ_{T+1}, one retrieval beyond ``trace.states["state"][-1]`` = ξ_T.
     Cost per step O(M·N·heads·d_k) (one SDPA call); memory O((M + N)·d).
 
     ::
@@ -34,9 +37,14 @@ class Hopfield(sa.Declaration):
 
     def __init__(self, d_query, d_key=None, *, heads=1, d_k=None, d_v=None, d_out=None,
                  beta=None, update_steps=0, tol=None, grad="unroll", out_proj=True,
-                 name="retrieve", device=None, dtype=None):
+                 projections=True, name="retrieve", device=None, dtype=None):
         super().__init__()
         d_key = d_query if d_key is None else d_key
+        if not projections:
+            if d_key != d_query or d_query % heads:
+                raise ValueError(f"Hopfield: projections=False needs d_key == d_query divisible "
+                                 f"by heads; got d_query={d_query}, d_key={d_key}, heads={heads}")
+            d_k = d_v = d_query // heads
         d_k = d_query // heads if d_k is None else d_k
         d_v = d_k if d_v is None else d_v
         for what, val in (("d_query", d_query), ("d_key", d_key), ("heads", heads), ("d_k", d_k),
@@ -54,11 +62,14 @@ class Hopfield(sa.Declaration):
         self.d_query, self.d_key, self.heads, self.d_k, self.d_v = d_query, d_key, heads, d_k, d_v
         self.beta, self.update_steps, self.tol, self.grad = float(beta), update_steps, tol, grad
         self.family_name = name
-        self.W_q = nn.Parameter(torch.empty(heads * d_k, d_query, **kw))
-        self.W_k = nn.Parameter(torch.empty(heads * d_k, d_key, **kw))
-        self.W_v = nn.Parameter(torch.empty(heads * d_v, d_key, **kw))
-        self.W_o = (nn.Parameter(torch.empty(d_out or d_query, heads * d_v, **kw))
-                    if out_proj else None)
+        self.projections = bool(projections)
+        self.W_q = self.W_k = self.W_v = self.W_o = None
+        if projections:
+            self.W_q = nn.Parameter(torch.empty(heads * d_k, d_query, **kw))
+            self.W_k = nn.Parameter(torch.empty(heads * d_k, d_key, **kw))
+            self.W_v = nn.Parameter(torch.empty(heads * d_v, d_key, **kw))
+            self.W_o = (nn.Parameter(torch.empty(d_out or d_query, heads * d_v, **kw))
+                        if out_proj else None)
         for p in (self.W_q, self.W_k, self.W_v, self.W_o):
             if p is not None:
                 nn.init.xavier_uniform_(p)
@@ -66,21 +77,31 @@ class Hopfield(sa.Declaration):
     def model(self, queries, keys):
         stored = sa.nodes("stored", keys, features=self.d_key)
         sa.nodes("queries", queries, features=self.d_query)  # the observed cue r
-        state = sa.latent("state", queries @ self.W_q.T, scale=self.beta ** -0.5,
-                          steps=self.update_steps, tol=self.tol, grad=self.grad)
+        init = queries if self.W_q is None else queries @ self.W_q.T
+        state = sa.latent("state", init, scale=self.beta ** -0.5, steps=self.update_steps,
+                          tol=self.tol, grad=self.grad)
         phi = sa.edges(self.family_name, state, stored, sa.priors.Uniform(), heads=self.heads)
-        sa.potential(phi, sa.potentials.Bilinear(None, self.W_k, heads=self.heads,
-                                                 temperature=1.0 / self.beta))
-        y = sa.merge_heads(sa.value(phi, sa.values.Linear(self.W_v, heads=self.heads)))
+        if self.projections:
+            psi = sa.potentials.Bilinear(None, self.W_k, heads=self.heads,
+                                         temperature=1.0 / self.beta)
+            value = sa.values.Linear(self.W_v, heads=self.heads)
+        else:
+            psi = sa.potentials.DotProduct(heads=self.heads, temperature=1.0 / self.beta)
+            value = sa.values.Identity(heads=self.heads)
+        sa.potential(phi, psi)
+        y = sa.merge_heads(sa.value(phi, value))
         return y if self.W_o is None else y @ self.W_o.T
 
-    def energy(self, state: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    def energy(self, state: torch.Tensor, keys: torch.Tensor, *, per_query: bool = False
+               ) -> torch.Tensor:
         """Ramsauer et al.'s energy E(ξ) = Σ_{i,h} [−(1/β)·lse_j(β k_jᵀξ_i) + ½‖ξ_i‖²] of states
-        ``(*batch, M, heads·d_k)`` (e.g. ``trace.states["state"][t]``), ``(*batch,)``."""
-        K = sa.split_heads(keys @ self.W_k.T, self.heads)  # (*batch, H, N, d_k)
+        ``(*batch, M, heads·d_k)`` (e.g. ``trace.states["state"][t]``): ``(*batch,)``, or
+        ``(*batch, M)`` per query with ``per_query=True``."""
+        K = sa.split_heads(keys if self.W_k is None else keys @ self.W_k.T, self.heads)
         xi = sa.split_heads(state, self.heads)  # (*batch, H, M, d_k)
         lse = torch.logsumexp(self.beta * xi @ K.transpose(-1, -2), -1)
-        return (-lse / self.beta + 0.5 * (xi * xi).sum(-1)).sum((-2, -1))
+        e = (-lse / self.beta + 0.5 * (xi * xi).sum(-1)).sum(-2)  # heads: (*batch, M)
+        return e if per_query else e.sum(-1)
 
     def example_inputs(self, n=5, batch=1):
         return (self._randn(batch, 3, self.d_query), self._randn(batch, n, self.d_key))

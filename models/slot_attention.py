@@ -29,6 +29,13 @@ class SlotAttention(sa.Declaration):
 
     inputs: ``(B, N, dim)``; slots (optional initial slots): ``(B, S, dim)``, else
     μ + σ·ε with S = ``num_slots`` (per call) or the constructor's → slots ``(B, S, dim)``.
+
+    Untrained, the collapsed recipe is plain EM and needs what EM needs: τ on the scale of
+    the keys' spread (the default √dim suits trained keys; LayerNorm'd, freshly projected
+    keys have a per-feature variance near 0.1, so pass e.g. ``temperature=0.03 ·
+    keys.var(-2).mean()``) and initial slots near the data (e.g. S keys drawn at random);
+    ``gallery/plot_slots.py`` shows each failure mode. The input LayerNorm removes each
+    input's mean and scale: give positions a constant channel.
     Cost per iteration O(B·N·S·dim) + the GRU/MLP on B·S slots.
 
     ::

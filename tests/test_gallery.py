@@ -7,7 +7,8 @@ import pytest
 
 GALLERY = pathlib.Path(__file__).resolve().parents[1] / "gallery"
 RUN_IN_TESTS = {"plot_quickstart.py": ["--quick"], "plot_multihop.py": ["--quick"],
-                "plot_catalogue.py": ["--quick"]}
+                "plot_catalogue.py": ["--quick"], "plot_hopfield.py": ["--quick"],
+                "plot_slots.py": ["--quick"]}
 
 
 def _load(path):

@@ -447,3 +447,20 @@ def test_ddp_single_process_iterative(tmp_path):
         assert all(p.grad is not None for p in layer.parameters())
     finally:
         dist.destroy_process_group()
+
+
+def test_hopfield_without_projections_is_the_classical_network():
+    m = sa.models.hopfield(6, heads=2, projections=False, beta=0.9, update_steps=3, dtype=f64)
+    assert not list(m.parameters())
+    r, Y = torch.randn(2, 3, 6, dtype=f64), torch.randn(2, 8, 6, dtype=f64)
+    out, trace = sa.compile(m)(r, Y, return_trace=True)
+    xi = split(r, 2)
+    K = split(Y, 2)
+    for _ in range(4):  # T updates, then the output's read: ξ_{T+1}
+        xi = torch.softmax(0.9 * xi @ K.transpose(-1, -2), -1) @ K
+    assert (out - merge(xi)).abs().max() < 1e-12
+    per_query = m.energy(trace.states["state"][-1], Y, per_query=True)
+    assert per_query.shape == (2, 3)
+    assert torch.allclose(per_query.sum(-1), m.energy(trace.states["state"][-1], Y))
+    with pytest.raises(ValueError, match="projections=False"):
+        sa.models.hopfield(6, 4, projections=False)
