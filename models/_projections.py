@@ -7,11 +7,17 @@ import math
 import torch
 from torch import nn
 
-import structattn as sa
+from structattn.declaration import Declaration
+from structattn.family import edges, potential
+from structattn.family import value as expect
+from structattn.heads import merge_heads
+from structattn.nodes import nodes
+from structattn.potentials import Bilinear, Positional
 from structattn.potentials.bilinear import check_temperature
+from structattn.values import Linear
 
 
-class ProjectedAttention(sa.Declaration):
+class ProjectedAttention(Declaration):
     """Holds ``W_q: (H·d_k, d_child)``, ``W_k: (H·d_k, d_parent)``, ``W_v: (H·d_v, d_parent)``
     and optionally ``W_o: (d_out, H·d_v)``; subclasses say which node sets they connect."""
 
@@ -54,14 +60,13 @@ class ProjectedAttention(sa.Declaration):
     def attend(self, name, children, parents, prior, *, value=None, positions=None):
         """One multi-head edge family: bilinear potential (on x + positions, if given) and a
         value (default: linear W_V x_j); heads merged, then W_O."""
-        phi = sa.edges(name, children, parents, prior, heads=self.heads)
-        psi = sa.potentials.Bilinear(self.W_q, self.W_k, heads=self.heads,
-                                     temperature=self.temperature)
+        phi = edges(name, children, parents, prior, heads=self.heads)
+        psi = Bilinear(self.W_q, self.W_k, heads=self.heads, temperature=self.temperature)
         if positions is not None:
-            psi = sa.potentials.Positional(psi, positions)
-        sa.potential(phi, psi)
-        value = sa.values.Linear(self.W_v, heads=self.heads) if value is None else value
-        y = sa.merge_heads(sa.value(phi, value))
+            psi = Positional(psi, positions)
+        potential(phi, psi)
+        value = Linear(self.W_v, heads=self.heads) if value is None else value
+        y = merge_heads(expect(phi, value))
         return y if self.W_o is None else y @ self.W_o.T
 
 
@@ -78,7 +83,7 @@ class TokenAttention(ProjectedAttention):
         self.d_model, self.causal = d_model, causal
 
     def tokens(self, x):
-        return sa.nodes("x", x, features=self.d_model)
+        return nodes("x", x, features=self.d_model)
 
     def example_inputs(self, n=5, batch=1):
         return (self._randn(batch, n, self.d_model),)

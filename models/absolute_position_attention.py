@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-import structattn as sa
+from structattn.potentials import sinusoidal
+from structattn.priors import Uniform
 
 from ._projections import TokenAttention
 
@@ -25,7 +26,7 @@ class AbsolutePositionAttention(TokenAttention):
             self.positions = nn.Parameter(0.02 * torch.randn(max_len, d_model, device=device,
                                                              dtype=dtype))
         elif positions == "sinusoidal":
-            self.register_buffer("positions", sa.potentials.sinusoidal(
+            self.register_buffer("positions", sinusoidal(
                 max_len, d_model, device=device, dtype=dtype or torch.get_default_dtype()))
         else:
             raise ValueError(f"AbsolutePositionAttention: positions must be 'learned' or "
@@ -36,7 +37,7 @@ class AbsolutePositionAttention(TokenAttention):
         if tokens.size > self.max_len:
             raise ValueError(f"node set 'x' has {tokens.size} tokens but positional encodings "
                              f"exist for max_len={self.max_len}")
-        prior = sa.priors.Uniform(causal=self.causal)
+        prior = Uniform(causal=self.causal)
         return self.attend(self.family_name, tokens, tokens, prior, positions=self.positions[: tokens.size])
 
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-import structattn as sa
+from structattn.priors import ALiBi
+from structattn.priors.relative import alibi_slopes
 
 from ._projections import TokenAttention
 
@@ -16,12 +17,12 @@ class ALiBiAttention(TokenAttention):
 
     def __init__(self, d_model, *, heads=1, causal=True, device=None, dtype=None, **kwargs):
         super().__init__(d_model, heads=heads, causal=causal, device=device, dtype=dtype, **kwargs)
-        self.register_buffer("slopes", sa.priors.relative.alibi_slopes(heads).to(
+        self.register_buffer("slopes", alibi_slopes(heads).to(
             device=device, dtype=dtype))
 
     def model(self, x):
         tokens = self.tokens(x)
-        prior = sa.priors.ALiBi(self.heads, slopes=self.slopes, causal=self.causal)
+        prior = ALiBi(self.heads, slopes=self.slopes, causal=self.causal)
         return self.attend(self.family_name, tokens, tokens, prior)
 
 

@@ -7,10 +7,18 @@ import math
 import torch
 from torch import nn
 
-import structattn as sa
+from structattn.compiler import compile as compile_model
+from structattn.declaration import Declaration
+from structattn.family import edges, potential
+from structattn.family import value as expect
+from structattn.nodes import nodes
+from structattn.potentials import DotProduct
+from structattn.potentials.bilinear import check_temperature
+from structattn.priors import Uniform
+from structattn.values import Identity
 
 
-class Classification(sa.Declaration):
+class Classification(Declaration):
     """φ_i ~ Uniform(classes); ψ(y_j, f_i) = f_iᵀ y_j / τ; v = y_j.
 
     The edge posterior p(φ_i = j | f) = softmax_j(f_iᵀ y_j / τ) *is* the class
@@ -27,7 +35,7 @@ class Classification(sa.Declaration):
         if temperature == "learned":
             self.log_temperature = nn.Parameter(torch.zeros((), device=device, dtype=dtype))
         else:
-            sa.potentials.bilinear.check_temperature(temperature, "Classification")
+            check_temperature(temperature, "Classification")
             self.log_temperature, self._temperature = None, temperature
 
     @property
@@ -35,16 +43,16 @@ class Classification(sa.Declaration):
         return self._temperature if self.log_temperature is None else self.log_temperature.exp()
 
     def model(self, features):
-        outputs = sa.nodes("outputs", features, features=self.d)
+        outputs = nodes("outputs", features, features=self.d)
         y = self.class_embeddings.expand(*features.shape[:-2], self.num_classes, self.d)
-        classes = sa.nodes("classes", y)
-        phi = sa.edges("class", outputs, classes, sa.priors.Uniform())
-        sa.potential(phi, sa.potentials.DotProduct(temperature=self.temperature))
-        return sa.value(phi, sa.values.Identity())[..., 0, :, :]
+        classes = nodes("classes", y)
+        phi = edges("class", outputs, classes, Uniform())
+        potential(phi, DotProduct(temperature=self.temperature))
+        return expect(phi, Identity())[..., 0, :, :]
 
     def class_probabilities(self, features):
         """p(φ_i = class | f): ``(*batch, n, num_classes)``."""
-        return sa.compile(self)(features, return_posterior=True)[1][..., 0, :, :]
+        return compile_model(self)(features, return_posterior=True)[1][..., 0, :, :]
 
     def example_inputs(self, n=3, batch=1):
         return (self._randn(batch, n, self.d),)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-import structattn as sa
+from structattn.nodes import nodes
+from structattn.priors import Uniform
 
 from ._projections import ProjectedAttention
 
@@ -30,9 +31,9 @@ class CrossAttention(ProjectedAttention):
         self.d_query, self.d_key = d_query, d_key
 
     def model(self, queries, keys):
-        q = sa.nodes("queries", queries, features=self.d_query)
-        k = sa.nodes("keys", keys, features=self.d_key)
-        return self.attend(self.family_name, q, k, sa.priors.Uniform())
+        q = nodes("queries", queries, features=self.d_query)
+        k = nodes("keys", keys, features=self.d_key)
+        return self.attend(self.family_name, q, k, Uniform())
 
     def example_inputs(self, n=5, batch=1):
         return (self._randn(batch, n, self.d_query), self._randn(batch, n + 1, self.d_key))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-import structattn as sa
+from structattn.priors import Uniform
 
 from ._projections import TokenAttention
 
@@ -31,9 +31,9 @@ class GraphAttention(TokenAttention):
     def model(self, x, adjacency):
         tokens = self.tokens(x)
         if isinstance(adjacency, torch.Tensor) and adjacency.dtype == torch.bool:
-            prior = sa.priors.Uniform(support=adjacency, causal=self.causal, empty=self.empty)
+            prior = Uniform(support=adjacency, causal=self.causal, empty=self.empty)
         elif isinstance(adjacency, torch.Tensor) and adjacency.dtype == torch.long:
-            prior = sa.priors.Uniform(edge_index=adjacency, causal=self.causal, empty=self.empty)
+            prior = Uniform(edge_index=adjacency, causal=self.causal, empty=self.empty)
         else:
             got = adjacency.dtype if isinstance(adjacency, torch.Tensor) else type(adjacency).__name__
             raise ValueError(

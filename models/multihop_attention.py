@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-import structattn as sa
+from structattn.priors import Uniform
+from structattn.values import Hops
 
 from ._projections import TokenAttention
 
@@ -19,12 +20,12 @@ class MultihopAttention(TokenAttention):
     def __init__(self, d_model, *, hop_weights=(0.0, 1.0, 1.0), heads=1, **kwargs):
         super().__init__(d_model, heads=heads, **kwargs)
         self.hop_weights = tuple(float(w) for w in hop_weights)
-        sa.values.Hops(self.W_v, self.hop_weights, heads=heads)  # validate the weights now
+        Hops(self.W_v, self.hop_weights, heads=heads)  # validate the weights now
 
     def model(self, x):
         tokens = self.tokens(x)
-        value = sa.values.Hops(self.W_v, self.hop_weights, heads=self.heads)
-        return self.attend(self.family_name, tokens, tokens, sa.priors.Uniform(causal=self.causal),
+        value = Hops(self.W_v, self.hop_weights, heads=self.heads)
+        return self.attend(self.family_name, tokens, tokens, Uniform(causal=self.causal),
                            value=value)
 
 

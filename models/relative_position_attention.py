@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-import structattn as sa
+from structattn.priors import RelativePosition
 
 from ._projections import TokenAttention
 
@@ -28,7 +28,7 @@ class RelativePositionAttention(TokenAttention):
 
     def model(self, x):
         tokens = self.tokens(x)
-        prior = sa.priors.RelativePosition(self.position_logits, causal=self.causal)
+        prior = RelativePosition(self.position_logits, causal=self.causal)
         return self.attend(self.family_name, tokens, tokens, prior)
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import structattn as sa
+from structattn.priors import Uniform
 
 from ._projections import TokenAttention
 
@@ -22,7 +22,7 @@ class SelfAttention(TokenAttention):
 
     def model(self, x, support=None):
         tokens = self.tokens(x)
-        prior = sa.priors.Uniform(causal=self.causal, support=support)
+        prior = Uniform(causal=self.causal, support=support)
         return self.attend(self.family_name, tokens, tokens, prior)
 
 

@@ -3,7 +3,7 @@
 Declare a Pyro model whose edges are random variables with a prior; compile it
 to an attention layer; check the layer against Pyro; draw the structure.
 """
-# ruff: noqa: I001, E402  — order matters: the catalogue and inference import the core.
+import importlib as _importlib
 
 from . import potentials as potentials
 from . import priors as priors
@@ -24,6 +24,7 @@ from .family import edges as edges
 from .family import potential as potential
 from .family import value as value
 from .heads import merge_heads as merge_heads
+from .heads import split_heads as split_heads
 from .iterate import Step as Step
 from .iterate import Trace as Trace
 from .latent import IterationOptions as IterationOptions
@@ -31,11 +32,15 @@ from .latent import LatentNodeSet as LatentNodeSet
 from .latent import infer as infer
 from .latent import iteration as iteration
 from .latent import latent as latent
-from .heads import split_heads as split_heads
 from .nodes import NodeSet as NodeSet
 from .nodes import nodes as nodes
 from .readers import Structure as Structure
 from .readers import trace_structure as trace_structure
 
-from . import models as models
-from . import inference as inference
+
+def __getattr__(name):
+    """``structattn.models`` and ``structattn.inference`` load on first use: both build on the
+    core above, so importing them lazily leaves no import cycle."""
+    if name in ("models", "inference"):
+        return _importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

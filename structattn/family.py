@@ -30,6 +30,7 @@ from ._validation import same_device, shape_str
 from .nodes import NodeSet
 from .potentials.base import Potential
 from .priors.base import Prior
+from .priors.tables import PriorTables
 from .values.base import Value
 
 
@@ -45,6 +46,12 @@ class EdgeFamily:
     potentials: list = field(default_factory=list)
     value: Value | None = None
     _heads_plate: object = field(default=None, repr=False)
+    #: the prior's tables for this family, this pass (built on demand, each at most once)
+    tables: PriorTables = field(init=False, repr=False)
+
+    def __post_init__(self):
+        self.tables = self.prior.tables(self.children.size, self.parents.size,
+                                        self.children.states.device)
 
     @property
     def batch_shape(self) -> torch.Size:
@@ -69,7 +76,7 @@ class EdgeFamily:
     def scores(self) -> torch.Tensor:
         """Dense unnormalised log posterior ψ + log prior, ``(*batch, H, C, P)``, −∞ off support."""
         xc, xp = self.children.states, self.parents.states
-        total = self.prior.log_weights(self.children.size, self.parents.size, xc.device, xc.dtype)
+        total = self.tables.log_weights(xc.dtype)
         for psi in self.potentials:
             total = total + psi.pairwise(xc, xp)
         return total.expand(*self.batch_shape, self.heads, *total.shape[-2:])
@@ -78,7 +85,7 @@ class EdgeFamily:
         """``(…, C, 1)`` 0/1 factor zeroing children without parents (``empty="zero"``): their
         value and posterior row are zero in every reading; None when no child can be empty."""
         xc = self.children.states
-        empty = self.prior.empty_children(self.children.size, self.parents.size, xc.device)
+        empty = self.tables.empty_children()
         return None if empty is None else (~empty).to(xc.dtype)[..., None]
 
     def describe(self) -> str:
@@ -104,8 +111,7 @@ class EdgeFamily:
                 f"edge family {self.name!r}: children {self.children.name!r} have dtype "
                 f"{c.dtype} but parents {self.parents.name!r} have dtype {p.dtype}"
             )
-        self.prior.validate(self.name, self.children.size, self.parents.size, c.device,
-                            batch_shape=self.batch_shape, heads=self.heads)
+        self.tables.validate(self.name, batch_shape=self.batch_shape, heads=self.heads)
 
     def add_potential(self, potential: Potential) -> None:
         if not isinstance(potential, Potential):
@@ -175,8 +181,7 @@ class SampledEdge:
 def _sample_edges(family: EdgeFamily) -> SampledEdge:
     """Default (Pyro) reading of an edge site."""
     c = family.children
-    log_prior = family.prior.log_prob_table(c.size, family.parents.size, c.states.device,
-                                            c.states.dtype)  # (…, C, P)
+    log_prior = family.tables.log_prob_table(c.states.dtype)  # (…, C, P)
     with family.plates():
         if family.parents.size == 1:
             # One parent: φ_i = 0 surely. Observed, since Pyro cannot enumerate a size-1 support.
@@ -213,7 +218,6 @@ def edges(name: str, children: NodeSet, parents: NodeSet, prior: Prior, *, heads
         )
     if not isinstance(heads, int) or isinstance(heads, bool) or heads < 1:
         raise ValueError(f"edge family {name!r}: heads must be a positive int; got {heads!r}")
-    prior.reset()  # tables are built once per family, i.e. per forward pass
     family = EdgeFamily(name, children, parents, prior, heads)
     family.validate_structure()
     readers = direct_readers()

@@ -42,15 +42,14 @@ class FamilyOperator:
     def log_weights(self) -> torch.Tensor:
         """Unnormalised log prior ``(…, C, P)``, −∞ off the support."""
         f, xc = self.family, self.family.children.states
-        return self._const("log_weights", lambda: f.prior.log_weights(
-            f.children.size, f.parents.size, xc.device, xc.dtype))
+        return self._const("log_weights", lambda: f.tables.log_weights(xc.dtype))
 
     def flat_prior(self) -> bool:
         """True when the prior is uniform over all parents (no mask, no table): its log weights
         are zero and need not be added to the scores."""
         f, xc = self.family, self.family.children.states
-        return self._const("flat", lambda: f.prior.edge_index is None and f.prior.sdpa_inputs(
-            f.children.size, f.parents.size, xc.device, xc.dtype) == (None, False))
+        return self._const("flat", lambda: f.prior.edge_index is None
+                           and f.tables.sdpa_inputs(xc.dtype) == (None, False))
 
     def log_normaliser(self) -> torch.Tensor:
         """log Σ_j exp(log weights) per child ``(…, C)``: log p(φ_i = j) = weights − this."""
@@ -107,8 +106,7 @@ class FamilyOperator:
         if isinstance(scale, torch.Tensor):  # the fused kernels take a float scale
             a, scale = a * scale.to(a.dtype), 1.0
         xc = f.children.states
-        mask, is_causal = self._const("sdpa", lambda: f.prior.sdpa_inputs(
-            f.children.size, f.parents.size, xc.device, xc.dtype))
+        mask, is_causal = self._const("sdpa", lambda: f.tables.sdpa_inputs(xc.dtype))
         out = F.scaled_dot_product_attention(a, b, u, attn_mask=mask, is_causal=is_causal,
                                              scale=float(scale))
         keep = f.keep()

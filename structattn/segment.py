@@ -1,12 +1,15 @@
-"""Graph attention: ``out_i = Σ_{e: dst_e=i} p_e v[src_e]``, p = softmax_{in(i)}(scale·⟨a[dst_e], b[src_e]⟩).
+"""Graph attention: ``out_i = Σ_{e: dst_e=i} p_e v[src_e]``, p = softmax_{in(i)}(s_e).
 
-The lowering of a uniform prior restricted to a graph given as an edge list
-(``edge_index``): edge ``e`` links parent ``src_e`` to child ``dst_e``; each child's
-posterior is a softmax over its incoming edges only.
+``s_e = scale·⟨a[dst_e], b[src_e]⟩ + β_e``.
+
+The lowering of a prior restricted to a graph given as an edge list (``edge_index``):
+edge ``e`` links parent ``src_e`` to child ``dst_e``; each child's posterior is a
+softmax over its incoming edges only. ``β_e`` is the prior's log weight of the edge
+(optional; −∞ takes the edge out of the support).
 
 Shapes: a ``(*lead, C, k)`` children, b ``(*lead, P, k)`` parents, v ``(*lead, P, d_v)``
-parent values, src / dst ``(E,)`` int64 shared by every leading index; out
-``(*lead, C, d_v)``, posterior ``(*lead, E)``.
+parent values, src / dst ``(E,)`` int64 shared by every leading index, bias β
+broadcastable to ``(*lead, E)``; out ``(*lead, C, d_v)``, posterior ``(*lead, E)``.
 
 Two forms that must agree whenever the fast one does not raise:
 
@@ -48,12 +51,14 @@ def _dot(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return torch.matmul(x.unsqueeze(-2), y.unsqueeze(-1))[..., 0, 0]
 
 
-def _check_values(src, dst, num_parents: int, num_children: int, empty: str, who: str) -> None:
-    """Index ranges and childless children: a pass over the edge list and one sync.
+def _check_values(src, dst, num_parents: int, num_children: int, empty: str, who: str,
+                  bias: torch.Tensor | None = None) -> None:
+    """Index ranges, bias values and childless children: a pass over the edge list and one sync.
 
     Skipped under ``torch.compile`` and with ``structattn.set_validation(False)``;
     then out-of-range indices are undefined behaviour and childless children get a
-    zero output whatever ``empty`` says.
+    zero output whatever ``empty`` says. A child whose edges all have bias −∞ counts
+    as childless. ``bias``: ``(G, E)``.
     """
     if not is_validating() or torch.compiler.is_compiling():
         return
@@ -67,21 +72,32 @@ def _check_values(src, dst, num_parents: int, num_children: int, empty: str, who
                     f"{who}: {name} must hold indices in [0, {n}) ({what} = {n}); got a value {bad} "
                     f"(min {lo}, max {hi})"
                 )
+    if bias is not None and bool((bias.isnan() | bias.isposinf()).any()):
+        raise ValueError(f"{who}: bias must hold finite values or -inf (an edge outside the "
+                         f"support); got NaN or +inf")
     if empty == "error" and num_children > 0:
-        # index_fill_ (unlike bincount) stays legal under torch.use_deterministic_algorithms
-        missing = torch.ones(num_children, dtype=torch.bool, device=dst.device).index_fill_(0, dst, False)
+        if bias is None:
+            # index_fill_ (unlike bincount) stays legal under torch.use_deterministic_algorithms
+            missing = torch.ones(num_children, dtype=torch.bool, device=dst.device).index_fill_(0, dst, False)
+        else:  # (G, C): no incoming edge of finite bias
+            finite = (~bias.isneginf()).to(torch.int32)
+            counts = finite.new_zeros(finite.shape[0], num_children).index_add_(1, dst, finite)
+            missing = counts == 0
         n_missing = int(missing.sum())
         if n_missing:
-            first = int(missing.nonzero()[0, 0])
+            first = int(missing.nonzero()[0, -1])
             raise ValueError(
-                f"{who}: child {first} has no incoming edge ({n_missing} of {num_children} children "
-                f"have none); every child needs at least one parent in (src, dst) for its softmax "
-                f"to be defined. Pass empty='zero' to give such children a zero output."
+                f"{who}: child {first} has no incoming edge{' of finite bias' if bias is not None else ''} "
+                f"({n_missing} of {missing.numel()} children have none); every child needs at least "
+                f"one parent in (src, dst) for its softmax to be defined. Pass empty='zero' to give "
+                f"such children a zero output."
             )
 
 
-def _prepare(a, b, v, src, dst, num_children, scale, chunk_size, empty, who):
-    """Validate; return flattened ``(a, b, v, src, dst, scale, lead)`` with a/b/v as (G, ·, ·)."""
+def _prepare(a, b, v, src, dst, num_children, scale, chunk_size, empty, who, bias=None, checked=False):
+    """Validate; return flattened ``(a, b, v, bias, src, dst, scale, lead)`` with a/b/v as
+    (G, ·, ·) and bias (G, E) or None. ``checked``: the caller has already checked the
+    values of the edge list (ranges, childless children), so they are not checked again."""
     for name, t in (("a", a), ("b", b), ("v", v), ("src", src), ("dst", dst)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{who}: {name} must be a torch.Tensor; got {type(t).__name__}")
@@ -151,12 +167,29 @@ def _prepare(a, b, v, src, dst, num_children, scale, chunk_size, empty, who):
         raise ValueError(f"{who}: chunk_size must be a positive int or None (auto); got {chunk_size!r}")
     if empty not in _EMPTY_MODES:
         raise ValueError(f"{who}: empty must be one of {_EMPTY_MODES}; got {empty!r}")
-    _check_values(src, dst, P, C, empty, who)
+    E = src.shape[0]
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor) or bias.dtype != a.dtype:
+            got = bias.dtype if isinstance(bias, torch.Tensor) else type(bias).__name__
+            raise ValueError(f"{who}: bias must be a tensor of a's dtype {a.dtype}; got {got}")
+        if not same_device(bias.device, a.device):
+            raise ValueError(f"{who}: bias must be on a's device {a.device}; got {bias.device}")
+        try:
+            ok = tuple(torch.broadcast_shapes(bias.shape, (*lead, E))) == (*lead, E)
+        except RuntimeError:
+            ok = False
+        if not ok:
+            raise ValueError(f"{who}: bias must broadcast to (*lead, E)={shape_str((*lead, E))}; "
+                             f"got {shape_str(bias.shape)}")
     G = math.prod(lead)
+    if bias is not None:
+        bias = bias.expand(*lead, E).reshape(G, E)
+    if not checked:
+        _check_values(src, dst, P, C, empty, who, bias)
     a = a.reshape(G, C, k)
     b = b.reshape(G, P, k)
     v = v.reshape(G, P, v.shape[-1])
-    return a, b, v, src, dst, scale, lead
+    return a, b, v, bias, src, dst, scale, lead
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -184,20 +217,21 @@ def _chunks(E: int, chunk_size: int):
 
 
 class _SegmentAttention(torch.autograd.Function):
-    """(a, b, v) -> (out, p) over an edge list.
+    """(a, b, v, bias) -> (out, p) over an edge list; bias (G, E) or None.
 
     Internally node-major: a_r (C, G, k), b_r (P, G, k), v_r (P, G, d_v), p (E, G),
     out_r (C, G, d_v). Saves a_r, b_r, v_r, src, dst, p, out_r: O(E·G + (C+P)·G·d).
     """
 
     @staticmethod
-    def forward(ctx, a, b, v, src, dst, scale: float, chunk_size: int):
+    def forward(ctx, a, b, v, bias, src, dst, scale: float, chunk_size: int):
         G, C, _ = a.shape
         d_v = v.shape[-1]
         E = src.numel()
         acc = _acc_dtype(a.dtype)
         dev = a.device
         a_r, b_r, v_r = _rows(a), _rows(b), _rows(v)
+        bias_r = None if bias is None else bias.t().to(acc)  # (E, G)
         # pass 1: scores s (E, G) and per-child max m (C, G)
         p = torch.empty(E, G, dtype=acc, device=dev)
         m = torch.full((C, G), float("-inf"), dtype=acc, device=dev)
@@ -206,11 +240,17 @@ class _SegmentAttention(torch.autograd.Function):
             sc = _dot(a_r.index_select(0, d_c).to(acc), b_r.index_select(0, s_c).to(acc))
             if scale != 1.0:
                 sc = sc * scale
+            if bias_r is not None:
+                sc = sc + bias_r[lo:hi]
             p[lo:hi] = sc
             m.scatter_reduce_(0, d_c[:, None].expand(-1, G), sc, reduce="amax", include_self=True)
         # O(E) normalisation; children without edges keep m = -inf, Z = 0 and are never read
+        if bias_r is not None:  # children whose edges all have bias −∞: p = 0, a zero output
+            m.masked_fill_(torch.isneginf(m), 0.0)
         p.sub_(m.index_select(0, dst)).exp_()
         z = torch.zeros(C, G, dtype=acc, device=dev).index_add_(0, dst, p)
+        if bias_r is not None:
+            z.masked_fill_(z == 0, 1.0)
         p.div_(z.index_select(0, dst))
         # pass 2: out_i = Σ_e p_e v[src_e]
         out_r = torch.zeros(C, G, d_v, dtype=acc, device=dev)
@@ -226,23 +266,24 @@ class _SegmentAttention(torch.autograd.Function):
     def backward(ctx, gout, gp):
         a_r, b_r, v_r, src, dst, p, out_r = ctx.saved_tensors
         scale, chunk_size, dtype = ctx.scale, ctx.chunk_size, ctx.dtype
-        need_a, need_b, need_v = ctx.needs_input_grad[:3]
+        need_a, need_b, need_v, need_bias = ctx.needs_input_grad[:4]
         E, G = p.shape
         C = a_r.shape[0]
         acc, dev = p.dtype, p.device
         ga = torch.zeros(a_r.shape, dtype=acc, device=dev) if need_a else None
         gb = torch.zeros(b_r.shape, dtype=acc, device=dev) if need_b else None
         gv = torch.zeros(v_r.shape, dtype=acc, device=dev) if need_v else None
+        gbias = torch.zeros(E, G, dtype=acc, device=dev) if need_bias else None
 
         def result():
-            return (*(None if g is None else g.transpose(0, 1).to(dtype) for g in (ga, gb, gv)),
+            return (*(None if g is None else g.transpose(0, 1).to(dtype) for g in (ga, gb, gv, gbias)),
                     None, None, None, None)
 
-        if (gout is None and gp is None) or not (need_a or need_b or need_v):
+        if (gout is None and gp is None) or not (need_a or need_b or need_v or need_bias):
             return result()
         gout = None if gout is None else _rows(gout.to(acc))  # (C, G, d_v)
         gp = None if gp is None else gp.t().to(acc)  # (E, G)
-        need_s = need_a or need_b
+        need_s = need_a or need_b or need_bias
         if need_s:
             # D_i = Σ_{e ∈ in(i)} p_e dp_e = <gout_i, out_i> + Σ_{e ∈ in(i)} p_e gp_e
             D = (gout * out_r).sum(-1) if gout is not None else torch.zeros(C, G, dtype=acc, device=dev)
@@ -260,6 +301,8 @@ class _SegmentAttention(torch.autograd.Function):
             if gp is not None:
                 dp = dp + gp[lo:hi]
             ds = pc * (dp - D.index_select(0, d_c))
+            if need_bias:
+                gbias[lo:hi] = ds
             if scale != 1.0:
                 ds = ds * scale
             ds = ds[..., None]
@@ -271,11 +314,11 @@ class _SegmentAttention(torch.autograd.Function):
 
 
 def segment_attention(a, b, v, src, dst, num_children, scale=1.0, *, chunk_size=None, empty="error",
-                      return_posterior=False):
+                      return_posterior=False, bias=None, checked=False):
     """Graph attention over an edge list, memory O(E + (C+P)·d) forward and backward.
 
     ``out_i = Σ_{e: dst_e = i} p_e v[src_e]``, ``p_e`` = softmax of ``s_e`` over the
-    edges sharing ``dst_e``, ``s_e = scale · <a[dst_e], b[src_e]>``.
+    edges sharing ``dst_e``, ``s_e = scale · <a[dst_e], b[src_e]> + bias_e``.
 
     Args:
         a: ``(*lead, C, k)`` child features.
@@ -291,20 +334,28 @@ def segment_attention(a, b, v, src, dst, num_children, scale=1.0, *, chunk_size=
         empty: ``"error"`` -> ValueError naming the first child with no incoming edge;
             ``"zero"`` -> such children get a zero output (and zero, finite gradients).
         return_posterior: also return ``p`` of shape ``(*lead, E)``.
+        bias: optional per-edge additive score term (a log prior weight), broadcastable to
+            ``(*lead, E)``, in a's dtype; −∞ takes an edge out of its child's softmax (a child
+            with no edge of finite bias counts as having no edge). Gets a gradient.
+        checked: the caller has already checked the edge list's values (index ranges, empty
+            children), e.g. a compiled family whose prior checked them once per pass; shapes,
+            dtypes and devices are checked regardless.
 
     Returns ``out`` ``(*lead, C, d_v)`` in the input dtype, or ``(out, p)``. Half
     precision inputs are accumulated in float32. Double backward is not supported.
 
     Index-range and empty-child checks read values (one device sync); they are
-    skipped under ``torch.compile`` and with ``structattn.set_validation(False)``.
+    skipped under ``torch.compile``, with ``structattn.set_validation(False)`` and with
+    ``checked=True``.
     """
     who = "segment_attention"
-    a, b, v, src, dst, scale, lead = _prepare(a, b, v, src, dst, num_children, scale, chunk_size, empty, who)
+    a, b, v, bias, src, dst, scale, lead = _prepare(a, b, v, src, dst, num_children, scale, chunk_size,
+                                                    empty, who, bias, checked)
     if isinstance(scale, torch.Tensor):  # a learnable temperature: scale the children outside
         a, scale = a * scale.to(a.dtype), 1.0
     if chunk_size is None:
         chunk_size = _auto_chunk(a.shape[0], a.shape[-1], v.shape[-1], a.dtype)
-    out, p = _SegmentAttention.apply(a, b, v, src, dst, float(scale), chunk_size)
+    out, p = _SegmentAttention.apply(a, b, v, bias, src, dst, float(scale), chunk_size)
     out = out.reshape(*lead, *out.shape[-2:])
     if return_posterior:
         return out, p.reshape(*lead, p.shape[-1])
@@ -312,7 +363,7 @@ def segment_attention(a, b, v, src, dst, num_children, scale=1.0, *, chunk_size=
 
 
 def segment_attention_naive(a, b, v, src, dst, num_children, scale=1.0, *, chunk_size=None, empty="error",
-                            return_posterior=False):
+                            return_posterior=False, bias=None, checked=False):
     """The naive twin of :func:`segment_attention`; must agree whenever the fast one does not raise.
 
     Plain differentiable torch ops (gather, scatter-max, ``index_add``), no custom
@@ -320,16 +371,23 @@ def segment_attention_naive(a, b, v, src, dst, num_children, scale=1.0, *, chunk
     and otherwise ignored.
     """
     who = "segment_attention_naive"
-    a, b, v, src, dst, scale, lead = _prepare(a, b, v, src, dst, num_children, scale, chunk_size, empty, who)
+    a, b, v, bias, src, dst, scale, lead = _prepare(a, b, v, src, dst, num_children, scale, chunk_size,
+                                                    empty, who, bias, checked)
     dtype = a.dtype
     acc = _acc_dtype(dtype)
     a, b, v = a.to(acc), b.to(acc), v.to(acc)
     G, C, _ = a.shape
     s = (a.index_select(1, dst) * b.index_select(1, src)).sum(-1) * scale  # (G, E)
+    if bias is not None:
+        s = s + bias.to(acc)
     m = torch.full((G, C), float("-inf"), dtype=acc, device=a.device)
     m = m.scatter_reduce(1, dst.expand(G, -1), s.detach(), reduce="amax", include_self=True)
+    if bias is not None:  # children whose edges all have bias −∞: p = 0
+        m = m.masked_fill(torch.isneginf(m), 0.0)
     w = torch.exp(s - m.index_select(1, dst))
     z = torch.zeros(G, C, dtype=acc, device=a.device).index_add(1, dst, w)
+    if bias is not None:
+        z = z.masked_fill(z == 0, 1.0)
     p = w / z.index_select(1, dst)
     out = torch.zeros(G, C, v.shape[-1], dtype=acc, device=a.device)
     out = out.index_add(1, dst, p[..., None] * v.index_select(1, src))

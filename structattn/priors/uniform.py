@@ -45,11 +45,7 @@ class Uniform(Prior):
         self.empty = empty
 
     def explicit_support(self, num_children, num_parents, device):
-        if self.edge_index is not None:  # the dense reading of an edge list (small graphs only)
-            src, dst = self.edge_index.to(device)
-            mask = torch.zeros(num_children, num_parents, dtype=torch.bool, device=device)
-            mask[dst, src] = True
-            return mask
+        # an edge_index is read by the base class (PriorTables), densely only where asked
         return None if self.support is None else self.support.to(device)
 
     def describe(self) -> str:

@@ -39,7 +39,7 @@ class Structure:
         """Normalised log prior ``(*batch, H, C, P)`` of family ``name``."""
         f = self.families[name]
         xc = f.children.states
-        t = f.prior.log_prob_table(f.children.size, f.parents.size, xc.device, xc.dtype)
+        t = f.tables.log_prob_table(xc.dtype)
         keep = f.keep()
         if keep is not None:  # parentless children (empty="zero") have no prior edge at all
             t = t.masked_fill(keep == 0, float("-inf"))

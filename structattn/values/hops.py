@@ -22,6 +22,9 @@ class Hops(Linear):
     The Pyro reading draws each hop afresh from the posterior edge of the node reached,
     φ^k_i ~ p(φ_{φ^{k−1}_i} | x) (a random walk on the attention graph), for which
     Σ_k w_k P^k V X is exact; ground truth enumerates the walk (φ^1_i, …, φ^K_i) jointly.
+    That posterior is built from the prior's log table and each declared potential's own
+    ``at`` — the quantities of the family's ``pyro.factor`` sites — never from the
+    compiler's score tables (``_edge_log_posterior``).
     """
 
     single_edge = False
@@ -51,7 +54,7 @@ class Hops(Linear):
                 total = value_term(f"{fam.name}.value.hop0", values, family=fam.name, edge=None,
                                    weight=self.weights[0])
             index, site = edge.index, fam.name
-            scores = fam.scores()  # (*batch, H, C, P): row n = log posterior of node n's edge
+            scores = _edge_log_posterior(fam)  # (*batch, H, C, P): row n = node n's edge
             for k, w in enumerate(self.weights[1:], start=1):
                 if k > 1:  # the next step: a fresh edge from the node reached
                     site = f"{fam.name}.hop{k}"
@@ -74,3 +77,19 @@ class Hops(Linear):
 
     def describe(self) -> str:
         return f"Hops(weights={tuple(self.weights)}, heads={self.heads})"
+
+
+def _edge_log_posterior(fam) -> torch.Tensor:
+    """``log p(φ_n = j | x)`` up to a constant per row, ``(*batch, H, C, P)``: the prior's
+    normalised log table plus ψ(x_j, x_n) of every declared potential, each evaluated with
+    ``potential.at`` (as the family's ``pyro.factor`` sites are) at every candidate parent j.
+    −∞ off the support. Costs one ``at`` call per potential on a ``(P, *batch, H, C)`` index."""
+    xc, xp = fam.children.states, fam.parents.states
+    log_prior = fam.prior.log_prob_table(fam.children.size, fam.parents.size, xc.device, xc.dtype)
+    P, lead = fam.parents.size, len(fam.batch_shape) + 2  # (*batch, H, C)
+    every_parent = torch.arange(P, device=xc.device).reshape(P, *(1,) * lead)
+    total = log_prior
+    for psi in fam.potentials:
+        at = psi.at(xc, xp, every_parent)  # (P, *batch, H, C): ψ(x_j, x_n), j first
+        total = total + at.movedim(0, -1)
+    return total.expand(*fam.batch_shape, fam.heads, *total.shape[-2:])

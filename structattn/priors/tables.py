@@ -1,0 +1,287 @@
+"""What is derived from a prior for one edge family in one forward pass.
+
+``PriorTables(prior, C, P, device)`` reads a prior (its ``causal``, ``empty``,
+``edge_index``, ``explicit_support`` and ``log_table``) and builds the tables every
+reading needs — support masks, the additive bias, the normalised log prior, the
+per-edge log weights of an edge list, the inputs of ``scaled_dot_product_attention``
+— each at most once, on demand.
+
+It is a cache with the lifetime of one family: whoever reads a family holds it for
+that pass and drops it with the family. Nothing is stored on the prior, so a prior
+whose parameters change between calls gives fresh tables, and no tensor (nor the
+autograd graph behind it) of an earlier pass stays reachable from the prior.
+
+Shapes: every table broadcasts against ``(*batch, heads, C, P)`` (dense) or
+``(*batch, heads, E)`` (per edge of an edge list).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._validation import first_true, is_validating, same_device, shape_str
+
+
+class PriorTables:
+    """The tables of ``prior`` for ``num_children`` × ``num_parents`` nodes on ``device``."""
+
+    def __init__(self, prior, num_children: int, num_parents: int, device):
+        self.prior = prior
+        self.num_children, self.num_parents = num_children, num_parents
+        self.device = device
+        self._built: dict = {}
+
+    def _once(self, key, build):
+        if key not in self._built:
+            self._built[key] = build()
+        return self._built[key]
+
+    # -- the prior's own statements -----------------------------------------------------
+    def table(self, dtype=None) -> torch.Tensor | None:
+        """``log_table``: unnormalised log weights ``(…, C, P)`` in ``dtype`` (None: its own)."""
+        own = self._once("table", lambda: self.prior.log_table(
+            self.num_children, self.num_parents, self.device, None))
+        if own is None or dtype is None or own.dtype == dtype:
+            return own
+        return self._once(("table", dtype), lambda: own.to(dtype))
+
+    def explicit_support(self) -> torch.Tensor | None:
+        """Boolean ``(…, C, P)``: the prior's explicit support ∩ the dense reading of its
+        edge list (small graphs only: the lowering of an edge list never builds it)."""
+        def build():
+            C, P, prior = self.num_children, self.num_parents, self.prior
+            mask = prior.explicit_support(C, P, self.device)
+            if prior.edge_index is not None:
+                src, dst = prior.edge_index.to(self.device)
+                graph = torch.zeros(C, P, dtype=torch.bool, device=self.device)
+                graph[dst, src] = True
+                mask = graph if mask is None else mask & graph
+            return mask
+        return self._once("explicit", build)
+
+    # -- dense readings ----------------------------------------------------------------
+    def bias(self, dtype=None) -> torch.Tensor | None:
+        """The finite part of ``log_table`` (−∞ entries set to 0; they are masked anyway)."""
+        table = self.table(dtype)
+        if table is None:
+            return None
+        return self._once(("bias", table.dtype),
+                          lambda: table.masked_fill(torch.isneginf(table), 0.0))
+
+    def support_mask(self) -> torch.Tensor | None:
+        """Boolean ``(…, C, P)``: the explicit support ∩ the finite entries of ``log_table``,
+        or None when neither restricts (built from tensor ops only, so it traces)."""
+        def build():
+            mask, table = self.explicit_support(), self.table()
+            if table is not None:
+                finite = ~torch.isneginf(table)
+                mask = finite if mask is None else mask & finite
+            return mask
+        return self._once("support", build)
+
+    def full_mask(self) -> torch.Tensor | None:
+        """Boolean support ``(…, C, P)`` including causality, or None for 'all parents'."""
+        def build():
+            mask = self.support_mask()
+            if self.prior.causal:
+                tril = torch.ones(self.num_children, self.num_parents, dtype=torch.bool,
+                                  device=self.device).tril()
+                mask = tril if mask is None else mask & tril
+            return mask
+        return self._once("full", build)
+
+    def log_weights(self, dtype) -> torch.Tensor:
+        """Unnormalised log prior ``(…, C, P)`` with −∞ outside the support (materialised)."""
+        def build():
+            bias = self.bias(dtype)
+            table = (torch.zeros(self.num_children, self.num_parents, device=self.device, dtype=dtype)
+                     if bias is None else bias.to(dtype))
+            mask = self.full_mask()
+            if mask is not None:
+                table = table.masked_fill(~mask, float("-inf"))
+                if self.prior.empty == "zero":  # rows without support: uniform, zeroed by the caller
+                    table = torch.where(mask.any(-1, keepdim=True), table, torch.zeros_like(table))
+            return table
+        return self._once(("log_weights", dtype), build)
+
+    def log_prob_table(self, dtype) -> torch.Tensor:
+        """Normalised log prior ``(…, C, P)``: rows are log p(φ_i = ·)."""
+        return self._once(("log_prob", dtype),
+                          lambda: torch.log_softmax(self.log_weights(dtype), -1))
+
+    def sdpa_inputs(self, dtype):
+        """``(attn_mask, is_causal)`` for ``scaled_dot_product_attention``.
+
+        Causality alone lowers to the fused ``is_causal`` path; a support mask
+        alone to a boolean mask; a log table to an additive float mask with −∞
+        outside the support.
+        """
+        prior = self.prior
+        table, explicit = self.table(dtype), self.explicit_support()
+        if table is None and explicit is None:
+            return None, prior.causal
+        if table is not None and explicit is None and prior.empty == "error" and not prior.causal:
+            # the table itself is the additive mask (−∞ = outside the support): no copies;
+            # causality takes SDPA's fused path only when nothing else restricts
+            return table, False
+        if table is None:
+            mask = self.full_mask()
+            if prior.empty == "zero":  # let empty rows attend anywhere; the caller zeroes them
+                mask = mask | ~mask.any(-1, keepdim=True)
+            return mask, False
+        return self.log_weights(dtype), False
+
+    # -- edge-list readings (all O(E): never the dense C×P support) ----------------------
+    def edges(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(src, dst)``, each ``(E,)``: the edges of an edge-list support (j ≤ i only when
+        causal); every per-edge table is aligned with them."""
+        return self._once("edges", lambda: self.prior.edges(self.device))
+
+    def edge_bias(self, dtype=None) -> torch.Tensor | None:
+        """Per-edge log weights ``(…, E)`` (``log_table`` at each edge; −∞: the edge is
+        outside the support), or None when the prior has no log table. Costs the prior's
+        own dense table, if it has one, and a gather."""
+        table = self.table(dtype)
+        if table is None:
+            return None
+        src, dst = self.edges()
+        C, P = self.num_children, self.num_parents
+        return self._once(("edge_bias", table.dtype),  # broadcast_to: a view, e.g. of a (1, P) table
+                          lambda: torch.broadcast_to(table, (*table.shape[:-2], C, P))[..., dst, src])
+
+    def empty_children(self) -> torch.Tensor | None:
+        """Boolean ``(…, C)``: children with no allowed parent, when ``empty == "zero"``;
+        None when no row can be empty (all parents, or j ≤ i alone: never C×P work)."""
+        if self.prior.empty != "zero":
+            return None
+        if self.prior.edge_index is not None:  # O(E): count incoming edges of finite weight
+            return self._once("empty", lambda: _edge_counts(self) == 0)
+        if self.support_mask() is None:
+            return None
+        return self._once("empty", lambda: ~self.full_mask().any(-1))
+
+    # -- checks ---------------------------------------------------------------------------
+    def validate(self, family: str, *, batch_shape=(), heads: int = 1) -> None:
+        """Shapes always (each table must broadcast to ``(*batch, heads, C, P)``); values
+        (NaN/+∞ log weights, children with an empty support) while validating. An edge
+        list is checked here once per pass, in O(E); the lowering does not check it again."""
+        prior, C, P = self.prior, self.num_children, self.num_parents
+        if prior.empty not in ("error", "zero"):
+            raise ValueError(f"edge family {family!r}: prior empty= must be 'error' or 'zero'; "
+                             f"got {prior.empty!r}")
+        target = (*batch_shape, heads, C, P)
+        if prior.edge_index is not None:
+            check_edge_index(family, prior.edge_index, C, P)
+            table = self.table()
+            if table is not None:
+                _check_table(family, "log weights", table, target, self.device)
+            if not is_validating() or torch.compiler.is_compiling():
+                return
+            if table is not None:
+                _check_log_weights(family, self.edge_bias(), "at edge")
+            if prior.empty == "error":
+                _check_no_empty_edge_child(family, self, _edge_counts(self))
+            return
+        table, explicit = self.table(), self.explicit_support()
+        for what, t in (("support mask", explicit), ("log weights", table)):
+            if t is not None:
+                _check_table(family, what, t, target, self.device)
+        if not is_validating() or torch.compiler.is_compiling():
+            return
+        if table is not None:  # −∞ excludes a parent; NaN and +∞ are errors
+            _check_log_weights(family, table, "at index")
+        if prior.empty == "zero":
+            return
+        if explicit is None and (table is None or not bool(torch.isneginf(table).any())):
+            return  # all parents, or j ≤ i alone: column 0 is always allowed, no row is empty
+        empty = ~self.full_mask().any(-1)
+        where = first_true(empty)
+        if where is not None:
+            raise ValueError(
+                f"edge family {family!r}: child {where[-1]} (index {where}) has an empty "
+                f"support — no parent is allowed, so p(φ_i | x) does not exist. "
+                f"{int(empty.sum())} of {empty.numel()} children are affected. Allow at "
+                f"least one parent per child (e.g. a self-loop), or ask for a zero output "
+                f"with empty='zero'."
+            )
+
+
+def _edge_counts(tables: PriorTables) -> torch.Tensor:
+    """``(…, C)``: how many edges of finite log weight reach each child (O(E))."""
+    src, dst = tables.edges()
+    weights = tables.edge_bias()
+    if weights is None:
+        return torch.bincount(dst, minlength=tables.num_children)
+    finite = (~torch.isneginf(weights)).to(torch.long)
+    counts = finite.new_zeros(*finite.shape[:-1], tables.num_children)
+    return counts.index_add_(-1, dst, finite)
+
+
+def _check_table(family, what, t, target, device) -> None:
+    try:
+        ok = tuple(torch.broadcast_shapes(t.shape, target)) == target
+    except RuntimeError:
+        ok = False
+    if not ok:
+        raise ValueError(
+            f"edge family {family!r}: prior {what} must broadcast to (*batch, heads, "
+            f"children, parents)={shape_str(target)}; got {shape_str(t.shape)}"
+        )
+    if what == "log weights" and not same_device(t.device, device):
+        raise ValueError(
+            f"edge family {family!r}: prior {what} are on {t.device} but the node states "
+            f"are on {device}; move the declaration with .to({str(device)!r})"
+        )
+
+
+def _check_log_weights(family, table, where) -> None:
+    first = first_true(table.isnan() | table.isposinf())
+    if first is not None:
+        raise ValueError(
+            f"edge family {family!r}: prior log weights contain non-finite values (NaN "
+            f"or +inf) {where} {first}; only −inf (a parent outside the support) is "
+            f"allowed"
+        )
+
+
+def _check_no_empty_edge_child(family, tables: PriorTables, counts: torch.Tensor) -> None:
+    empty = counts == 0
+    where = first_true(empty)
+    if where is None:
+        return
+    causal = " from j ≤ i" if tables.prior.causal else ""
+    finite = " of finite log weight" if tables.table() is not None else ""
+    raise ValueError(
+        f"edge family {family!r}: child {where[-1]} has an empty support — no edge{finite} in "
+        f"edge_index{causal} points to it ({int(empty.sum())} of {empty.numel()} children are "
+        f"affected). Add edges (e.g. self-loops) or ask for a zero output with empty='zero'."
+    )
+
+
+def check_edge_index(family: str, edge_index: torch.Tensor, num_children: int,
+                     num_parents: int) -> None:
+    """Shape always; index ranges and duplicate edges while validating (all O(E))."""
+    if edge_index.dim() != 2 or edge_index.shape[0] != 2:
+        raise ValueError(
+            f"edge family {family!r}: edge_index must have shape (2, E) — row 0 parents, row 1 "
+            f"children; got {shape_str(edge_index.shape)}"
+        )
+    if not is_validating() or torch.compiler.is_compiling():
+        return
+    src, dst = edge_index
+    for what, idx, n in (("parent (row 0)", src, num_parents), ("child (row 1)", dst, num_children)):
+        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= n):
+            bad = int(idx[(idx < 0) | (idx >= n)][0])
+            raise ValueError(
+                f"edge family {family!r}: edge_index {what} indices must be in [0, {n}); got {bad}"
+            )
+    # a support is a set: an edge listed twice would count twice in a softmax over edges
+    keys = dst * num_parents + src
+    unique, counts = torch.unique(keys, return_counts=True)
+    if bool((counts > 1).any()):
+        k = int(unique[counts > 1][0])
+        raise ValueError(
+            f"edge family {family!r}: edge_index lists the edge {k % num_parents} → "
+            f"{k // num_parents} (parent → child) {int(counts[counts > 1][0])} times; an edge is "
+            f"in the support or not — remove duplicates (e.g. torch.unique(edge_index, dim=1))"
+        )
