@@ -1,4 +1,24 @@
-"""Compare a compiled module against Pyro's exact answer on the same inputs."""
+"""Compare a compiled module against ground truth from the same declaration, with a verdict.
+
+Methods (``compare(model, *inputs, method=…)``):
+
+- ``"exact"``: Pyro's exact enumeration at the same states — output, every edge
+  posterior, every value expectation and (latent models) the free energy must agree to an
+  absolute tolerance ``atol``; latent models are also compared with Pyro's MAP
+  (``map_estimate``), which counts in the verdict when the compiled iteration converged
+  (``tol`` met) and within ``map_atol``;
+- ``"samples"``: joint posterior draws of the edges (``sample``, models without latents):
+  the compiled output against the Monte-Carlo E[output] and each compiled posterior against
+  the edge frequencies, in standard errors;
+- ``"svi"``: latent models — the compiled final state against SVI's MAP (``svi``, a
+  point-mass guide, Adam) within ``svi_atol``;
+- ``"mcmc"``: latent models — the compiled final state against NUTS draws (``mcmc``): each
+  coordinate within the z-threshold of the posterior mean in posterior standard deviations
+  (a point estimate inside the posterior's bulk, not an equality).
+
+Sampled checks use a z-threshold with Bonferroni's rule: with m entries tested at family-wise
+level α (default 0.01) an entry passes when |z| ≤ Φ⁻¹(1 − α/(2m)).
+"""
 
 from __future__ import annotations
 
@@ -14,10 +34,26 @@ from .exact import exact
 from .map import map_estimate
 from .sample import sample
 
+METHODS = ("exact", "samples", "svi", "mcmc")
+
+
+@dataclass
+class Check:
+    """One verdict: ``value`` (an absolute difference, or a |z|) against ``tolerance``."""
+
+    name: str
+    value: float
+    tolerance: float
+    kind: str = "abs"  # "abs" or "z"
+
+    @property
+    def passed(self) -> bool:
+        return self.value <= self.tolerance
+
 
 @dataclass
 class Comparison:
-    """Max absolute differences, compiled vs Pyro enumeration."""
+    """Max absolute differences, compiled vs Pyro, and the verdict (``passed``, ``checks``)."""
 
     output: float
     posteriors: dict = field(default_factory=dict)
@@ -34,6 +70,10 @@ class Comparison:
     #: found a lower free energy than the MAP search (another local optimum)
     fixed_point_free_energy: float | None = None
     notes: list = field(default_factory=list)
+    method: str = "exact"
+    checks: list = field(default_factory=list)
+    #: dense posteriors for pictures: family → (compiled, ground truth)
+    pictures: dict = field(default_factory=dict, repr=False)
 
     @property
     def max_abs_diff(self) -> float:
@@ -44,25 +84,62 @@ class Comparison:
         extra = [] if self.free_energy is None else [self.free_energy]
         return max([self.output, *self.posteriors.values(), *self.expectations.values(), *extra])
 
+    @property
+    def passed(self) -> bool:
+        """Every check within its tolerance."""
+        return all(c.passed for c in self.checks)
+
+    def __bool__(self) -> bool:
+        return self.passed
+
     def __str__(self) -> str:
-        lines = [f"max |compiled − Pyro exact|: {self.max_abs_diff:.3g}",
-                 f"  output          {self.output:.3g}"]
-        for k, v in self.posteriors.items():
-            lines.append(f"  posterior[{k}]  {v:.3g}")
-        for k, v in self.expectations.items():
-            lines.append(f"  E[value][{k}]   {v:.3g}")
-        if self.free_energy is not None:
-            lines.append(f"  free energy     {self.free_energy:.3g}")
-        if self.sampled_output is not None:
-            lines.append(f"  E[output] by posterior samples: {self.sampled_output:.3g} "
-                         f"({self.sampled_z:.2f} standard errors)")
-        if self.fixed_point is not None:
-            lines.append("max |compiled final state − Pyro MAP| (Pyro ELBO, point-mass guide):")
-            for k, v in self.fixed_point.items():
-                lines.append(f"  latent[{k}]  {v:.3g}")
-            lines.append(f"  F(compiled) − F(MAP)  {self.fixed_point_free_energy:.3g}")
+        lines = [f"{'PASS' if self.passed else 'FAIL'} ({self.method}): compiled vs ground truth"]
+        for c in self.checks:
+            unit = "|z|" if c.kind == "z" else "abs"
+            lines.append(f"  {'ok  ' if c.passed else 'FAIL'} {c.name:<34} {c.value:.3g} "
+                         f"{'≤' if c.passed else '>'} {c.tolerance:.3g} ({unit})")
+        if self.fixed_point_free_energy is not None:
+            lines.append(f"       F(compiled) − F(MAP)  {self.fixed_point_free_energy:.3g}")
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
+
+    def plot(self, path=None):
+        """Side by side, per family: the compiled posterior and the ground truth's (first batch
+        element, first head). Returns the matplotlib figure; saved to ``path`` if given."""
+        import matplotlib
+
+        if path is not None:
+            matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        if not self.pictures:
+            raise ValueError("this comparison kept no posteriors to draw (method "
+                             f"{self.method!r})")
+        fams = list(self.pictures)
+        fig, axes = plt.subplots(len(fams), 3, figsize=(9, 2.8 * len(fams)), squeeze=False)
+        for r, fam in enumerate(fams):
+            a, b = (t.reshape(-1, *t.shape[-2:])[0].detach().double().cpu()
+                    for t in self.pictures[fam])
+            for ax, t, title in ((axes[r, 0], a, "compiled"), (axes[r, 1], b, "ground truth"),
+                                 (axes[r, 2], (a - b).abs(), "|difference|")):
+                im = ax.imshow(t.numpy(), cmap="Blues" if title != "|difference|" else "Reds",
+                               vmin=0, vmax=None if title == "|difference|" else 1)
+                ax.set_title(f"{fam}: {title}", fontsize=8)
+                ax.set_xlabel("parent j", fontsize=7)
+                ax.set_ylabel("child i", fontsize=7)
+                fig.colorbar(im, ax=ax, fraction=0.046)
+        fig.suptitle(f"{'PASS' if self.passed else 'FAIL'} ({self.method})", fontsize=9)
+        fig.tight_layout()
+        if path is not None:
+            fig.savefig(path, dpi=100)
+            plt.close(fig)
+        return fig
+
+
+def z_threshold(m: int, alpha: float = 0.01) -> float:
+    """Bonferroni: the |z| an entry may reach when m entries are tested at family-wise α."""
+    return float(torch.special.ndtri(torch.tensor(1 - alpha / (2 * max(m, 1)),
+                                                  dtype=torch.float64)))
 
 
 def _maxdiff(a, b) -> float:
@@ -84,21 +161,57 @@ def _in_layout(family, dense: torch.Tensor) -> torch.Tensor:
     return dense[..., dst, src]
 
 
-def compare(model, *inputs, samples: int = 0, **kwargs) -> Comparison:
-    """Run the compiled module (fast path) and Pyro enumeration; report max abs differences
-    of the output, each family's edge posterior and each family's value expectation.
+def _default_atol(inputs) -> float:
+    dtypes = {x.dtype for x in inputs if isinstance(x, torch.Tensor) and x.is_floating_point()}
+    if dtypes and dtypes <= {torch.float64}:
+        return 1e-6
+    if dtypes and dtypes <= {torch.float64, torch.float32}:
+        return 1e-4
+    return 1e-2
 
-    The exact ``output`` is the program evaluated at the exact E[v], so it agrees with the
-    compiled one by construction whenever the values agree. With ``samples=S`` the output
-    is also checked against E[output] estimated from S joint posterior samples
-    (``sample``): a discrepancy of many standard errors (``sampled_z``) means the program
-    is not affine in its values, so the layer does not compute E[output].
+
+def compare(model, *inputs, method: str = "exact", atol: float | None = None,
+            samples: int = 0, alpha: float = 0.01, map_atol: float = 1e-4,
+            svi_atol: float = 1e-3, num_samples: int = 200, **kwargs) -> Comparison:
+    """Check the compiled module against ground truth from the same declaration and give a
+    verdict: ``report.passed`` (also ``bool(report)``), ``report.checks``, ``print(report)``
+    (PASS/FAIL per check with its tolerance), ``report.plot(path)`` (compiled vs ground-truth
+    posteriors side by side). See the module docstring for the methods.
+
+    atol: the exact checks' absolute tolerance (default 1e-6 for float64 inputs, 1e-4 for
+    float32, 1e-2 otherwise). ``samples=S`` (with ``method="exact"``) adds the sampled checks
+    of ``method="samples"`` with S draws; ``num_samples``: draws for "samples"/"mcmc" (and
+    SVI's edge marginals). The exact ``output`` is the program at the exact E[v], so it
+    agrees by construction when the values do; the sampled check of E[output] is what sees a
+    program that is not affine in its values.
 
     ``model``: a declaration (compiled here) or a ``CompiledModule``.
     """
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}; got {method!r}")
+    atol = _default_atol(inputs) if atol is None else atol
     layer = model if isinstance(model, CompiledModule) else compile_model(model)
-    if trace_structure(layer.declaration.model, *inputs, **kwargs).latents:
-        return _compare_latent(layer, *inputs, samples=samples, **kwargs)
+    latent = bool(trace_structure(layer.declaration.model, *inputs, **kwargs).latents)
+    if method in ("svi", "mcmc"):
+        if not latent:
+            raise ValueError(f"method={method!r} fits latent node sets, and this model has none: "
+                             f"its edges are summed out exactly — use method='exact' (or "
+                             f"'samples' for draws)")
+        return _compare_fitted(layer, *inputs, method=method, atol=svi_atol, alpha=alpha,
+                               num_samples=num_samples, **kwargs)
+    if latent:
+        if method == "samples" or samples:
+            raise ValueError("sampled edge checks are for models without latent node sets; for "
+                             "latent models use method='exact', 'svi' or 'mcmc'")
+        return _compare_latent(layer, *inputs, atol=atol, map_atol=map_atol, **kwargs)
+    report = _compare_exact(layer, *inputs, atol=atol, **kwargs)
+    if method == "samples" or samples:
+        _add_sampled(report, layer, *inputs, S=samples or num_samples, alpha=alpha, **kwargs)
+        report.method = method if method == "samples" else "exact + samples"
+    return report
+
+
+def _compare_exact(layer, *inputs, atol, **kwargs) -> Comparison:
     truth = exact(layer.declaration, *inputs, **kwargs)
     with torch.no_grad():
         with Marginalise() as fast:  # the layer's own (SDPA) path
@@ -106,28 +219,56 @@ def compare(model, *inputs, samples: int = 0, **kwargs) -> Comparison:
         _, posteriors = layer(*inputs, return_posterior=True, **kwargs)
     if isinstance(posteriors, torch.Tensor):
         posteriors = {next(iter(fast.families)): posteriors}
-    sampled = z = None
-    if samples:
-        mean, se = sample(layer.declaration, *inputs, num_samples=samples, **kwargs).mean_output()
-        diff = (out.detach() - mean).abs()
-        sampled = float(diff.max())
-        z = float(torch.where(se > 0, diff / se.clamp_min(1e-300),
-                              torch.where(diff > 1e-9, torch.inf, 0.0)).max())
-    return Comparison(
+    report = Comparison(
         _maxdiff(out, truth.output),
         {k: _maxdiff(p, _in_layout(fast.families[k], truth.marginals[k]))
          for k, p in posteriors.items()},
         {k: _maxdiff(v, truth.expectations[k]) for k, v in fast.expectations.items()},
-        sampled, z,
     )
+    report.pictures = {k: (p, truth.marginals[k]) for k, p in posteriors.items()
+                       if fast.families[k].prior.edge_index is None}
+    report._out = out  # for the sampled checks
+    _exact_checks(report, atol)
+    return report
 
 
-def _compare_latent(layer, *inputs, samples=0, **kwargs) -> Comparison:
+def _exact_checks(report, atol):
+    report.checks.append(Check("output", report.output, atol))
+    report.checks += [Check(f"posterior[{k}]", v, atol) for k, v in report.posteriors.items()]
+    report.checks += [Check(f"E[value][{k}]", v, atol) for k, v in report.expectations.items()]
+    if report.free_energy is not None:
+        report.checks.append(Check("free energy", report.free_energy,
+                                   atol * max(1.0, abs(report._F))))
+
+
+def _add_sampled(report, layer, *inputs, S, alpha, **kwargs):
+    draws = sample(layer.declaration, *inputs, num_samples=S, **kwargs)
+    mean, se = draws.mean_output()
+    diff = (report._out.detach() - mean).abs()
+    z_out = torch.where(se > 0, diff / se.clamp_min(1e-300),
+                        torch.where(diff > 1e-9, torch.inf, 0.0))
+    zs = {"E[output] by samples": z_out.flatten()}
+    for name, (p, _) in report.pictures.items():  # edge frequencies vs compiled posteriors
+        idx = draws.edges[name]  # (S, *batch, H, C)
+        freq = torch.nn.functional.one_hot(idx, p.shape[-1]).to(p.dtype).mean(0)
+        se_p = (p * (1 - p) / S).sqrt()
+        d = (freq - p).abs()
+        zs[f"edge frequencies[{name}]"] = torch.where(
+            se_p > 0, d / se_p.clamp_min(1e-300), torch.where(d > 0, torch.inf, 0.0)).flatten()
+    m = sum(z.numel() for z in zs.values())
+    crit = z_threshold(m, alpha)
+    for name, z in zs.items():
+        report.checks.append(Check(name, float(z.max()), crit, "z"))
+    report.sampled_output = float(diff.max())
+    report.sampled_z = float(z_out.max())
+    report.notes.append(f"sampled checks: {S} draws, z-threshold {crit:.2f} = Bonferroni over "
+                        f"{m} entries at family-wise α = {alpha}")
+
+
+def _compare_latent(layer, *inputs, atol, map_atol, **kwargs) -> Comparison:
     """Latent models: the compiled reading at its final state against Pyro's exact reading
     at that state (posteriors, values, output, free energy), and the final state against
     Pyro's MAP (when every update is a descent rule on the declared free energy)."""
-    if samples:
-        raise NotImplementedError("compare(samples=…) is for models without latent node sets")
     with torch.no_grad():
         _, posteriors, trace = layer(*inputs, return_posterior=True, return_trace=True, **kwargs)
         final = {name: s[-1] for name, s in trace.states.items()}
@@ -138,13 +279,18 @@ def _compare_latent(layer, *inputs, samples=0, **kwargs) -> Comparison:
         posteriors = {next(iter(fast.families)): posteriors}
     structure = trace_structure(layer.declaration.model, *inputs, **kwargs)
     rules = {name: ns.options.update for name, ns in structure.latents.items()}
+    F = float(trace.free_energy[-1].sum())
     report = Comparison(
         _maxdiff(out, truth.output),
         {k: _maxdiff(p, _in_layout(fast.families[k], truth.marginals[k]))
          for k, p in posteriors.items()},
         {k: _maxdiff(v, truth.expectations[k]) for k, v in fast.expectations.items()},
-        free_energy=abs(float(trace.free_energy[-1].sum()) - truth.free_energy),
+        free_energy=abs(F - truth.free_energy),
     )
+    report._F = F
+    report.pictures = {k: (p, truth.marginals[k]) for k, p in posteriors.items()
+                       if fast.families[k].prior.edge_index is None}
+    _exact_checks(report, atol)
     callables = sorted(k for k, r in rules.items() if callable(r))
     if callables:
         report.notes.append(f"no MAP comparison: latents {callables} use a user update rule, "
@@ -152,15 +298,49 @@ def _compare_latent(layer, *inputs, samples=0, **kwargs) -> Comparison:
         return report
     found = map_estimate(layer.declaration, *inputs, **kwargs)
     report.fixed_point = {k: _maxdiff(final[k], v) for k, v in found.latents.items()}
-    report.fixed_point_free_energy = float(trace.free_energy[-1].sum()) - found.free_energy
-    if trace.steps < max(ns.options.steps for ns in structure.latents.values()) or \
-            trace.converged:
-        pass
+    report.fixed_point_free_energy = F - found.free_energy
+    if trace.converged:
+        report.checks += [Check(f"fixed point[{k}] vs Pyro MAP", v, map_atol)
+                          for k, v in report.fixed_point.items()]
     else:
-        report.notes.append(f"the compiled iteration stopped after its budget of {trace.steps} "
-                            f"steps; run it to a fixed point (structattn.iteration(steps=…, "
-                            f"tol=…)) to compare fixed points")
+        report.notes.append(
+            "fixed point vs Pyro MAP (not in the verdict: the iteration did not run to a "
+            "tolerance): " + ", ".join(f"{k} {v:.3g}" for k, v in report.fixed_point.items())
+            + "; run it to a fixed point (structattn.iteration(steps=…, tol=…)) to check it")
+    if report.fixed_point_free_energy < -1e-9:
+        report.notes.append("the compiled iteration found a lower free energy than the MAP "
+                            "search: they sit in different local optima")
     if not found.converged:
         report.notes.append(f"Pyro's MAP search stopped at max |∇F| = {found.gradient:.2g}, "
                             f"above its tolerance")
+    return report
+
+
+def _compare_fitted(layer, *inputs, method, atol, alpha, num_samples, **kwargs) -> Comparison:
+    from .mcmc import mcmc
+    from .svi import svi
+
+    with torch.no_grad():
+        _, trace = layer(*inputs, return_trace=True, **kwargs)
+    final = {name: s[-1] for name, s in trace.states.items()}
+    report = Comparison(float("nan"), method=method)
+    if method == "svi":
+        fit = svi(layer.declaration, *inputs, guide="map", progress=False, **kwargs)
+        report.fixed_point = {k: _maxdiff(final[k], v) for k, v in fit.latents.items()}
+        report.checks += [Check(f"state[{k}] vs SVI MAP", v, atol)
+                          for k, v in report.fixed_point.items()]
+        if not fit.converged:
+            report.notes.append("SVI stopped at its step budget before its convergence rule")
+        return report
+    draws = mcmc(layer.declaration, *inputs, num_samples=num_samples, progress=False, **kwargs)
+    zs = {}
+    for k, v in draws.flat(draws.latents).items():
+        mean, sd = v.mean(0), v.std(0)
+        zs[k] = ((final[k] - mean).abs() / sd.clamp_min(1e-300)).flatten()
+    crit = z_threshold(sum(z.numel() for z in zs.values()), alpha)
+    report.checks += [Check(f"state[{k}] in NUTS posterior", float(z.max()), crit, "z")
+                      for k, z in zs.items()]
+    report.notes.append(f"mcmc: the compiled state in posterior standard deviations from the "
+                        f"NUTS posterior mean ({num_samples} draws); threshold {crit:.2f} = "
+                        f"Bonferroni at α = {alpha}")
     return report

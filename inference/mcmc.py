@@ -1,0 +1,57 @@
+"""Ground truth by MCMC: NUTS on the latent node sets with the edges enumerated, then the
+edges drawn per posterior draw (``infer_discrete``), which Pyro's MCMC leaves out."""
+
+from __future__ import annotations
+
+import pyro
+import torch
+from pyro.infer import MCMC, NUTS
+from pyro.infer.autoguide.initialization import init_to_value
+
+from structattn.declaration import as_declaration
+from structattn.readers import trace_structure
+
+from .draws import Draws, draw_edges
+
+
+def mcmc(model, *inputs, num_samples: int = 200, warmup_steps: int = 200, num_chains: int = 1,
+         progress: bool = True, seed: int = 0, max_tree_depth: int = 8, **kwargs) -> Draws:
+    """Posterior draws of every latent node set (NUTS, the edges summed out by enumeration)
+    and of every edge family (``infer_discrete`` at each draw), with the program's output.
+
+    Returns ``Draws``: ``latents`` / ``edges`` / ``outputs`` with leading (chain, draw) dims,
+    ``stats`` (``diverging`` per draw) and ``to_arviz()``. Chains run one after another (seeds
+    ``seed``, ``seed + 1``, …) from the declared initial states. A model without latent node
+    sets has nothing for NUTS: use ``structattn.inference.sample`` (exact edge draws).
+    """
+    for what, v, least in (("num_samples", num_samples, 1), ("warmup_steps", warmup_steps, 0),
+                           ("num_chains", num_chains, 1)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < least:
+            raise ValueError(f"{what} must be an int ≥ {least}; got {v!r}")
+    program = as_declaration(model).model
+    structure = trace_structure(program, *inputs, **kwargs)
+    if not structure.latents:
+        raise ValueError("the model has no latent node set (structattn.latent): NUTS has nothing "
+                         "continuous to sample. Use structattn.inference.sample(model, …) for "
+                         "exact posterior draws of the edges")
+    init = {n: ns.states.detach().unsqueeze(-3) for n, ns in structure.latents.items()}
+    chains, diverging = {n: [] for n in structure.latents}, []
+    for c in range(num_chains):
+        pyro.set_rng_seed(seed + c)
+        kernel = NUTS(program, max_plate_nesting=structure.max_plate_nesting,
+                      init_strategy=init_to_value(values=init), max_tree_depth=max_tree_depth)
+        run = MCMC(kernel, num_samples=num_samples, warmup_steps=warmup_steps,
+                   disable_progbar=not progress)
+        run.run(*inputs, **kwargs)
+        samples = run.get_samples()
+        for n in chains:
+            chains[n].append(samples[n].detach().squeeze(-3))
+        flags = torch.zeros(num_samples, dtype=torch.bool)  # Pyro reports divergent draws by index
+        for i in run.diagnostics().get("divergences", {}).get("chain 0", []):
+            flags[int(i)] = True
+        diverging.append(flags)
+    latents = {n: torch.cat(v) for n, v in chains.items()}  # (chains·draws, *shape)
+    draws = draw_edges(program, *inputs, latents=latents, chains=num_chains, progress=progress,
+                       **kwargs)
+    draws.stats = {"diverging": torch.stack(diverging)}
+    return draws

@@ -1,0 +1,65 @@
+"""Prior and posterior predictive draws of a declaration's edges and outputs."""
+
+from __future__ import annotations
+
+import pyro
+import torch
+from pyro.infer import Predictive
+
+from structattn.declaration import as_declaration
+from structattn.readers import trace_structure
+
+from .draws import Draws, draw_edges
+from .svi import SVIResult
+
+
+def predictive(model, *inputs, num_samples: int = 100, posterior=None, chains: int = 1,
+               seed: int = 0, **kwargs) -> Draws:
+    """Predictive draws of every latent node set, edge family and the program's output.
+
+    posterior=None: the **prior** predictive — the declared model run forward, latents from
+    their priors and edges from their priors (potentials do not enter), by
+    ``pyro.infer.Predictive``. posterior=an ``SVIResult`` (``svi``) or ``Draws`` (``mcmc``): the
+    **posterior** predictive on ``inputs`` — latents from the fitted posterior, edges from
+    p(φ | x, z) at each (``infer_discrete``). ``to_arviz()`` puts a prior predictive in the
+    ``prior`` group.
+    """
+    if not isinstance(num_samples, int) or num_samples < 1 or num_samples % chains:
+        raise ValueError(f"num_samples must be a positive int, a multiple of chains={chains}; "
+                         f"got {num_samples!r}")
+    program = as_declaration(model).model
+    structure = trace_structure(program, *inputs, **kwargs)
+    if posterior is not None:
+        if isinstance(posterior, SVIResult):
+            return posterior.sample(num_samples, chains)
+        if isinstance(posterior, Draws):
+            flat = {k: v.reshape(-1, *v.shape[2:]) for k, v in posterior.latents.items()}
+            if not flat:
+                raise ValueError("the posterior draws hold no latent node set; for a model "
+                                 "without latents the posterior predictive is "
+                                 "structattn.inference.sample")
+            S = next(iter(flat.values())).shape[0]
+            idx = torch.arange(num_samples) % S
+            return draw_edges(program, *inputs, latents={k: v[idx] for k, v in flat.items()},
+                              chains=chains, **kwargs)
+        raise ValueError(f"posterior must be an SVIResult (structattn.inference.svi) or Draws "
+                         f"(structattn.inference.mcmc); got {type(posterior).__name__}")
+    flat_prior = [n for n, ns in structure.latents.items() if ns.scale is None]
+    if flat_prior:
+        raise ValueError(f"latent node sets {flat_prior} have a flat (improper) prior: there is "
+                         f"no prior predictive to draw. Give them a Gaussian prior (scale=…)")
+    names = [*structure.latents, *structure.families, "_RETURN"]
+    pyro.set_rng_seed(seed)
+    with torch.no_grad():
+        out = Predictive(program, num_samples=num_samples, return_sites=names,
+                         parallel=False)(*inputs, **kwargs)
+
+    def chained(t):
+        return t.reshape(chains, num_samples // chains, *t.shape[1:])
+
+    edges = {n: chained(out[n].expand(num_samples, *f.batch_shape, f.heads, f.children.size))
+             for n, f in structure.families.items()}
+    latents = {n: chained(out[n].squeeze(-3)) for n in structure.latents}
+    batch_dims = {n: len(f.batch_shape) for n, f in structure.families.items()}
+    batch_dims.update({n: len(ns.batch_shape) for n, ns in structure.latents.items()})
+    return Draws(latents, edges, chained(out["_RETURN"]), batch_dims=batch_dims)

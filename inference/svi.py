@@ -1,0 +1,159 @@
+"""Ground truth by stochastic variational inference, the edges enumerated.
+
+The declaration runs as its Pyro program; a guide over the latent node sets (a point mass:
+MAP; a mean-field Normal; or the user's) is fitted by ``SVI`` on ``TraceEnum_ELBO``, which
+sums every edge family out exactly. What the fit says about the edges is
+E_{q(z)}[p(φ | x, z)], by exact enumeration at guide draws.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pyro
+import torch
+from pyro import poutine
+from pyro.infer import SVI, Trace_ELBO, TraceEnum_ELBO
+from pyro.infer.autoguide import AutoDelta, AutoNormal
+from pyro.infer.autoguide.initialization import init_to_value
+from tqdm.auto import tqdm
+
+from structattn.declaration import as_declaration
+from structattn.readers import trace_structure
+
+from .draws import Draws, draw_edges
+from .exact import exact
+
+GUIDES = ("map", "normal")
+
+
+@dataclass
+class SVIResult:
+    """losses: −ELBO per step; guide: the fitted guide (its parameters live in ``params``);
+    latents: the guide's median per latent node set ``(*batch, n, d)``; marginals[f]:
+    E_{q(z)}[p(φ_i = j | x, z)] ``(*batch, H, C, P)``; converged: whether the stopping rule
+    fired before ``num_steps``."""
+
+    losses: list
+    guide: object
+    params: dict
+    latents: dict
+    marginals: dict
+    converged: bool
+    program: object = None
+    inputs: tuple = ()
+    kwargs: dict = None
+
+    def sample(self, num_samples: int = 200, chains: int = 4, progress: bool = False) -> Draws:
+        """Joint draws (z, φ) ~ q(z) p(φ | x, z): latents from the guide, edges by
+        ``infer_discrete`` at each (``chains`` groups of independent draws, for ArviZ)."""
+        if num_samples % chains:
+            raise ValueError(f"num_samples={num_samples} must be a multiple of chains={chains}")
+        latents = _guide_draws(self.guide, self.params, list(self.latents), num_samples,
+                               self.inputs, self.kwargs)
+        return draw_edges(self.program, *self.inputs, latents=latents, num_samples=num_samples,
+                          chains=chains, progress=progress, **self.kwargs)
+
+    def to_arviz(self, num_samples: int = 200, chains: int = 4):
+        """ArviZ data of ``sample(num_samples, chains)`` plus the ELBO per step as
+        ``sample_stats``-free attrs (``losses``) and the inputs as observed_data."""
+        draws = self.sample(num_samples, chains)
+        observed = {f"input_{i}": x for i, x in enumerate(self.inputs)
+                    if isinstance(x, torch.Tensor) and x.is_floating_point()}
+        return draws.to_arviz(observed=observed)
+
+
+def _latent_sites(program, inputs, kwargs):
+    structure = trace_structure(program, *inputs, **kwargs)
+    return structure, list(structure.latents)
+
+
+def _guide_draws(guide, params, names, num_samples, inputs, kwargs):
+    """``num_samples`` draws of each latent from the guide: ``(S, *batch, n, d)``."""
+    if not names:
+        return {}
+    draws = {n: [] for n in names}
+    with pyro.get_param_store().scope(params), torch.no_grad():
+        for _ in range(num_samples):
+            trace = poutine.trace(guide).get_trace(*inputs, **kwargs)
+            for n in names:
+                draws[n].append(trace.nodes[n]["value"].detach())
+    return {n: torch.stack(v).squeeze(-3) for n, v in draws.items()}
+
+
+def svi(model, *inputs, guide="map", num_steps: int = 2000, lr: float = 0.01,
+        tol: float | None = 1e-7, window: int = 50, num_particles: int = 1,
+        marginal_samples: int = 32, progress: bool = True, seed: int = 0, **kwargs) -> SVIResult:
+    """Fit ``guide`` to the latent node sets of ``model`` with SVI, edges enumerated.
+
+    guide: ``"map"`` (``AutoDelta``: a point mass, MAP), ``"normal"`` (``AutoNormal``: a
+    mean-field Normal), or a callable Pyro guide over the latent sites (state shaped
+    ``(*batch, 1, n, d)``). Adam with ``lr``; stops early when the mean loss over the last
+    ``window`` steps changes by less than ``tol`` (relative) from the window before
+    (``tol=None``: always ``num_steps``). The tqdm bar shows the ELBO. Initialised at the
+    declared initial states. ``marginal_samples`` guide draws estimate the edge marginals
+    for a non-point guide.
+    """
+    if not isinstance(num_steps, int) or num_steps < 1:
+        raise ValueError(f"num_steps must be a positive int; got {num_steps!r}")
+    if not (isinstance(lr, (int, float)) and lr > 0):
+        raise ValueError(f"lr must be a number > 0; got {lr!r}")
+    if not (guide in GUIDES or callable(guide)):
+        raise ValueError(f"guide must be one of {GUIDES} or a callable Pyro guide; got {guide!r}")
+    program = as_declaration(model).model
+    structure, names = _latent_sites(program, inputs, kwargs)
+    mpn = structure.max_plate_nesting
+    enumerable = any(f.parents.size > 1 for f in structure.families.values())
+    elbo_cls = TraceEnum_ELBO if enumerable else Trace_ELBO
+    init = init_to_value(values={n: ns.states.detach().unsqueeze(-3)
+                                 for n, ns in structure.latents.items()})
+    pyro.set_rng_seed(seed)
+    with pyro.get_param_store().scope() as params:
+        if guide == "map":
+            g = AutoDelta(poutine.block(program, expose=names), init_loc_fn=init)
+        elif guide == "normal":
+            g = AutoNormal(poutine.block(program, expose=names), init_loc_fn=init, init_scale=0.05)
+        else:
+            g = guide
+        if not names and guide in GUIDES:
+            def g(*args, **kw):  # nothing continuous to fit: the evidence alone
+                return {}
+        engine = SVI(program, g, pyro.optim.Adam({"lr": lr}),
+                     elbo_cls(max_plate_nesting=mpn, num_particles=num_particles))
+        losses, converged = [], False
+        bar = tqdm(range(num_steps), disable=not progress, desc="SVI")
+        for step in bar:
+            losses.append(float(engine.step(*inputs, **kwargs)))
+            if step % 10 == 0:
+                bar.set_postfix(elbo=f"{-losses[-1]:.6g}")
+            if tol is not None and len(losses) >= 2 * window:
+                new = sum(losses[-window:]) / window
+                old = sum(losses[-2 * window:-window]) / window
+                if abs(new - old) <= tol * max(1.0, abs(old)):
+                    converged = True
+                    break
+        if names and guide in GUIDES:
+            medians = g.median(*inputs, **kwargs)
+        elif names:  # a user's guide: one draw stands for it
+            medians = {k: v[0] for k, v in _guide_draws(g, params, names, 1, inputs, kwargs).items()}
+    latents = ({n: medians[n].detach().reshape(structure.latents[n].states.shape) for n in names}
+               if names else {})
+    marginals = _marginals(program, inputs, kwargs, structure, g, params, guide, latents,
+                           marginal_samples)
+    return SVIResult(losses, g, params, latents, marginals, converged, program, inputs, kwargs)
+
+
+def _marginals(program, inputs, kwargs, structure, g, params, guide, latents, S):
+    if not structure.families:
+        return {}
+    if not structure.latents:
+        return exact(program, *inputs, **kwargs).marginals
+    if guide == "map":
+        return exact(program, *inputs, latents=latents, **kwargs).marginals
+    draws = _guide_draws(g, params, list(structure.latents), S, inputs, kwargs)
+    total = None
+    for s in range(S):
+        m = exact(program, *inputs, latents={k: v[s] for k, v in draws.items()},
+                  **kwargs).marginals
+        total = m if total is None else {k: total[k] + m[k] for k in m}
+    return {k: v / S for k, v in total.items()}
