@@ -68,7 +68,20 @@ def condition_latents(program, latents: dict):
     return poutine.condition(program, data=data)
 
 
-def exact(model, *inputs, latents: dict | None = None, **kwargs) -> ExactPosterior:
+def enumeration_bytes(structure) -> int:
+    """A lower bound on the memory of one parallel enumeration of ``structure``: for each
+    family the enumerated score and value tables, P × (*batch, H, C) × (1 + d_v) entries."""
+    total = 0
+    for f in structure.families.values():
+        cells = f.parents.size * f.batch_shape.numel() * f.heads * f.children.size
+        d_v = 1 if f.value is None else f.value.parent_values(f.parents.states).shape[-1]
+        hops = 1 if f.value is None or f.value.single_edge else len(getattr(f.value, "weights", ()))
+        total += cells * (1 + d_v) * max(hops, 1) * f.children.states.element_size()
+    return total
+
+
+def exact(model, *inputs, latents: dict | None = None, max_bytes: int = 4 * 2**30,
+          **kwargs) -> ExactPosterior:
     """Exact edge posteriors, value expectations, MAP edges and output by Pyro enumeration.
 
     Models with latent node sets (``structattn.latent``) are read at given latent states
@@ -78,7 +91,8 @@ def exact(model, *inputs, latents: dict | None = None, **kwargs) -> ExactPosteri
 
     Cost: exponential in nothing here — each family is enumerated once in
     parallel over its P parents — but it materialises ``(P, *batch, H, C, d)``
-    tables, so keep inputs small (it is the oracle, not the layer).
+    tables, so keep inputs small (it is the oracle, not the layer). The memory is estimated
+    first: beyond ``max_bytes`` a ``ValueError`` says so and what to do instead.
     """
     decl = as_declaration(model)
     program = decl.model
@@ -97,6 +111,15 @@ def exact(model, *inputs, latents: dict | None = None, **kwargs) -> ExactPosteri
         program = condition_latents(program, latents)
     if not structure.families and not structure.latents:
         raise ValueError("the model declares no edge family (structattn.edges); nothing to infer")
+    need = enumeration_bytes(structure)
+    if need > max_bytes:
+        sizes = ", ".join(f"{n}: {f.parents.size} parents" for n, f in structure.families.items())
+        raise ValueError(
+            f"exact enumeration of this model needs at least {need / 2**30:.1f} GiB (every "
+            f"family enumerated over its parents: {sizes}), "
+            f"more than max_bytes={max_bytes / 2**30:.1f} GiB. Check on smaller inputs (fewer "
+            f"nodes or batch elements: the layer is the same), draw edges with "
+            f"structattn.inference.sample, or raise max_bytes")
     for name, f in structure.families.items():
         if 0 in f.batch_shape:
             raise ValueError(f"edge family {name!r}: the batch is empty (batch shape "

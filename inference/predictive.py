@@ -57,7 +57,11 @@ def predictive(model, *inputs, num_samples: int = 100, posterior=None, chains: i
     def chained(t):
         return t.reshape(chains, num_samples // chains, *t.shape[1:])
 
-    edges = {n: chained(out[n].expand(num_samples, *f.batch_shape, f.heads, f.children.size))
+    def aligned(v, shape):  # Pyro leaves size-1 plate dims out of a draw: put them back
+        v = v.reshape(num_samples, *([1] * (len(shape) + 1 - v.dim())), *v.shape[1:])
+        return v.expand(num_samples, *shape)
+
+    edges = {n: chained(aligned(out[n], (*f.batch_shape, f.heads, f.children.size)))
              for n, f in structure.families.items()}
     latents = {n: chained(out[n].squeeze(-3)) for n in structure.latents}
     batch_dims = {n: len(f.batch_shape) for n, f in structure.families.items()}

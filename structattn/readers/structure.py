@@ -56,6 +56,23 @@ class TraceStructure(Marginalise):
     expectation: values are zeros of the right shape, so an oracle that traces the
     structure first never runs the compiled lowering."""
 
+    def _pyro_sample(self, msg):
+        """Every random variable of a declaration comes from a structattn primitive; a raw
+        ``pyro.sample`` / ``pyro.factor`` has no compiled reading, so it is refused here, where
+        every oracle starts."""
+        from pyro.poutine.subsample_messenger import _Subsample
+
+        if isinstance(msg["fn"], _Subsample):  # a plate's own bookkeeping site
+            return
+        kind = "pyro.factor" if msg["is_observed"] and msg["fn"].__class__.__name__ == "Unit" \
+            else "pyro.sample"
+        raise ValueError(
+            f"site {msg['name']!r} is a raw {kind}, which structattn's readers do not support "
+            f"(the compiled module would ignore it or draw it at random). Declare latent "
+            f"variables with structattn.latent(...), edges with structattn.edges(...), edge "
+            f"log-likelihoods with structattn.potential(...) and other terms of −log p with "
+            f"structattn.energy(...)")
+
     def expectation(self, family):
         lowering.check_complete(family)
         v = family.value.parent_values(family.parents.states)  # (*batch, H, P, d_v)
