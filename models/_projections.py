@@ -76,6 +76,9 @@ class TokenAttention(ProjectedAttention):
 
     def __init__(self, d_model, *, d_k=None, d_v=None, heads=1, causal=False, out_proj=True,
                  temperature=None, device=None, dtype=None, name="attn"):
+        if d_k is None and isinstance(heads, int) and heads > 0 and d_model % heads:
+            raise ValueError(f"{type(self).__name__}: d_model={d_model} is not divisible by "
+                             f"heads={heads}; give d_k (the per-head size) explicitly")
         d_k = d_model // heads if d_k is None else d_k
         d_v = d_k if d_v is None else d_v
         super().__init__(d_model, d_model, d_k, d_v, heads, d_model if out_proj else None,

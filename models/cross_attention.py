@@ -24,6 +24,9 @@ class CrossAttention(ProjectedAttention):
     def __init__(self, d_query, d_key=None, *, d_k=None, d_v=None, heads=1, out_proj=True,
                  d_out=None, temperature=None, device=None, dtype=None, name="attn"):
         d_key = d_query if d_key is None else d_key
+        if d_k is None and isinstance(heads, int) and heads > 0 and d_query % heads:
+            raise ValueError(f"{type(self).__name__}: d_query={d_query} is not divisible by "
+                             f"heads={heads}; give d_k (the per-head size) explicitly")
         d_k = d_query // heads if d_k is None else d_k
         d_v = d_k if d_v is None else d_v
         out = (d_out or d_query) if out_proj else None

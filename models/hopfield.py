@@ -45,6 +45,9 @@ class Hopfield(sa.Declaration):
                 raise ValueError(f"Hopfield: projections=False needs d_key == d_query divisible "
                                  f"by heads; got d_query={d_query}, d_key={d_key}, heads={heads}")
             d_k = d_v = d_query // heads
+        if d_k is None and isinstance(heads, int) and heads > 0 and d_query % heads:
+            raise ValueError(f"Hopfield: d_query={d_query} is not divisible by heads={heads}; "
+                             f"give d_k (the per-head size) explicitly")
         d_k = d_query // heads if d_k is None else d_k
         d_v = d_k if d_v is None else d_v
         for what, val in (("d_query", d_query), ("d_key", d_key), ("heads", heads), ("d_k", d_k),

@@ -32,6 +32,15 @@ if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
   echo "setup: installing ${TORCH_SPEC:-torch==2.13.0}"
   "${PIP[@]}" "${TORCH_SPEC:-torch==2.13.0}"
 fi
-echo "setup: installing structattn (editable) with dev extras"
-"${PIP[@]}" -e ".[dev]"
+# Re-running is cheap: the editable install is redone only when pyproject.toml changed.
+STAMP=.venv/.structattn-installed
+WANT="$(sha256sum pyproject.toml | cut -d' ' -f1)"
+if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ] \
+    || ! .venv/bin/python -c "import structattn" >/dev/null 2>&1; then
+  echo "setup: installing structattn (editable) with dev extras"
+  "${PIP[@]}" -e ".[dev]"
+  echo "$WANT" > "$STAMP"
+else
+  echo "setup: structattn already installed for this pyproject.toml"
+fi
 echo "setup: done ($(.venv/bin/python -c 'import torch, pyro; print("torch", torch.__version__, "pyro", pyro.__version__)'))"

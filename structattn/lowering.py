@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ._validation import is_validating
 from .family import EdgeFamily
 from .priors.base import Prior
 from .priors.tables import PriorTables
@@ -33,7 +34,11 @@ from .priors.tables import PriorTables
 def posterior(family: EdgeFamily) -> torch.Tensor:
     """p(φ_i = j | x): ``(*batch, H, C, P)``; rows sum to one over the support (all-zero
     rows for children without parents under ``empty="zero"``)."""
-    post, keep = torch.softmax(family.scores(), dim=-1), family.keep()
+    scores = family.scores()
+    post, keep = torch.softmax(scores, dim=-1), family.keep()
+    if keep is None and family.prior.empty == "error" and not is_validating():
+        # unchecked rows without support: zero, as the fused kernel gives, not NaN
+        post = post.masked_fill(torch.isneginf(scores).all(-1, keepdim=True), 0.0)
     return post if keep is None else post * keep
 
 

@@ -23,6 +23,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from ._validation import is_validating
 from .family import EdgeFamily
 
 
@@ -91,7 +92,11 @@ class FamilyOperator:
         """p(φ_i = j | x) at the current states, ``(*batch, H, C, P)`` (zero rows for parentless
         children under ``empty="zero"``)."""
         if self._post is None:
-            post, keep = torch.softmax(self.scores(), -1), self.family.keep()
+            scores = self.scores()
+            post, keep = torch.softmax(scores, -1), self.family.keep()
+            if keep is None and self.family.prior.empty == "error" and not is_validating():
+                # unchecked rows without support: zero, as the fused kernel gives, not NaN
+                post = post.masked_fill(torch.isneginf(scores).all(-1, keepdim=True), 0.0)
             self._post = post if keep is None else post * keep
         return self._post
 

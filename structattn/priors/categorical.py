@@ -12,11 +12,13 @@ class Categorical(Prior):
     (broadcast over batch and heads: ``(C, P)``, ``(H, C, P)`` or ``(*batch, H, C, P)``).
 
     −∞ logits exclude a parent from the support. Lowered as an additive bias.
+    ``empty="zero"`` gives children with no allowed parent a zero value and an all-zero
+    posterior row (default ``"error"``: refused while validating).
     Paper Table 1 (relative positional encodings).
     """
 
     def __init__(self, logits: torch.Tensor, *, causal: bool = False,
-                 support: torch.Tensor | None = None):
+                 support: torch.Tensor | None = None, empty: str = "error"):
         if not isinstance(logits, torch.Tensor) or not logits.is_floating_point():
             got = logits.dtype if isinstance(logits, torch.Tensor) else type(logits).__name__
             raise ValueError(
@@ -27,6 +29,9 @@ class Categorical(Prior):
             not isinstance(support, torch.Tensor) or support.dtype != torch.bool
         ):
             raise ValueError("Categorical prior: support must be a boolean tensor (…, C, P)")
+        if empty not in ("error", "zero"):
+            raise ValueError(f"Categorical prior: empty must be 'error' or 'zero'; got {empty!r}")
+        self.empty = empty
         self.logits = logits
         self.causal = bool(causal)
         self.support = support

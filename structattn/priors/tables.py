@@ -225,7 +225,10 @@ def _check_table(family, what, t, target, device) -> None:
     if not ok:
         raise ValueError(
             f"edge family {family!r}: prior {what} must broadcast to (*batch, heads, "
-            f"children, parents)={shape_str(target)}; got {shape_str(t.shape)}"
+            f"children, parents)={shape_str(target)}; got {shape_str(t.shape)}. A table with "
+            f"batch dims needs the heads dim too: (*batch, 1 or heads, children, parents); a "
+            f"model with several heads declares them on the family, "
+            f"structattn.edges(..., heads=H), as on its potential and value"
         )
     if what == "log weights" and not same_device(t.device, device):
         raise ValueError(
