@@ -1,0 +1,49 @@
+"""Residual attention dynamics: η ← RN(η + ∇G(η)), a gradient-ascent step on G then a
+renormalisation (the drafts' reading of attention + residual + LayerNorm)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .base import Measure
+from .empirical import Empirical
+
+RENORMS = (None, "layernorm", "batchnorm", "sphere")
+
+
+def renormalise(x: torch.Tensor, kind: str | None, eps: float = 1e-5) -> torch.Tensor:
+    """``None``: x; ``"layernorm"``: each point to zero mean, unit variance over its features;
+    ``"batchnorm"``: each feature to zero mean, unit variance over the points; ``"sphere"``: each
+    point to norm √d. x: ``(*batch, N, d)``."""
+    if kind is None:
+        return x
+    if kind == "layernorm":
+        return torch.nn.functional.layer_norm(x, x.shape[-1:], eps=eps)
+    if kind == "batchnorm":
+        mu, var = x.mean(-2, keepdim=True), x.var(-2, unbiased=False, keepdim=True)
+        return (x - mu) / (var + eps).sqrt()
+    if kind == "sphere":
+        return x / x.norm(dim=-1, keepdim=True).clamp_min(eps) * math.sqrt(x.shape[-1])
+    raise ValueError(f"renormalisation must be one of {RENORMS}; got {kind!r}")
+
+
+def residual_dynamics(points: torch.Tensor, steps: int, *, renorm: str | None = "layernorm",
+                      measure: Measure | None = None, beta: float = 1.0) -> torch.Tensor:
+    """Iterate η ← RN(η + ∇G(βη)) from ``points`` ``(*batch, N, d)`` and return the trajectory
+    ``(steps + 1, *batch, N, d)``. ``measure=None``: self-attention, G of the empirical measure
+    of the current points; else that fixed measure (cross-attention). β scales η inside G (an
+    inverse temperature)."""
+    if not isinstance(steps, int) or steps < 0:
+        raise ValueError(f"steps must be an int ≥ 0; got {steps!r}")
+    if renorm not in RENORMS:
+        raise ValueError(f"renorm must be one of {RENORMS}; got {renorm!r}")
+    if not (isinstance(beta, (int, float)) and beta > 0 and math.isfinite(beta)):
+        raise ValueError(f"beta must be a finite number > 0; got {beta!r}")
+    eta, path = points, [points]
+    for _ in range(steps):
+        h = Empirical(eta) if measure is None else measure
+        eta = renormalise(eta + h.mean(beta * eta), renorm)
+        path.append(eta)
+    return torch.stack(path)

@@ -1,0 +1,86 @@
+"""The Gaussian measure h = N(μ, Σ) and a mixture of Gaussians with a shared covariance."""
+
+from __future__ import annotations
+
+import pyro.distributions as dist
+import torch
+
+from .._validation import shape_str
+from .base import Measure, check_covariance, check_tensor
+
+
+class Gaussian(Measure):
+    """h = N(μ, Σ), mean ``(*batch, d)``, covariance ``(*batch, d, d)`` (positive definite).
+
+    G(η) = μᵀη + ½ ηᵀΣη; ∇G = μ + Ση; ∇²G = Σ; p(x | η) = N(μ + Ση, Σ).
+    """
+
+    def __init__(self, mean: torch.Tensor, covariance: torch.Tensor):
+        check_tensor("Gaussian", "mean", mean, 1)
+        self.mu, self.dim = mean, mean.shape[-1]
+        self.sigma = check_covariance("Gaussian", covariance, self.dim)
+
+    def log_normaliser(self, eta):
+        eta = self._check_eta(eta)
+        mu = self.mu.unsqueeze(-2)
+        return (mu * eta).sum(-1) + 0.5 * (eta * (eta @ self.sigma)).sum(-1)
+
+    def mean(self, eta):
+        eta = self._check_eta(eta)
+        return self.mu.unsqueeze(-2) + eta @ self.sigma  # Σ symmetric
+
+    def covariance(self, eta):
+        eta = self._check_eta(eta)
+        return self.sigma.unsqueeze(-3).expand(*eta.shape[:-1], self.dim, self.dim)
+
+    def distribution(self, eta):
+        return dist.MultivariateNormal(self.mean(eta), covariance_matrix=self.covariance(eta))
+
+
+class GaussianMixture(Measure):
+    """h = Σ_k π_k N(μ_k, Σ): log_weights ``(*batch, K)``, means ``(*batch, K, d)``, a shared
+    covariance ``(*batch, d, d)``.
+
+    G(η) = log Σ_k π_k e^{μ_kᵀη} + ½ηᵀΣη; ∇G = Ση + Σ_k softmax_k(log π_k + μ_kᵀη) μ_k (an
+    empirical measure on the means, i.e. attention, plus the Gaussian part);
+    p(x | η) = Σ_k r_k N(μ_k + Ση, Σ) with r = that softmax.
+    """
+
+    def __init__(self, log_weights: torch.Tensor, means: torch.Tensor, covariance: torch.Tensor):
+        check_tensor("GaussianMixture", "means", means, 2)
+        check_tensor("GaussianMixture", "log_weights", log_weights, 1)
+        if log_weights.shape != means.shape[:-1]:
+            raise ValueError(f"GaussianMixture: log_weights must have shape "
+                             f"{shape_str(means.shape[:-1])} (one per component); got "
+                             f"{shape_str(log_weights.shape)}")
+        self.log_pi = torch.log_softmax(log_weights, -1)
+        self.means, self.dim = means, means.shape[-1]
+        self.sigma = check_covariance("GaussianMixture", covariance, self.dim)
+
+    def _logits(self, eta):  # log π_k + μ_kᵀη: (*batch, M, K)
+        return eta @ self.means.transpose(-1, -2) + self.log_pi.unsqueeze(-2)
+
+    def log_normaliser(self, eta):
+        eta = self._check_eta(eta)
+        return torch.logsumexp(self._logits(eta), -1) + 0.5 * (eta * (eta @ self.sigma)).sum(-1)
+
+    def responsibilities(self, eta):
+        """r_k = softmax_k(log π_k + μ_kᵀη): ``(*batch, M, K)``."""
+        return torch.softmax(self._logits(self._check_eta(eta)), -1)
+
+    def mean(self, eta):
+        return eta @ self.sigma + self.responsibilities(eta) @ self.means
+
+    def covariance(self, eta):
+        r = self.responsibilities(eta)
+        m = r @ self.means
+        second = torch.einsum("...mk,...ki,...kj->...mij", r, self.means, self.means)
+        return self.sigma.unsqueeze(-3) + second - m.unsqueeze(-1) * m.unsqueeze(-2)
+
+    def distribution(self, eta):
+        eta = self._check_eta(eta)
+        logits = self._logits(eta)  # (*batch, M, K)
+        locs = self.means.unsqueeze(-3) + (eta @ self.sigma).unsqueeze(-2)  # (*batch, M, K, d)
+        cov = self.sigma.unsqueeze(-3).unsqueeze(-3).expand(*locs.shape, self.dim)
+        comps = dist.MultivariateNormal(locs, covariance_matrix=cov)
+        return dist.MixtureSameFamily(dist.Categorical(logits=logits), comps)
