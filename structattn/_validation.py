@@ -9,31 +9,36 @@ convention: on by default, off with ``structattn.set_validation(False)``.
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import torch
 
-_VALIDATE = True
+_DEFAULT = True  # the process-wide default (set_validation)
+_local = threading.local()  # per-thread overrides (the validation() context manager)
 
 
 def set_validation(enabled: bool) -> None:
-    """Turn the value checks on or off globally (on by default)."""
-    global _VALIDATE
-    _VALIDATE = bool(enabled)
+    """Turn the value checks on or off by default, in every thread (on by default)."""
+    global _DEFAULT
+    _DEFAULT = bool(enabled)
+    _local.__dict__.pop("override", None)
 
 
 def is_validating() -> bool:
-    return _VALIDATE
+    override = getattr(_local, "override", None)
+    return _DEFAULT if override is None else override
 
 
 @contextlib.contextmanager
 def validation(enabled: bool):
-    """Context manager: ``with structattn.validation(False): layer(x)``."""
-    global _VALIDATE
-    old, _VALIDATE = _VALIDATE, bool(enabled)
+    """Context manager for this thread only: ``with structattn.validation(False): layer(x)``
+    (other threads, e.g. nn.DataParallel replicas, keep their own setting)."""
+    old = getattr(_local, "override", None)
+    _local.override = bool(enabled)
     try:
         yield
     finally:
-        _VALIDATE = old
+        _local.override = old
 
 
 def first_true(flags: torch.Tensor) -> tuple[int, ...] | None:
@@ -45,7 +50,7 @@ def first_true(flags: torch.Tensor) -> tuple[int, ...] | None:
 
 def check_finite(what: str, tensor: torch.Tensor) -> None:
     """Raise a ValueError naming ``what`` when ``tensor`` holds NaN or ±inf."""
-    if not _VALIDATE or torch.compiler.is_compiling():
+    if not is_validating() or torch.compiler.is_compiling():
         return
     # A finite sum means every entry is finite (NaN or ±inf anywhere poisons it), and the
     # sum allocates nothing the size of the tensor; scan elementwise only when it is not.

@@ -34,11 +34,12 @@ from .priors.tables import PriorTables
 def posterior(family: EdgeFamily) -> torch.Tensor:
     """p(φ_i = j | x): ``(*batch, H, C, P)``; rows sum to one over the support (all-zero
     rows for children without parents under ``empty="zero"``)."""
-    scores = family.scores()
+    scores = family.scores()  # float32 for half-precision states (see Potential.pairwise)
     post, keep = torch.softmax(scores, dim=-1), family.keep()
     if keep is None and family.prior.empty == "error" and not is_validating():
         # unchecked rows without support: zero, as the fused kernel gives, not NaN
         post = post.masked_fill(torch.isneginf(scores).all(-1, keepdim=True), 0.0)
+    post = post.to(family.children.states.dtype)
     return post if keep is None else post * keep
 
 

@@ -78,6 +78,8 @@ class FamilyOperator:
             for psi in f.potentials:
                 if psi.is_factorised:
                     a, b, scale = self.factors(psi)
+                    if a.dtype in (torch.float16, torch.bfloat16):  # accumulate in float32
+                        a, b = a.float(), b.float()
                     if a.shape[-2] <= b.shape[-2]:  # scale the smaller factor, not C×P scores
                         term = (a * scale) @ b.transpose(-1, -2)
                     else:
@@ -97,6 +99,7 @@ class FamilyOperator:
             if keep is None and self.family.prior.empty == "error" and not is_validating():
                 # unchecked rows without support: zero, as the fused kernel gives, not NaN
                 post = post.masked_fill(torch.isneginf(scores).all(-1, keepdim=True), 0.0)
+            post = post.to(self.family.children.states.dtype)
             self._post = post if keep is None else post * keep
         return self._post
 

@@ -78,6 +78,8 @@ class Potential:
         if f is None:
             raise NotImplementedError(f"{type(self).__name__} must define factors or pairwise")
         a, b, scale = f
+        if a.dtype in (torch.float16, torch.bfloat16):  # accumulate as the fused kernels do
+            a, b = a.float(), b.float()
         return (a @ b.transpose(-1, -2)) * scale
 
     def at(self, children: torch.Tensor, parents: torch.Tensor, index: torch.Tensor):
