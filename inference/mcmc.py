@@ -15,7 +15,8 @@ from .draws import Draws, draw_edges
 
 
 def mcmc(model, *inputs, num_samples: int = 200, warmup_steps: int = 200, num_chains: int = 1,
-         progress: bool = True, seed: int = 0, max_tree_depth: int = 8, **kwargs) -> Draws:
+         progress: bool = True, seed: int = 0, max_tree_depth: int = 8, parallel: bool = False,
+         **kwargs) -> Draws:
     """Posterior draws of every latent node set (NUTS, the edges summed out by enumeration)
     and of every edge family (``infer_discrete`` at each draw), with the program's output.
 
@@ -23,6 +24,8 @@ def mcmc(model, *inputs, num_samples: int = 200, warmup_steps: int = 200, num_ch
     ``stats`` (``diverging`` per draw) and ``to_arviz()``. Chains run one after another (seeds
     ``seed``, ``seed + 1``, …) from the declared initial states. A model without latent node
     sets has nothing for NUTS: use ``structattn.inference.sample`` (exact edge draws).
+    ``parallel=True`` runs the chains in processes through Pyro's own multiprocessing (spawn;
+    the model must be picklable, e.g. a catalogue model, not a local function).
     """
     for what, v, least in (("num_samples", num_samples, 1), ("warmup_steps", warmup_steps, 0),
                            ("num_chains", num_chains, 1)):
@@ -36,6 +39,23 @@ def mcmc(model, *inputs, num_samples: int = 200, warmup_steps: int = 200, num_ch
                          "exact posterior draws of the edges")
     init = {n: ns.states.detach().unsqueeze(-3) for n, ns in structure.latents.items()}
     chains, diverging = {n: [] for n in structure.latents}, []
+    if parallel and num_chains > 1:
+        pyro.set_rng_seed(seed)
+        kernel = NUTS(program, max_plate_nesting=structure.max_plate_nesting,
+                      init_strategy=init_to_value(values=init), max_tree_depth=max_tree_depth)
+        run = MCMC(kernel, num_samples=num_samples, warmup_steps=warmup_steps,
+                   num_chains=num_chains, mp_context="spawn", disable_progbar=not progress)
+        run.run(*inputs, **kwargs)
+        samples = run.get_samples(group_by_chain=True)
+        latents = {n: samples[n].detach().squeeze(-3).flatten(0, 1) for n in chains}
+        flags = torch.zeros(num_chains, num_samples, dtype=torch.bool)
+        for c, idx in enumerate(run.diagnostics().get("divergences", {}).values()):
+            for i in idx:
+                flags[c, int(i)] = True
+        draws = draw_edges(program, *inputs, latents=latents, chains=num_chains,
+                           progress=progress, **kwargs)
+        draws.stats = {"diverging": flags}
+        return draws
     for c in range(num_chains):
         pyro.set_rng_seed(seed + c)
         kernel = NUTS(program, max_plate_nesting=structure.max_plate_nesting,
