@@ -173,7 +173,7 @@ def _default_atol(inputs) -> float:
 def compare(model, *inputs, method: str = "exact", atol: float | None = None,
             samples: int = 0, alpha: float = 0.01, map_atol: float = 1e-4,
             svi_atol: float = 1e-3, num_samples: int = 200, fixed_point: bool = True,
-            **kwargs) -> Comparison:
+            fit_options: dict | None = None, **kwargs) -> Comparison:
     """Check the compiled module against ground truth from the same declaration and give a
     verdict: ``report.passed`` (also ``bool(report)``), ``report.checks``, ``print(report)``
     (PASS/FAIL per check with its tolerance), ``report.plot(path)`` (compiled vs ground-truth
@@ -181,7 +181,9 @@ def compare(model, *inputs, method: str = "exact", atol: float | None = None,
 
     atol: the exact checks' absolute tolerance (default 1e-6 for float64 inputs, 1e-4 for
     float32, 1e-2 otherwise). ``fixed_point=False`` skips the MAP search of latent models
-    (the conditional checks remain). ``samples=S`` (with ``method="exact"``) adds the sampled checks
+    (the conditional checks remain). ``fit_options``: keyword arguments for the fitter of
+    "svi"/"mcmc" (e.g. ``{"num_steps": 500}``, ``{"warmup_steps": 100, "num_chains": 2}``);
+    other keyword arguments go to the model. ``samples=S`` (with ``method="exact"``) adds the sampled checks
     of ``method="samples"`` with S draws; ``num_samples``: draws for "samples"/"mcmc" (and
     SVI's edge marginals). The exact ``output`` is the program at the exact E[v], so it
     agrees by construction when the values do; the sampled check of E[output] is what sees a
@@ -200,7 +202,7 @@ def compare(model, *inputs, method: str = "exact", atol: float | None = None,
                              f"its edges are summed out exactly — use method='exact' (or "
                              f"'samples' for draws)")
         return _compare_fitted(layer, *inputs, method=method, atol=svi_atol, alpha=alpha,
-                               num_samples=num_samples, **kwargs)
+                               num_samples=num_samples, fit_options=fit_options or {}, **kwargs)
     if latent:
         if method == "samples" or samples:
             raise ValueError("sampled edge checks are for models without latent node sets; for "
@@ -322,7 +324,8 @@ def _compare_latent(layer, *inputs, atol, map_atol, fixed_point=True, **kwargs) 
     return report
 
 
-def _compare_fitted(layer, *inputs, method, atol, alpha, num_samples, **kwargs) -> Comparison:
+def _compare_fitted(layer, *inputs, method, atol, alpha, num_samples, fit_options,
+                    **kwargs) -> Comparison:
     from .mcmc import mcmc
     from .svi import svi
 
@@ -331,14 +334,16 @@ def _compare_fitted(layer, *inputs, method, atol, alpha, num_samples, **kwargs) 
     final = {name: s[-1] for name, s in trace.states.items()}
     report = Comparison(float("nan"), method=method)
     if method == "svi":
-        fit = svi(layer.declaration, *inputs, guide="map", progress=False, **kwargs)
+        fit = svi(layer.declaration, *inputs, **{"guide": "map", "progress": False,
+                                                  **fit_options}, **kwargs)
         report.fixed_point = {k: _maxdiff(final[k], v) for k, v in fit.latents.items()}
         report.checks += [Check(f"state[{k}] vs SVI MAP", v, atol)
                           for k, v in report.fixed_point.items()]
         if not fit.converged:
             report.notes.append("SVI stopped at its step budget before its convergence rule")
         return report
-    draws = mcmc(layer.declaration, *inputs, num_samples=num_samples, progress=False, **kwargs)
+    draws = mcmc(layer.declaration, *inputs, **{"num_samples": num_samples, "progress": False,
+                                                **fit_options}, **kwargs)
     zs = {}
     for k, v in draws.flat(draws.latents).items():
         mean, sd = v.mean(0), v.std(0)

@@ -91,6 +91,8 @@ def map_estimate(model, *inputs, init: dict | None = None, max_iter: int = 500,
             if grad <= gtol:
                 converged = True
                 break
+            if len(losses) > 1 and losses[-1] >= losses[-2]:
+                break  # no progress left at this precision
         with torch.no_grad():
             found = guide.median(*inputs, **kwargs)
             free_energy = type(elbo)(max_plate_nesting=mpn).loss(

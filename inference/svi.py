@@ -105,8 +105,8 @@ def svi(model, *inputs, guide="map", num_steps: int = 2000, lr: float = 0.01,
     mpn = structure.max_plate_nesting
     enumerable = any(f.parents.size > 1 for f in structure.families.values())
     elbo_cls = TraceEnum_ELBO if enumerable else Trace_ELBO
-    init = init_to_value(values={n: ns.states.detach().unsqueeze(-3)
-                                 for n, ns in structure.latents.items()})
+    init = init_to_value(values={n: ns.states.detach().clone().unsqueeze(-3)  # never the
+                                 for n, ns in structure.latents.items()})   # caller's tensor
     pyro.set_rng_seed(seed)
     with pyro.get_param_store().scope() as params:
         if guide == "map":
