@@ -154,3 +154,15 @@ def test_gpb2_collapse_with_attention_switches_is_attention():
 def test_bad_input(build, match):
     with pytest.raises(ValueError, match=match):
         build()
+
+
+def test_dynamics_accept_numpy_betas_and_say_when_the_cloud_overflows():
+    import numpy as np
+
+    x = torch.randn(2, 30, 4)
+    assert sa.measures.residual_dynamics(x, 2, renorm="sphere", beta=np.float32(1)).shape[0] == 3
+    with pytest.raises(ValueError, match="beta"):
+        sa.measures.residual_dynamics(x, 2, beta=True)
+    torch.manual_seed(0)
+    with pytest.raises(ValueError, match="overflowed at step"):
+        sa.measures.residual_dynamics(torch.randn(2, 50, 4), 200, renorm=None)

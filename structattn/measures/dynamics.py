@@ -32,18 +32,27 @@ def renormalise(x: torch.Tensor, kind: str | None, eps: float = 1e-5) -> torch.T
 def residual_dynamics(points: torch.Tensor, steps: int, *, renorm: str | None = "layernorm",
                       measure: Measure | None = None, beta: float = 1.0) -> torch.Tensor:
     """Iterate η ← RN(η + ∇G(βη)) from ``points`` ``(*batch, N, d)`` and return the trajectory
-    ``(steps + 1, *batch, N, d)``. ``measure=None``: self-attention, G of the empirical measure
+    ``(steps + 1, *batch, N, d)``; ``path[0]`` is the start as given (not renormalised). ``measure=None``: self-attention, G of the empirical measure
     of the current points; else that fixed measure (cross-attention). β scales η inside G (an
     inverse temperature)."""
     if not isinstance(steps, int) or steps < 0:
         raise ValueError(f"steps must be an int ≥ 0; got {steps!r}")
     if renorm not in RENORMS:
         raise ValueError(f"renorm must be one of {RENORMS}; got {renorm!r}")
-    if not (isinstance(beta, (int, float)) and beta > 0 and math.isfinite(beta)):
+    try:
+        beta_f = float(beta)
+    except (TypeError, ValueError):
+        beta_f = float("nan")
+    if isinstance(beta, bool) or not (beta_f > 0 and math.isfinite(beta_f)):
         raise ValueError(f"beta must be a finite number > 0; got {beta!r}")
     eta, path = points, [points]
-    for _ in range(steps):
+    for t in range(steps):
         h = Empirical(eta) if measure is None else measure
-        eta = renormalise(eta + h.mean(beta * eta), renorm)
+        eta = renormalise(eta + h.mean(beta_f * eta), renorm)
+        if not bool(torch.isfinite(eta).all()):
+            raise ValueError(
+                f"residual_dynamics: the points overflowed at step {t + 1} of {steps} "
+                f"(renorm={renorm!r}: without a renormalisation the cloud expands "
+                f"geometrically); renormalise, take fewer steps or use float64")
         path.append(eta)
     return torch.stack(path)
