@@ -70,36 +70,54 @@ class FamilyOperator:
         return a, b, potential.factor_scale()
 
     # -- the operator ------------------------------------------------------------------
-    def scores(self) -> torch.Tensor:
-        """ψ + log prior (unnormalised), ``(*batch, H, C, P)``, −∞ off the support."""
+    def _parents_major(self) -> bool:
+        """Few parents per child (slots): keep scores as (…, P, C) so the softmax runs along
+        a non-innermost dim, where the CPU kernel vectorises over children; a softmax along an
+        innermost dim of a few entries is several times slower."""
+        return self.family.parents.size <= 32 and self.family.children.size >= 4 * \
+            self.family.parents.size
+
+    def _table(self) -> tuple[torch.Tensor, int]:
+        """ψ + log prior and the parents' dim: ``(*batch, H, C, P)`` (dim −1) or, when
+        ``_parents_major``, ``(*batch, H, P, C)`` (dim −2)."""
         if self._scores is None:
             f = self.family
-            total = None if self.flat_prior() else self.log_weights()
+            t = self._parents_major()
+            total = None if self.flat_prior() else (
+                self.log_weights().transpose(-1, -2) if t else self.log_weights())
             for psi in f.potentials:
                 if psi.is_factorised:
                     a, b, scale = self.factors(psi)
                     if a.dtype in (torch.float16, torch.bfloat16):  # accumulate in float32
                         a, b = a.float(), b.float()
                     if a.shape[-2] <= b.shape[-2]:  # scale the smaller factor, not C×P scores
-                        term = (a * scale) @ b.transpose(-1, -2)
+                        a = a * scale
                     else:
-                        term = a @ (b * scale).transpose(-1, -2)
+                        b = b * scale
+                    term = b @ a.transpose(-1, -2) if t else a @ b.transpose(-1, -2)
                 else:
                     term = psi.pairwise(f.children.states, f.parents.states)
+                    term = term.transpose(-1, -2) if t else term
                 total = term if total is None else total + term
             self._scores = total.expand(*f.batch_shape, f.heads, *total.shape[-2:])
-        return self._scores
+        return self._scores, (-2 if self._parents_major() else -1)
+
+    def scores(self) -> torch.Tensor:
+        """ψ + log prior (unnormalised), ``(*batch, H, C, P)``, −∞ off the support."""
+        table, dim = self._table()
+        return table if dim == -1 else table.transpose(-1, -2)
 
     def posterior(self) -> torch.Tensor:
         """p(φ_i = j | x) at the current states, ``(*batch, H, C, P)`` (zero rows for parentless
         children under ``empty="zero"``)."""
         if self._post is None:
-            scores = self.scores()
-            post, keep = torch.softmax(scores, -1), self.family.keep()
+            table, dim = self._table()
+            post, keep = torch.softmax(table, dim), self.family.keep()
             if keep is None and self.family.prior.empty == "error" and not is_validating():
                 # unchecked rows without support: zero, as the fused kernel gives, not NaN
-                post = post.masked_fill(torch.isneginf(scores).all(-1, keepdim=True), 0.0)
+                post = post.masked_fill(torch.isneginf(table).all(dim, keepdim=True), 0.0)
             post = post.to(self.family.children.states.dtype)
+            post = post if dim == -1 else post.transpose(-1, -2)
             self._post = post if keep is None else post * keep
         return self._post
 
@@ -130,7 +148,8 @@ class FamilyOperator:
 
     def log_partition(self) -> torch.Tensor:
         """log Σ_j exp(ψ_ij) p(φ_i = j) per child and head, ``(*batch, H, C)``."""
-        lse = torch.logsumexp(self.scores(), -1)
+        table, dim = self._table()
+        lse = torch.logsumexp(table, dim)
         if self.flat_prior():
             return lse - math.log(self.family.parents.size)
         return lse - self.log_normaliser()

@@ -55,8 +55,9 @@ class Mapped(Potential):
         return self.base.at(self.f(children), self.g(parents), index)
 
     def validate(self, family, children, parents):
-        mc = NodeSet(children.name, self.f(children.states), children.observed)
-        mp = NodeSet(parents.name, self.g(parents.states), parents.observed)
+        # the maps' output shapes, from one node each (not a pass over every node)
+        mc = NodeSet(children.name, self.f(children.states[..., :1, :]), children.observed)
+        mp = NodeSet(parents.name, self.g(parents.states[..., :1, :]), parents.observed)
         self.base.validate(family, mc, mp)
 
     def describe(self) -> str:
