@@ -32,7 +32,8 @@ def renormalise(x: torch.Tensor, kind: str | None, eps: float = 1e-5) -> torch.T
 def residual_dynamics(points: torch.Tensor, steps: int, *, renorm: str | None = "layernorm",
                       measure: Measure | None = None, beta: float = 1.0) -> torch.Tensor:
     """Iterate η ← RN(η + ∇G(βη)) from ``points`` ``(*batch, N, d)`` and return the trajectory
-    ``(steps + 1, *batch, N, d)``; ``path[0]`` is the start as given (not renormalised). ``measure=None``: self-attention, G of the empirical measure
+    ``(steps + 1, *batch, N, d)``; ``path[0]`` is the start as given (not renormalised).
+    ``measure=None``: self-attention, G of the empirical measure
     of the current points; else that fixed measure (cross-attention). β scales η inside G (an
     inverse temperature)."""
     if not isinstance(steps, int) or steps < 0:
