@@ -35,13 +35,7 @@ import structattn as sa  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _memory import measure_peak_mib  # noqa: E402
 
-
-def heads_of(t, H):
-    return t.unflatten(-1, (H, t.shape[-1] // H)).transpose(-3, -2)
-
-
-def merge(t):
-    return t.transpose(-3, -2).flatten(-2)
+heads_of, merge = sa.split_heads, sa.merge_heads  # (…, n, H·d) ↔ (…, H, n, d)
 
 
 def hopfield_by_hand(m, r, Y):

@@ -132,34 +132,21 @@ class BlockSlotAttention(SlotAttention):
         has_memory = self.prototypes is not None
 
         def update(z, step):  # slot step, block-wise GRU + MLP, then a read from the memory
-            w = step.posterior("assign").squeeze(-3) + self.eps  # (B, N, S)
-            w = w / w.sum(-2, keepdim=True)
-            updates = w.transpose(-1, -2) @ v
-            z = self.gru(updates, z)
+            z = self.gru(self.slot_updates(step, v), z)
             z = z + self.mlp(self.norm_pre_ff(z))
             if not has_memory:
                 return z
             mem = sa.split_heads(memory.states, self.num_blocks)  # (B, M, K, d)
             return sa.merge_heads(step.move_to(z).attend("bind", mem))  # Σ_k p(ω_sm = k) C_mk
 
-        slots = sa.latent("slots", init, loc=self.slots_mu, scale=self.slots_logsigma.exp(),
-                          steps=self.iters, update=update, grad=self.grad)
-        phi = sa.edges("assign", inputs, slots, sa.priors.Uniform())
-        sa.potential(phi, sa.potentials.Mapped(
-            sa.potentials.DotProduct(temperature=self.temperature), children=self.to_k,
-            parents=lambda z: self.to_q(self.norm_slots(z))))
+        slots = self._slots(init, update)
+        self._assign_by_dot_product(inputs, slots)
         if has_memory:
             memory = self._bind(slots, x.shape[:-2], gaussian=False)
         return sa.infer(slots)
 
-    def _collapsed(self, x, init):
-        keys = sa.nodes("inputs", self.to_k(x), features=self.dim)
-        slots = sa.latent("slots", init, loc=self.slots_mu, scale=self.slots_logsigma.exp(),
-                          steps=self.iters, update="cccp", grad=self.grad)
-        phi = sa.edges("assign", keys, slots, sa.priors.Uniform())
-        sa.potential(phi, sa.potentials.SquaredDistance(temperature=self.temperature))
+    def _more_families(self, slots, x):  # the collapsed recipe: both families Gaussian
         self._bind(slots, x.shape[:-2], gaussian=True)
-        return sa.infer(slots)
 
 
 def block_slot_attention(num_slots, dim, *, num_blocks, num_prototypes, **kwargs):

@@ -90,28 +90,45 @@ class SlotAttention(sa.Declaration):
         v = self.to_v(x)  # (B, N, dim)
 
         def gru_mlp(z, step):  # the original recipe's update, from the posterior over slots
-            w = step.posterior("assign").squeeze(-3) + self.eps  # (B, N, S): p(φ_j = s) + ε
-            w = w / w.sum(-2, keepdim=True)  # normalised over inputs
-            updates = w.transpose(-1, -2) @ v  # (B, S, dim)
+            updates = self.slot_updates(step, v)
             d = z.shape[-1]
             z = self.gru(updates.reshape(-1, d), z.reshape(-1, d)).reshape(z.shape)
             return z + self.mlp(self.norm_pre_ff(z))
 
-        slots = sa.latent("slots", init, loc=self.slots_mu, scale=self.slots_logsigma.exp(),
-                          steps=self.iters, update=gru_mlp, grad=self.grad)
-        phi = sa.edges("assign", inputs, slots, sa.priors.Uniform())  # each input picks a slot
-        psi = sa.potentials.DotProduct(temperature=self.temperature)
-        sa.potential(phi, sa.potentials.Mapped(
-            psi, children=self.to_k, parents=lambda z: self.to_q(self.norm_slots(z))))
+        slots = self._slots(init, gru_mlp)
+        self._assign_by_dot_product(inputs, slots)
         return sa.infer(slots)
 
     def _collapsed(self, x, init):
         keys = sa.nodes("inputs", self.to_k(x), features=self.dim)
-        slots = sa.latent("slots", init, loc=self.slots_mu, scale=self.slots_logsigma.exp(),
-                          steps=self.iters, update="cccp", grad=self.grad)
+        slots = self._slots(init, "cccp")
         phi = sa.edges("assign", keys, slots, sa.priors.Uniform())
         sa.potential(phi, sa.potentials.SquaredDistance(temperature=self.temperature))
+        self._more_families(slots, x)
         return sa.infer(slots)
+
+    # -- pieces shared with block-slot attention ------------------------------------------
+    def _slots(self, init, update):
+        """The latent slots, z ~ N(μ, σ²), iterated ``iters`` times by ``update``."""
+        return sa.latent("slots", init, loc=self.slots_mu, scale=self.slots_logsigma.exp(),
+                         steps=self.iters, update=update, grad=self.grad)
+
+    def _assign_by_dot_product(self, inputs, slots):
+        """Each input picks a slot: ψ = to_k(x̂_j)ᵀ to_q(LN(z_s)) / √dim."""
+        phi = sa.edges("assign", inputs, slots, sa.priors.Uniform())
+        sa.potential(phi, sa.potentials.Mapped(
+            sa.potentials.DotProduct(temperature=self.temperature), children=self.to_k,
+            parents=lambda z: self.to_q(self.norm_slots(z))))
+        return phi
+
+    def _more_families(self, slots, x):
+        """Further edge families on the slots (block-slot attention's memory)."""
+
+    def slot_updates(self, step, v):
+        """Σ_j w_js v_j with w_js ∝ p(φ_j = s | x, z) + ε normalised over inputs: ``(B, S, dim)``."""
+        w = step.posterior("assign").squeeze(-3) + self.eps  # (B, N, S)
+        w = w / w.sum(-2, keepdim=True)
+        return w.transpose(-1, -2) @ v
 
     def initial_slots(self, inputs, slots=None, num_slots=None):
         """The given slots (checked), or μ + σ·ε for ``num_slots`` (default: the constructor's)."""
