@@ -94,3 +94,14 @@ def test_bad_filename_and_head():
 def test_declared_render_needs_example_inputs():
     with pytest.raises(NotImplementedError, match=r"no example_inputs\(\); pass inputs"):
         sa.render(lambda x: x)
+
+
+def test_latent_nodes_are_drawn_open_observed_shaded():
+    m = sa.models.hopfield(4, update_steps=2, dtype=torch.float64)
+    G = sa.to_networkx(m, *m.example_inputs(n=3))
+    latent = {n for n, d in G.nodes(data=True) if not d["observed"]}
+    assert latent == {f"state[{i}]" for i in range(3)}
+    src = sa.render(m, *m.example_inputs(n=3)).source
+    assert "dashed" in src and "latent nodes" in src and "#d9d9d9" in src
+    plain = sa.render(sa.models.self_attention(4, heads=1)).source
+    assert "dashed" not in plain and "latent nodes" not in plain

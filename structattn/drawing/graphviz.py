@@ -75,9 +75,11 @@ def graph_to_dot(G: nx.MultiDiGraph, *, heads=None, threshold: float = 0.0,
             for role, y in (("parents", 1.9), ("children", 0.0)):
                 for k, n in enumerate(nodes_of[info[role]]):
                     ids[role, n] = f"n{next(counter)}"
+                    observed = G.nodes[n].get("observed", True)  # shaded: observed; open: latent
                     dot.node(ids[role, n], graphviz.escape(n), pos=f"{panel_x + k * step:.2f},{y}!",
-                             style="filled",
-                             fillcolor="#eeeeee" if role == "parents" else "#ffffff")
+                             style="filled" if observed else "filled,dashed",
+                             fillcolor="#d9d9d9" if observed else "#ffffff",
+                             penwidth="1.0" if observed else "1.6")
             for u, v, d in G.edges(data=True):
                 if d["family"] != fname or d["head"] != h:
                     continue
@@ -90,6 +92,8 @@ def graph_to_dot(G: nx.MultiDiGraph, *, heads=None, threshold: float = 0.0,
                     attrs["fontsize"] = "8"
                 dot.edge(ids["parents", u], ids["children", v], **attrs)
             panel_x += width * step + 0.8
+    if not all(d.get("observed", True) for _, d in G.nodes(data=True)):
+        title.append("shaded: observed nodes · open, dashed: latent nodes (inferred states)")
     dot.attr(label=graphviz.escape("\n".join(title)))
     return dot
 
