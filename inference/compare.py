@@ -195,7 +195,8 @@ def compare(model, *inputs, method: str = "exact", atol: float | None = None,
         raise ValueError(f"method must be one of {METHODS}; got {method!r}")
     atol = _default_atol(inputs) if atol is None else atol
     layer = model if isinstance(model, CompiledModule) else compile_model(model)
-    latent = bool(trace_structure(layer.declaration.model, *inputs, **kwargs).latents)
+    structure = trace_structure(layer.declaration.model, *inputs, **kwargs)
+    latent = bool(structure.latents)
     if method in ("svi", "mcmc"):
         if not latent:
             raise ValueError(f"method={method!r} fits latent node sets, and this model has none: "
@@ -207,8 +208,8 @@ def compare(model, *inputs, method: str = "exact", atol: float | None = None,
         if method == "samples" or samples:
             raise ValueError("sampled edge checks are for models without latent node sets; for "
                              "latent models use method='exact', 'svi' or 'mcmc'")
-        return _compare_latent(layer, *inputs, atol=atol, map_atol=map_atol,
-                               fixed_point=fixed_point, **kwargs)
+        return _compare_latent(layer, *inputs, structure=structure, atol=atol,
+                               map_atol=map_atol, fixed_point=fixed_point, **kwargs)
     report = _compare_exact(layer, *inputs, atol=atol, **kwargs)
     if method == "samples" or samples:
         _add_sampled(report, layer, *inputs, S=samples or num_samples, alpha=alpha, **kwargs)
@@ -222,16 +223,7 @@ def _compare_exact(layer, *inputs, atol, **kwargs) -> Comparison:
         with Marginalise() as fast:  # the layer's own (SDPA) path
             out = layer.declaration.model(*inputs, **kwargs)
         _, posteriors = layer(*inputs, return_posterior=True, **kwargs)
-    if isinstance(posteriors, torch.Tensor):
-        posteriors = {next(iter(fast.families)): posteriors}
-    report = Comparison(
-        _maxdiff(out, truth.output),
-        {k: _maxdiff(p, _in_layout(fast.families[k], truth.marginals[k]))
-         for k, p in posteriors.items()},
-        {k: _maxdiff(v, truth.expectations[k]) for k, v in fast.expectations.items()},
-    )
-    report.pictures = {k: (p, truth.marginals[k]) for k, p in posteriors.items()
-                       if fast.families[k].prior.edge_index is None}
+    report = _agreement(out, truth, posteriors, fast)
     report._out = out  # for the sampled checks
     _exact_checks(report, atol)
     return report
@@ -270,7 +262,24 @@ def _add_sampled(report, layer, *inputs, S, alpha, **kwargs):
                         f"{m} entries at family-wise α = {alpha}")
 
 
-def _compare_latent(layer, *inputs, atol, map_atol, fixed_point=True, **kwargs) -> Comparison:
+def _agreement(out, truth, posteriors, fast, **fields) -> Comparison:
+    """Max differences of the compiled output, posteriors and values (``fast``: the reader
+    that produced them) from Pyro's exact reading ``truth``, and the posteriors to draw."""
+    if isinstance(posteriors, torch.Tensor):
+        posteriors = {next(iter(fast.families)): posteriors}
+    report = Comparison(
+        _maxdiff(out, truth.output),
+        {k: _maxdiff(p, _in_layout(fast.families[k], truth.marginals[k]))
+         for k, p in posteriors.items()},
+        {k: _maxdiff(v, truth.expectations[k]) for k, v in fast.expectations.items()},
+        **fields)
+    report.pictures = {k: (p, truth.marginals[k]) for k, p in posteriors.items()
+                       if fast.families[k].prior.edge_index is None}
+    return report
+
+
+def _compare_latent(layer, *inputs, structure, atol, map_atol, fixed_point=True,
+                    **kwargs) -> Comparison:
     """Latent models: the compiled reading at its final state against Pyro's exact reading
     at that state (posteriors, values, output, free energy), and the final state against
     Pyro's MAP (when every update is a descent rule on the declared free energy)."""
@@ -280,22 +289,11 @@ def _compare_latent(layer, *inputs, atol, map_atol, fixed_point=True, **kwargs) 
         with Marginalise(latent_values=final) as fast:
             out = layer.declaration.model(*inputs, **kwargs)
     truth = exact(layer.declaration, *inputs, latents=final, **kwargs)
-    if isinstance(posteriors, torch.Tensor):
-        posteriors = {next(iter(fast.families)): posteriors}
-    structure = trace_structure(layer.declaration.model, *inputs, **kwargs)
     rules = {name: ns.options.update for name, ns in structure.latents.items()}
     with torch.no_grad():  # F of the whole model at the final state (every family, energy)
         F = float(layer.free_energy(*inputs, latents=final, **kwargs).sum())
-    report = Comparison(
-        _maxdiff(out, truth.output),
-        {k: _maxdiff(p, _in_layout(fast.families[k], truth.marginals[k]))
-         for k, p in posteriors.items()},
-        {k: _maxdiff(v, truth.expectations[k]) for k, v in fast.expectations.items()},
-        free_energy=abs(F - truth.free_energy),
-    )
+    report = _agreement(out, truth, posteriors, fast, free_energy=abs(F - truth.free_energy))
     report._F = F
-    report.pictures = {k: (p, truth.marginals[k]) for k, p in posteriors.items()
-                       if fast.families[k].prior.edge_index is None}
     _exact_checks(report, atol)
     callables = sorted(k for k, r in rules.items() if callable(r))
     if not fixed_point:

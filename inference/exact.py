@@ -61,11 +61,30 @@ def _expectation_from_table(table: torch.Tensor, enum_dim: int, probs: torch.Ten
     return out.reshape(probs.shape[:-1] + out.shape[-1:])
 
 
+def site_values(states: dict) -> dict:
+    """Latent states ``(*batch, n, d)`` by name as their ``pyro.sample`` sites' values
+    ``(*batch, 1, n, d)`` (the families' heads dim), detached copies (safe to initialise a
+    guide or sampler with: nothing trains the caller's tensors)."""
+    return {name: z.detach().clone().unsqueeze(-3) for name, z in states.items()}
+
+
 def condition_latents(program, latents: dict):
     """``program`` with every latent node set's ``pyro.sample`` site observed at ``latents``
     (name → states ``(*batch, n, d)``)."""
     data = {name: z.unsqueeze(-3) for name, z in latents.items()}  # the sites' heads dim
     return poutine.condition(program, data=data)
+
+
+def is_enumerable(structure) -> bool:
+    """Whether any edge family has a choice to enumerate (Pyro warns when none has)."""
+    return any(f.parents.size > 1 for f in structure.families.values())
+
+
+def elbo_for(structure, **kwargs):
+    """``TraceEnum_ELBO`` when some edge family can be enumerated, else ``Trace_ELBO`` (node
+    energies only), with the structure's plate nesting."""
+    cls = TraceEnum_ELBO if is_enumerable(structure) else Trace_ELBO
+    return cls(max_plate_nesting=structure.max_plate_nesting, **kwargs)
 
 
 def enumeration_bytes(structure) -> int:
@@ -96,7 +115,7 @@ def exact(model, *inputs, latents: dict | None = None, max_bytes: int = 4 * 2**3
     """
     decl = as_declaration(model)
     program = decl.model
-    structure = trace_structure(program, *inputs, **kwargs)
+    structure = trace_structure(program, *inputs, **kwargs)  # first: which latents exist
     if structure.latents and latents is None:
         raise ValueError(
             f"the model has latent node sets {sorted(structure.latents)}: exact enumeration "
@@ -127,8 +146,7 @@ def exact(model, *inputs, latents: dict | None = None, max_bytes: int = 4 * 2**3
     mpn = structure.max_plate_nesting
     first_dim = -mpn - 1
 
-    # Pyro warns when nothing is enumerable (every family has a single parent)
-    enumerable = any(f.parents.size > 1 for f in structure.families.values())
+    enumerable = is_enumerable(structure)
     marginal_dists = {}
     if enumerable:
         elbo = TraceEnum_ELBO(max_plate_nesting=mpn)
@@ -175,8 +193,7 @@ def exact(model, *inputs, latents: dict | None = None, max_bytes: int = 4 * 2**3
     map_edges = {name: map_trace.nodes[name]["value"].expand(marginals[name].shape[:-1])
                  for name in structure.families}
 
-    elbo = TraceEnum_ELBO(max_plate_nesting=mpn) if enumerable else Trace_ELBO(max_plate_nesting=mpn)
-    free_energy = elbo.loss(program, _no_guide, *inputs, **kwargs)
+    free_energy = elbo_for(structure).loss(program, _no_guide, *inputs, **kwargs)
     with SubstituteExpectations(expectations, latent_values=latents):
         output = program(*inputs, **kwargs)
     return ExactPosterior(marginals, expectations, map_edges, output, free_energy)

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 import pyro
 import torch
 from pyro import poutine
-from pyro.infer import Trace_ELBO, TraceEnum_ELBO
 from pyro.infer.autoguide import AutoDelta
 from pyro.infer.autoguide.initialization import init_to_value
 from tqdm.auto import tqdm
@@ -23,7 +22,7 @@ from tqdm.auto import tqdm
 from structattn.declaration import as_declaration
 from structattn.readers import trace_structure
 
-from .exact import _no_guide
+from .exact import _no_guide, elbo_for, site_values
 
 
 @dataclass
@@ -54,21 +53,18 @@ def map_estimate(model, *inputs, init: dict | None = None, max_iter: int = 500,
     if not latents:
         raise ValueError("the model declares no latent node set (structattn.latent): use "
                          "structattn.inference.exact for its ground truth")
-    start = {name: ns.states.detach().clone() for name, ns in latents.items()}
+    start = {name: ns.states for name, ns in latents.items()}
     for name, value in (init or {}).items():
         if name not in latents:
             raise ValueError(f"init= names {name!r}, not a latent node set of the model; "
                              f"latents: {sorted(latents)}")
-        start[name] = value.detach().clone()
-    values = {name: z.unsqueeze(-3) for name, z in start.items()}  # the sites' heads dim
+        start[name] = value
+    values = site_values(start)
 
     with pyro.get_param_store().scope():
         guide = AutoDelta(poutine.block(program, expose=list(latents)),
                           init_loc_fn=init_to_value(values=values))
-        mpn = structure.max_plate_nesting
-        enumerable = any(f.parents.size > 1 for f in structure.families.values())
-        elbo = TraceEnum_ELBO(max_plate_nesting=mpn) if enumerable else \
-            Trace_ELBO(max_plate_nesting=mpn)  # nothing to enumerate (node energies only)
+        elbo = elbo_for(structure)
         guide(*inputs, **kwargs)  # create the point-mass parameters
         params = list(guide.parameters())
         opt = torch.optim.LBFGS(params, lr=1.0, max_iter=20, tolerance_grad=gtol,
@@ -95,7 +91,7 @@ def map_estimate(model, *inputs, init: dict | None = None, max_iter: int = 500,
                 break  # no progress left at this precision
         with torch.no_grad():
             found = guide.median(*inputs, **kwargs)
-            free_energy = type(elbo)(max_plate_nesting=mpn).loss(
+            free_energy = elbo_for(structure).loss(
                 poutine.condition(program, data=found), _no_guide, *inputs, **kwargs)
     shapes = {name: ns.states.shape for name, ns in latents.items()}
     return MAPEstimate({name: found[name].detach().reshape(shapes[name]) for name in latents},

@@ -12,6 +12,7 @@ from structattn.declaration import as_declaration
 from structattn.readers import trace_structure
 
 from .draws import Draws, draw_edges
+from .exact import site_values
 
 
 def mcmc(model, *inputs, num_samples: int = 200, warmup_steps: int = 200, num_chains: int = 1,
@@ -37,25 +38,31 @@ def mcmc(model, *inputs, num_samples: int = 200, warmup_steps: int = 200, num_ch
         raise ValueError("the model has no latent node set (structattn.latent): NUTS has nothing "
                          "continuous to sample. Use structattn.inference.sample(model, …) for "
                          "exact posterior draws of the edges")
-    init = {n: ns.states.detach().unsqueeze(-3) for n, ns in structure.latents.items()}
+    init = init_to_value(values=site_values({n: ns.states for n, ns in structure.latents.items()}))
+    # one run with every chain (Pyro's multiprocessing), or one run per chain (seed + c)
+    runs = [(seed, num_chains)] if parallel and num_chains > 1 else \
+        [(seed + c, 1) for c in range(num_chains)]
     chains, diverging = {n: [] for n in structure.latents}, []
-    if parallel and num_chains > 1:
-        pyro.set_rng_seed(seed)
-        kernel = NUTS(program, max_plate_nesting=structure.max_plate_nesting,
-                      init_strategy=init_to_value(values=init), max_tree_depth=max_tree_depth)
-        run = MCMC(kernel, num_samples=num_samples, warmup_steps=warmup_steps,
-                   num_chains=num_chains, mp_context="spawn", disable_progbar=not progress)
+    for run_seed, k in runs:
+        pyro.set_rng_seed(run_seed)
+        kernel = NUTS(program, max_plate_nesting=structure.max_plate_nesting, init_strategy=init,
+                      max_tree_depth=max_tree_depth)
+        run = MCMC(kernel, num_samples=num_samples, warmup_steps=warmup_steps, num_chains=k,
+                   mp_context="spawn" if k > 1 else None, disable_progbar=not progress)
         run.run(*inputs, **kwargs)
-        samples = run.get_samples(group_by_chain=True)
-        latents = {n: samples[n].detach().squeeze(-3).flatten(0, 1) for n in chains}
-        flags = torch.zeros(num_chains, num_samples, dtype=torch.bool)
-        for c, idx in enumerate(run.diagnostics().get("divergences", {}).values()):
+        samples = run.get_samples(group_by_chain=True)  # (k, draws, *batch, 1, n, d)
+        for n in chains:
+            chains[n].append(samples[n].detach().squeeze(-3))
+        flags = torch.zeros(k, num_samples, dtype=torch.bool)  # Pyro reports divergent draws
+        for c, idx in enumerate(run.diagnostics().get("divergences", {}).values()):  # by index
             for i in idx:
                 flags[c, int(i)] = True
-        draws = draw_edges(program, *inputs, latents=latents, chains=num_chains,
-                           progress=progress, **kwargs)
-        draws.stats = {"diverging": flags}
-        return draws
+        diverging.append(flags)
+    latents = {n: torch.cat(v).flatten(0, 1) for n, v in chains.items()}  # (chains·draws, …)
+    draws = draw_edges(program, *inputs, latents=latents, chains=num_chains, progress=progress,
+                       **kwargs)
+    draws.stats = {"diverging": torch.cat(diverging)}
+    return draws
     for c in range(num_chains):
         pyro.set_rng_seed(seed + c)
         kernel = NUTS(program, max_plate_nesting=structure.max_plate_nesting,

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import pyro
 import torch
 from pyro import poutine
-from pyro.infer import SVI, Trace_ELBO, TraceEnum_ELBO
+from pyro.infer import SVI
 from pyro.infer.autoguide import AutoDelta, AutoNormal
 from pyro.infer.autoguide.initialization import init_to_value
 from tqdm.auto import tqdm
@@ -22,7 +22,7 @@ from structattn.declaration import as_declaration
 from structattn.readers import trace_structure
 
 from .draws import Draws, draw_edges
-from .exact import exact
+from .exact import elbo_for, exact, site_values
 
 GUIDES = ("map", "normal")
 
@@ -102,11 +102,8 @@ def svi(model, *inputs, guide="map", num_steps: int = 2000, lr: float = 0.01,
         raise ValueError(f"guide must be one of {GUIDES} or a callable Pyro guide; got {guide!r}")
     program = as_declaration(model).model
     structure, names = _latent_sites(program, inputs, kwargs)
-    mpn = structure.max_plate_nesting
-    enumerable = any(f.parents.size > 1 for f in structure.families.values())
-    elbo_cls = TraceEnum_ELBO if enumerable else Trace_ELBO
-    init = init_to_value(values={n: ns.states.detach().clone().unsqueeze(-3)  # never the
-                                 for n, ns in structure.latents.items()})   # caller's tensor
+    init = init_to_value(values=site_values({n: ns.states
+                                             for n, ns in structure.latents.items()}))
     pyro.set_rng_seed(seed)
     with pyro.get_param_store().scope() as params:
         if guide == "map":
@@ -119,7 +116,7 @@ def svi(model, *inputs, guide="map", num_steps: int = 2000, lr: float = 0.01,
             def g(*args, **kw):  # nothing continuous to fit: the evidence alone
                 return {}
         engine = SVI(program, g, pyro.optim.Adam({"lr": lr}),
-                     elbo_cls(max_plate_nesting=mpn, num_particles=num_particles))
+                     elbo_for(structure, num_particles=num_particles))
         losses, converged = [], False
         bar = tqdm(range(num_steps), disable=not progress, desc="SVI")
         for step in bar:
