@@ -73,14 +73,6 @@ class EdgeFamily:
             stack.enter_context(self._heads_plate)
         return stack
 
-    def scores(self) -> torch.Tensor:
-        """Dense unnormalised log posterior ψ + log prior, ``(*batch, H, C, P)``, −∞ off support."""
-        xc, xp = self.children.states, self.parents.states
-        total = self.tables.log_weights(xc.dtype)
-        for psi in self.potentials:
-            total = total + psi.pairwise(xc, xp)
-        return total.expand(*self.batch_shape, self.heads, *total.shape[-2:])
-
     def keep(self) -> torch.Tensor | None:
         """``(…, C, 1)`` 0/1 factor zeroing children without parents (``empty="zero"``): their
         value and posterior row are zero in every reading; None when no child can be empty."""

@@ -117,10 +117,7 @@ class Step:
                 terms.extend(closed)
         if not terms:
             return torch.zeros_like(self.state)
-        total = terms[0]
-        for g in terms[1:]:
-            total = total + g
-        return total
+        return sum(terms[1:], terms[0])
 
     def _partial(self, fn) -> torch.Tensor:
         """∂fn/∂μ with every other node state held fixed (``torch.func.grad``: a partial
@@ -208,15 +205,21 @@ class Engine:
         self.latents, self.families, self.caches = latents, families, caches
         self.energies = energies or {}
 
-    def free_energy(self) -> torch.Tensor:
-        """F at the current states, ``(*batch,)``."""
+    def operators(self) -> dict:
+        """One operator per family at the current states."""
+        return {name: FamilyOperator(fam, self.caches.setdefault(name, {}))
+                for name, fam in self.families.items()}
+
+    def free_energy(self, ops: dict | None = None) -> torch.Tensor:
+        """F at the current states, ``(*batch,)`` (``ops``: the families' operators there, if
+        already built)."""
+        ops = self.operators() if ops is None else ops
         total = 0
         for z in self.latents:
             total = total - z.log_prior()
         for term in self.energies.values():
             total = total + term.value()
-        for name, fam in self.families.items():
-            op = FamilyOperator(fam, self.caches.setdefault(name, {}))
+        for op in ops.values():
             total = total - op.log_partition().sum((-2, -1))
         return total
 
@@ -265,10 +268,10 @@ class Engine:
                 return
             for z in self.latents:
                 history[z.name].append(z.states)
-            energies.append(self.free_energy())
+            ops = self.operators()  # shared by F and the posteriors: one score table each
+            energies.append(self.free_energy(ops))
             if record_posteriors:
-                for name, fam in self.families.items():
-                    op = FamilyOperator(fam, self.caches.setdefault(name, {}))
+                for name, op in ops.items():
                     posts.setdefault(name, []).append(op.posterior())
 
         remember()

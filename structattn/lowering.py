@@ -25,22 +25,18 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._validation import is_validating
 from .family import EdgeFamily
+from .operator import FamilyOperator
 from .priors.base import Prior
 from .priors.tables import PriorTables
 
 
 def posterior(family: EdgeFamily) -> torch.Tensor:
     """p(φ_i = j | x): ``(*batch, H, C, P)``; rows sum to one over the support (all-zero
-    rows for children without parents under ``empty="zero"``)."""
-    scores = family.scores()  # float32 for half-precision states (see Potential.pairwise)
-    post, keep = torch.softmax(scores, dim=-1), family.keep()
-    if keep is None and family.prior.empty == "error" and not is_validating():
-        # unchecked rows without support: zero, as the fused kernel gives, not NaN
-        post = post.masked_fill(torch.isneginf(scores).all(-1, keepdim=True), 0.0)
-    post = post.to(family.children.states.dtype)
-    return post if keep is None else post * keep
+    rows for children without parents under ``empty="zero"``). The family operator's dense
+    posterior (``structattn.operator``): one definition for single-shot and iterative
+    readings."""
+    return FamilyOperator(family).posterior()
 
 
 def dense_attend(post: torch.Tensor):

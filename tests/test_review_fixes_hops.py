@@ -6,7 +6,7 @@ import torch
 
 import structattn as sa
 import structattn.lowering
-from structattn.family import EdgeFamily
+from structattn.operator import FamilyOperator
 from structattn.potentials.base import Potential
 
 TOL = 1e-6
@@ -74,7 +74,7 @@ def test_pyro_hops_never_read_the_compiler_tables(monkeypatch, prior_kind):
     def refuse(*args, **kwargs):
         raise AssertionError("the Pyro reading used the compiler's score tables")
 
-    monkeypatch.setattr(EdgeFamily, "scores", refuse)
+    monkeypatch.setattr(FamilyOperator, "_table", refuse)  # the compiler's score table
     monkeypatch.setattr(Potential, "pairwise", refuse)
     for name in ("expectation", "posterior", "sdpa_attend", "segment_attend", "dense_attend"):
         monkeypatch.setattr(structattn.lowering, name, refuse)

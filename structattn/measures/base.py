@@ -64,3 +64,11 @@ def check_covariance(where: str, cov: torch.Tensor, d: int) -> torch.Tensor:
         raise ValueError(f"{where}: covariance must be positive definite (its Cholesky "
                          f"factorisation failed)")
     return cov
+
+
+def weighted_covariance(w: torch.Tensor, points: torch.Tensor) -> torch.Tensor:
+    """Covariance of ``points`` ``(*batch, K, d)`` under weights ``w`` ``(*batch, M, K)`` (rows
+    sum to one): ``(*batch, M, d, d)``."""
+    m = w @ points
+    second = torch.einsum("...mk,...ki,...kj->...mij", w, points, points)
+    return second - m.unsqueeze(-1) * m.unsqueeze(-2)

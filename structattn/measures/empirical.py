@@ -8,7 +8,7 @@ import pyro.distributions as dist
 import torch
 import torch.nn.functional as F
 
-from .base import Measure, check_tensor
+from .base import Measure, check_tensor, weighted_covariance
 
 
 class Empirical(Measure):
@@ -49,9 +49,7 @@ class Empirical(Measure):
 
     def covariance(self, eta):
         p = torch.softmax(self._logits(self._check_eta(eta)), -1)  # (*batch, M, N)
-        m = p @ self.points
-        second = torch.einsum("...mn,...ni,...nj->...mij", p, self.points, self.points)
-        return second - m.unsqueeze(-1) * m.unsqueeze(-2)
+        return weighted_covariance(p, self.points)
 
     def distribution(self, eta):
         logits = self._logits(self._check_eta(eta))  # (*batch, M, N)

@@ -6,7 +6,7 @@ import pyro.distributions as dist
 import torch
 
 from .._validation import shape_str
-from .base import Measure, check_covariance, check_tensor
+from .base import Measure, check_covariance, check_tensor, weighted_covariance
 
 
 class Gaussian(Measure):
@@ -72,10 +72,8 @@ class GaussianMixture(Measure):
         return eta @ self.sigma + self.responsibilities(eta) @ self.means
 
     def covariance(self, eta):
-        r = self.responsibilities(eta)
-        m = r @ self.means
-        second = torch.einsum("...mk,...ki,...kj->...mij", r, self.means, self.means)
-        return self.sigma.unsqueeze(-3) + second - m.unsqueeze(-1) * m.unsqueeze(-2)
+        return self.sigma.unsqueeze(-3) + weighted_covariance(self.responsibilities(eta),
+                                                              self.means)
 
     def distribution(self, eta):
         eta = self._check_eta(eta)

@@ -11,7 +11,6 @@ from .._direct import direct_readers
 from ..family import EdgeFamily
 from ..iterate import Engine, Trace
 from ..latent import LatentNodeSet
-from ..operator import FamilyOperator
 
 
 class MarginalEdge:
@@ -56,6 +55,7 @@ class Marginalise(Messenger):
         self.expectations: dict = {}
         self.trace: Trace | None = None
         self._caches: dict = {}
+        self._final_ops: dict = {}
 
     def _pyro_structattn_edges(self, msg):
         msg["value"] = self.edge(msg["args"][0])
@@ -112,10 +112,11 @@ class Marginalise(Messenger):
                                 record_posteriors=self.record_trace_posteriors)
         for z in pending:
             z.inferred = True
+        # the families' operators at the inferred states: they serve the values read next
+        self._final_ops.update(engine.operators())
         if self.record_posterior:  # the posteriors at the inferred states (the last step's)
-            for name, fam in engine.families.items():
-                self.posteriors[name] = FamilyOperator(fam, self._caches.setdefault(name, {})
-                                                       ).posterior()
+            for name in engine.families:
+                self.posteriors[name] = self._final_ops[name].posterior()
 
     def edge(self, family) -> MarginalEdge:
         if family.name in self.families:
@@ -136,11 +137,11 @@ class Marginalise(Messenger):
             stack.pop()
 
     def expectation(self, family: EdgeFamily):
-        if family.name in self._caches and family.prior.edge_index is None:
-            # a family the iteration used: its operator's cache (prior tables, the observed
-            # side's factor) serves the value too
+        if family.name in self._final_ops and family.prior.edge_index is None:
+            # a family the iteration used: its operator at the inferred states (prior tables,
+            # the observed side's factor, the posterior if already built) serves the value too
             lowering.check_complete(family)
-            op = FamilyOperator(family, self._caches[family.name])
+            op = self._final_ops[family.name]
             post = op.posterior() if self.record_posterior else None
             out = family.value.expectation(op.attend, family.children.states,
                                            family.parents.states)
