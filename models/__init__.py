@@ -14,6 +14,8 @@ from .classification import Classification as Classification
 from .classification import classification as classification
 from .cross_attention import CrossAttention as CrossAttention
 from .cross_attention import cross_attention as cross_attention
+from .expanding_attention import ExpandingAttention as ExpandingAttention
+from .expanding_attention import expanding_attention as expanding_attention
 from .graph_attention import GraphAttention as GraphAttention
 from .graph_attention import graph_attention as graph_attention
 from .hopfield import Hopfield as Hopfield
@@ -35,6 +37,7 @@ REGISTRY = {
     "block_slot_attention": block_slot_attention,
     "classification": classification,
     "cross_attention": cross_attention,
+    "expanding_attention": expanding_attention,
     "graph_attention": graph_attention,
     "hopfield": hopfield,
     "multihop_attention": multihop_attention,

@@ -37,6 +37,7 @@ from .nodes import NodeSet as NodeSet
 from .nodes import nodes as nodes
 from .readers import Structure as Structure
 from .readers import trace_structure as trace_structure
+from .windows import WindowTrace as WindowTrace  # also registers the window support kinds
 
 
 def __getattr__(name):

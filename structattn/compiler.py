@@ -25,7 +25,9 @@ class CompiledModule(nn.Module):
     Models with latent node sets (``structattn.latent``) iterate: the latents move to the
     (approximate) fixed point of their collapsed free energy before any value is read.
     ``return_trace=True`` also returns the ``Trace`` (states and free energy per step;
-    with ``trace_posteriors=True`` the edge posteriors per step too). Outputs come in the
+    with ``trace_posteriors=True`` the edge posteriors per step too) — or, for a model whose
+    only iteration is a mean-field prior (expanding attention), its ``WindowTrace``
+    (windows, Beta parameters and expected distances per child and iteration). Outputs come in the
     order (output, posterior, trace).
     """
 
@@ -43,10 +45,15 @@ class CompiledModule(nn.Module):
             posts = reader.posteriors
             result += (next(iter(posts.values())) if len(posts) == 1 else dict(posts),)
         if return_trace:
-            if reader.trace is None:
+            windows = reader.window_traces
+            if reader.trace is None and not windows:
                 raise ValueError(f"{type(self.declaration).__name__} declares no latent node set "
-                                 f"(structattn.latent): there is no iteration to trace")
-            result += (reader.trace,)
+                                 f"(structattn.latent) and no mean-field prior: there is no "
+                                 f"iteration to trace")
+            if reader.trace is None:  # mean-field windows: one trace, or one per family
+                result += (next(iter(windows.values())) if len(windows) == 1 else dict(windows),)
+            else:
+                result += (reader.trace,)
         return result[0] if len(result) == 1 else result
 
     def free_energy(self, *inputs, latents: dict | None = None, **kwargs):

@@ -48,6 +48,8 @@ class EdgeFamily:
     _heads_plate: object = field(default=None, repr=False)
     #: the prior's tables for this family, this pass (built on demand, each at most once)
     tables: PriorTables = field(init=False, repr=False)
+    #: what an iterating lowering did this pass (e.g. mean-field windows), or None
+    trace: object = field(default=None, init=False, repr=False)
 
     def __post_init__(self):
         self.tables = self.prior.tables(self.children.size, self.parents.size,

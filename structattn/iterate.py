@@ -204,6 +204,12 @@ class Engine:
     def __init__(self, latents: list, families: dict, caches: dict, energies: dict | None = None):
         self.latents, self.families, self.caches = latents, families, caches
         self.energies = energies or {}
+        for fam in families.values():
+            if getattr(fam.prior, "inference", "exact") != "exact":
+                raise ValueError(
+                    f"edge family {fam.name!r}: a {fam.prior.inference!r} prior iterates on its "
+                    f"own and cannot join the iteration of latent node sets; declare it after "
+                    f"structattn.infer(...), or use its exact reading (inference='exact')")
 
     def operators(self) -> dict:
         """One operator per family at the current states."""

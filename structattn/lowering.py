@@ -33,10 +33,10 @@ from .priors.tables import PriorTables
 
 def posterior(family: EdgeFamily) -> torch.Tensor:
     """p(φ_i = j | x): ``(*batch, H, C, P)``; rows sum to one over the support (all-zero
-    rows for children without parents under ``empty="zero"``). The family operator's dense
-    posterior (``structattn.operator``): one definition for single-shot and iterative
-    readings."""
-    return FamilyOperator(family).posterior()
+    rows for children without parents under ``empty="zero"``). The dense posterior of the
+    family's support kind: the family operator's (``structattn.operator``, one definition for
+    single-shot and iterative readings) unless the kind infers its own (mean-field windows)."""
+    return support_kind(family.prior).posterior(family)
 
 
 def dense_attend(post: torch.Tensor):
@@ -141,6 +141,11 @@ class SupportKind:
 
     def lower(self, family: EdgeFamily, want_posterior: bool):
         raise NotImplementedError
+
+    def posterior(self, family: EdgeFamily) -> torch.Tensor:
+        """The dense posterior ``(*batch, H, C, P)`` (drawings, oracles): the exact
+        softmax(ψ + log prior) by default; a kind whose posterior is approximate says so."""
+        return FamilyOperator(family).posterior()
 
 
 class DenseSupport(SupportKind):

@@ -64,6 +64,14 @@ def graph_attention_case():
     return m, (_x(2, n, 7), edge_index)
 
 
+def expanding_attention_case():
+    m = sa.models.expanding_attention(6, heads=2, a=1.5, b=2.0, variant="exact",
+                                      dtype=torch.float64)
+    with torch.no_grad():
+        m.raw_prior.add_(torch.randn_like(m.raw_prior) * 0.3)  # heads with their own a, b
+    return m, (_x(2, 6, 6),)
+
+
 def hopfield_case():
     m = sa.models.hopfield(7, 5, heads=2, d_k=3, d_v=2, beta=0.8, update_steps=3,
                            dtype=torch.float64)
@@ -92,6 +100,7 @@ CASES = {
     "block_slot_attention": block_slot_attention_case,
     "classification": classification_case,
     "cross_attention": cross_attention_case,
+    "expanding_attention": expanding_attention_case,
     "graph_attention": graph_attention_case,
     "hopfield": hopfield_case,
     "multihop_attention": multihop_attention_case,

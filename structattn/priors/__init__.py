@@ -1,6 +1,7 @@
 """Edge priors: p(φ_i = j). One class per file."""
 
 from .base import Prior as Prior
+from .beta_geometric import BetaGeometric as BetaGeometric
 from .categorical import Categorical as Categorical
 from .relative import ALiBi as ALiBi
 from .relative import RelativePosition as RelativePosition

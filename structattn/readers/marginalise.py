@@ -54,6 +54,7 @@ class Marginalise(Messenger):
         self.posteriors: dict = {}
         self.expectations: dict = {}
         self.trace: Trace | None = None
+        self.window_traces: dict = {}  # family name → what its lowering iterated (WindowTrace)
         self._caches: dict = {}
         self._final_ops: dict = {}
 
@@ -149,6 +150,8 @@ class Marginalise(Messenger):
             out, post = lowering.expectation(family, want_posterior=self.record_posterior)
         if post is not None:
             self.posteriors[family.name] = post
+        if family.trace is not None:
+            self.window_traces[family.name] = family.trace
         self.expectations[family.name] = out
         return out
 

@@ -1,0 +1,80 @@
+"""Expanding attention (paper §5.2, appendix 7.3): each token infers how far back to look."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from structattn.priors import BetaGeometric
+from structattn.priors.beta_geometric import INFERENCES, _positive
+
+from ._projections import TokenAttention
+
+
+def _softplus_inverse(v: float) -> float:
+    return v + math.log(-math.expm1(-v))
+
+
+class ExpandingAttention(TokenAttention):
+    """φ_i = distance back from token i (parent i − φ_i), p(φ_i = d | q_i) = (1 − q_i) q_i^{d−1},
+    q_i ~ Beta(a, b); ψ(x_j, x_i) = x_iᵀW_QᵀW_K x_j / τ; v = W_V x_j; y_i = W_O [E v_i]_heads.
+
+    ``variant="exact"``: q integrated out, p(φ = d) = B(a + d − 1, b + 1)/B(a, b), one softmax
+    over the past (over the window where the prior's tail is below ``tol``, if given).
+    ``variant="mean_field"``: the paper's scheme, a window per token that grows while the
+    posterior needs it; the cost follows the inferred context, not n
+    (``structattn.windows``). ``a``, ``b`` (per head) are learned when ``learn_prior``
+    (a = softplus(raw) > 0). Token 0 has no past: its attention output is zero.
+
+    x: ``(*batch, n, d_model)`` → ``(*batch, n, d_model)``. ``return_trace=True`` (mean-field)
+    gives the ``WindowTrace``: windows, Beta parameters, iterations.
+
+    ::
+
+        … x_{i−3} ← x_{i−2} ← x_{i−1} ← x_i    (φ_i = d: x_i reads x_{i−d}, d ~ BetaGeom(a, b))
+    """
+
+    def __init__(self, d_model, *, heads=1, a=1.0, b=1.0, learn_prior=True,
+                 variant="mean_field", max_iters=50, tol=None, max_window=None,
+                 expectation="digamma", update="conjugate", block_size=64, **kwargs):
+        super().__init__(d_model, heads=heads, causal=True, **kwargs)
+        if variant not in INFERENCES:
+            raise ValueError(f"ExpandingAttention: variant must be one of {INFERENCES}; "
+                             f"got {variant!r}")
+        a, b = float(_positive("a", a)), float(_positive("b", b))
+        kw = {"device": kwargs.get("device"), "dtype": kwargs.get("dtype")}
+        raw = torch.tensor([[_softplus_inverse(a)] * heads, [_softplus_inverse(b)] * heads], **kw)
+        if learn_prior:
+            self.raw_prior = nn.Parameter(raw)  # (2, heads): softplus⁻¹ of (a, b)
+        else:
+            self.register_buffer("raw_prior", raw)
+        self.variant = variant
+        # checked now (the prior is rebuilt each forward from the current a, b)
+        self._options = dict(tol=tol, max_window=max_window, max_iters=max_iters,
+                             expectation=expectation, update=update, block_size=block_size)
+        self.prior()
+
+    @property
+    def a(self) -> torch.Tensor:
+        """Beta parameter a per head ``(heads,)``."""
+        return F.softplus(self.raw_prior[0])
+
+    @property
+    def b(self) -> torch.Tensor:
+        """Beta parameter b per head ``(heads,)``."""
+        return F.softplus(self.raw_prior[1])
+
+    def prior(self) -> BetaGeometric:
+        return BetaGeometric(self.a, self.b, inference=self.variant, **self._options)
+
+    def model(self, x):
+        tokens = self.tokens(x)
+        return self.attend(self.family_name, tokens, tokens, self.prior())
+
+
+def expanding_attention(d_model, **kwargs) -> ExpandingAttention:
+    """The expanding-attention declaration; see :class:`ExpandingAttention`."""
+    return ExpandingAttention(d_model, **kwargs)

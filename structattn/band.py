@@ -1,0 +1,141 @@
+"""Blocked banded attention: every child i looks back at most ``window`` positions.
+
+Children are cut into blocks of ``B``; block c (children cB … cB + B − 1) can only reach
+parents cB − mB … cB + B − 1 with m = ⌈window / B⌉, so its keys are one contiguous slice
+of L = (m + 1)·B parents. The slices are strided views of the (front-padded) parents, so
+one batched matmul — or one ``scaled_dot_product_attention`` call — does every block:
+O(N·L·d) time and O(N·L) memory for a band of scores, never N×N.
+
+Within a block, the distance child − parent is the same ``(B, L)`` table for every block:
+``distance[r, s] = mB + r − s`` (``BandLayout.distance``); a parent outside the sequence
+(front padding) has ``distance > child position``, so any window ≤ the child's position
+excludes it.
+
+Shapes: ``(*lead, N, k)`` node factors → ``(*lead, nb, B, k)`` child blocks and
+``(*lead, nb, L, k)`` parent slices; band tensors are ``(*lead, nb, B, L)``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class BandLayout:
+    """Blocks of ``block`` children over ``n`` positions, each seeing ``m`` blocks back."""
+
+    n: int
+    block: int
+    m: int
+
+    @staticmethod
+    def for_window(n: int, window: int, block: int) -> BandLayout:
+        block = max(1, min(block, n))
+        return BandLayout(n, block, max(1, math.ceil(window / block)))
+
+    @property
+    def num_blocks(self) -> int:
+        return math.ceil(self.n / self.block)
+
+    @property
+    def width(self) -> int:
+        """L: parents in each block's slice."""
+        return (self.m + 1) * self.block
+
+    @property
+    def reach(self) -> int:
+        """The largest distance every child of a block can see: mB."""
+        return self.m * self.block
+
+    def distance(self, device) -> torch.Tensor:
+        """``(B, L)`` long: child − parent within any block."""
+        r = torch.arange(self.block, device=device)[:, None]
+        s = torch.arange(self.width, device=device)[None, :]
+        return self.m * self.block + r - s
+
+    def child_positions(self, device) -> torch.Tensor:
+        """``(nb, B)`` long: each block slot's position (≥ n: padding)."""
+        return torch.arange(self.num_blocks * self.block, device=device).view(self.num_blocks,
+                                                                              self.block)
+
+    def children(self, x: torch.Tensor) -> torch.Tensor:
+        """``(*lead, N, k)`` → ``(*lead, nb, B, k)`` (padded with zeros at the end)."""
+        pad = self.num_blocks * self.block - self.n
+        if pad:
+            x = F.pad(x, (0, 0, 0, pad))
+        return x.unflatten(-2, (self.num_blocks, self.block))
+
+    def parents(self, x: torch.Tensor) -> torch.Tensor:
+        """``(*lead, N, k)`` → ``(*lead, nb, L, k)``: block c's slice starts mB before it."""
+        front, back = self.reach, self.num_blocks * self.block - self.n
+        x = F.pad(x, (0, 0, front, back))  # (*lead, (nb + m)·B, k)
+        return x.unfold(-2, self.width, self.block).transpose(-1, -2)  # (*lead, nb, L, k)
+
+    def unblock(self, y: torch.Tensor) -> torch.Tensor:
+        """``(*lead, nb, B, d)`` → ``(*lead, N, d)``."""
+        return y.flatten(-3, -2)[..., :self.n, :]
+
+    def to_dense(self, band: torch.Tensor) -> torch.Tensor:
+        """``(*lead, nb, B, L)`` band (zero outside the sequence) → ``(*lead, N, N)``."""
+        lead = band.shape[:-3]
+        dense = band.new_zeros(*lead, self.num_blocks * self.block,
+                               (self.num_blocks + self.m) * self.block)
+        pos = self.child_positions(band.device)  # (nb, B)
+        cols = (pos[:, :, None] - self.distance(band.device)[None] + self.reach)  # padded col
+        rows = pos[:, :, None].expand_as(cols)
+        dense[..., rows, cols] = band
+        return dense[..., :self.n, self.reach:self.reach + self.n]
+
+
+def scores(a: torch.Tensor, b: torch.Tensor, scale: float, layout: BandLayout) -> torch.Tensor:
+    """ψ_ij = scale·⟨a_i, b_j⟩ on the band: ``(*lead, nb, B, L)``."""
+    return layout.children(a) @ layout.parents(b).transpose(-1, -2) * scale
+
+
+def apply(weights: torch.Tensor, u: torch.Tensor, layout: BandLayout) -> torch.Tensor:
+    """``Σ_j w_ij u_j`` for band weights ``(*lead, nb, B, L)`` and ``u`` ``(*lead, N, d)``."""
+    return layout.unblock(weights @ layout.parents(u))
+
+
+def attend(a, b, u, scale: float, bias: torch.Tensor, layout: BandLayout) -> torch.Tensor:
+    """Fused: ``softmax(scale·⟨a_i, b_j⟩ + bias_ij) u`` over the band, through one
+    ``scaled_dot_product_attention`` call (no band of probabilities is kept for backward).
+    ``bias``: ``(*lead or broadcastable, nb, B, L)`` with −∞ off each child's support; every
+    row must have a finite entry. Leading dims are flattened to SDPA's (batch, heads)."""
+    qa, kb, vu = layout.children(a), layout.parents(b), layout.parents(u)
+    lead = qa.shape[:-3]
+    nb, B, L = layout.num_blocks, layout.block, layout.width
+    flat = (-1, nb)
+    bias = bias.expand(*lead, nb, B, L) if bias.dim() > 3 else bias
+    out = F.scaled_dot_product_attention(
+        qa.reshape(*flat, B, qa.shape[-1]), kb.reshape(*flat, L, kb.shape[-1]),
+        vu.reshape(*flat, L, vu.shape[-1]),
+        attn_mask=bias.reshape(*flat, B, L) if bias.dim() > 3 else bias, scale=scale)
+    return layout.unblock(out.reshape(*lead, nb, B, vu.shape[-1]))
+
+
+def flex_attend(a, b, u, scale: float, log_prior, window, **kwargs):
+    """CUDA fast path: FlexAttention with a block mask for ``1 ≤ i − j ≤ window_i`` and the log
+    prior as a ``score_mod``; ``log_prior(head_or_child_index..., distance)`` as in
+    ``windows``. ``a, b, u``: ``(B, H, N, d)``. Only blocks inside the band are computed."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    n = a.shape[-2]
+    per_child = isinstance(window, torch.Tensor)
+
+    def in_band(bi, h, i, j):
+        d = i - j
+        w = window[bi, h, i] if per_child else window
+        return (d >= 1) & (d <= w)
+
+    def score_mod(score, bi, h, i, j):
+        return score + log_prior(bi, h, i, i - j)
+
+    mask = create_block_mask(in_band, B=a.shape[0] if per_child else None,
+                             H=a.shape[1] if per_child else None, Q_LEN=n, KV_LEN=n,
+                             device=a.device)
+    return flex_attention(a, b, u, score_mod=score_mod, block_mask=mask, scale=scale, **kwargs)

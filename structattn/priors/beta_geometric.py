@@ -1,0 +1,209 @@
+"""The geometric–Beta prior of expanding attention (paper §5.2, appendix 7.3).
+
+φ_i is a distance back from child i: parent j = i − φ_i, φ_i ≥ 1, and
+
+    q_i ~ Beta(a, b),   p(φ_i = d | q_i) = (1 − q_i) q_i^{d−1}
+
+(q: the probability of looking one step further; every child has its own q, so every
+token infers its own context length). Integrating q out gives the beta-geometric pmf
+
+    p(φ_i = d) = B(a + d − 1, b + 1) / B(a, b),   P(φ_i > W) = B(a + W, b) / B(a, b).
+
+The first token has no past: its support is empty and it gets a zero output and an
+all-zero posterior row in every reading (``empty="zero"``, fixed).
+
+Two ways to marginalise the same prior, chosen by ``inference``:
+
+- ``"exact"``: one softmax with the beta-geometric log prior (``log_table``), over all of
+  the past, or over the ``window`` where the prior's tail mass beyond it is below ``tol``
+  (the discarded mass is ``discarded_mass()``), lowered through a banded kernel;
+- ``"mean_field"``: the paper's scheme q(φ) q(q), per-child windows that grow while the
+  posterior needs them (``structattn.windows``): options ``expectation`` ("digamma" |
+  "plug_in"), ``update`` ("conjugate" | "accumulate"), ``max_iters``, ``converge_tol``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .._validation import is_validating
+from .base import Prior
+from .tables import PriorTables
+
+EXPECTATIONS = ("digamma", "plug_in")
+UPDATES = ("conjugate", "accumulate")
+INFERENCES = ("exact", "mean_field")
+
+
+def _positive(name, value):
+    """A float or a tensor (scalar or ``(heads,)``) of Beta parameters, checked > 0."""
+    if isinstance(value, torch.Tensor):
+        if not value.is_floating_point() or value.dim() > 1:
+            raise ValueError(f"BetaGeometric prior: {name} must be a float or a floating-point "
+                             f"tensor () or (heads,); got {value.dtype} of shape "
+                             f"{tuple(value.shape)}")
+        checking = is_validating() and not torch.compiler.is_compiling()
+        if checking and not bool(((value > 0) & value.isfinite()).all()):
+            raise ValueError(f"BetaGeometric prior: {name} must be finite and > 0 (a Beta "
+                             f"parameter); got {value.detach().cpu().tolist()}")
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"BetaGeometric prior: {name} must be finite and > 0 (a Beta "
+                         f"parameter); got {value!r}")
+    return float(value)
+
+
+def log_beta(x, y):
+    return torch.lgamma(x) + torch.lgamma(y) - torch.lgamma(x + y)
+
+
+class BetaGeometric(Prior):
+    """``p(φ_i = d) = B(a + d − 1, b + 1) / B(a, b)`` for the distance d = i − j ≥ 1 back from
+    child i; ``a``, ``b``: floats or tensors ``()`` / ``(heads,)`` (learnable: gradients flow
+    through ``lgamma`` / ``digamma``). The child at position 0 has no parent: zero output.
+
+    ``tol`` ∈ (0, 1): the tail mass allowed outside a window (exact: the prior's, giving one
+    window for all children; mean-field: each child's posterior predictive); ``max_window``
+    ≥ 1 caps any window. ``inference="mean_field"`` infers a window per child (module
+    docstring). Paper §5.2, SPEC.md "Geometric–Beta prior".
+    """
+
+    causal = False  # strictly causal: the table is −∞ for j ≥ i
+    empty = "zero"
+
+    def __init__(self, a=1.0, b=1.0, *, tol: float | None = None, max_window: int | None = None,
+                 inference: str = "exact", expectation: str = "digamma",
+                 update: str = "conjugate", max_iters: int = 50, converge_tol: float = 1e-4,
+                 block_size: int = 64):
+        self.a, self.b = _positive("a", a), _positive("b", b)
+        if inference not in INFERENCES:
+            raise ValueError(f"BetaGeometric prior: inference must be one of {INFERENCES}; "
+                             f"got {inference!r}")
+        if expectation not in EXPECTATIONS:
+            raise ValueError(f"BetaGeometric prior: expectation must be one of {EXPECTATIONS}; "
+                             f"got {expectation!r}")
+        if update not in UPDATES:
+            raise ValueError(f"BetaGeometric prior: update must be one of {UPDATES}; "
+                             f"got {update!r}")
+        if inference == "mean_field" and tol is None:
+            tol = 0.05
+        if tol is not None and (isinstance(tol, bool) or not isinstance(tol, (int, float))
+                                or not 0 < tol < 1):
+            raise ValueError(f"BetaGeometric prior: tol (the tail mass left outside a window) "
+                             f"must be in (0, 1); got {tol!r}")
+        for name, val, low in (("max_window", max_window, 1), ("max_iters", max_iters, 1),
+                               ("block_size", block_size, 1)):
+            if val is not None and (isinstance(val, bool) or not isinstance(val, int)
+                                    or val < low):
+                raise ValueError(f"BetaGeometric prior: {name} must be an int ≥ {low}; "
+                                 f"got {val!r}")
+        if not converge_tol > 0:
+            raise ValueError(f"BetaGeometric prior: converge_tol must be > 0; got {converge_tol!r}")
+        self.tol, self.max_window = tol, max_window
+        self.inference, self.expectation, self.update = inference, expectation, update
+        self.max_iters, self.converge_tol, self.block_size = max_iters, converge_tol, block_size
+
+    # -- the prior's parameters, per head ---------------------------------------------------
+    def params(self, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(a, b)`` as tensors ``(heads or 1,)`` in a dtype of at least float32 precision
+        (lgamma in half precision is too coarse)."""
+        work = torch.promote_types(dtype, torch.float32)
+        a, b = (v.to(device=device, dtype=work).reshape(-1) if isinstance(v, torch.Tensor)
+                else torch.full((1,), v, device=device, dtype=work) for v in (self.a, self.b))
+        return a, b
+
+    @property
+    def heads(self) -> int:
+        sizes = [self.a.numel() if isinstance(self.a, torch.Tensor) else 1,
+                 self.b.numel() if isinstance(self.b, torch.Tensor) else 1]
+        return max(sizes)
+
+    def log_pmf(self, distance: torch.Tensor, device=None, dtype=torch.float64) -> torch.Tensor:
+        """log p(φ = d) ``(heads or 1, *distance.shape)`` for integer distances d ≥ 1."""
+        a, b = self.params(device or distance.device, dtype)
+        d = distance.to(a.dtype)
+        a, b = a.reshape(-1, *([1] * d.dim())), b.reshape(-1, *([1] * d.dim()))
+        return log_beta(a + d - 1, b + 1) - log_beta(a, b)
+
+    def log_tail(self, window, device=None, dtype=torch.float64) -> torch.Tensor:
+        """log P(φ > W) = log B(a + W, b) − log B(a, b), ``(heads or 1,)``."""
+        a, b = self.params(device, dtype)
+        return log_beta(a + window, b) - log_beta(a, b)
+
+    def window(self, num_parents: int) -> int | None:
+        """The exact reading's window: the smallest W with P(φ > W) < ``tol`` (over heads),
+        capped by ``max_window`` and the sequence, or None (no truncation: all of the past)."""
+        if self.tol is None and self.max_window is None:
+            return None
+        cap = max(1, num_parents - 1)
+        if self.max_window is not None:
+            cap = min(cap, self.max_window)
+        if self.tol is None:
+            return cap
+        with torch.no_grad():
+            a, b = self.params("cpu", torch.float64)
+            from ..windows import beta_quantile
+            w = beta_quantile(a.detach().cpu(), b.detach().cpu(), self.tol, cap)
+        return int(w.max())
+
+    def discarded_mass(self, num_parents: int) -> torch.Tensor:
+        """The prior mass beyond the exact reading's window, ``(heads or 1,)`` (0 without
+        truncation): what the truncated softmax leaves out."""
+        w = self.window(num_parents)
+        a, _ = self.params("cpu", torch.float64)
+        if w is None:
+            return torch.zeros_like(a)
+        return self.log_tail(w, "cpu", torch.float64).exp()
+
+    # -- the Prior contract ----------------------------------------------------------------
+    def tables(self, num_children, num_parents, device) -> PriorTables:
+        return BetaGeometricTables(self, num_children, num_parents, device)
+
+    def log_table(self, num_children, num_parents, device, dtype):
+        """``(heads or 1, C, P)``: log p(φ_i = i − j) for 1 ≤ i − j ≤ window, −∞ elsewhere."""
+        from .relative import offsets
+
+        dist = offsets(num_children, num_parents, device)  # (C, P): i − j
+        w = self.window(num_parents)
+        allowed = dist >= 1 if w is None else (dist >= 1) & (dist <= w)
+        work = torch.float64 if dtype is None else dtype
+        table = self.log_pmf(dist.clamp(min=1), device, work)  # (H|1, C, P)
+        table = table.masked_fill(~allowed, float("-inf"))
+        return table if dtype is None else table.to(dtype)
+
+    def log_by_distance(self, window: int, device, dtype) -> torch.Tensor:
+        """``(heads or 1, window + 1)``: log p(φ = d) for d = 0..window (−∞ at d = 0)."""
+        d = torch.arange(window + 1, device=device)
+        table = self.log_pmf(d.clamp(min=1), device, dtype)
+        return table.masked_fill(d == 0, float("-inf")).to(dtype)
+
+    def short_support(self) -> str:
+        w = "" if self.tol is None and self.max_window is None else ", windowed"
+        return f"1 ≤ i − j{w}"
+
+    def describe(self) -> str:
+        def show(v):
+            return f"{v:g}" if isinstance(v, float) else f"tensor{tuple(v.shape)}"
+        extra = "" if self.inference == "exact" else (
+            f", mean-field {self.expectation}/{self.update}")
+        return f"BetaGeometric(a={show(self.a)}, b={show(self.b)}{extra}, {self.short_support()})"
+
+
+class BetaGeometricTables(PriorTables):
+    """The generic tables, except that declaring a family checks the heads of ``a`` and ``b``
+    instead of building the dense C×P table (the window lowerings never need it)."""
+
+    def validate(self, family: str, *, batch_shape=(), heads: int = 1) -> None:
+        h = self.prior.heads
+        if h not in (1, heads):
+            raise ValueError(f"edge family {family!r}: BetaGeometric a and b have {h} entries "
+                             f"(one per head) but the family has heads={heads}; give scalars "
+                             f"or tensors of shape ({heads},)")
+        if self.num_children != self.num_parents:
+            raise ValueError(f"edge family {family!r}: a BetaGeometric prior is over distances "
+                             f"back along one sequence, so children and parents must have the "
+                             f"same length; got {self.num_children} children and "
+                             f"{self.num_parents} parents")

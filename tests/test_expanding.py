@@ -1,0 +1,408 @@
+"""Expanding attention: the geometric–Beta prior, exact and mean-field (SPEC.md §5.2).
+
+Oracles, none of which reads structattn's lowering:
+
+- the beta-geometric pmf against Pyro's Beta and Geometric log-densities integrated
+  numerically over q (scipy's adaptive quadrature);
+- the exact posterior against a Pyro model written here, q_i enumerated over Gauss–Jacobi
+  nodes (exact for the polynomial-in-q geometric likelihood) and the edges enumerated,
+  marginals by ``TraceEnum_ELBO.compute_marginals``;
+- the mean-field fixed point against a float64 brute force of the same equations, child by
+  child with ``math.lgamma`` / ``scipy.special.digamma`` and a linear window search.
+"""
+
+import contextlib
+import math
+import warnings
+
+import hypothesis.strategies as st
+import numpy as np
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+from hypothesis import given, settings
+from pyro.infer import TraceEnum_ELBO
+from pyro.ops.indexing import Vindex
+from scipy import integrate, special
+
+import structattn as sa
+
+f64 = torch.float64
+
+
+def program(x, W, prior, heads=1):
+    n = sa.nodes("x", x)
+    phi = sa.edges("attn", n, n, prior, heads=heads)
+    sa.potential(phi, sa.potentials.Bilinear(W, W, heads=heads))
+    return sa.value(phi, sa.values.Identity(heads=heads))
+
+
+def scores_of(x, W, heads):
+    """ψ_ij = ⟨W x_i, W x_j⟩_h / √d_k per head: ``(*batch, H, N, N)`` (the Bilinear potential)."""
+    z = (x @ W.T).unflatten(-1, (heads, -1)).transpose(-2, -3)  # (*batch, H, N, d_k)
+    return z @ z.transpose(-1, -2) / math.sqrt(z.shape[-1])
+
+
+# -- the pmf ------------------------------------------------------------------------------
+@pytest.mark.parametrize("a,b", [(1.0, 1.0), (0.4, 2.5), (3.0, 0.7)])
+def test_pmf_is_the_beta_integral_of_the_geometric(a, b):
+    prior = sa.priors.BetaGeometric(a, b)
+    d = torch.arange(1, 13)
+    got = prior.log_pmf(d)[0].exp()
+    beta = dist.Beta(torch.tensor(a, dtype=f64), torch.tensor(b, dtype=f64))
+    for k, dk in enumerate(d.tolist()):
+        def integrand(q, dk=dk):
+            q = torch.tensor(q, dtype=f64)
+            geo = dist.Geometric(probs=1 - q).log_prob(torch.tensor(dk - 1.0, dtype=f64))
+            return float((beta.log_prob(q) + geo).exp())
+        want, _ = integrate.quad(integrand, 0, 1, epsabs=1e-13, epsrel=1e-11, limit=200)
+        assert float(got[k]) == pytest.approx(want, rel=1e-7, abs=1e-12)
+    # the tail: P(φ > W) = 1 − Σ_{d ≤ W} p(d)
+    assert float(prior.log_tail(12).exp()[0]) == pytest.approx(1 - float(got.sum()), abs=1e-12)
+
+
+# -- exact: against an independent Pyro model ------------------------------------------------
+def pyro_oracle(s, a, b):
+    """Edge marginals p(φ_i = j | x) ``(*batch, H, N, N)`` for scores ``s`` ``(*batch, H, N, N)``:
+    q_i enumerated over Gauss–Jacobi nodes for the Beta(a, b) weight (exact: the likelihood of
+    each φ_i is a polynomial of degree < N in q), φ_i over its past, enumerated."""
+    *batch, H, N, _ = s.shape
+    a, b = (torch.as_tensor(v, dtype=f64).reshape(-1) for v in (a, b))
+    nodes, logw = [], []
+    for h in range(H):  # per head: its own Beta weight
+        ah, bh = float(a[h % len(a)]), float(b[h % len(b)])
+        x, w = special.roots_jacobi(N + 1, bh - 1, ah - 1)  # weight (1 − x)^(b−1)(1 + x)^(a−1)
+        nodes.append(torch.tensor((1 + x) / 2))
+        logw.append(torch.log(torch.tensor(w / w.sum())))
+    q_nodes, q_logw = torch.stack(nodes), torch.stack(logw)  # (H, K)
+    dist_ij = torch.arange(N)[:, None] - torch.arange(N)[None, :]  # (N, N): i − j
+    past = dist_ij >= 1
+
+    def model():
+        with contextlib.ExitStack() as plates:  # size-1 dims stay unplated (Pyro's rule)
+            for name, size, dim in (("children", N - 1, -1), ("heads", H, -2),
+                                    ("batch", int(np.prod(batch)) if batch else 1, -3)):
+                if size > 1:
+                    plates.enter_context(pyro.plate(name, size, dim=dim))
+            k = pyro.sample("q", dist.Categorical(logits=q_logw[:, None, :].expand(
+                H, N - 1, -1)), infer={"enumerate": "parallel"})  # (…, H, N−1)
+            q = q_nodes[torch.arange(H)[:, None], k]  # (…, H, N−1)
+            # φ_i | q: geometric over d = i − j ≥ 1, on the past (children 1..N−1)
+            geo = dist.Geometric(probs=1 - q[..., None]).log_prob(
+                (dist_ij[1:] - 1).clamp(min=0).to(f64))  # (…, H, N−1, N)
+            logits = torch.where(past[1:], geo, torch.tensor(-math.inf, dtype=f64))
+            # the mass the geometric puts beyond the start (φ_i > i) has no parent
+            pyro.factor("past", torch.logsumexp(logits, -1))
+            phi = pyro.sample("phi", dist.Categorical(logits=logits),
+                              infer={"enumerate": "parallel"})
+            flat = s.reshape(-1, H, N, N)[:, :, 1:, :]  # (B, H, N−1, N)
+            pyro.factor("psi", Vindex(flat)[..., phi])
+
+    marg = TraceEnum_ELBO(max_plate_nesting=3).compute_marginals(model, lambda: None)
+    probs = marg["phi"].probs.detach() if hasattr(marg["phi"], "probs") else marg["phi"].logits.softmax(-1)
+    probs = probs.expand(int(np.prod(batch)) if batch else 1, H, N - 1, N)
+    out = torch.zeros(*batch, H, N, N, dtype=f64)
+    out[..., 1:, :] = probs.reshape(*batch, H, N - 1, N)
+    return out
+
+
+@settings(max_examples=8, deadline=None, derandomize=True)
+@given(n=st.integers(2, 7), heads=st.sampled_from([1, 2]), batch=st.integers(1, 2),
+       a=st.floats(0.3, 4.0), b=st.floats(0.3, 4.0), scale=st.floats(0.2, 2.0))
+def test_exact_posterior_equals_pyro_with_q_enumerated(n, heads, batch, a, b, scale):
+    g = torch.Generator().manual_seed(n * 7 + heads)
+    d = 2 * heads
+    x = torch.randn(batch, n, d, generator=g, dtype=f64) * scale
+    W = torch.randn(d, d, generator=g, dtype=f64)
+    prior = sa.priors.BetaGeometric(torch.tensor([a, b][:heads], dtype=f64),
+                                    torch.tensor([b, a][:heads], dtype=f64))
+    y, post = sa.compile(program)(x, W, prior, heads, return_posterior=True)
+    want = pyro_oracle(scores_of(x, W, heads), prior.a, prior.b)
+    torch.testing.assert_close(post, want, atol=1e-6, rtol=0)
+    v = x.unflatten(-1, (heads, -1)).transpose(-2, -3)
+    torch.testing.assert_close(y, want @ v, atol=1e-6, rtol=0)
+    assert float(y[..., 0, :].abs().max()) == 0.0  # token 0 has no past: zero output
+
+
+def test_the_declarations_own_pyro_reading_agrees():
+    torch.manual_seed(0)
+    m = sa.models.expanding_attention(6, heads=2, a=0.8, b=1.7, variant="exact", dtype=f64)
+    report = sa.inference.compare(m, torch.randn(2, 7, 6, dtype=f64))
+    assert report.passed and report.max_abs_diff < 1e-10, str(report)
+
+
+def test_truncated_exact_is_the_renormalised_window_and_reports_the_discarded_mass():
+    torch.manual_seed(1)
+    x, W = torch.randn(2, 40, 4, dtype=f64), torch.randn(4, 4, dtype=f64)
+    full = sa.priors.BetaGeometric(2.0, 3.0)
+    cut = sa.priors.BetaGeometric(2.0, 3.0, tol=0.02, block_size=8)
+    w = cut.window(40)
+    assert 1 <= w < 39
+    tail = 1 - full.log_pmf(torch.arange(1, w + 1))[0].exp().sum()
+    assert float(cut.discarded_mass(40)[0]) == pytest.approx(float(tail), rel=1e-9)
+    assert float(tail) < 0.02 <= 1 - float(full.log_pmf(torch.arange(1, w))[0].exp().sum())
+    _, p_full = sa.compile(program)(x, W, full, return_posterior=True)
+    y_cut, p_cut = sa.compile(program)(x, W, cut, return_posterior=True)
+    i, j = torch.arange(40)[:, None], torch.arange(40)[None, :]
+    inside = (i - j >= 1) & (i - j <= w)
+    want = torch.where(inside, p_full, 0.0)
+    want = want / want.sum(-1, keepdim=True).clamp(min=1e-300)
+    torch.testing.assert_close(p_cut, want, atol=1e-12, rtol=0)
+    # the fused banded path equals the dense reading
+    torch.testing.assert_close(sa.compile(program)(x, W, cut), y_cut, atol=1e-12, rtol=0)
+
+
+# -- mean field: against a brute force of the same equations ---------------------------------
+def _lbeta(x, y):
+    return math.lgamma(x) + math.lgamma(y) - math.lgamma(x + y)
+
+
+def brute_mean_field(s, a, b, *, tol=0.05, max_window=None, max_iters=50, converge_tol=1e-4,
+                     expectation="digamma", update="conjugate", iterations=None):
+    """One head, one sequence: scores ``s`` (N, N) → (posterior (N, N), windows, iterations).
+    ``iterations``: run exactly that many (a batch iterates until its slowest sequence
+    converges), else stop at this sequence's own fixed point."""
+    N = s.shape[0]
+    cap = max(1, N - 1 if max_window is None else min(N - 1, max_window))
+
+    def quantile(al, be):
+        for w in range(1, cap + 1):
+            tail = (w * math.log(al / (al + be)) if expectation == "plug_in"
+                    else _lbeta(al + w, be) - _lbeta(al, be))
+            if tail < math.log(tol):
+                return w
+        return cap
+
+    def log_q(al, be):
+        if expectation == "digamma":
+            return special.digamma(al) - special.digamma(al + be), \
+                special.digamma(be) - special.digamma(al + be)
+        return math.log(al / (al + be)), math.log(be / (al + be))
+
+    alpha, beta = [a] * N, [b] * N
+    win = [min(quantile(a, b), i) for i in range(N)]
+    m_prev, iters = None, 0
+    for _ in range(max_iters if iterations is None else iterations):
+        iters, used = iters + 1, list(win)  # the windows of this step's posterior
+        P = np.zeros((N, N))
+        m = [0.0] * N
+        for i in range(1, N):
+            e1, e2 = log_q(alpha[i], beta[i])
+            ds = np.arange(1, win[i] + 1)
+            logits = np.array([float(s[i, i - d]) for d in ds]) + (ds - 1) * e1 + e2
+            p = np.exp(logits - logits.max())
+            p /= p.sum()
+            P[i, i - ds] = p
+            m[i] = float((p * ds).sum())
+        new_alpha, new_beta = list(alpha), list(beta)
+        for i in range(1, N):
+            if update == "conjugate":
+                new_alpha[i], new_beta[i] = a + m[i] - 1, b + 1
+            else:
+                new_alpha[i], new_beta[i] = alpha[i] + m[i] - 1, beta[i] + 1
+        new_win = [max(win[i], min(quantile(new_alpha[i], new_beta[i]), i)) for i in range(N)]
+        if iterations is None and m_prev is not None and new_win == win \
+                and max(abs(u - v) for u, v in zip(m, m_prev)) <= converge_tol:
+            break
+        alpha, beta, win, m_prev = new_alpha, new_beta, new_win, m
+    return torch.tensor(P), used, iters
+
+
+@pytest.mark.parametrize("expectation,update", [("digamma", "conjugate"), ("plug_in", "conjugate"),
+                                                ("digamma", "accumulate")])
+@pytest.mark.parametrize("n,block", [(9, 4), (23, 64), (40, 8)])
+def test_mean_field_fixed_point_equals_the_brute_force(n, block, expectation, update):
+    g = torch.Generator().manual_seed(n)
+    heads, d = 2, 4
+    x = torch.randn(2, n, d, generator=g, dtype=f64)
+    W = torch.randn(d, d, generator=g, dtype=f64) * 1.5
+    a, b = torch.tensor([0.7, 2.0], dtype=f64), torch.tensor([1.3, 0.9], dtype=f64)
+    prior = sa.priors.BetaGeometric(a, b, inference="mean_field", tol=0.1, block_size=block,
+                                    expectation=expectation, update=update)
+    y, post, trace = sa.compile(program)(x, W, prior, heads, return_posterior=True,
+                                         return_trace=True)
+    s = scores_of(x, W, heads)
+    for bi in range(2):
+        for h in range(heads):
+            kw = dict(tol=0.1, expectation=expectation, update=update)
+            _, _, own = brute_mean_field(s[bi, h], float(a[h]), float(b[h]), **kw)
+            assert own <= trace.iterations  # the batch iterates until its slowest sequence
+            want, win, _ = brute_mean_field(s[bi, h], float(a[h]), float(b[h]),
+                                            iterations=trace.iterations, **kw)
+            torch.testing.assert_close(post[bi, h], want, atol=1e-10, rtol=0)
+            assert trace.windows[-1][bi, h].tolist() == win
+    v = x.unflatten(-1, (heads, -1)).transpose(-2, -3)
+    torch.testing.assert_close(y, post @ v, atol=1e-10, rtol=0)
+
+
+def test_windows_grow_only_and_cover_the_dependencies():
+    """A chain whose true parents sit 5–12 steps back: every window ends up covering its
+    parent, windows never shrink, and the band scored stays far below N."""
+    torch.manual_seed(2)
+    n, d = 400, 32
+    keys = torch.nn.functional.normalize(torch.randn(n, d, dtype=f64), dim=-1)
+    back = torch.randint(5, 13, (n,))
+    target = (torch.arange(n) - back).clamp(min=0)
+    x = torch.cat([keys, keys[target]], -1)[None]  # (1, n, 2d): [own key, parent's key]
+    Wq = torch.cat([torch.zeros(d, d), torch.eye(d)], 1).double() * 12.0
+    Wk = torch.cat([torch.eye(d), torch.zeros(d, d)], 1).double()
+
+    def prog(x):
+        t = sa.nodes("x", x)
+        phi = sa.edges("attn", t, t, sa.priors.BetaGeometric(3.0, 1.0, inference="mean_field",
+                                                              block_size=32))
+        sa.potential(phi, sa.potentials.Bilinear(Wq, Wk, temperature=1.0))
+        return sa.value(phi, sa.values.Identity())
+
+    _, post, trace = sa.compile(prog)(x, return_posterior=True, return_trace=True)
+    w = trace.windows[:, 0, 0]  # (T, n)
+    assert bool((w[1:] >= w[:-1]).all())
+    i = torch.arange(20, n)
+    assert bool((w[-1, i] >= back[i]).all())
+    assert float(post[0, 0, i, target[i]].min()) > 0.9
+    assert trace.converged and max(trace.band) < n // 4
+    assert 0 < trace.relative_operations(2 * d) < 0.5
+
+
+def test_mean_field_approaches_exact_as_evidence_grows():
+    """The mean-field posterior's total-variation gap to the exact one shrinks as the scores
+    sharpen (more evidence about each φ_i)."""
+    g = torch.Generator().manual_seed(3)
+    x, W = torch.randn(3, 30, 4, generator=g, dtype=f64), torch.randn(4, 4, generator=g,
+                                                                     dtype=f64)
+    gaps = []
+    for strength in (0.3, 1.0, 3.0, 10.0):
+        exact = sa.priors.BetaGeometric(1.0, 2.0)
+        mf = sa.priors.BetaGeometric(1.0, 2.0, inference="mean_field", tol=1e-3)
+        _, pe = sa.compile(program)(x, W * strength ** 0.5, exact, return_posterior=True)
+        _, pm = sa.compile(program)(x, W * strength ** 0.5, mf, return_posterior=True)
+        gaps.append(float(0.5 * (pe - pm).abs().sum(-1).mean()))
+    assert all(g1 > g2 for g1, g2 in zip(gaps, gaps[1:])), gaps
+    assert gaps[-1] < 0.05 < gaps[0], gaps
+
+
+@pytest.mark.parametrize("variant", ["exact", "mean_field"])
+def test_gradcheck_including_a_and_b(variant):
+    torch.manual_seed(4)
+    m = sa.models.expanding_attention(4, heads=2, a=1.2, b=1.8, variant=variant,
+                                      block_size=4, dtype=f64)
+    layer = sa.compile(m)
+    x = torch.randn(2, 9, 4, dtype=f64, requires_grad=True)
+    names = [n for n, _ in layer.named_parameters()]
+    assert "declaration.raw_prior" in names
+    params = tuple(p.detach().clone().requires_grad_() for p in layer.parameters())
+
+    def f(x, *ps):
+        return torch.func.functional_call(layer, dict(zip(names, ps, strict=True)), (x,))
+
+    assert torch.autograd.gradcheck(f, (x, *params))
+    layer(x).sum().backward()
+    assert m.raw_prior.grad is not None and bool((m.raw_prior.grad != 0).all())
+
+
+def test_learned_prior_moves_towards_the_data():
+    """Gradient descent on a and b: a sequence whose parent is always 1 step back makes the
+    prior favour short distances (a/(a+b) = E[q] falls)."""
+    torch.manual_seed(5)
+    m = sa.models.expanding_attention(8, a=2.0, b=1.0, variant="mean_field", dtype=f64)
+    layer = sa.compile(m)
+    opt = torch.optim.Adam([m.raw_prior], lr=0.05)
+    x = torch.randn(4, 30, 8, dtype=f64)
+    target = torch.roll(x, 1, dims=1) @ m.W_v.T.detach() @ m.W_o.T.detach()
+    def mean_q():
+        with torch.no_grad():
+            return float(m.a[0] / (m.a[0] + m.b[0]))
+
+    q0 = mean_q()
+    for _ in range(30):
+        opt.zero_grad()
+        ((layer(x) - target)[:, 1:] ** 2).mean().backward()
+        opt.step()
+    assert mean_q() < q0 - 0.1, (q0, mean_q())
+
+
+# -- bad input ------------------------------------------------------------------------------
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(a=0.0), "a must be finite and > 0"), (dict(b=-1.0), "b must be finite and > 0"),
+    (dict(a=torch.tensor([1.0, -0.5])), "a must be finite and > 0"),
+    (dict(b=float("nan")), "b must be finite"),
+    (dict(tol=0.0), r"tol .* must be in \(0, 1\)"), (dict(tol=1.0), r"must be in \(0, 1\)"),
+    (dict(max_window=0), "max_window must be an int ≥ 1"),
+    (dict(inference="variational"), "inference must be one of"),
+    (dict(expectation="mode"), "expectation must be one of"),
+    (dict(update="sum"), "update must be one of"),
+])
+def test_bad_prior_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        sa.priors.BetaGeometric(**kwargs)
+
+
+def test_bad_model_arguments_and_mismatches():
+    with pytest.raises(ValueError, match="a must be finite and > 0"):
+        sa.models.expanding_attention(8, a=-1.0)
+    with pytest.raises(ValueError, match=r"tol .* \(0, 1\)"):
+        sa.models.expanding_attention(8, tol=2.0)
+    with pytest.raises(ValueError, match="variant must be one of"):
+        sa.models.expanding_attention(8, variant="approx")
+    x, W = torch.randn(1, 5, 4), torch.randn(4, 4)
+    with pytest.raises(ValueError, match=r"a and b have 3 entries .* heads=2"):
+        sa.compile(program)(x, W, sa.priors.BetaGeometric(torch.ones(3), 1.0), 2)
+
+    def cross(x, y):
+        phi = sa.edges("attn", sa.nodes("x", x), sa.nodes("y", y), sa.priors.BetaGeometric())
+        sa.potential(phi, sa.potentials.DotProduct())
+        return sa.value(phi, sa.values.Identity())
+
+    with pytest.raises(ValueError, match="same length"):
+        sa.compile(cross)(x, torch.randn(1, 6, 4))
+
+
+def test_mean_field_cannot_join_a_latent_iteration():
+    def prog(x):
+        z = sa.latent("z", x.clone(), scale=1.0, steps=2)
+        phi = sa.edges("attn", z, z, sa.priors.BetaGeometric(inference="mean_field"))
+        sa.potential(phi, sa.potentials.DotProduct())
+        return sa.value(phi, sa.values.Identity())
+
+    with pytest.raises(ValueError, match="cannot join the iteration of latent node sets"):
+        sa.compile(prog)(torch.randn(1, 5, 3))
+
+
+# -- an ordinary module ---------------------------------------------------------------------
+def test_dtypes_state_dict_and_torch_compile(tmp_path):
+    torch.manual_seed(6)
+    m = sa.models.expanding_attention(8, heads=2, variant="mean_field")
+    layer = sa.compile(m)
+    x = torch.randn(2, 50, 8)
+    y = layer(x)
+    for dtype in (torch.float64, torch.bfloat16):
+        m2 = sa.models.expanding_attention(8, heads=2, variant="mean_field").to(dtype)
+        m2.load_state_dict({k: v.to(dtype) for k, v in m.state_dict().items()})
+        y2 = sa.compile(m2)(x.to(dtype))
+        assert y2.dtype == dtype and bool(torch.isfinite(y2).all())
+        torch.testing.assert_close(y2.float(), y, atol=0.1 if dtype == torch.bfloat16 else 1e-5,
+                                   rtol=0.1 if dtype == torch.bfloat16 else 1e-5)
+    torch.save(m.state_dict(), tmp_path / "m.pt")
+    m3 = sa.models.expanding_attention(8, heads=2, variant="mean_field")
+    m3.load_state_dict(torch.load(tmp_path / "m.pt", weights_only=True))
+    torch.testing.assert_close(sa.compile(m3)(x), y)
+    # the mean-field loop (data-dependent length and windows) runs eagerly inside the compiled
+    # module; in float64 no window decision can flip between the two
+    m64 = m.double()
+    layer64, x64 = sa.compile(m64), x.double()
+    with warnings.catch_warnings():  # dynamo, wrapping the prior's a, b (softplus outputs),
+        # warns that a non-leaf's .grad is not populated: harmless
+        warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not "
+                                "a leaf", category=UserWarning)
+        torch.testing.assert_close(torch.compile(layer64)(x64), layer64(x64), atol=1e-12, rtol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention fast path needs CUDA")
+def test_flex_attention_path_on_cuda_matches_the_banded_cpu_path():
+    torch.manual_seed(7)
+    m = sa.models.expanding_attention(64, heads=4, variant="exact", tol=0.01)
+    x = torch.randn(2, 300, 64)
+    y_cpu = sa.compile(m)(x)
+    y_gpu = sa.compile(m.cuda())(x.cuda())
+    torch.testing.assert_close(y_gpu.cpu(), y_cpu, atol=2e-3, rtol=2e-3)
