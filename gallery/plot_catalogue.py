@@ -26,6 +26,7 @@ SETTINGS = {
                                  hidden_dim=16),
     "classification": dict(d=8, num_classes=4),
     "cross_attention": dict(d_query=8, heads=2),
+    "expanding_attention": dict(d_model=8, heads=2, a=2.0, b=2.0),
     "graph_attention": dict(d_model=8, heads=2),
     "hopfield": dict(d_query=8, heads=2, update_steps=3),
     "multihop_attention": dict(d_model=8, heads=2, causal=True),

@@ -27,7 +27,11 @@ class ExpandingAttention(TokenAttention):
     ``variant="mean_field"``: the paper's scheme, a window per token that grows while the
     posterior needs it; the cost follows the inferred context, not n
     (``structattn.windows``). ``a``, ``b`` (per head) are learned when ``learn_prior``
-    (a = softplus(raw) > 0). Token 0 has no past: its attention output is zero.
+    (a = softplus(raw) > 0). Token 0 has no past: its attention output is zero. Mean-field
+    options: ``tol`` (tail mass left outside a window, default 0.05), ``max_window``,
+    ``max_iters``, ``expectation`` ("digamma" | "plug_in"), ``update`` ("conjugate" |
+    "accumulate", the authors' code), ``grad`` ("unroll" | "last": one step from the
+    detached fixed point, O(N·W) memory for long sequences).
 
     x: ``(*batch, n, d_model)`` → ``(*batch, n, d_model)``. ``return_trace=True`` (mean-field)
     gives the ``WindowTrace``: windows, Beta parameters, iterations.
@@ -39,7 +43,8 @@ class ExpandingAttention(TokenAttention):
 
     def __init__(self, d_model, *, heads=1, a=1.0, b=1.0, learn_prior=True,
                  variant="mean_field", max_iters=50, tol=None, max_window=None,
-                 expectation="digamma", update="conjugate", block_size=64, **kwargs):
+                 expectation="digamma", update="conjugate", grad="unroll", block_size=64,
+                 **kwargs):
         super().__init__(d_model, heads=heads, causal=True, **kwargs)
         if variant not in INFERENCES:
             raise ValueError(f"ExpandingAttention: variant must be one of {INFERENCES}; "
@@ -54,7 +59,8 @@ class ExpandingAttention(TokenAttention):
         self.variant = variant
         # checked now (the prior is rebuilt each forward from the current a, b)
         self._options = dict(tol=tol, max_window=max_window, max_iters=max_iters,
-                             expectation=expectation, update=update, block_size=block_size)
+                             expectation=expectation, update=update, grad=grad,
+                             block_size=block_size)
         self.prior()
 
     @property

@@ -189,10 +189,49 @@ class MeanFieldWindows(SupportKind):
         return self.lower(family, True)[1]()
 
 
+class _Band:
+    """The band of one family at one width: its scores ψ and what every step reuses."""
+
+    def __init__(self, a, b, scale, n, reach, block, work):
+        self.layout = band.BandLayout.for_window(n, max(reach, 1), block)
+        lay = self.layout
+        self.scores = band.scores(a, b, scale, lay).to(work)  # (*batch, H, nb, B, L)
+        self.dist = lay.distance(a.device).to(work)  # (B, L): child − parent
+        # Σ_l p_l·dist_l = (mB + r)·Σ_l p_l − Σ_l p_l·l: one matrix-vector product per step
+        self.offset = (lay.reach + torch.arange(lay.block, device=a.device)).to(work)  # (B,)
+        self.slot = torch.arange(lay.width, device=a.device).to(work)  # (L,)
+        self.windows = None
+
+    def set_windows(self, win):
+        """The support: 1 ≤ d ≤ W_i (W_i ≤ i keeps it inside the sequence); −∞ outside, and
+        rows without any parent left at 0 (their posterior row is zeroed)."""
+        wb = self.layout.children(win[..., None])[..., 0]  # (*batch, H, nb, B)
+        inside = (self.dist >= 1) & (self.dist <= wb[..., None].to(self.dist.dtype))
+        self.has_parent = (wb >= 1)[..., None]  # (*batch, H, nb, B, 1)
+        mask = torch.zeros_like(self.scores).masked_fill_(~inside & self.has_parent,
+                                                          float("-inf"))
+        self.base = self.scores + mask
+        self.windows = win
+
+    def posterior(self, e_ln_q):
+        """p(φ_i = d) ∝ exp(ψ_{i,i−d} + (d − 1) E[ln q_i]) on the support (the E[ln(1 − q_i)]
+        term is constant in d), and E[φ_i] ``(*batch, H, N)``."""
+        e = self.layout.children(e_ln_q[..., None])  # (*batch, H, nb, B, 1)
+        p = torch.softmax(torch.addcmul(self.base, self.dist, e), -1)
+        p = p * self.has_parent
+        m = self.offset * self.has_parent[..., 0] - p @ self.slot  # (*batch, H, nb, B)
+        return p, self.layout.unblock(m[..., None])[..., 0]
+
+
 @torch.compiler.disable
 def mean_field(family):
     """Iterate the mean-field equations for one family; returns the band posterior
     ``(*batch, H, nb, B, L)``, its layout and the ``WindowTrace``.
+
+    ``grad="unroll"``: back-propagate through every iteration (the exact derivative of the
+    computed map; memory grows with the iterations). ``grad="last"``: iterate without a graph,
+    then take one differentiable step from the detached fixed point — scores and the Beta
+    parameters' dependence on a, b — O(N·W) memory whatever the number of iterations.
 
     Its length and band widths depend on the data, so ``torch.compile`` leaves it to eager
     mode (the projections around it are compiled) rather than recompiling per iteration."""
@@ -203,57 +242,67 @@ def mean_field(family):
     a0, b0 = prior.params(a.device, xc.dtype)  # (H|1,)
     work = a0.dtype
     a0, b0 = a0[:, None], b0[:, None]  # (H|1, 1): broadcast over children
-    cap_seq = torch.arange(n, device=a.device)  # a child sees at most i parents
-    cap = n - 1 if prior.max_window is None else min(n - 1, prior.max_window)
-    cap = max(cap, 1)
+    cap = max(1, n - 1 if prior.max_window is None else min(n - 1, prior.max_window))
+    caps = torch.arange(n, device=a.device).clamp(max=cap)  # child i sees at most i parents
     quantile = beta_quantile if prior.expectation == "digamma" else plug_in_quantile
+    track = prior.grad == "unroll" and torch.is_grad_enabled()
 
-    def windows_for(alpha, beta):
-        return torch.minimum(quantile(alpha, beta, prior.tol, cap), cap_seq)
+    def grown(win, alpha, beta):
+        """Windows grown where the predictive tail beyond them is still ≥ tol (never shrunk)."""
+        with torch.no_grad():
+            need = (_tail(alpha, beta, win, prior.expectation) >= prior.tol) & (win < caps)
+            if not bool(need.any()):
+                return win
+            idx = need.nonzero(as_tuple=True)
+            w = quantile(alpha[idx], beta[idx], prior.tol, cap)
+            out = win.clone()
+            out[idx] = torch.maximum(win[idx], torch.minimum(w, caps[idx[-1]]))
+            return out
 
     alpha = a0.expand(*a.shape[:-1])  # (*batch, H, N): q_i ~ Beta(a, b) before any evidence
     beta = b0.expand(*a.shape[:-1])
-    win = windows_for(alpha, beta)  # (*batch, H, N) long
-
-    layout, s, dist = None, None, None
+    with torch.no_grad():
+        win = torch.minimum(quantile(alpha, beta, prior.tol, cap), caps)  # (*batch, H, N)
+    has_past = caps > 0
     rec = {"windows": [], "alpha": [], "beta": [], "m": [], "band": []}
-    converged, m_prev, p = False, None, None
-    for t in range(prior.max_iters):
-        need = int(win.max()) if win.numel() else 1
-        if layout is None or need > layout.reach:
-            grow = need if layout is None else max(need, 2 * layout.reach)
-            layout = band.BandLayout.for_window(n, max(grow, 1), prior.block_size)
-            s = band.scores(a, b, scale, layout).to(work)  # (*batch, H, nb, B, L)
-            dist = layout.distance(a.device).to(work)  # (B, L)
-        wb = layout.children(win[..., None].to(work))[..., 0]  # (*batch, H, nb, B)
-        e_ln_q, e_ln_1mq = _log_q_expectations(alpha, beta, prior.expectation)
-        e_ln_q = layout.children(e_ln_q[..., None])  # (*batch, H, nb, B, 1)
-        e_ln_1mq = layout.children(e_ln_1mq[..., None])
-        inside = (dist >= 1) & (dist <= wb[..., None])  # (*batch, H, nb, B, L)
-        logits = s + (dist - 1) * e_ln_q + e_ln_1mq
-        logits = torch.where(inside, logits, torch.tensor(float("-inf"), dtype=work,
-                                                          device=a.device))
-        has_parent = inside.any(-1, keepdim=True)
-        logits = torch.where(has_parent, logits, torch.zeros_like(logits))
-        p = torch.softmax(logits, -1) * has_parent
-        m = layout.unblock((p * dist).sum(-1, keepdim=True))[..., 0]  # (*batch, H, N)
-        for key, val in (("windows", win), ("alpha", alpha), ("beta", beta), ("m", m)):
-            rec[key].append(val.detach())
-        rec["band"].append(layout.reach)
-        if prior.update == "conjugate":
-            new_alpha, new_beta = a0 + m - 1, (b0 + 1).expand_as(beta)
-        else:
-            new_alpha, new_beta = alpha + m - 1, beta + 1
-        # child 0 has no past (m = 0): keep its Beta at the prior's
-        has_past = cap_seq > 0
-        new_alpha = torch.where(has_past, new_alpha.clamp(min=torch.finfo(work).tiny), alpha)
-        new_beta = torch.where(has_past, new_beta, beta)
-        new_win = torch.maximum(win, windows_for(new_alpha, new_beta))
-        still = m_prev is None or bool(((m - m_prev).abs() > prior.converge_tol).any())
-        if not still and bool((new_win == win).all()):
-            converged = True
-            break
-        alpha, beta, win, m_prev = new_alpha, new_beta, new_win, m.detach()
+    converged, m_prev, current = False, None, None
+    with torch.set_grad_enabled(track):
+        for _ in range(prior.max_iters):
+            reach = int(win.max()) if win.numel() else 1
+            if current is None or reach > current.layout.reach:
+                grow = reach if current is None else max(reach, 2 * current.layout.reach)
+                current = _Band(a, b, scale, n, grow, prior.block_size, work)
+            if current.windows is not win:
+                current.set_windows(win)
+            e_ln_q, _ = _log_q_expectations(alpha, beta, prior.expectation)
+            p, m = current.posterior(e_ln_q)
+            for key, val in (("windows", win), ("alpha", alpha), ("beta", beta), ("m", m)):
+                rec[key].append(val.detach())
+            rec["band"].append(current.layout.reach)
+            if prior.update == "conjugate":
+                new_alpha, new_beta = a0 + m - 1, (b0 + 1).expand_as(beta)
+            else:
+                new_alpha, new_beta = alpha + m - 1, beta + 1
+            # child 0 has no past (m = 0): its Beta stays the prior's
+            new_alpha = torch.where(has_past, new_alpha, alpha)
+            new_beta = torch.where(has_past, new_beta, beta)
+            new_win = grown(win, new_alpha, new_beta)
+            moved = m_prev is None or bool(
+                ((m - m_prev).abs() > prior.converge_tol * m.abs().clamp(min=1)).any())
+            if not moved and new_win is win:
+                converged = True
+                break
+            alpha, beta, win, m_prev = new_alpha, new_beta, new_win, m.detach()
+    if not track and torch.is_grad_enabled():
+        # one differentiable step from the detached fixed point: ∂α/∂a = ∂β/∂b = 1 in both
+        # updates (conjugate: α = a + E[φ] − 1; accumulate: α = a + Σ_t (E_t[φ] − 1))
+        alpha_f = alpha.detach() + (a0 - a0.detach())
+        beta_f = beta.detach() + (b0 - b0.detach())
+        alpha_f = torch.where(has_past, alpha_f, a0.expand_as(alpha_f))
+        beta_f = torch.where(has_past, beta_f, b0.expand_as(beta_f))
+        current = _Band(a, b, scale, n, current.layout.reach, prior.block_size, work)
+        current.set_windows(win)
+        p, _ = current.posterior(_log_q_expectations(alpha_f, beta_f, prior.expectation)[0])
     with torch.no_grad():
         discarded = _tail(alpha, beta, win, prior.expectation)
     trace = WindowTrace(windows=torch.stack(rec["windows"]), alpha=torch.stack(rec["alpha"]),
@@ -261,10 +310,11 @@ def mean_field(family):
                         expected_distance=torch.stack(rec["m"]), band=rec["band"],
                         iterations=len(rec["band"]), converged=converged,
                         discarded=discarded.to(xc.dtype))
-    return p.to(xc.dtype), layout, trace
+    return p.to(xc.dtype), current.layout, trace
 
 
 def _tail(alpha, beta, window, kind):
+    """P(φ > W) under q's current Beta(α, β): the predictive (digamma) or plug-in geometric."""
     w = window.to(alpha.dtype)
     if kind == "digamma":
         return (log_beta(alpha + w, beta) - log_beta(alpha, beta)).exp()

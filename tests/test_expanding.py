@@ -158,7 +158,7 @@ def _lbeta(x, y):
     return math.lgamma(x) + math.lgamma(y) - math.lgamma(x + y)
 
 
-def brute_mean_field(s, a, b, *, tol=0.05, max_window=None, max_iters=50, converge_tol=1e-4,
+def brute_mean_field(s, a, b, *, tol=0.05, max_window=None, max_iters=50, converge_tol=1e-3,
                      expectation="digamma", update="conjugate", iterations=None):
     """One head, one sequence: scores ``s`` (N, N) → (posterior (N, N), windows, iterations).
     ``iterations``: run exactly that many (a batch iterates until its slowest sequence
@@ -203,7 +203,7 @@ def brute_mean_field(s, a, b, *, tol=0.05, max_window=None, max_iters=50, conver
                 new_alpha[i], new_beta[i] = alpha[i] + m[i] - 1, beta[i] + 1
         new_win = [max(win[i], min(quantile(new_alpha[i], new_beta[i]), i)) for i in range(N)]
         if iterations is None and m_prev is not None and new_win == win \
-                and max(abs(u - v) for u, v in zip(m, m_prev)) <= converge_tol:
+                and all(abs(u - v) <= converge_tol * max(1.0, abs(u)) for u, v in zip(m, m_prev)):
             break
         alpha, beta, win, m_prev = new_alpha, new_beta, new_win, m
     return torch.tensor(P), used, iters

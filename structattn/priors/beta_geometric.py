@@ -19,7 +19,9 @@ Two ways to marginalise the same prior, chosen by ``inference``:
   (the discarded mass is ``discarded_mass()``), lowered through a banded kernel;
 - ``"mean_field"``: the paper's scheme q(φ) q(q), per-child windows that grow while the
   posterior needs them (``structattn.windows``): options ``expectation`` ("digamma" |
-  "plug_in"), ``update`` ("conjugate" | "accumulate"), ``max_iters``, ``converge_tol``.
+  "plug_in"), ``update`` ("conjugate" | "accumulate"), ``max_iters``, ``converge_tol`` (on
+  the relative change of every E[φ_i]), ``grad`` ("unroll" | "last": back-propagate through
+  every iteration, or one step from the detached fixed point).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from .tables import PriorTables
 EXPECTATIONS = ("digamma", "plug_in")
 UPDATES = ("conjugate", "accumulate")
 INFERENCES = ("exact", "mean_field")
+GRADS = ("unroll", "last")
 
 
 def _positive(name, value):
@@ -76,8 +79,8 @@ class BetaGeometric(Prior):
 
     def __init__(self, a=1.0, b=1.0, *, tol: float | None = None, max_window: int | None = None,
                  inference: str = "exact", expectation: str = "digamma",
-                 update: str = "conjugate", max_iters: int = 50, converge_tol: float = 1e-4,
-                 block_size: int = 64):
+                 update: str = "conjugate", max_iters: int = 50, converge_tol: float = 1e-3,
+                 grad: str = "unroll", block_size: int = 64):
         self.a, self.b = _positive("a", a), _positive("b", b)
         if inference not in INFERENCES:
             raise ValueError(f"BetaGeometric prior: inference must be one of {INFERENCES}; "
@@ -100,11 +103,14 @@ class BetaGeometric(Prior):
                                     or val < low):
                 raise ValueError(f"BetaGeometric prior: {name} must be an int ≥ {low}; "
                                  f"got {val!r}")
+        if grad not in GRADS:
+            raise ValueError(f"BetaGeometric prior: grad must be one of {GRADS}; got {grad!r}")
         if not converge_tol > 0:
             raise ValueError(f"BetaGeometric prior: converge_tol must be > 0; got {converge_tol!r}")
         self.tol, self.max_window = tol, max_window
         self.inference, self.expectation, self.update = inference, expectation, update
         self.max_iters, self.converge_tol, self.block_size = max_iters, converge_tol, block_size
+        self.grad = grad
 
     # -- the prior's parameters, per head ---------------------------------------------------
     def params(self, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
