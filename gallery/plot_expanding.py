@@ -100,7 +100,7 @@ def make(kind, d, args, seed):
     torch.manual_seed(seed)
     if kind == "expanding":
         attn = sa.models.expanding_attention(d, a=args.a, b=args.b, tol=args.tol,
-                                             variant="mean_field", block_size=64)
+                                             variant="mean_field")
     else:
         attn = sa.models.self_attention(d, causal=True)
     return Regressor(attn)

@@ -43,7 +43,7 @@ class ExpandingAttention(TokenAttention):
 
     def __init__(self, d_model, *, heads=1, a=1.0, b=1.0, learn_prior=True,
                  variant="mean_field", max_iters=50, tol=None, max_window=None,
-                 expectation="digamma", update="conjugate", grad="unroll", block_size=64,
+                 expectation="digamma", update="conjugate", grad="unroll", block_size=32,
                  **kwargs):
         super().__init__(d_model, heads=heads, causal=True, **kwargs)
         if variant not in INFERENCES:

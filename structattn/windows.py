@@ -65,12 +65,14 @@ def _log_q_expectations(alpha, beta, kind):
 
 @dataclass
 class WindowTrace:
-    """What the mean-field iteration did, per iteration t (recorded before each posterior):
-    ``windows`` ``(T, *batch, H, N)`` long, ``alpha`` / ``beta`` ``(T, *batch, H, N)`` (q's
-    Beta parameters the posterior of step t used), ``expected_distance`` ``(T, *batch, H, N)``
-    (E_{p_t}[φ_i]), ``band``: the band width scored at each step; ``iterations`` T;
-    ``converged``; ``discarded``: the final predictive tail mass beyond each window. Child 0
-    (no past) has window 0."""
+    """What the mean-field iteration did, per round t: ``windows`` ``(T, *batch, H, N)`` long,
+    ``alpha`` / ``beta`` ``(T, *batch, H, N)`` (q's Beta parameters the posterior of round t
+    used) and ``expected_distance`` ``(T, *batch, H, N)`` (E_{p_t}[φ_i]) — a child that has
+    settled keeps its final values; ``band``: the band width scored at each round;
+    ``iterations`` T (rounds: the slowest child's iterations); ``child_iterations``
+    ``(*batch, H, N)``: each child's own; ``converged``: every child settled within
+    ``max_iters``; ``discarded``: the final predictive tail mass beyond each window. Child 0
+    (no past) has window 0 and no iterations."""
 
     windows: torch.Tensor
     alpha: torch.Tensor
@@ -80,6 +82,7 @@ class WindowTrace:
     iterations: int = 0
     converged: bool = False
     discarded: torch.Tensor | None = None
+    child_iterations: torch.Tensor | None = None
 
     @property
     def mean_window(self) -> float:
@@ -88,10 +91,13 @@ class WindowTrace:
         return float(w[..., 1:].mean()) if w.shape[-1] > 1 else 0.0
 
     def relative_operations(self, d: int) -> float:
-        """The authors' counted-operations metric against full attention:
-        mean window · (d + iterations + 1) / (N · d)."""
+        """The authors' counted-operations metric against full attention, averaged over
+        children: mean_i W_i · (d + iterations_i + 1) / (N · d)."""
         n = self.windows.shape[-1]
-        return self.mean_window * (d + self.iterations + 1) / (n * d)
+        w = self.windows[-1].to(torch.float64)
+        its = (self.child_iterations if self.child_iterations is not None
+               else torch.full_like(w, self.iterations)).to(torch.float64)
+        return float((w * (d + its + 1)).mean()) / (n * d)
 
 
 def _check_self_family(family, what):
@@ -190,37 +196,33 @@ class MeanFieldWindows(SupportKind):
 
 
 class _Band:
-    """The band of one family at one width: its scores ψ and what every step reuses."""
+    """The band of one family at one width: its scores ψ, flattened to blocks ``(G, B, L)``
+    (G = batch · heads · blocks), and what every step reuses."""
 
     def __init__(self, a, b, scale, n, reach, block, work):
-        self.layout = band.BandLayout.for_window(n, max(reach, 1), block)
-        lay = self.layout
-        self.scores = band.scores(a, b, scale, lay).to(work)  # (*batch, H, nb, B, L)
+        self.layout = lay = band.BandLayout.for_window(n, max(reach, 1), block)
+        s = band.scores(a, b, scale, lay).to(work)  # (*batch, H, nb, B, L)
+        self.shape = s.shape
         self.dist = lay.distance(a.device).to(work)  # (B, L): child − parent
+        # the band's own slots at distance < 1 (the child itself and later) never count
+        self.scores = s.reshape(-1, lay.block, lay.width).masked_fill(self.dist < 1,
+                                                                      float("-inf"))  # (G, B, L)
         # Σ_l p_l·dist_l = (mB + r)·Σ_l p_l − Σ_l p_l·l: one matrix-vector product per step
         self.offset = (lay.reach + torch.arange(lay.block, device=a.device)).to(work)  # (B,)
         self.slot = torch.arange(lay.width, device=a.device).to(work)  # (L,)
-        self.windows = None
 
-    def set_windows(self, win):
-        """The support: 1 ≤ d ≤ W_i (W_i ≤ i keeps it inside the sequence); −∞ outside, and
-        rows without any parent left at 0 (their posterior row is zeroed)."""
-        wb = self.layout.children(win[..., None])[..., 0]  # (*batch, H, nb, B)
-        inside = (self.dist >= 1) & (self.dist <= wb[..., None].to(self.dist.dtype))
-        self.has_parent = (wb >= 1)[..., None]  # (*batch, H, nb, B, 1)
-        mask = torch.zeros_like(self.scores).masked_fill_(~inside & self.has_parent,
-                                                          float("-inf"))
-        self.base = self.scores + mask
-        self.windows = win
-
-    def posterior(self, e_ln_q):
-        """p(φ_i = d) ∝ exp(ψ_{i,i−d} + (d − 1) E[ln q_i]) on the support (the E[ln(1 − q_i)]
-        term is constant in d), and E[φ_i] ``(*batch, H, N)``."""
-        e = self.layout.children(e_ln_q[..., None])  # (*batch, H, nb, B, 1)
-        p = torch.softmax(torch.addcmul(self.base, self.dist, e), -1)
-        p = p * self.has_parent
-        m = self.offset * self.has_parent[..., 0] - p @ self.slot  # (*batch, H, nb, B)
-        return p, self.layout.unblock(m[..., None])[..., 0]
+    def posterior(self, rows, win, e_ln_q):
+        """For the blocks ``rows`` ``(k,)`` (None: all) with windows ``win`` ``(k, B)`` and E[ln q]
+        ``(k, B)``: p(φ_i = d) ∝ exp(ψ_{i,i−d} + (d − 1) E[ln q_i]) on 1 ≤ d ≤ W_i (the
+        E[ln(1 − q_i)] term is constant in d), ``(k, B, L)``, and E[φ_i] ``(k, B)``. A row
+        without parents (W_i = 0) is computed at W = 1 to stay finite: the caller zeroes it
+        (``zero_parentless``) and never reads its E[φ]."""
+        beyond = self.dist > win.clamp(min=1)[..., None].to(self.dist.dtype)
+        scores = self.scores if rows is None else self.scores[rows]
+        logits = torch.addcmul(scores, self.dist, e_ln_q[..., None]).masked_fill_(
+            beyond, float("-inf"))
+        p = torch.softmax(logits, -1)
+        return p, self.offset - p @ self.slot
 
 
 @torch.compiler.disable
@@ -228,10 +230,16 @@ def mean_field(family):
     """Iterate the mean-field equations for one family; returns the band posterior
     ``(*batch, H, nb, B, L)``, its layout and the ``WindowTrace``.
 
+    Children are independent given the scores (each has its own q_i), so each iterates until
+    its own fixed point — |ΔE[φ_i]| ≤ converge_tol·max(1, E[φ_i]) with its window no longer
+    growing — and then stops: a step computes only the blocks that still hold a moving child,
+    so the cost is Σ_i (iterations_i)·W, not max_i(iterations_i)·N·W, and a sequence's result
+    does not depend on the others in its batch.
+
     ``grad="unroll"``: back-propagate through every iteration (the exact derivative of the
-    computed map; memory grows with the iterations). ``grad="last"``: iterate without a graph,
-    then take one differentiable step from the detached fixed point — scores and the Beta
-    parameters' dependence on a, b — O(N·W) memory whatever the number of iterations.
+    computed map). ``grad="last"``: iterate without a graph, then take one differentiable step
+    from the detached fixed point — scores and the Beta parameters' dependence on a, b —
+    O(N·W) memory whatever the number of iterations.
 
     Its length and band widths depend on the data, so ``torch.compile`` leaves it to eager
     mode (the projections around it are compiled) rather than recompiling per iteration."""
@@ -241,76 +249,132 @@ def mean_field(family):
     a, b, scale = score_factors(family)  # (*batch, H, N, k)
     a0, b0 = prior.params(a.device, xc.dtype)  # (H|1,)
     work = a0.dtype
-    a0, b0 = a0[:, None], b0[:, None]  # (H|1, 1): broadcast over children
     cap = max(1, n - 1 if prior.max_window is None else min(n - 1, prior.max_window))
-    caps = torch.arange(n, device=a.device).clamp(max=cap)  # child i sees at most i parents
     quantile = beta_quantile if prior.expectation == "digamma" else plug_in_quantile
     track = prior.grad == "unroll" and torch.is_grad_enabled()
+    one_step = prior.grad == "last" and torch.is_grad_enabled()  # then: a final step with grad
+    lead = a.shape[:-2]  # (*batch, H)
 
-    def grown(win, alpha, beta):
+    def blocked(t, layout):
+        """``(*batch, H, N)`` → ``(G, B)``."""
+        return layout.children(t[..., None])[..., 0].reshape(-1, layout.block)
+
+    def unblocked(t, layout):
+        """``(G, B)`` → ``(*batch, H, N)``."""
+        return layout.unblock(t.reshape(*lead, layout.num_blocks, layout.block, 1))[..., 0]
+
+    def grown(win, alpha, beta, caps):
         """Windows grown where the predictive tail beyond them is still ≥ tol (never shrunk)."""
-        with torch.no_grad():
-            need = (_tail(alpha, beta, win, prior.expectation) >= prior.tol) & (win < caps)
-            if not bool(need.any()):
-                return win
-            idx = need.nonzero(as_tuple=True)
-            w = quantile(alpha[idx], beta[idx], prior.tol, cap)
-            out = win.clone()
-            out[idx] = torch.maximum(win[idx], torch.minimum(w, caps[idx[-1]]))
-            return out
+        need = (_tail(alpha, beta, win, prior.expectation) >= prior.tol) & (win < caps)
+        if not bool(need.any()):
+            return win
+        idx = need.nonzero(as_tuple=True)
+        out = win.clone()
+        out[idx] = torch.minimum(quantile(alpha[idx], beta[idx], prior.tol, cap), caps[idx])
+        return out
 
-    alpha = a0.expand(*a.shape[:-1])  # (*batch, H, N): q_i ~ Beta(a, b) before any evidence
-    beta = b0.expand(*a.shape[:-1])
+    # per-child state on the blocks of the first band: (G, B)
     with torch.no_grad():
-        win = torch.minimum(quantile(alpha, beta, prior.tol, cap), caps)  # (*batch, H, N)
-    has_past = caps > 0
-    rec = {"windows": [], "alpha": [], "beta": [], "m": [], "band": []}
-    converged, m_prev, current = False, None, None
+        caps = torch.arange(n, device=a.device).clamp(max=cap)  # child i sees ≤ i parents
+        prior_alpha = a0[:, None].expand(*lead, n)
+        win0 = torch.minimum(quantile(prior_alpha, b0[:, None].expand(*lead, n), prior.tol,
+                                      cap), caps)
+    # built with the graph when one is wanted at all: "last" reuses it for its one step
+    current = _Band(a, b, scale, n, int(win0.max()) if win0.numel() else 1, prior.block_size,
+                    work)
+    lay = current.layout
+    real = blocked(torch.ones(*lead, n, dtype=torch.bool, device=a.device), lay)  # not padding
     with torch.set_grad_enabled(track):
-        for _ in range(prior.max_iters):
-            reach = int(win.max()) if win.numel() else 1
-            if current is None or reach > current.layout.reach:
-                grow = reach if current is None else max(reach, 2 * current.layout.reach)
-                current = _Band(a, b, scale, n, grow, prior.block_size, work)
-            if current.windows is not win:
-                current.set_windows(win)
-            e_ln_q, _ = _log_q_expectations(alpha, beta, prior.expectation)
-            p, m = current.posterior(e_ln_q)
-            for key, val in (("windows", win), ("alpha", alpha), ("beta", beta), ("m", m)):
-                rec[key].append(val.detach())
-            rec["band"].append(current.layout.reach)
-            if prior.update == "conjugate":
-                new_alpha, new_beta = a0 + m - 1, (b0 + 1).expand_as(beta)
-            else:
-                new_alpha, new_beta = alpha + m - 1, beta + 1
-            # child 0 has no past (m = 0): its Beta stays the prior's
-            new_alpha = torch.where(has_past, new_alpha, alpha)
-            new_beta = torch.where(has_past, new_beta, beta)
-            new_win = grown(win, new_alpha, new_beta)
-            moved = m_prev is None or bool(
-                ((m - m_prev).abs() > prior.converge_tol * m.abs().clamp(min=1)).any())
-            if not moved and new_win is win:
-                converged = True
+        # q_i ~ Beta(a, b) to begin; padding slots get Beta(1, 1) (finite digammas, no NaN in
+        # the backward of the rows they never contribute to)
+        one = torch.ones((), dtype=work, device=a.device)
+        alpha = torch.where(real, blocked(a0[:, None].expand(*lead, n), lay), one)
+        beta = torch.where(real, blocked(b0[:, None].expand(*lead, n), lay), one)
+        a_prior, b_prior = alpha, beta
+    win = blocked(win0, lay)
+    caps_b = blocked(caps.expand(*lead, n), lay)
+    active = win >= 1  # children with a past (padding has window 0)
+    m_prev = torch.full_like(win, float("nan"), dtype=work)
+    m_all = torch.zeros_like(win, dtype=work)
+    steps = torch.zeros_like(win)
+    pieces = []  # (blocks, posterior rows zeroed but for the children whose last step it is)
+    rec = {"windows": [], "alpha": [], "beta": [], "m": [], "band": []}
+    with torch.set_grad_enabled(track):
+        for t in range(prior.max_iters):
+            busy = active.any(-1)
+            rows = busy.nonzero()[:, 0]  # blocks holding a moving child
+            if rows.numel() == 0:
                 break
-            alpha, beta, win, m_prev = new_alpha, new_beta, new_win, m.detach()
-    if not track and torch.is_grad_enabled():
+            reach = int(win[rows].max())
+            if reach > current.layout.reach:  # widen the band (doubling) and carry the state
+                old = current.layout
+                current = _Band(a, b, scale, n, max(reach, 2 * old.reach), prior.block_size,
+                                work)  # (without a graph under grad="last")
+                if current.layout.block != old.block:
+                    raise AssertionError("the band keeps its block size")
+            act = active[rows]  # (k, B)
+            e_ln_q, _ = _log_q_expectations(alpha[rows], beta[rows], prior.expectation)
+            # (k, B, L), (k, B); every block busy: no gather of the scores
+            p, m = current.posterior(None if rows.numel() == busy.numel() else rows, win[rows],
+                                     e_ln_q)
+            if prior.update == "conjugate":
+                new_alpha, new_beta = a_prior[rows] + m - 1, b_prior[rows] + 1
+            else:
+                new_alpha, new_beta = alpha[rows] + m - 1, beta[rows] + 1
+            with torch.no_grad():
+                new_win = grown(win[rows], new_alpha, new_beta, caps_b[rows])
+                mp = m_prev[rows]
+                settled = ((m - mp).abs() <= prior.converge_tol * m.abs().clamp(min=1)) \
+                    & (new_win == win[rows])  # NaN m_prev: never settled at the first step
+                moving = act & ~settled
+                ends = act & (~moving if t + 1 < prior.max_iters else act)  # their last step
+            if not one_step:  # (grad="last" recomputes every posterior in one step at the end)
+                pieces.append((rows, p * ends[..., None]))
+            m_all = m_all.index_put((rows,), torch.where(act, m.detach(), m_all[rows]))
+            steps = steps.index_put((rows,), steps[rows] + act)
+            rec["windows"].append(unblocked(win, current.layout))
+            rec["alpha"].append(unblocked(alpha.detach(), current.layout))
+            rec["beta"].append(unblocked(beta.detach(), current.layout))
+            rec["m"].append(unblocked(m_all, current.layout))
+            rec["band"].append(current.layout.reach)
+            alpha = alpha.index_put((rows,), torch.where(moving, new_alpha, alpha[rows]))
+            beta = beta.index_put((rows,), torch.where(moving, new_beta, beta[rows]))
+            win = win.index_put((rows,), torch.where(moving, new_win, win[rows]))
+            m_prev = m_prev.index_put((rows,), torch.where(moving, m.detach(), mp))
+            active = active.index_put((rows,), moving)
+    converged = not bool(active.any())
+    final_win = rec["windows"][-1] if rec["windows"] else unblocked(win, current.layout)
+    # each child's posterior from its last step: one scatter-add of every step's rows (a
+    # narrower band's rows padded on the left: their slots are the nearer parents)
+    width = current.layout.width
+    p_final = torch.zeros(current.scores.shape, dtype=work, device=a.device)
+    if pieces:
+        p_final = p_final.index_add(0, torch.cat([r for r, _ in pieces]), torch.cat(
+            [torch.nn.functional.pad(q, (width - q.shape[-1], 0)) for _, q in pieces]))
+    if one_step:
         # one differentiable step from the detached fixed point: ∂α/∂a = ∂β/∂b = 1 in both
         # updates (conjugate: α = a + E[φ] − 1; accumulate: α = a + Σ_t (E_t[φ] − 1))
-        alpha_f = alpha.detach() + (a0 - a0.detach())
-        beta_f = beta.detach() + (b0 - b0.detach())
-        alpha_f = torch.where(has_past, alpha_f, a0.expand_as(alpha_f))
-        beta_f = torch.where(has_past, beta_f, b0.expand_as(beta_f))
-        current = _Band(a, b, scale, n, current.layout.reach, prior.block_size, work)
-        current.set_windows(win)
-        p, _ = current.posterior(_log_q_expectations(alpha_f, beta_f, prior.expectation)[0])
+        alpha_f = alpha.detach() + (a_prior - a_prior.detach())
+        beta_f = beta.detach() + (b_prior - b_prior.detach())
+        if not current.scores.requires_grad:  # the band widened without a graph
+            current = _Band(a, b, scale, n, current.layout.reach, prior.block_size, work)
+        win_f = blocked(final_win, current.layout)
+        p_final, _ = current.posterior(None, win_f, _log_q_expectations(alpha_f, beta_f,
+                                                                        prior.expectation)[0])
+        p_final = p_final * (win_f >= 1)[..., None]  # children without a past: zero
     with torch.no_grad():
-        discarded = _tail(alpha, beta, win, prior.expectation)
-    trace = WindowTrace(windows=torch.stack(rec["windows"]), alpha=torch.stack(rec["alpha"]),
-                        beta=torch.stack(rec["beta"]),
-                        expected_distance=torch.stack(rec["m"]), band=rec["band"],
-                        iterations=len(rec["band"]), converged=converged,
-                        discarded=discarded.to(xc.dtype))
-    return p.to(xc.dtype), current.layout, trace
+        discarded = unblocked(_tail(alpha, beta, blocked(final_win, current.layout),
+                                    prior.expectation), current.layout)
+    empty = torch.zeros(0, *lead, n)
+    trace = WindowTrace(
+        windows=torch.stack(rec["windows"]) if rec["windows"] else empty.long(),
+        alpha=torch.stack(rec["alpha"]) if rec["alpha"] else empty,
+        beta=torch.stack(rec["beta"]) if rec["beta"] else empty,
+        expected_distance=torch.stack(rec["m"]) if rec["m"] else empty,
+        band=rec["band"], iterations=len(rec["band"]), converged=converged,
+        discarded=discarded.to(xc.dtype), child_iterations=unblocked(steps, current.layout))
+    p_final = p_final.reshape(current.shape)
+    return p_final.to(xc.dtype), current.layout, trace
 
 
 def _tail(alpha, beta, window, kind):

@@ -159,10 +159,10 @@ def _lbeta(x, y):
 
 
 def brute_mean_field(s, a, b, *, tol=0.05, max_window=None, max_iters=50, converge_tol=1e-3,
-                     expectation="digamma", update="conjugate", iterations=None):
-    """One head, one sequence: scores ``s`` (N, N) → (posterior (N, N), windows, iterations).
-    ``iterations``: run exactly that many (a batch iterates until its slowest sequence
-    converges), else stop at this sequence's own fixed point."""
+                     expectation="digamma", update="conjugate"):
+    """One head, one sequence, child by child (each has its own q_i, so each iterates alone
+    until |ΔE[φ_i]| ≤ converge_tol·max(1, E[φ_i]) with its window no longer growing):
+    scores ``s`` (N, N) → (posterior (N, N), final windows, iterations per child)."""
     N = s.shape[0]
     cap = max(1, N - 1 if max_window is None else min(N - 1, max_window))
 
@@ -176,37 +176,31 @@ def brute_mean_field(s, a, b, *, tol=0.05, max_window=None, max_iters=50, conver
 
     def log_q(al, be):
         if expectation == "digamma":
-            return special.digamma(al) - special.digamma(al + be), \
-                special.digamma(be) - special.digamma(al + be)
-        return math.log(al / (al + be)), math.log(be / (al + be))
+            return special.digamma(al) - special.digamma(al + be)
+        return math.log(al / (al + be))
 
-    alpha, beta = [a] * N, [b] * N
-    win = [min(quantile(a, b), i) for i in range(N)]
-    m_prev, iters = None, 0
-    for _ in range(max_iters if iterations is None else iterations):
-        iters, used = iters + 1, list(win)  # the windows of this step's posterior
-        P = np.zeros((N, N))
-        m = [0.0] * N
-        for i in range(1, N):
-            e1, e2 = log_q(alpha[i], beta[i])
-            ds = np.arange(1, win[i] + 1)
-            logits = np.array([float(s[i, i - d]) for d in ds]) + (ds - 1) * e1 + e2
+    P, windows, iterations = np.zeros((N, N)), [0] * N, [0] * N
+    for i in range(1, N):
+        alpha, beta, win, m_prev = a, b, min(quantile(a, b), i), None
+        for t in range(max_iters):
+            ds = np.arange(1, win + 1)
+            logits = np.array([float(s[i, i - d]) for d in ds]) + (ds - 1) * log_q(alpha, beta)
             p = np.exp(logits - logits.max())
             p /= p.sum()
+            m = float((p * ds).sum())
+            P[i] = 0.0
             P[i, i - ds] = p
-            m[i] = float((p * ds).sum())
-        new_alpha, new_beta = list(alpha), list(beta)
-        for i in range(1, N):
+            windows[i], iterations[i] = win, t + 1
             if update == "conjugate":
-                new_alpha[i], new_beta[i] = a + m[i] - 1, b + 1
+                new_alpha, new_beta = a + m - 1, b + 1
             else:
-                new_alpha[i], new_beta[i] = alpha[i] + m[i] - 1, beta[i] + 1
-        new_win = [max(win[i], min(quantile(new_alpha[i], new_beta[i]), i)) for i in range(N)]
-        if iterations is None and m_prev is not None and new_win == win \
-                and all(abs(u - v) <= converge_tol * max(1.0, abs(u)) for u, v in zip(m, m_prev)):
-            break
-        alpha, beta, win, m_prev = new_alpha, new_beta, new_win, m
-    return torch.tensor(P), used, iters
+                new_alpha, new_beta = alpha + m - 1, beta + 1
+            new_win = max(win, min(quantile(new_alpha, new_beta), i))
+            if m_prev is not None and abs(m - m_prev) <= converge_tol * max(1.0, abs(m)) \
+                    and new_win == win:
+                break
+            alpha, beta, win, m_prev = new_alpha, new_beta, new_win, m
+    return torch.tensor(P), windows, iterations
 
 
 @pytest.mark.parametrize("expectation,update", [("digamma", "conjugate"), ("plug_in", "conjugate"),
@@ -225,13 +219,12 @@ def test_mean_field_fixed_point_equals_the_brute_force(n, block, expectation, up
     s = scores_of(x, W, heads)
     for bi in range(2):
         for h in range(heads):
-            kw = dict(tol=0.1, expectation=expectation, update=update)
-            _, _, own = brute_mean_field(s[bi, h], float(a[h]), float(b[h]), **kw)
-            assert own <= trace.iterations  # the batch iterates until its slowest sequence
-            want, win, _ = brute_mean_field(s[bi, h], float(a[h]), float(b[h]),
-                                            iterations=trace.iterations, **kw)
+            want, win, its = brute_mean_field(s[bi, h], float(a[h]), float(b[h]), tol=0.1,
+                                              expectation=expectation, update=update)
             torch.testing.assert_close(post[bi, h], want, atol=1e-10, rtol=0)
             assert trace.windows[-1][bi, h].tolist() == win
+            assert trace.child_iterations[bi, h].tolist() == its
+    assert trace.iterations == int(trace.child_iterations.max())
     v = x.unflatten(-1, (heads, -1)).transpose(-2, -3)
     torch.testing.assert_close(y, post @ v, atol=1e-10, rtol=0)
 
@@ -381,8 +374,10 @@ def test_dtypes_state_dict_and_torch_compile(tmp_path):
         m2.load_state_dict({k: v.to(dtype) for k, v in m.state_dict().items()})
         y2 = sa.compile(m2)(x.to(dtype))
         assert y2.dtype == dtype and bool(torch.isfinite(y2).all())
-        torch.testing.assert_close(y2.float(), y, atol=0.1 if dtype == torch.bfloat16 else 1e-5,
-                                   rtol=0.1 if dtype == torch.bfloat16 else 1e-5)
+        # a child settles when E[φ_i] moves by ≤ 1e-3 relative: float32 and float64 may settle
+        # a step apart, so they agree to the iteration's tolerance, not to rounding
+        torch.testing.assert_close(y2.float(), y, atol=0.1 if dtype == torch.bfloat16 else 2e-3,
+                                   rtol=0.1 if dtype == torch.bfloat16 else 2e-3)
     torch.save(m.state_dict(), tmp_path / "m.pt")
     m3 = sa.models.expanding_attention(8, heads=2, variant="mean_field")
     m3.load_state_dict(torch.load(tmp_path / "m.pt", weights_only=True))

@@ -80,7 +80,7 @@ class BetaGeometric(Prior):
     def __init__(self, a=1.0, b=1.0, *, tol: float | None = None, max_window: int | None = None,
                  inference: str = "exact", expectation: str = "digamma",
                  update: str = "conjugate", max_iters: int = 50, converge_tol: float = 1e-3,
-                 grad: str = "unroll", block_size: int = 64):
+                 grad: str = "unroll", block_size: int = 32):
         self.a, self.b = _positive("a", a), _positive("b", b)
         if inference not in INFERENCES:
             raise ValueError(f"BetaGeometric prior: inference must be one of {INFERENCES}; "
