@@ -100,14 +100,18 @@ def make(kind, d, args, seed):
     torch.manual_seed(seed)
     if kind == "expanding":
         attn = sa.models.expanding_attention(d, a=args.a, b=args.b, tol=args.tol,
-                                             variant="mean_field")
+                                             variant="mean_field", update=args.update,
+                                             expectation=args.expectation)
     else:
         attn = sa.models.self_attention(d, causal=True)
     return Regressor(attn)
 
 
 def train(model, problem, args, Xt, yt):
-    opt = torch.optim.Adam(model.parameters(), lr=args.lr)
+    prior = [p for n, p in model.named_parameters() if n.endswith("raw_prior")]
+    rest = [p for n, p in model.named_parameters() if not n.endswith("raw_prior")]
+    groups = [{"params": rest}] + ([{"params": prior, "lr": args.prior_lr}] if prior else [])
+    opt = torch.optim.Adam(groups, lr=args.lr)
     curve = []
     for step in range(args.steps + 1):
         if step % args.eval_every == 0 or step == args.steps:
@@ -136,20 +140,25 @@ def forward_time(fn, X, repeats=7):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=int, default=1500)
+    ap.add_argument("--steps", type=int, default=1000)
     ap.add_argument("--seeds", type=int, default=2)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--lr", type=float, default=5e-4)
-    ap.add_argument("--a", type=float, default=4.0)
+    ap.add_argument("--prior-lr", type=float, default=0.02, help="Adam lr of a and b")
+    ap.add_argument("--a", type=float, default=8.0)
     ap.add_argument("--b", type=float, default=2.0)
     ap.add_argument("--tol", type=float, default=0.05)
+    ap.add_argument("--update", default="conjugate", choices=("conjugate", "accumulate"))
+    ap.add_argument("--expectation", default="digamma", choices=("digamma", "plug_in"))
     ap.add_argument("--eval-every", type=int, default=100)
     ap.add_argument("--long", type=int, default=2048, help="T of the stretched timing task")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "output",
                                                   "expanding"))
+    ap.add_argument("--ps", type=float, nargs="+", default=list(PS))
+    ap.add_argument("--ds", type=int, nargs="+", default=[10, 50])
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args(argv)
-    ps, ds = PS, (10, 50)
+    ps, ds = tuple(args.ps), tuple(args.ds)
     if args.quick:
         args.steps, args.seeds, args.eval_every, args.long = 60, 1, 20, 256
         ps, ds = (1 / 2, 1 / 10), (10,)
@@ -251,7 +260,8 @@ def main(argv=None):
             vals = [statistics.mean(r[key] for r in sel if r["p"] == p) for p in ps]
             ax.bar([i + off for i in x], vals, width=0.27, label=label)
         if d in AUTHORS_COUNTED:
-            ax.plot(list(x), [AUTHORS_COUNTED[d][PS.index(p)] for p in ps], "k*", ms=8,
+            ax.plot(list(x), [AUTHORS_COUNTED[d][min(range(4), key=lambda k: abs(PS[k] - p))]
+                              for p in ps], "k*", ms=8,
                     label="authors' counted (their code)")
         ax.axhline(1.0, color="grey", lw=0.8)
         ax.set_yscale("log")

@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 import torch
 
 from . import band
-from .lowering import SupportKind, can_use_fast_path, register_support_kind, score_factors
+from .lowering import (DenseSupport, SupportKind, can_use_fast_path, register_support_kind,
+                       score_factors)
 from .priors.beta_geometric import BetaGeometric, log_beta
 
 
@@ -127,6 +128,8 @@ class ExactWindow(SupportKind):
 
     def lower(self, family, want_posterior):
         prior = family.prior
+        if not can_use_fast_path(family):  # e.g. a squared distance: the dense reading
+            return DenseSupport().lower(family, want_posterior)
         _check_self_family(family, "beta-geometric prior")
         xc = family.children.states
         n = family.children.size

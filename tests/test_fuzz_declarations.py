@@ -3,7 +3,8 @@ against Pyro's ground truth in float64 (the compiled output, every posterior and
 to 1e-6; latent models at the compiled state).
 
 A hypothesis strategy draws: 0–2 batch dims (size-1 dims included), one or two node sets,
-1–3 edge families over shared or distinct node sets, 1–3 heads, every prior (uniform with
+1–3 edge families over shared or distinct node sets, 1–3 heads, every prior (beta-geometric
+too, exact: dense or windowed; uniform with
 causal / dense mask / edge list / empty="zero"; categorical with −∞ entries; relative
 positions; ALiBi), every potential (bilinear with float, tensor or learned temperatures;
 dot product; positional; squared distance), every value (linear, identity, hops) and,
@@ -54,7 +55,7 @@ def declarations(draw):
         heads = draw(st.sampled_from([1, 2]) if latent and f == 0 else st.integers(1, 3))
         kinds = ["uniform", "causal", "mask", "edges", "zero", "categorical"]
         if same:
-            kinds += ["relative", "alibi"]
+            kinds += ["relative", "alibi", "beta-geometric"]
         if latent and f == 0:
             kinds = ["uniform", "mask", "categorical"]
         kind = draw(st.sampled_from(kinds))
@@ -80,6 +81,10 @@ def declarations(draw):
             K = draw(st.integers(1, 3))
             prior = sa.priors.RelativePosition(randn(heads, 2 * K + 1),
                                                causal=draw(st.booleans()))
+        elif kind == "beta-geometric":  # exact; all of the past, or a window (banded kernel)
+            ab = torch.rand(2, heads, generator=g, dtype=f64) * 3 + 0.2
+            prior = sa.priors.BetaGeometric(ab[0], ab[1], tol=draw(st.sampled_from([None, 0.3])),
+                                            block_size=draw(st.integers(1, 4)))
         else:
             prior = sa.priors.ALiBi(heads, causal=draw(st.booleans()))
         pots = ["bilinear", "bilinear-tensor", "positional"]
@@ -93,7 +98,7 @@ def declarations(draw):
         values = ["linear"]
         if heads == 1:
             values.append("identity")
-        if same and kind not in ("zero",) and not (latent and f == 0):
+        if same and kind not in ("zero", "beta-geometric") and not (latent and f == 0):
             values.append("hops")
         value = draw(st.sampled_from(values))
         specs.append(dict(name=f"f{f}", child=child, parent=parent, heads=heads, prior=prior,
