@@ -19,22 +19,7 @@ import torch  # noqa: E402
 import structattn as sa  # noqa: E402
 
 # small, readable configurations (the factories' defaults are layer-sized)
-SETTINGS = {
-    "absolute_position_attention": dict(d_model=8, max_len=16, heads=2, causal=True),
-    "alibi_attention": dict(d_model=8, heads=2),
-    "block_slot_attention": dict(num_slots=3, dim=8, num_blocks=2, num_prototypes=3, iters=3,
-                                 hidden_dim=16),
-    "classification": dict(d=8, num_classes=4),
-    "cross_attention": dict(d_query=8, heads=2),
-    "expanding_attention": dict(d_model=8, heads=2, a=2.0, b=2.0),
-    "graph_attention": dict(d_model=8, heads=2),
-    "hopfield": dict(d_query=8, heads=2, update_steps=3),
-    "multihop_attention": dict(d_model=8, heads=2, causal=True),
-    "predictive_coding": dict(layer_sizes=[6, 4, 3], steps=10),
-    "relative_position_attention": dict(d_model=8, max_distance=2, heads=2, causal=True),
-    "self_attention": dict(d_model=8, heads=2, causal=True),
-    "slot_attention": dict(num_slots=3, dim=8, iters=3, hidden_dim=16),
-}
+SETTINGS = sa.models.EXAMPLES
 
 
 def build(name):

@@ -16,7 +16,8 @@ class GraphAttention(TokenAttention):
     adjacency: a dense boolean ``(n, n)`` mask (``adjacency[i, j]``: i may attend to j;
     lowered to SDPA with a boolean mask) or an ``edge_index`` ``(2, E)`` int64 with row 0
     the parents j and row 1 the children i (PyG's source → target; lowered to an
-    O(E)-memory segment softmax, so 10⁵ nodes and 10⁶ edges never build an n×n matrix).
+    O(E)-memory segment softmax, so 10⁵ nodes and 10⁶ edges never build an n×n matrix), or
+    a networkx graph on nodes 0..n−1 (an edge u → v: v may attend to u; undirected: both).
     ``empty="zero"`` lets nodes without parents output zero instead of raising.
     x: ``(*batch, n, d_model)`` → ``(*batch, n, d_model or heads·d_v)``; with an edge list
     the posterior (``return_posterior=True``) is per edge, ``(*batch, heads, E)``.
@@ -30,6 +31,8 @@ class GraphAttention(TokenAttention):
 
     def model(self, x, adjacency):
         tokens = self.tokens(x)
+        if _is_networkx(adjacency):
+            adjacency = edge_index_from_networkx(adjacency, x.shape[-2], x.device)
         if isinstance(adjacency, torch.Tensor) and adjacency.dtype == torch.bool:
             prior = Uniform(support=adjacency, causal=self.causal, empty=self.empty)
         elif isinstance(adjacency, torch.Tensor) and adjacency.dtype == torch.long:
@@ -37,8 +40,8 @@ class GraphAttention(TokenAttention):
         else:
             got = adjacency.dtype if isinstance(adjacency, torch.Tensor) else type(adjacency).__name__
             raise ValueError(
-                f"GraphAttention: adjacency must be a boolean (n, n) mask or an int64 edge_index "
-                f"(2, E); got {got}"
+                f"GraphAttention: adjacency must be a boolean (n, n) mask, an int64 edge_index "
+                f"(2, E) or a networkx graph on nodes 0..n−1; got {got}"
             )
         return self.attend(self.family_name, tokens, tokens, prior)
 
@@ -52,3 +55,25 @@ class GraphAttention(TokenAttention):
 def graph_attention(d_model, **kwargs) -> GraphAttention:
     """Graph attention over a dense mask or an edge list; see :class:`GraphAttention`."""
     return GraphAttention(d_model, **kwargs)
+
+
+def _is_networkx(obj) -> bool:
+    return type(obj).__module__.startswith("networkx")
+
+
+def edge_index_from_networkx(graph, n: int, device=None) -> torch.Tensor:
+    """``(2, E)`` edge_index of a networkx graph on nodes 0..n−1: row 0 parents j, row 1
+    children i (i attends to j along j → i); an undirected edge is both ways, self-loops kept."""
+    nodes = set(graph.nodes)
+    if not nodes <= set(range(n)):
+        bad = sorted(nodes - set(range(n)), key=str)[:3]
+        raise ValueError(f"GraphAttention: a networkx adjacency must have nodes 0..{n - 1} (the "
+                         f"token positions); got nodes such as {bad}")
+    pairs = set()
+    for u, v in graph.edges():
+        pairs.add((u, v))
+        if not graph.is_directed():
+            pairs.add((v, u))
+    if not pairs:
+        return torch.zeros(2, 0, dtype=torch.long, device=device)
+    return torch.tensor(sorted(pairs), dtype=torch.long, device=device).T.contiguous()

@@ -16,6 +16,7 @@ from .compiler import CompiledModule as CompiledModule
 from .compiler import compile as compile
 from .declaration import Declaration as Declaration
 from .drawing import RenderError as RenderError
+from .drawing import model_graph as model_graph
 from .drawing import render as render
 from .drawing import save as save
 from .drawing import to_networkx as to_networkx

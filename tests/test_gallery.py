@@ -10,7 +10,8 @@ RUN_IN_TESTS = {"plot_quickstart.py": ["--quick"], "plot_multihop.py": ["--quick
                 "plot_catalogue.py": ["--quick"], "plot_hopfield.py": ["--quick"],
                 "plot_slots.py": ["--quick"], "plot_predictive_coding.py": ["--quick"],
                 "plot_block_slots.py": ["--quick"], "plot_ground_truth.py": ["--quick"],
-                "plot_expfamily_dynamics.py": ["--quick"], "plot_expanding.py": ["--quick"]}
+                "plot_expfamily_dynamics.py": ["--quick"], "plot_expanding.py": ["--quick"],
+                "plot_structures.py": ["--quick"]}
 
 
 def _load(path):

@@ -4,4 +4,5 @@ from .graphviz import RenderError as RenderError
 from .graphviz import graph_to_dot as graph_to_dot
 from .graphviz import render as render
 from .graphviz import save as save
+from .model import model_graph as model_graph
 from .networkx import to_networkx as to_networkx

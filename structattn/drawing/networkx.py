@@ -19,8 +19,8 @@ def node_id(node_set: str, index: int) -> str:
     return f"{node_set}[{index}]"
 
 
-def to_networkx(model, *inputs, batch_index: int = 0, max_nodes: int | None = None
-                ) -> nx.MultiDiGraph:
+def to_networkx(model, *inputs, batch_index: int = 0, max_nodes: int | None = None,
+                top_k: int | None = None, threshold: float = 0.0) -> nx.MultiDiGraph:
     """The edge structure of ``model`` as an ``nx.MultiDiGraph`` (a ``DiGraph`` subclass).
 
     Nodes are ``"name[i]"`` for each node of each node set (attributes
@@ -33,7 +33,17 @@ def to_networkx(model, *inputs, batch_index: int = 0, max_nodes: int | None = No
     Batched inputs: element ``batch_index`` of the flattened batch is drawn. ``max_nodes``
     (optional): refuse families whose two rows (parents and children) hold more nodes,
     before any O(C·P) work.
+
+    Large graphs: ``top_k`` keeps each child's k heaviest edges per head and ``threshold``
+    drops edges lighter than it (weights: the posterior when inferred, else the prior), so
+    only those become networkx edges (O(C·k), not O(C·P)). Inferred graphs mark each child's
+    most probable parent per head with ``map=True`` (the MAP edge).
     """
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int)
+                              or top_k < 1):
+        raise ValueError(f"top_k must be a positive int or None; got {top_k!r}")
+    if not 0.0 <= threshold <= 1.0:
+        raise ValueError(f"threshold must be a probability in [0, 1]; got {threshold!r}")
     decl = as_declaration(model)
     inputs, inferred = _inputs_or_examples(decl, inputs)
     structure = trace_structure(decl.model, *inputs)
@@ -50,7 +60,7 @@ def to_networkx(model, *inputs, batch_index: int = 0, max_nodes: int | None = No
             raise ValueError(
                 f"family {name!r} has {drawn} nodes to draw ({fam.parents.size} parents + "
                 f"{fam.children.size} children), more than max_nodes={max_nodes}; draw fewer "
-                f"nodes or raise max_nodes"
+                f"nodes, prune edges (top_k=…, threshold=…) or raise max_nodes"
             )
     G = nx.MultiDiGraph(inferred=inferred, model=type(decl).__name__, families={})
     for ns in structure.node_sets.values():
@@ -66,11 +76,21 @@ def to_networkx(model, *inputs, batch_index: int = 0, max_nodes: int | None = No
         with torch.no_grad():
             prior = _select(structure.log_prior(name).exp(), batch_index)  # (H, C, P)
             post = _select(structure.posterior(name), batch_index) if inferred else None
-        for h, i, j in prior.nonzero().tolist():
+        weight = post if post is not None else prior  # (H, C, P)
+        keep = prior > 0  # the support
+        if threshold > 0:
+            keep &= weight >= threshold
+        if top_k is not None and top_k < weight.shape[-1]:
+            top = torch.zeros_like(keep)
+            top.scatter_(-1, weight.masked_fill(~keep, -1.0).topk(top_k, -1).indices, True)
+            keep &= top
+        best = weight.masked_fill(prior <= 0, -1.0).argmax(-1)  # (H, C): the MAP parent
+        for h, i, j in keep.nonzero().tolist():
             attrs = {"family": name, "head": h, "support": True,
                      "prior": float(prior[h, i, j])}
             if post is not None:
                 attrs["posterior"] = float(post[h, i, j])
+                attrs["map"] = bool(best[h, i] == j)
             G.add_edge(node_id(fam.parents.name, j), node_id(fam.children.name, i),
                        key=f"{name}/{h}", **attrs)
     return G

@@ -186,13 +186,23 @@ class BetaGeometric(Prior):
         table = self.log_pmf(d.clamp(min=1), device, dtype)
         return table.masked_fill(d == 0, float("-inf")).to(dtype)
 
+    def hyper_prior(self) -> str:
+        """The hyper-prior, as drawn in plate notation."""
+        def show(v):
+            return f"{v:g}" if isinstance(v, float) else "a" if v is self.a else "b"
+        return f"q_i ~ Beta({show(self.a)}, {show(self.b)})\np(φ_i = d | q_i) = (1 − q_i) q_i^(d−1)"
+
     def short_support(self) -> str:
         w = "" if self.tol is None and self.max_window is None else ", windowed"
         return f"1 ≤ i − j{w}"
 
     def describe(self) -> str:
         def show(v):
-            return f"{v:g}" if isinstance(v, float) else f"tensor{tuple(v.shape)}"
+            if isinstance(v, float):
+                return f"{v:g}"
+            vals = v.detach().reshape(-1).tolist()
+            return ("(" + ", ".join(f"{x:.3g}" for x in vals) + ")" if len(vals) <= 4
+                    else f"tensor{tuple(v.shape)}")
         extra = "" if self.inference == "exact" else (
             f", mean-field {self.expectation}/{self.update}")
         return f"BetaGeometric(a={show(self.a)}, b={show(self.b)}{extra}, {self.short_support()})"

@@ -20,7 +20,7 @@ class Structure:
     node_sets: dict[str, NodeSet]
     families: dict[str, EdgeFamily]
     output: object
-
+    energies: dict = None  # name → structattn.energy term
     @property
     def latents(self) -> dict:
         """The latent node sets (``structattn.latent``) by name, in declaration order."""
@@ -107,4 +107,4 @@ def trace_structure(program, *inputs, latent_values: dict | None = None, **kwarg
     node sets at their initial state, or at ``latent_values``)."""
     with torch.no_grad(), TraceStructure(latent_values) as reader:
         out = program(*inputs, **kwargs)
-    return Structure(reader.node_sets, reader.families, out)
+    return Structure(reader.node_sets, reader.families, out, dict(reader.energies))
