@@ -127,6 +127,13 @@ def train(model, problem, args, Xt, yt):
     return curve
 
 
+def save(fig, path):
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def forward_time(fn, X, repeats=7):
     with torch.no_grad():
         fn(X)
@@ -218,11 +225,7 @@ def main(argv=None):
             if c == 0:
                 ax.set_ylabel("test MSE (last token)", fontsize=8)
     axes[0, 0].legend(fontsize=7)
-    fig.tight_layout()
-    path = os.path.join(args.out, "expanding_learning_curves.png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    written.append(path)
+    written.append(save(fig, os.path.join(args.out, "expanding_learning_curves.png")))
 
     # windows over the mean-field iterations (the largest D)
     d = ds[-1]
@@ -242,11 +245,7 @@ def main(argv=None):
         ax.set_xlabel("mean-field iteration", fontsize=8)
         if c == 0:
             ax.set_ylabel("query's window (dotted: true distance)", fontsize=8)
-    fig.tight_layout()
-    path = os.path.join(args.out, "expanding_windows.png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    written.append(path)
+    written.append(save(fig, os.path.join(args.out, "expanding_windows.png")))
 
     # relative cost
     fig, axes = plt.subplots(1, len(ds), figsize=(4.2 * len(ds), 3.0), squeeze=False)
@@ -269,11 +268,7 @@ def main(argv=None):
         ax.set_xlabel("p", fontsize=8)
         ax.set_title(f"cost relative to full attention, D = {d}", fontsize=9)
     axes[0, 0].legend(fontsize=7)
-    fig.tight_layout()
-    path = os.path.join(args.out, "expanding_cost.png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    written.append(path)
+    written.append(save(fig, os.path.join(args.out, "expanding_cost.png")))
 
     path = os.path.join(args.out, "expanding_table.csv")
     keys = sorted({k for r in rows for k in r})

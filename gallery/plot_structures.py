@@ -46,6 +46,13 @@ def draw_model(name, out):
     return written
 
 
+def save(fig, path, dpi):
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return path
+
+
 def sheet(names, out):
     fig, axes = plt.subplots(len(names), 2, figsize=(16, 4.2 * len(names)), squeeze=False)
     for r, name in enumerate(names):
@@ -55,11 +62,7 @@ def sheet(names, out):
             ax.set_title(f"{name}: {'declaration (plates)' if c == 0 else 'inferred adjacency'}",
                          fontsize=11)
             ax.axis("off")
-    fig.tight_layout()
-    path = os.path.join(out, "structures_sheet.png")
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
-    return path
+    return save(fig, os.path.join(out, "structures_sheet.png"), dpi=80)
 
 
 def dynamics(out, quick):
@@ -126,11 +129,7 @@ def dynamics(out, quick):
         ax.set_title(f"multihop: {label}", fontsize=10)
         ax.set_xlabel("parent j")
         ax.set_ylabel("child i")
-    fig.tight_layout()
-    path = os.path.join(out, "structures_dynamics.png")
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
+    return save(fig, os.path.join(out, "structures_dynamics.png"), dpi=90)
 
 
 def main(argv=None):
