@@ -31,7 +31,9 @@ class ExpandingAttention(TokenAttention):
     options: ``tol`` (tail mass left outside a window, default 0.05), ``max_window``,
     ``max_iters``, ``expectation`` ("digamma" | "plug_in"), ``update`` ("conjugate" |
     "accumulate", the authors' code), ``grad`` ("unroll" | "last": one step from the
-    detached fixed point, O(N·W) memory for long sequences).
+    detached fixed point, O(N·W) memory for long sequences), ``window_rule``
+    ("predictive" | "edge": double a window while the evidence puts > tol on its outer half)
+    and ``initial_window``.
 
     x: ``(*batch, n, d_model)`` → ``(*batch, n, d_model)``. ``return_trace=True`` (mean-field)
     gives the ``WindowTrace``: windows, Beta parameters, iterations.
@@ -43,8 +45,8 @@ class ExpandingAttention(TokenAttention):
 
     def __init__(self, d_model, *, heads=1, a=1.0, b=1.0, learn_prior=True,
                  variant="mean_field", max_iters=50, tol=None, max_window=None,
-                 expectation="digamma", update="conjugate", grad="unroll", block_size=32,
-                 **kwargs):
+                 expectation="digamma", update="conjugate", grad="unroll",
+                 window_rule="predictive", initial_window=None, block_size=32, **kwargs):
         super().__init__(d_model, heads=heads, causal=True, **kwargs)
         if variant not in INFERENCES:
             raise ValueError(f"ExpandingAttention: variant must be one of {INFERENCES}; "
@@ -60,6 +62,7 @@ class ExpandingAttention(TokenAttention):
         # checked now (the prior is rebuilt each forward from the current a, b)
         self._options = dict(tol=tol, max_window=max_window, max_iters=max_iters,
                              expectation=expectation, update=update, grad=grad,
+                             window_rule=window_rule, initial_window=initial_window,
                              block_size=block_size)
         self.prior()
 

@@ -14,7 +14,11 @@ Two support kinds, registered with ``lowering.register_support_kind``:
     3. α_i ← a + E_{p_t}[φ_i] − 1, β_i ← b + 1 (conjugate; or accumulate: α_i ← α_i +
        E[φ_i] − 1, β_i ← β_i + 1, the authors' code);
     4. W_i ← max(W_i, smallest W with predictive tail P(φ_i > W) < tol), capped by i and
-       ``max_window``: a window grows only while the posterior predicts mass beyond it.
+       ``max_window``: a window grows only while the posterior predicts mass beyond it
+       (``window_rule="predictive"``); or ``window_rule="edge"``: W_i ← 2 W_i while the
+       evidence (softmax of ψ over the window, the prior left out) puts more than tol on the
+       window's outer half, d > W_i/2 — a token keeps looking further back until its best
+       match sits confidently in the inner half.
 
   The scores are computed once per band width (the band widens by doubling), each
   iteration costs O(N·W) (no feature dimension), the value read O(N·W·d_v): the cost
@@ -227,6 +231,15 @@ class _Band:
         p = torch.softmax(logits, -1)
         return p, self.offset - p @ self.slot
 
+    def outer_evidence(self, rows, win):
+        """The evidence alone — softmax of ψ over 1 ≤ d ≤ W_i, the prior left out — on the
+        window's outer half d > W_i/2, ``(k, B)``: whether the scores still point further
+        back than the window's middle."""
+        beyond = self.dist > win.clamp(min=1)[..., None].to(self.dist.dtype)
+        scores = self.scores if rows is None else self.scores[rows]
+        lik = torch.softmax(scores.masked_fill(beyond, float("-inf")), -1)
+        return (lik * (self.dist > (win // 2)[..., None].to(self.dist.dtype))).sum(-1)
+
 
 @torch.compiler.disable
 def mean_field(family):
@@ -282,6 +295,8 @@ def mean_field(family):
         prior_alpha = a0[:, None].expand(*lead, n)
         win0 = torch.minimum(quantile(prior_alpha, b0[:, None].expand(*lead, n), prior.tol,
                                       cap), caps)
+        if prior.initial_window is not None:
+            win0 = torch.full_like(win0, prior.initial_window).clamp(max=cap).minimum(caps)
     # built with the graph when one is wanted at all: "last" reuses it for its one step
     current = _Band(a, b, scale, n, int(win0.max()) if win0.numel() else 1, prior.block_size,
                     work)
@@ -325,7 +340,15 @@ def mean_field(family):
             else:
                 new_alpha, new_beta = alpha[rows] + m - 1, beta[rows] + 1
             with torch.no_grad():
-                new_win = grown(win[rows], new_alpha, new_beta, caps_b[rows])
+                if prior.window_rule == "edge":  # double while the evidence leans outward
+                    w = win[rows]
+                    outer = current.outer_evidence(None if rows.numel() == busy.numel()
+                                                   else rows, w)
+                    new_win = torch.where((outer > prior.tol) & (w < caps_b[rows]),
+                                          torch.minimum(2 * w, caps_b[rows]), w)
+                    new_win = w if bool((new_win == w).all()) else new_win
+                else:
+                    new_win = grown(win[rows], new_alpha, new_beta, caps_b[rows])
                 mp = m_prev[rows]
                 settled = ((m - mp).abs() <= prior.converge_tol * m.abs().clamp(min=1)) \
                     & (new_win == win[rows])  # NaN m_prev: never settled at the first step

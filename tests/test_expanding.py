@@ -159,7 +159,8 @@ def _lbeta(x, y):
 
 
 def brute_mean_field(s, a, b, *, tol=0.05, max_window=None, max_iters=50, converge_tol=1e-3,
-                     expectation="digamma", update="conjugate"):
+                     expectation="digamma", update="conjugate", window_rule="predictive",
+                     initial_window=None):
     """One head, one sequence, child by child (each has its own q_i, so each iterates alone
     until |ΔE[φ_i]| ≤ converge_tol·max(1, E[φ_i]) with its window no longer growing):
     scores ``s`` (N, N) → (posterior (N, N), final windows, iterations per child)."""
@@ -181,7 +182,8 @@ def brute_mean_field(s, a, b, *, tol=0.05, max_window=None, max_iters=50, conver
 
     P, windows, iterations = np.zeros((N, N)), [0] * N, [0] * N
     for i in range(1, N):
-        alpha, beta, win, m_prev = a, b, min(quantile(a, b), i), None
+        start = quantile(a, b) if initial_window is None else min(initial_window, cap)
+        alpha, beta, win, m_prev = a, b, min(start, i), None
         for t in range(max_iters):
             ds = np.arange(1, win + 1)
             logits = np.array([float(s[i, i - d]) for d in ds]) + (ds - 1) * log_q(alpha, beta)
@@ -195,7 +197,13 @@ def brute_mean_field(s, a, b, *, tol=0.05, max_window=None, max_iters=50, conver
                 new_alpha, new_beta = a + m - 1, b + 1
             else:
                 new_alpha, new_beta = alpha + m - 1, beta + 1
-            new_win = max(win, min(quantile(new_alpha, new_beta), i))
+            if window_rule == "edge":  # double while the evidence's outer half holds > tol
+                lik = np.array([float(s[i, i - d]) for d in ds])
+                lik = np.exp(lik - lik.max())
+                outer = float((lik / lik.sum())[ds > win // 2].sum())
+                new_win = min(2 * win, i, cap) if outer > tol and win < min(i, cap) else win
+            else:
+                new_win = max(win, min(quantile(new_alpha, new_beta), i))
             if m_prev is not None and abs(m - m_prev) <= converge_tol * max(1.0, abs(m)) \
                     and new_win == win:
                 break
@@ -203,24 +211,28 @@ def brute_mean_field(s, a, b, *, tol=0.05, max_window=None, max_iters=50, conver
     return torch.tensor(P), windows, iterations
 
 
-@pytest.mark.parametrize("expectation,update", [("digamma", "conjugate"), ("plug_in", "conjugate"),
-                                                ("digamma", "accumulate")])
+@pytest.mark.parametrize("expectation,update,rule", [
+    ("digamma", "conjugate", "predictive"), ("plug_in", "conjugate", "predictive"),
+    ("digamma", "accumulate", "predictive"), ("digamma", "conjugate", "edge")])
 @pytest.mark.parametrize("n,block", [(9, 4), (23, 64), (40, 8)])
-def test_mean_field_fixed_point_equals_the_brute_force(n, block, expectation, update):
+def test_mean_field_fixed_point_equals_the_brute_force(n, block, expectation, update, rule):
     g = torch.Generator().manual_seed(n)
     heads, d = 2, 4
     x = torch.randn(2, n, d, generator=g, dtype=f64)
     W = torch.randn(d, d, generator=g, dtype=f64) * 1.5
     a, b = torch.tensor([0.7, 2.0], dtype=f64), torch.tensor([1.3, 0.9], dtype=f64)
+    start = 2 if rule == "edge" else None
     prior = sa.priors.BetaGeometric(a, b, inference="mean_field", tol=0.1, block_size=block,
-                                    expectation=expectation, update=update)
+                                    expectation=expectation, update=update, window_rule=rule,
+                                    initial_window=start)
     y, post, trace = sa.compile(program)(x, W, prior, heads, return_posterior=True,
                                          return_trace=True)
     s = scores_of(x, W, heads)
     for bi in range(2):
         for h in range(heads):
             want, win, its = brute_mean_field(s[bi, h], float(a[h]), float(b[h]), tol=0.1,
-                                              expectation=expectation, update=update)
+                                              expectation=expectation, update=update,
+                                              window_rule=rule, initial_window=start)
             torch.testing.assert_close(post[bi, h], want, atol=1e-10, rtol=0)
             assert trace.windows[-1][bi, h].tolist() == win
             assert trace.child_iterations[bi, h].tolist() == its
@@ -325,6 +337,9 @@ def test_learned_prior_moves_towards_the_data():
     (dict(inference="variational"), "inference must be one of"),
     (dict(expectation="mode"), "expectation must be one of"),
     (dict(update="sum"), "update must be one of"),
+    (dict(window_rule="tail"), "window_rule must be one of"),
+    (dict(initial_window=0), "initial_window must be an int ≥ 1"),
+    (dict(grad="implicit"), "grad must be one of"),
 ])
 def test_bad_prior_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -401,3 +416,35 @@ def test_flex_attention_path_on_cuda_matches_the_banded_cpu_path():
     y_cpu = sa.compile(m)(x)
     y_gpu = sa.compile(m.cuda())(x.cuda())
     torch.testing.assert_close(y_gpu.cpu(), y_cpu, atol=2e-3, rtol=2e-3)
+
+
+def test_edge_rule_looks_further_back_until_it_finds_the_parent():
+    """From a window of 2, the edge rule doubles each token's window while the evidence leans
+    on its outer half: tokens whose parent sits 5–40 steps back find it."""
+    torch.manual_seed(8)
+    n, d = 300, 128
+    keys = torch.nn.functional.normalize(torch.randn(n, d, dtype=f64), dim=-1)
+    back = torch.randint(5, 41, (n,))
+    target = (torch.arange(n) - back).clamp(min=0)
+    x = torch.cat([keys, keys[target]], -1)[None]
+    Wq = torch.cat([torch.zeros(d, d), torch.eye(d)], 1).double() * 12.0
+    Wk = torch.cat([torch.eye(d), torch.zeros(d, d)], 1).double()
+
+    def prog(x):
+        t = sa.nodes("x", x)
+        prior = sa.priors.BetaGeometric(8.0, 1.0, inference="mean_field", window_rule="edge",
+                                        initial_window=2, tol=0.05)
+        phi = sa.edges("attn", t, t, prior)
+        sa.potential(phi, sa.potentials.Bilinear(Wq, Wk, temperature=1.0))
+        return sa.value(phi, sa.values.Identity())
+
+    _, post, trace = sa.compile(prog)(x, return_posterior=True, return_trace=True)
+    i = torch.arange(41, n)
+    w = trace.windows[-1, 0, 0]
+    found = w[i] >= back[i]
+    # a small window can look decisive by chance (two distractors far apart in score): those
+    # tokens stop early; the rest find their parent with a window under four times its distance
+    assert float(found.double().mean()) > 0.8, float(found.double().mean())
+    assert bool((w[i][found] <= 4 * back[i][found]).all())
+    assert float(post[0, 0, i[found], target[i[found]]].min()) > 0.9
+    assert trace.converged

@@ -21,7 +21,11 @@ Two ways to marginalise the same prior, chosen by ``inference``:
   posterior needs them (``structattn.windows``): options ``expectation`` ("digamma" |
   "plug_in"), ``update`` ("conjugate" | "accumulate"), ``max_iters``, ``converge_tol`` (on
   the relative change of every E[φ_i]), ``grad`` ("unroll" | "last": back-propagate through
-  every iteration, or one step from the detached fixed point).
+  every iteration, or one step from the detached fixed point), ``window_rule``
+  ("predictive": grow while the posterior predictive's tail beyond the window is ≥ tol;
+  "edge": double while the evidence alone — softmax of ψ over the window — puts more than
+  tol on its outer half) and
+  ``initial_window`` (default: the prior's tail quantile at tol).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ EXPECTATIONS = ("digamma", "plug_in")
 UPDATES = ("conjugate", "accumulate")
 INFERENCES = ("exact", "mean_field")
 GRADS = ("unroll", "last")
+WINDOW_RULES = ("predictive", "edge")
 
 
 def _positive(name, value):
@@ -80,7 +85,8 @@ class BetaGeometric(Prior):
     def __init__(self, a=1.0, b=1.0, *, tol: float | None = None, max_window: int | None = None,
                  inference: str = "exact", expectation: str = "digamma",
                  update: str = "conjugate", max_iters: int = 50, converge_tol: float = 1e-3,
-                 grad: str = "unroll", block_size: int = 32):
+                 grad: str = "unroll", window_rule: str = "predictive",
+                 initial_window: int | None = None, block_size: int = 32):
         self.a, self.b = _positive("a", a), _positive("b", b)
         if inference not in INFERENCES:
             raise ValueError(f"BetaGeometric prior: inference must be one of {INFERENCES}; "
@@ -98,11 +104,14 @@ class BetaGeometric(Prior):
             raise ValueError(f"BetaGeometric prior: tol (the tail mass left outside a window) "
                              f"must be in (0, 1); got {tol!r}")
         for name, val, low in (("max_window", max_window, 1), ("max_iters", max_iters, 1),
-                               ("block_size", block_size, 1)):
+                               ("block_size", block_size, 1), ("initial_window", initial_window, 1)):
             if val is not None and (isinstance(val, bool) or not isinstance(val, int)
                                     or val < low):
                 raise ValueError(f"BetaGeometric prior: {name} must be an int ≥ {low}; "
                                  f"got {val!r}")
+        if window_rule not in WINDOW_RULES:
+            raise ValueError(f"BetaGeometric prior: window_rule must be one of {WINDOW_RULES}; "
+                             f"got {window_rule!r}")
         if grad not in GRADS:
             raise ValueError(f"BetaGeometric prior: grad must be one of {GRADS}; got {grad!r}")
         if not converge_tol > 0:
@@ -110,7 +119,7 @@ class BetaGeometric(Prior):
         self.tol, self.max_window = tol, max_window
         self.inference, self.expectation, self.update = inference, expectation, update
         self.max_iters, self.converge_tol, self.block_size = max_iters, converge_tol, block_size
-        self.grad = grad
+        self.grad, self.window_rule, self.initial_window = grad, window_rule, initial_window
 
     # -- the prior's parameters, per head ---------------------------------------------------
     def params(self, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
