@@ -117,7 +117,8 @@ class BlockSlotAttention(SlotAttention):
         return C.expand(*batch_shape, *C.shape)
 
     def _bind(self, slots, batch_shape, gaussian):
-        memory = sa.nodes("memory", self.memory(batch_shape), features=self.dim)
+        memory = sa.nodes("memory", self.memory(batch_shape), features=self.dim,
+                          memory=True)
         omega = sa.edges("bind", slots, memory, sa.priors.Uniform(), heads=self.num_blocks)
         psi = (sa.potentials.SquaredDistance(temperature=self.memory_temperature,
                                              heads=self.num_blocks) if gaussian else

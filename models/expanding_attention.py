@@ -76,6 +76,14 @@ class ExpandingAttention(TokenAttention):
         """Beta parameter b per head ``(heads,)``."""
         return F.softplus(self.raw_prior[1])
 
+    def expected_distance(self, n: int) -> torch.Tensor:
+        """The prior's mean look-back capped at n, E[min(φ, n)] = Σ_{d<n} P(φ > d), per head
+        ``(heads,)``: differentiable in a and b — a cost a loss can penalise (as Adaptive
+        Span penalises its span) so that the learned prior does not widen for free."""
+        return self.prior().log_tail(torch.arange(n, device=self.raw_prior.device)[:, None],
+                                     self.raw_prior.device,
+                                     self.raw_prior.dtype).exp().sum(0)
+
     def prior(self) -> BetaGeometric:
         return BetaGeometric(self.a, self.b, inference=self.variant, **self._options)
 

@@ -78,7 +78,7 @@ class Hopfield(sa.Declaration):
                 nn.init.xavier_uniform_(p)
 
     def model(self, queries, keys):
-        stored = sa.nodes("stored", keys, features=self.d_key)
+        stored = sa.nodes("stored", keys, features=self.d_key, memory=True)
         sa.nodes("queries", queries, features=self.d_query)  # the observed cue r
         init = queries if self.W_q is None else queries @ self.W_q.T
         state = sa.latent("state", init, scale=self.beta ** -0.5, steps=self.update_steps,

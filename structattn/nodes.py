@@ -25,6 +25,8 @@ class NodeSet:
     states: torch.Tensor
     observed: bool = True
     _plates: list | None = field(default=None, repr=False)
+    #: a memory (stored patterns, prototypes): observed states that are parameters, not data
+    memory: bool = False
 
     def plates(self, event_dims: int = 0) -> list:
         """Pyro plates over ``(*batch, nodes)``, created once per node set so that every
@@ -96,12 +98,17 @@ def _nodes(name, states, features=None, observed=True):
     return _make_node_set(name, states, features, observed)
 
 
-def nodes(name: str, states: torch.Tensor, *, features: int | None = None) -> NodeSet:
+def nodes(name: str, states: torch.Tensor, *, features: int | None = None,
+          memory: bool = False) -> NodeSet:
     """Declare an observed node set ``name`` with states ``(*batch, n, features)``.
 
     ``features`` (optional) is the expected size of the last dimension; a
-    mismatch is a ``ValueError`` naming the node set.
+    mismatch is a ``ValueError`` naming the node set. ``memory=True`` marks stored patterns
+    or prototypes (observed, but parameters rather than data): the drawings show them apart.
     """
     if direct_readers():  # a compiled module: no Pyro message needed
-        return _make_node_set(name, states, features, True)
-    return _nodes(name, states, features, True, name=name)
+        ns = _make_node_set(name, states, features, True)
+    else:
+        ns = _nodes(name, states, features, True, name=name)
+    ns.memory = bool(memory)
+    return ns

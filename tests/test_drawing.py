@@ -103,7 +103,12 @@ def test_latent_nodes_are_drawn_open_observed_shaded():
     latent = {n for n, d in G.nodes(data=True) if not d["observed"]}
     assert latent == {f"state[{i}]" for i in range(3)}
     src = sa.render(m, *m.example_inputs(n=3)).source
-    assert "dashed" in src and "latent nodes" in src and "#d9d9d9" in src
+    assert "dashed" in src and "latent nodes" in src
+    # the stored patterns are a memory: boxes, apart from observed data
+    assert {d["memory"] for n, d in G.nodes(data=True) if n.startswith("stored")} == {True}
+    assert "shape=box" in src and "memories" in src
+    assert G.graph["steps"] == {"state": 2}
+    assert {d["step"] for *_, d in G.edges(data=True)} == {2}
     plain = sa.render(sa.models.self_attention(4, heads=1)).source
     assert "dashed" not in plain and "latent nodes" not in plain
 

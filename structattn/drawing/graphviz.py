@@ -108,6 +108,8 @@ def graph_to_dot(G: nx.MultiDiGraph, *, heads=None, threshold: float = 0.0,
                 style = {"style": "filled" if observed else "filled,dashed",
                          "fillcolor": "#d9d9d9" if observed else "#ffffff",
                          "penwidth": "1.0" if observed else "1.6"}
+                if G.nodes[n].get("memory"):  # stored patterns / prototypes: boxes
+                    style.update(shape="box", style="filled,rounded", fillcolor="#fff2cc")
                 if big:  # clockwise from the top; parents outside, children inside
                     r = radius if (same or role == "parents") else 0.8 * radius
                     angle = math.pi / 2 - 2 * math.pi * i / count
@@ -147,6 +149,11 @@ def graph_to_dot(G: nx.MultiDiGraph, *, heads=None, threshold: float = 0.0,
                      "p(φ_i = j | x)")
     if not all(d.get("observed", True) for _, d in G.nodes(data=True)):
         title.append("shaded: observed nodes · open, dashed: latent nodes (inferred states)")
+    if any(d.get("memory") for _, d in G.nodes(data=True)):
+        title.append("yellow boxes: memories (stored patterns, prototypes)")
+    if G.graph.get("steps"):
+        title.append("latent states drawn after " + ", ".join(
+            f"{k}: {v} steps" for k, v in G.graph["steps"].items()))
     dot.attr(label=graphviz.escape("\n".join(title)))
     return dot
 

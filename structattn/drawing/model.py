@@ -33,7 +33,8 @@ def _esc(text: str) -> str:
 def _node_label(ns) -> str:
     d = ns.states.shape[-1]
     if ns.observed:
-        return f"{ns.name}_i\nobserved"
+        return f"{ns.name}_i\n" + ("memory (learned)" if getattr(ns, "memory", False)
+                                    else "observed")
     o = ns.options
     update = o.update if isinstance(o.update, str) else getattr(o.update, "__name__", "callable")
     prior = "flat" if ns.scale is None else "N(loc, scale²)"
@@ -61,7 +62,10 @@ def model_graph(model, *inputs, unrolled: bool = False) -> graphviz.Digraph:
                    color="#555555", fontsize="10", labeljust="r")
             style = ({"style": "filled", "fillcolor": "#d9d9d9"} if ns.observed
                      else {"style": "dashed", "penwidth": "1.6"})
-            c.node(f"ns{k}", _esc(_node_label(ns)), shape="ellipse", **style)
+            shape = "ellipse"
+            if getattr(ns, "memory", False):  # stored patterns / prototypes
+                style, shape = {"style": "filled,rounded", "fillcolor": "#fff2cc"}, "box"
+            c.node(f"ns{k}", _esc(_node_label(ns)), shape=shape, **style)
     for f_i, (name, fam) in enumerate(s.families.items()):
         colour = _COLOURS[f_i % len(_COLOURS)]
         pots = ", ".join(p.describe() for p in fam.potentials) or "none"

@@ -24,7 +24,7 @@ def to_networkx(model, *inputs, batch_index: int = 0, max_nodes: int | None = No
     """The edge structure of ``model`` as an ``nx.MultiDiGraph`` (a ``DiGraph`` subclass).
 
     Nodes are ``"name[i]"`` for each node of each node set (attributes
-    ``node_set``, ``index``, ``observed``). Each allowed edge x_j → x_i of each
+    ``node_set``, ``index``, ``observed``, ``memory``). Each allowed edge x_j → x_i of each
     family and head is an edge keyed ``"family/h"`` with attributes ``family``,
     ``head``, ``support`` (True), ``prior`` p(φ_i = j) and, when inputs are
     given, ``posterior`` p(φ_i = j | x) (for latent node sets, at the compiled reading's
@@ -37,7 +37,8 @@ def to_networkx(model, *inputs, batch_index: int = 0, max_nodes: int | None = No
     Large graphs: ``top_k`` keeps each child's k heaviest edges per head and ``threshold``
     drops edges lighter than it (weights: the posterior when inferred, else the prior), so
     only those become networkx edges (O(C·k), not O(C·P)). Inferred graphs mark each child's
-    most probable parent per head with ``map=True`` (the MAP edge).
+    most probable parent per head with ``map=True`` (the MAP edge); for models that iterate,
+    the graph's ``steps`` (per latent) and each edge's ``step`` say which iterate is drawn.
     """
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int)
                               or top_k < 1):
@@ -62,10 +63,15 @@ def to_networkx(model, *inputs, batch_index: int = 0, max_nodes: int | None = No
                 f"{fam.children.size} children), more than max_nodes={max_nodes}; draw fewer "
                 f"nodes, prune edges (top_k=…, threshold=…) or raise max_nodes"
             )
-    G = nx.MultiDiGraph(inferred=inferred, model=type(decl).__name__, families={})
+    steps = None
+    if inferred and structure.latents:
+        steps = {name: int(trace.steps) for name in structure.latents}
+    G = nx.MultiDiGraph(inferred=inferred, model=type(decl).__name__, families={},
+                        steps=steps)
     for ns in structure.node_sets.values():
         for i in range(ns.size):
-            G.add_node(node_id(ns.name, i), node_set=ns.name, index=i, observed=ns.observed)
+            G.add_node(node_id(ns.name, i), node_set=ns.name, index=i, observed=ns.observed,
+                       memory=getattr(ns, "memory", False))
     for name, fam in structure.families.items():
         G.graph["families"][name] = {
             "children": fam.children.name, "parents": fam.parents.name, "heads": fam.heads,
@@ -91,6 +97,8 @@ def to_networkx(model, *inputs, batch_index: int = 0, max_nodes: int | None = No
             if post is not None:
                 attrs["posterior"] = float(post[h, i, j])
                 attrs["map"] = bool(best[h, i] == j)
+                if steps:
+                    attrs["step"] = max(steps.values())  # drawn at the final iterate
             G.add_edge(node_id(fam.parents.name, j), node_id(fam.children.name, i),
                        key=f"{name}/{h}", **attrs)
     return G
