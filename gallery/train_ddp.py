@@ -36,6 +36,7 @@ world size and the loss curve).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -169,55 +170,64 @@ def main(argv=None):
 
     rank, world, device = setup()
     try:
-        if args.batch % world:
-            raise SystemExit(f"--batch {args.batch} is not divisible by the world size {world}")
-        torch.manual_seed(args.seed)  # the same initial weights everywhere (DDP broadcasts rank 0's)
-        net = TinyTransformer(args.vocab, args.seq_len, args.d_model, args.heads, args.layers,
-                              args.model).to(device)
-        ddp = DDP(net, device_ids=[device.index] if device.type == "cuda" else None)
-        opt = torch.optim.AdamW(ddp.parameters(), lr=args.lr, weight_decay=0.01)
-
-        data = TensorDataset(repeating_patterns(args.examples, args.vocab, args.period,
-                                                args.seq_len, args.seed))
-        sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True,
-                                     seed=args.seed, drop_last=True)
-        loader = DataLoader(data, batch_size=args.batch // world, sampler=sampler, drop_last=True)
-
-        if rank == 0:
-            print(f"world size {world} ({dist.get_backend()}, {device}), model {args.model}, "
-                  f"{sum(q.numel() for q in net.parameters())} parameters, "
-                  f"chance loss {math.log(args.vocab):.3f}", flush=True)
-        curve, step, epoch, start = [], 0, 0, time.perf_counter()
-        while step < args.steps:
-            sampler.set_epoch(epoch)  # a new disjoint split of a new shuffle each epoch
-            for (tokens,) in loader:
-                tokens = tokens.to(device)
-                loss = loss_fn(ddp(tokens), tokens, args.period)
-                opt.zero_grad(set_to_none=True)
-                loss.backward()  # DDP all-reduces (averages) the gradients here
-                opt.step()
-                step += 1
-                if step % args.print_every == 0 or step == args.steps or step == 1:
-                    mean = loss.detach().clone()
-                    dist.all_reduce(mean)  # every rank reaches this line on the same steps
-                    mean = mean.item() / world
-                    curve.append((step, mean))
-                    if rank == 0:
-                        print(f"step {step:5d}  loss {mean:.4f}", flush=True)
-                if step == args.steps:
-                    break
-            epoch += 1
-        if rank == 0:
-            seconds = time.perf_counter() - start
-            print(f"final loss {curve[-1][1]:.4f} after {step} steps ({seconds:.1f} s)", flush=True)
-            if args.out:
-                os.makedirs(args.out, exist_ok=True)
-                with open(os.path.join(args.out, "train_ddp_losses.json"), "w") as fh:
-                    json.dump({"args": vars(args), "world_size": world, "seconds": seconds,
-                               "losses": curve}, fh)
-        return curve
+        return train(args, rank, world, device)
     finally:
+        # the DDP reducer (a local of train) is gone before the group: a reducer that outlives
+        # destroy_process_group frees the gloo group itself, holding the GIL while joining
+        # gloo's threads, one of which may wait for the GIL — a deadlock at exit
+        gc.collect()
         dist.destroy_process_group()
+
+
+def train(args, rank, world, device):
+    """The training loop on this rank (its DDP reducer dies with it, before the group)."""
+    if args.batch % world:
+        raise SystemExit(f"--batch {args.batch} is not divisible by the world size {world}")
+    torch.manual_seed(args.seed)  # the same initial weights everywhere (DDP broadcasts rank 0's)
+    net = TinyTransformer(args.vocab, args.seq_len, args.d_model, args.heads, args.layers,
+                          args.model).to(device)
+    ddp = DDP(net, device_ids=[device.index] if device.type == "cuda" else None)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=args.lr, weight_decay=0.01)
+
+    data = TensorDataset(repeating_patterns(args.examples, args.vocab, args.period,
+                                            args.seq_len, args.seed))
+    sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True,
+                                 seed=args.seed, drop_last=True)
+    loader = DataLoader(data, batch_size=args.batch // world, sampler=sampler, drop_last=True)
+
+    if rank == 0:
+        print(f"world size {world} ({dist.get_backend()}, {device}), model {args.model}, "
+              f"{sum(q.numel() for q in net.parameters())} parameters, "
+              f"chance loss {math.log(args.vocab):.3f}", flush=True)
+    curve, step, epoch, start = [], 0, 0, time.perf_counter()
+    while step < args.steps:
+        sampler.set_epoch(epoch)  # a new disjoint split of a new shuffle each epoch
+        for (tokens,) in loader:
+            tokens = tokens.to(device)
+            loss = loss_fn(ddp(tokens), tokens, args.period)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()  # DDP all-reduces (averages) the gradients here
+            opt.step()
+            step += 1
+            if step % args.print_every == 0 or step == args.steps or step == 1:
+                mean = loss.detach().clone()
+                dist.all_reduce(mean)  # every rank reaches this line on the same steps
+                mean = mean.item() / world
+                curve.append((step, mean))
+                if rank == 0:
+                    print(f"step {step:5d}  loss {mean:.4f}", flush=True)
+            if step == args.steps:
+                break
+        epoch += 1
+    if rank == 0:
+        seconds = time.perf_counter() - start
+        print(f"final loss {curve[-1][1]:.4f} after {step} steps ({seconds:.1f} s)", flush=True)
+        if args.out:
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, "train_ddp_losses.json"), "w") as fh:
+                json.dump({"args": vars(args), "world_size": world, "seconds": seconds,
+                           "losses": curve}, fh)
+    return curve
 
 
 if __name__ == "__main__":

@@ -61,18 +61,24 @@ def _grad_worker(rank, world, init_file, case_dir):
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    def one(name):  # its locals (the DDP reducer) die before the process group
+        case = torch.load(pathlib.Path(case_dir) / f"{name}.pt", weights_only=True)
+        layer, _ = _make(name)
+        layer.load_state_dict(case["state"])
+        ddp = DDP(layer)
+        half = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
+        out = ddp(*(t[half] for t in case["inputs"]))
+        _loss(out, case["target"][half]).backward()  # DDP averages the gradients over ranks
+        grads = {k: p.grad for k, p in layer.named_parameters()}
+        torch.save(grads, pathlib.Path(case_dir) / f"{name}.grads{rank}.pt")
+
     try:
         for name in CASES:
-            case = torch.load(pathlib.Path(case_dir) / f"{name}.pt", weights_only=True)
-            layer, _ = _make(name)
-            layer.load_state_dict(case["state"])
-            ddp = DDP(layer)
-            half = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
-            out = ddp(*(t[half] for t in case["inputs"]))
-            _loss(out, case["target"][half]).backward()  # DDP averages the gradients over ranks
-            grads = {k: p.grad for k, p in layer.named_parameters()}
-            torch.save(grads, pathlib.Path(case_dir) / f"{name}.grads{rank}.pt")
+            one(name)
     finally:
+        import gc
+
+        gc.collect()  # see tests/test_iterative.py, release_process_group
         dist.destroy_process_group()
 
 

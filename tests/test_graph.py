@@ -118,8 +118,9 @@ def test_large_sparse_graph_never_builds_n_by_n():
 def test_graph_bad_input():
     m = sa.models.graph_attention(4, d_k=2)
     x = torch.randn(1, 5, 4)
-    with pytest.raises(ValueError, match=r"adjacency must be a boolean \(n, n\) mask or an int64 "
-                                         r"edge_index \(2, E\); got torch.float32"):
+    with pytest.raises(ValueError, match=r"adjacency must be a boolean \(n, n\) mask, an int64 "
+                                         r"edge_index \(2, E\) or a networkx graph on nodes "
+                                         r"0..n−1; got torch.float32"):
         sa.compile(m)(x, torch.ones(5, 5))
     with pytest.raises(ValueError, match=r"edge family 'attn': edge_index must have shape \(2, E\).*"
                                          r"got \(3, 4\)"):
