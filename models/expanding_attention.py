@@ -51,9 +51,16 @@ class ExpandingAttention(TokenAttention):
         if variant not in INFERENCES:
             raise ValueError(f"ExpandingAttention: variant must be one of {INFERENCES}; "
                              f"got {variant!r}")
-        a, b = float(_positive("a", a)), float(_positive("b", b))
         kw = {"device": kwargs.get("device"), "dtype": kwargs.get("dtype")}
-        raw = torch.tensor([[_softplus_inverse(a)] * heads, [_softplus_inverse(b)] * heads], **kw)
+        rows = []
+        for name, v in (("a", a), ("b", b)):  # a float, or one value per head
+            v = _positive(name, v)
+            vals = v.detach().reshape(-1).tolist() if isinstance(v, torch.Tensor) else [v]
+            if len(vals) not in (1, heads):
+                raise ValueError(f"ExpandingAttention: {name} must be a float or have one value "
+                                 f"per head ({heads}); got {len(vals)} values")
+            rows.append([_softplus_inverse(float(x)) for x in vals] * (heads // len(vals)))
+        raw = torch.tensor(rows, **kw)
         if learn_prior:
             self.raw_prior = nn.Parameter(raw)  # (2, heads): softplus⁻¹ of (a, b)
         else:

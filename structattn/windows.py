@@ -91,7 +91,9 @@ class WindowTrace:
 
     @property
     def mean_window(self) -> float:
-        """The final windows' mean over children that have a past."""
+        """The final windows' mean over children that have a past (0 when nothing iterated)."""
+        if self.windows.shape[0] == 0 or self.windows.numel() == 0:
+            return 0.0
         w = self.windows[-1].to(torch.float64)
         return float(w[..., 1:].mean()) if w.shape[-1] > 1 else 0.0
 
@@ -99,6 +101,8 @@ class WindowTrace:
         """The authors' counted-operations metric against full attention, averaged over
         children: mean_i W_i · (d + iterations_i + 1) / (N · d)."""
         n = self.windows.shape[-1]
+        if self.windows.shape[0] == 0 or self.windows.numel() == 0:
+            return 0.0
         w = self.windows[-1].to(torch.float64)
         its = (self.child_iterations if self.child_iterations is not None
                else torch.full_like(w, self.iterations)).to(torch.float64)
@@ -149,8 +153,12 @@ class ExactWindow(SupportKind):
             def log_prior(bi, h, i, d):
                 return table[h if H > 1 else 0, d.clamp(0, window)]
 
+            lead = a.shape[:-2]  # FlexAttention takes (B, H, N, d): fold the batch dims
+
             def attend(u):
-                return band.flex_attend(a, b, u, scale, log_prior, window) * keep
+                out = band.flex_attend(a.reshape(-1, *a.shape[-3:]), b.reshape(-1, *b.shape[-3:]),
+                                       u.reshape(-1, *u.shape[-3:]), scale, log_prior, window)
+                return out.reshape(*lead, *out.shape[-2:]) * keep
             return attend, None
         layout = band.BandLayout.for_window(n, window, prior.block_size)
         dist = layout.distance(a.device)  # (B, L)
@@ -304,7 +312,7 @@ def mean_field(family):
                     work)
     lay = current.layout
     real = blocked(torch.ones(*lead, n, dtype=torch.bool, device=a.device), lay)  # not padding
-    with torch.set_grad_enabled(track):
+    with torch.set_grad_enabled(track or one_step):
         # q_i ~ Beta(a, b) to begin; padding slots get Beta(1, 1) (finite digammas, no NaN in
         # the backward of the rows they never contribute to)
         one = torch.ones((), dtype=work, device=a.device)
@@ -318,6 +326,8 @@ def mean_field(family):
     m_all = torch.zeros_like(win, dtype=work)
     steps = torch.zeros_like(win)
     pieces = []  # (blocks, posterior rows zeroed but for the children whose last step it is)
+    in_place = not track and not one_step  # no graph at all: keep one buffer, not every step
+    p_final = None
     rec = {"windows": [], "alpha": [], "beta": [], "m": [], "band": []}
     with torch.set_grad_enabled(track):
         for t in range(prior.max_iters):
@@ -328,10 +338,13 @@ def mean_field(family):
             reach = int(win[rows].max())
             if reach > current.layout.reach:  # widen the band (doubling) and carry the state
                 old = current.layout
-                current = _Band(a, b, scale, n, max(reach, 2 * old.reach), prior.block_size,
-                                work)  # (without a graph under grad="last")
+                current = _Band(a, b, scale, n, max(reach, min(2 * old.reach, cap)),
+                                prior.block_size, work)  # (without a graph under grad="last")
                 if current.layout.block != old.block:
                     raise AssertionError("the band keeps its block size")
+                if p_final is not None:  # earlier slots of a wider band: farther parents
+                    p_final = torch.nn.functional.pad(p_final, (current.layout.width
+                                                                - old.width, 0))
             act = active[rows]  # (k, B)
             e_ln_q, _ = _log_q_expectations(alpha[rows], beta[rows], prior.expectation)
             # (k, B, L), (k, B); every block busy: no gather of the scores
@@ -356,7 +369,11 @@ def mean_field(family):
                     & (new_win == win[rows])  # NaN m_prev: never settled at the first step
                 moving = act & ~settled
                 ends = act & (~moving if t + 1 < prior.max_iters else act)  # their last step
-            if not one_step:  # (grad="last" recomputes every posterior in one step at the end)
+            if in_place:
+                if p_final is None:
+                    p_final = torch.zeros(current.scores.shape, dtype=work, device=a.device)
+                p_final[rows] = torch.where(ends[..., None], p, p_final[rows])
+            elif not one_step:  # (grad="last" recomputes every posterior in one step at the end)
                 pieces.append((rows, p * ends[..., None]))
             m_all = m_all.index_put((rows,), torch.where(act, m.detach(), m_all[rows]))
             steps = steps.index_put((rows,), steps[rows] + act)
@@ -365,9 +382,12 @@ def mean_field(family):
             rec["beta"].append(unblocked(beta.detach(), current.layout))
             rec["m"].append(unblocked(m_all, current.layout))
             rec["band"].append(current.layout.reach)
-            alpha = alpha.index_put((rows,), torch.where(moving, new_alpha, alpha[rows]))
-            beta = beta.index_put((rows,), torch.where(moving, new_beta, beta[rows]))
-            win = win.index_put((rows,), torch.where(moving, new_win, win[rows]))
+            # a child's state moves on unless this was its last step (settled, or max_iters):
+            # its Beta and window stay those of its final posterior
+            upd = moving & ~ends
+            alpha = alpha.index_put((rows,), torch.where(upd, new_alpha, alpha[rows]))
+            beta = beta.index_put((rows,), torch.where(upd, new_beta, beta[rows]))
+            win = win.index_put((rows,), torch.where(upd, new_win, win[rows]))
             m_prev = m_prev.index_put((rows,), torch.where(moving, m.detach(), mp))
             active = active.index_put((rows,), moving)
     converged = not bool(active.any())
@@ -375,7 +395,8 @@ def mean_field(family):
     # each child's posterior from its last step: one scatter-add of every step's rows (a
     # narrower band's rows padded on the left: their slots are the nearer parents)
     width = current.layout.width
-    p_final = torch.zeros(current.scores.shape, dtype=work, device=a.device)
+    if p_final is None:
+        p_final = torch.zeros(current.scores.shape, dtype=work, device=a.device)
     if pieces:
         p_final = p_final.index_add(0, torch.cat([r for r, _ in pieces]), torch.cat(
             [torch.nn.functional.pad(q, (width - q.shape[-1], 0)) for _, q in pieces]))
@@ -393,7 +414,7 @@ def mean_field(family):
     with torch.no_grad():
         discarded = unblocked(_tail(alpha, beta, blocked(final_win, current.layout),
                                     prior.expectation), current.layout)
-    empty = torch.zeros(0, *lead, n)
+    empty = torch.zeros(0, *lead, n, device=a.device, dtype=xc.dtype)
     trace = WindowTrace(
         windows=torch.stack(rec["windows"]) if rec["windows"] else empty.long(),
         alpha=torch.stack(rec["alpha"]) if rec["alpha"] else empty,

@@ -354,8 +354,15 @@ def test_bad_model_arguments_and_mismatches():
     with pytest.raises(ValueError, match="variant must be one of"):
         sa.models.expanding_attention(8, variant="approx")
     x, W = torch.randn(1, 5, 4), torch.randn(4, 4)
-    with pytest.raises(ValueError, match=r"a and b have 3 entries .* heads=2"):
+    with pytest.raises(ValueError, match=r"BetaGeometric a has 3 entries .* heads=2"):
         sa.compile(program)(x, W, sa.priors.BetaGeometric(torch.ones(3), 1.0), 2)
+    with pytest.raises(ValueError, match=r"BetaGeometric b has 2 entries .* heads=3"):
+        sa.compile(program)(torch.randn(1, 5, 6), torch.randn(6, 6),
+                            sa.priors.BetaGeometric(torch.ones(3), torch.ones(2)), 3)
+    with pytest.raises(ValueError, match=r"a must be a float or have one value per head \(2\)"):
+        sa.models.expanding_attention(4, heads=2, a=torch.tensor([1.0, 2.0, 3.0]))
+    m = sa.models.expanding_attention(4, heads=2, a=torch.tensor([1.0, 2.0]), b=3.0)
+    torch.testing.assert_close(m.a.detach(), torch.tensor([1.0, 2.0]))
 
     def cross(x, y):
         phi = sa.edges("attn", sa.nodes("x", x), sa.nodes("y", y), sa.priors.BetaGeometric())
@@ -448,3 +455,48 @@ def test_edge_rule_looks_further_back_until_it_finds_the_parent():
     assert bool((w[i][found] <= 4 * back[i][found]).all())
     assert float(post[0, 0, i[found], target[i[found]]].min()) > 0.9
     assert trace.converged
+
+
+def test_grad_last_trains_a_and_b_and_agrees_with_the_forward():
+    """grad="last": a and b get gradients; and a child stopped by max_iters keeps the Beta and
+    window of its final posterior, so the differentiable step reproduces the forward (also
+    when nothing converged)."""
+    torch.manual_seed(9)
+    x, W = torch.randn(2, 30, 4, dtype=f64), torch.randn(4, 4, dtype=f64) * 2
+    for max_iters in (1, 2, 50):
+        kw = dict(inference="mean_field", max_iters=max_iters, initial_window=2)
+        last = sa.priors.BetaGeometric(2.0, 0.7, grad="last", **kw)
+        unroll = sa.priors.BetaGeometric(2.0, 0.7, grad="unroll", **kw)
+        _, p_last = sa.compile(program)(x, W, last, return_posterior=True)
+        _, p_unroll = sa.compile(program)(x, W, unroll, return_posterior=True)
+        with torch.no_grad():
+            _, p_free = sa.compile(program)(x, W, last, return_posterior=True)
+        torch.testing.assert_close(p_last, p_unroll, atol=1e-12, rtol=0)
+        torch.testing.assert_close(p_free, p_unroll, atol=1e-12, rtol=0)
+    m = sa.models.expanding_attention(4, heads=2, variant="mean_field", grad="last", dtype=f64)
+    sa.compile(m)(torch.randn(2, 12, 4, dtype=f64)).sum().backward()
+    assert m.raw_prior.grad is not None and bool(torch.isfinite(m.raw_prior.grad).all())
+    assert bool((m.raw_prior.grad != 0).all())
+
+
+def test_mean_field_drawing_shows_the_inferred_posterior():
+    """The mean-field prior is the whole beta-geometric (its tol shapes inference, not the
+    model): the drawing keeps every edge the posterior reaches and marks its argmax."""
+    torch.manual_seed(10)
+    m = sa.models.expanding_attention(8, heads=2, a=2.0, b=2.0)
+    x = torch.randn(1, 60, 8) * 3
+    _, post = sa.compile(m)(x, return_posterior=True)
+    G = sa.to_networkx(m, x, top_k=2)
+    for u, v, d in G.edges(data=True):
+        if d["map"]:
+            i, j = G.nodes[v]["index"], G.nodes[u]["index"]
+            assert int(post[0, d["head"], i].argmax()) == j
+    reached = int((post[0] > 0).sum())
+    assert sa.to_networkx(m, x).number_of_edges() >= reached
+
+
+def test_trace_of_a_sequence_without_past():
+    m = sa.models.expanding_attention(4, variant="mean_field")
+    _, trace = sa.compile(m)(torch.randn(2, 1, 4), return_trace=True)
+    assert trace.iterations == 0 and trace.mean_window == 0.0
+    assert trace.relative_operations(4) == 0.0

@@ -83,14 +83,16 @@ def to_networkx(model, *inputs, batch_index: int = 0, max_nodes: int | None = No
             prior = _select(structure.log_prior(name).exp(), batch_index)  # (H, C, P)
             post = _select(structure.posterior(name), batch_index) if inferred else None
         weight = post if post is not None else prior  # (H, C, P)
-        keep = prior > 0  # the support
+        keep = prior > 0  # the support (and whatever an approximate posterior reaches)
+        if post is not None:
+            keep |= post > 0
         if threshold > 0:
             keep &= weight >= threshold
         if top_k is not None and top_k < weight.shape[-1]:
             top = torch.zeros_like(keep)
             top.scatter_(-1, weight.masked_fill(~keep, -1.0).topk(top_k, -1).indices, True)
             keep &= top
-        best = weight.masked_fill(prior <= 0, -1.0).argmax(-1)  # (H, C): the MAP parent
+        best = weight.masked_fill(~(prior > 0) & ~(weight > 0), -1.0).argmax(-1)  # MAP parent
         for h, i, j in keep.nonzero().tolist():
             attrs = {"family": name, "head": h, "support": True,
                      "prior": float(prior[h, i, j])}

@@ -151,17 +151,18 @@ class BetaGeometric(Prior):
     def window(self, num_parents: int) -> int | None:
         """The exact reading's window: the smallest W with P(φ > W) < ``tol`` (over heads),
         capped by ``max_window`` and the sequence, or None (no truncation: all of the past)."""
-        if self.tol is None and self.max_window is None:
+        tol = self.tol if self.inference == "exact" else None  # mean-field: tol is its own
+        if tol is None and self.max_window is None:
             return None
         cap = max(1, num_parents - 1)
         if self.max_window is not None:
             cap = min(cap, self.max_window)
-        if self.tol is None:
+        if tol is None:
             return cap
         with torch.no_grad():
             a, b = self.params("cpu", torch.float64)
             from ..windows import beta_quantile
-            w = beta_quantile(a.detach().cpu(), b.detach().cpu(), self.tol, cap)
+            w = beta_quantile(a.detach().cpu(), b.detach().cpu(), tol, cap)
         return int(w.max())
 
     def discarded_mass(self, num_parents: int) -> torch.Tensor:
@@ -222,11 +223,12 @@ class BetaGeometricTables(PriorTables):
     instead of building the dense C×P table (the window lowerings never need it)."""
 
     def validate(self, family: str, *, batch_shape=(), heads: int = 1) -> None:
-        h = self.prior.heads
-        if h not in (1, heads):
-            raise ValueError(f"edge family {family!r}: BetaGeometric a and b have {h} entries "
-                             f"(one per head) but the family has heads={heads}; give scalars "
-                             f"or tensors of shape ({heads},)")
+        for name, v in (("a", self.prior.a), ("b", self.prior.b)):
+            h = v.numel() if isinstance(v, torch.Tensor) else 1
+            if h not in (1, heads):
+                raise ValueError(f"edge family {family!r}: BetaGeometric {name} has {h} entries "
+                                 f"(one per head) but the family has heads={heads}; give a "
+                                 f"scalar or a tensor of shape ({heads},)")
         if self.num_children != self.num_parents:
             raise ValueError(f"edge family {family!r}: a BetaGeometric prior is over distances "
                              f"back along one sequence, so children and parents must have the "
