@@ -92,6 +92,66 @@ def fwd_bwd(fn, params, x):
     fn(xg).sum().backward()
 
 
+def measure(args, n, results):
+    """One sequence length: every variant timed, its peak memory and the windows reported."""
+    x, parent, has = make_data(n, args.d, args.mean_distance, args.seed)
+    m = build(args.d, args.sharpness, args.a, args.b, "mean_field", args.tol)
+    m_exact = build(args.d, args.sharpness, args.a, args.b, "exact", args.exact_tol)
+    m_last = build(args.d, args.sharpness, args.a, args.b, "mean_field", args.tol, "last")
+    layer, layer_exact, layer_last = sa.compile(m), sa.compile(m_exact), sa.compile(m_last)
+    true_window = int((torch.arange(n) - parent)[has].max())
+    with torch.no_grad(), sa.validation(False):
+        _, post, trace = layer(x, return_posterior=True, return_trace=True) \
+            if n <= 4096 else (None, None, layer(x, return_trace=True)[1])
+        if post is not None:
+            hit = (post[0, 0].argmax(-1) == parent)[has].double().mean().item()
+        else:
+            hit = float("nan")
+    variants = {
+        "expanding (mean-field)": lambda x: layer(x),
+        "expanding (mean-field, grad='last')": lambda x: layer_last(x),
+        f"expanding (exact, tol {args.exact_tol})": lambda x: layer_exact(x),
+        "full causal SDPA": lambda x: full_causal(m, x),
+        f"sliding window (oracle, w={true_window})": lambda x: sliding_window(m, x,
+                                                                            true_window),
+    }
+    params = list(m.parameters()) + list(m_exact.parameters()) + list(m_last.parameters())
+    times = {k: [] for k in variants}
+    with sa.validation(False):
+        for fn in variants.values():  # warm-up
+            fwd_bwd(fn, params, x)
+        for r in range(args.repeats):
+            order = list(variants.items())
+            for name, fn in (order if r % 2 == 0 else order[::-1]):
+                t = time.perf_counter()
+                fwd_bwd(fn, params, x)
+                times[name].append(time.perf_counter() - t)
+        peaks = {name: measure_peak_mib(lambda fn=fn: fwd_bwd(fn, params, x))
+                 for name, fn in variants.items()}
+    base = statistics.median(times["full causal SDPA"])
+    print(f"\nN = {n}: inferred windows mean {trace.mean_window:.1f}, max "
+          f"{int(trace.windows[-1].max())} (true largest distance {true_window}); "
+          f"{trace.iterations} iterations, converged {trace.converged}; band scored "
+          f"{trace.band[-1]}; MAP parent = true parent for "
+          f"{'n/a (no dense N×N posterior at this N)' if hit != hit else f'{hit:.1%}'} of "
+          f"tokens; counted "
+          f"operations {trace.relative_operations(args.d):.3f} of full attention")
+    print(f"{'variant':44s} {'median s':>9s} {'min':>8s} {'max':>8s} {'× faster':>9s} "
+          f"{'peak MiB':>9s}")
+    for name in variants:
+        med = statistics.median(times[name])
+        print(f"{name:44s} {med:9.4f} {min(times[name]):8.4f} {max(times[name]):8.4f} "
+              f"{base / med:9.2f} {peaks[name]:9.1f}")
+        results["rows"].append({"n": n, "variant": name, "median_s": med,
+                                "min_s": min(times[name]), "max_s": max(times[name]),
+                                "speedup_vs_full": base / med, "peak_mib": peaks[name]})
+    results["rows"].append({"n": n, "mean_window": trace.mean_window,
+                            "max_window": int(trace.windows[-1].max()),
+                            "true_max_distance": true_window,
+                            "iterations": trace.iterations, "map_hit_rate": hit,
+                            "counted_operations": trace.relative_operations(args.d)})
+
+
 def run(args):
     torch.set_num_threads(args.threads)
     results = {"config": vars(args), "rows": []}
@@ -99,62 +159,7 @@ def run(args):
           f"{args.mean_distance}, prior a={args.a}, b={args.b}, tol {args.tol}, "
           f"{torch.get_num_threads()} threads, float32")
     for n in args.sizes:
-        x, parent, has = make_data(n, args.d, args.mean_distance, args.seed)
-        m = build(args.d, args.sharpness, args.a, args.b, "mean_field", args.tol)
-        m_exact = build(args.d, args.sharpness, args.a, args.b, "exact", args.exact_tol)
-        m_last = build(args.d, args.sharpness, args.a, args.b, "mean_field", args.tol, "last")
-        layer, layer_exact, layer_last = sa.compile(m), sa.compile(m_exact), sa.compile(m_last)
-        true_window = int((torch.arange(n) - parent)[has].max())
-        with torch.no_grad(), sa.validation(False):
-            _, post, trace = layer(x, return_posterior=True, return_trace=True) \
-                if n <= 4096 else (None, None, layer(x, return_trace=True)[1])
-            if post is not None:
-                hit = (post[0, 0].argmax(-1) == parent)[has].double().mean().item()
-            else:
-                hit = float("nan")
-        variants = {
-            "expanding (mean-field)": lambda x: layer(x),
-            "expanding (mean-field, grad='last')": lambda x: layer_last(x),
-            f"expanding (exact, tol {args.exact_tol})": lambda x: layer_exact(x),
-            "full causal SDPA": lambda x: full_causal(m, x),
-            f"sliding window (oracle, w={true_window})": lambda x: sliding_window(m, x,
-                                                                                true_window),
-        }
-        params = list(m.parameters()) + list(m_exact.parameters()) + list(m_last.parameters())
-        times = {k: [] for k in variants}
-        with sa.validation(False):
-            for fn in variants.values():  # warm-up
-                fwd_bwd(fn, params, x)
-            for r in range(args.repeats):
-                order = list(variants.items())
-                for name, fn in (order if r % 2 == 0 else order[::-1]):
-                    t = time.perf_counter()
-                    fwd_bwd(fn, params, x)
-                    times[name].append(time.perf_counter() - t)
-            peaks = {name: measure_peak_mib(lambda fn=fn: fwd_bwd(fn, params, x))
-                     for name, fn in variants.items()}
-        base = statistics.median(times["full causal SDPA"])
-        print(f"\nN = {n}: inferred windows mean {trace.mean_window:.1f}, max "
-              f"{int(trace.windows[-1].max())} (true largest distance {true_window}); "
-              f"{trace.iterations} iterations, converged {trace.converged}; band scored "
-              f"{trace.band[-1]}; MAP parent = true parent for "
-              f"{'n/a (no dense N×N posterior at this N)' if hit != hit else f'{hit:.1%}'} of "
-              f"tokens; counted "
-              f"operations {trace.relative_operations(args.d):.3f} of full attention")
-        print(f"{'variant':44s} {'median s':>9s} {'min':>8s} {'max':>8s} {'× faster':>9s} "
-              f"{'peak MiB':>9s}")
-        for name in variants:
-            med = statistics.median(times[name])
-            print(f"{name:44s} {med:9.4f} {min(times[name]):8.4f} {max(times[name]):8.4f} "
-                  f"{base / med:9.2f} {peaks[name]:9.1f}")
-            results["rows"].append({"n": n, "variant": name, "median_s": med,
-                                    "min_s": min(times[name]), "max_s": max(times[name]),
-                                    "speedup_vs_full": base / med, "peak_mib": peaks[name]})
-        results["rows"].append({"n": n, "mean_window": trace.mean_window,
-                                "max_window": int(trace.windows[-1].max()),
-                                "true_max_distance": true_window,
-                                "iterations": trace.iterations, "map_hit_rate": hit,
-                                "counted_operations": trace.relative_operations(args.d)})
+        measure(args, n, results)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

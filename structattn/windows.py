@@ -32,8 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import band
-from .lowering import (DenseSupport, SupportKind, can_use_fast_path, register_support_kind,
-                       score_factors)
+from .lowering import DenseSupport, SupportKind, can_use_fast_path, register_support_kind, score_factors
 from .priors.beta_geometric import BetaGeometric, log_beta
 
 
@@ -228,14 +227,19 @@ class _Band:
         self.offset = (lay.reach + torch.arange(lay.block, device=a.device)).to(work)  # (B,)
         self.slot = torch.arange(lay.width, device=a.device).to(work)  # (L,)
 
+    def _window(self, rows, win):
+        """The scores of blocks ``rows`` (None: all) and the mask of slots beyond each child's
+        window, d > max(W_i, 1), ``(k, B, L)``."""
+        beyond = self.dist > win.clamp(min=1)[..., None].to(self.dist.dtype)
+        return (self.scores if rows is None else self.scores[rows]), beyond
+
     def posterior(self, rows, win, e_ln_q):
         """For the blocks ``rows`` ``(k,)`` (None: all) with windows ``win`` ``(k, B)`` and E[ln q]
         ``(k, B)``: p(φ_i = d) ∝ exp(ψ_{i,i−d} + (d − 1) E[ln q_i]) on 1 ≤ d ≤ W_i (the
         E[ln(1 − q_i)] term is constant in d), ``(k, B, L)``, and E[φ_i] ``(k, B)``. A row
-        without parents (W_i = 0) is computed at W = 1 to stay finite: the caller zeroes it
-        (``zero_parentless``) and never reads its E[φ]."""
-        beyond = self.dist > win.clamp(min=1)[..., None].to(self.dist.dtype)
-        scores = self.scores if rows is None else self.scores[rows]
+        without parents (W_i = 0) is computed at W = 1 to stay finite: the caller zeroes its
+        posterior and never reads its E[φ]."""
+        scores, beyond = self._window(rows, win)
         logits = torch.addcmul(scores, self.dist, e_ln_q[..., None]).masked_fill_(
             beyond, float("-inf"))
         p = torch.softmax(logits, -1)
@@ -245,8 +249,7 @@ class _Band:
         """The evidence alone — softmax of ψ over 1 ≤ d ≤ W_i, the prior left out — on the
         window's outer half d > W_i/2, ``(k, B)``: whether the scores still point further
         back than the window's middle."""
-        beyond = self.dist > win.clamp(min=1)[..., None].to(self.dist.dtype)
-        scores = self.scores if rows is None else self.scores[rows]
+        scores, beyond = self._window(rows, win)
         lik = torch.softmax(scores.masked_fill(beyond, float("-inf")), -1)
         return (lik * (self.dist > (win // 2)[..., None].to(self.dist.dtype))).sum(-1)
 
@@ -335,7 +338,8 @@ def mean_field(family):
             rows = busy.nonzero()[:, 0]  # blocks holding a moving child
             if rows.numel() == 0:
                 break
-            reach = int(win[rows].max())
+            w = win[rows]  # (k, B): this step's windows
+            reach = int(w.max())
             if reach > current.layout.reach:  # widen the band (doubling) and carry the state
                 old = current.layout
                 current = _Band(a, b, scale, n, max(reach, min(2 * old.reach, cap)),
@@ -345,28 +349,24 @@ def mean_field(family):
                 if p_final is not None:  # earlier slots of a wider band: farther parents
                     p_final = torch.nn.functional.pad(p_final, (current.layout.width
                                                                 - old.width, 0))
-            act = active[rows]  # (k, B)
-            e_ln_q, _ = _log_q_expectations(alpha[rows], beta[rows], prior.expectation)
-            # (k, B, L), (k, B); every block busy: no gather of the scores
-            p, m = current.posterior(None if rows.numel() == busy.numel() else rows, win[rows],
-                                     e_ln_q)
+            act, al, be, cp = active[rows], alpha[rows], beta[rows], caps_b[rows]  # (k, B)
+            sel = None if rows.numel() == busy.numel() else rows  # all busy: no gather
+            e_ln_q, _ = _log_q_expectations(al, be, prior.expectation)
+            p, m = current.posterior(sel, w, e_ln_q)  # (k, B, L), (k, B)
             if prior.update == "conjugate":
                 new_alpha, new_beta = a_prior[rows] + m - 1, b_prior[rows] + 1
             else:
-                new_alpha, new_beta = alpha[rows] + m - 1, beta[rows] + 1
+                new_alpha, new_beta = al + m - 1, be + 1
             with torch.no_grad():
                 if prior.window_rule == "edge":  # double while the evidence leans outward
-                    w = win[rows]
-                    outer = current.outer_evidence(None if rows.numel() == busy.numel()
-                                                   else rows, w)
-                    new_win = torch.where((outer > prior.tol) & (w < caps_b[rows]),
-                                          torch.minimum(2 * w, caps_b[rows]), w)
-                    new_win = w if bool((new_win == w).all()) else new_win
+                    outer = current.outer_evidence(sel, w)
+                    new_win = torch.where((outer > prior.tol) & (w < cp),
+                                          torch.minimum(2 * w, cp), w)
                 else:
-                    new_win = grown(win[rows], new_alpha, new_beta, caps_b[rows])
+                    new_win = grown(w, new_alpha, new_beta, cp)
                 mp = m_prev[rows]
                 settled = ((m - mp).abs() <= prior.converge_tol * m.abs().clamp(min=1)) \
-                    & (new_win == win[rows])  # NaN m_prev: never settled at the first step
+                    & (new_win == w)  # NaN m_prev: never settled at the first step
                 moving = act & ~settled
                 ends = act & (~moving if t + 1 < prior.max_iters else act)  # their last step
             if in_place:
@@ -385,9 +385,9 @@ def mean_field(family):
             # a child's state moves on unless this was its last step (settled, or max_iters):
             # its Beta and window stay those of its final posterior
             upd = moving & ~ends
-            alpha = alpha.index_put((rows,), torch.where(upd, new_alpha, alpha[rows]))
-            beta = beta.index_put((rows,), torch.where(upd, new_beta, beta[rows]))
-            win = win.index_put((rows,), torch.where(upd, new_win, win[rows]))
+            alpha = alpha.index_put((rows,), torch.where(upd, new_alpha, al))
+            beta = beta.index_put((rows,), torch.where(upd, new_beta, be))
+            win = win.index_put((rows,), torch.where(upd, new_win, w))
             m_prev = m_prev.index_put((rows,), torch.where(moving, m.detach(), mp))
             active = active.index_put((rows,), moving)
     converged = not bool(active.any())

@@ -283,7 +283,7 @@ def test_mean_field_approaches_exact_as_evidence_grows():
         _, pe = sa.compile(program)(x, W * strength ** 0.5, exact, return_posterior=True)
         _, pm = sa.compile(program)(x, W * strength ** 0.5, mf, return_posterior=True)
         gaps.append(float(0.5 * (pe - pm).abs().sum(-1).mean()))
-    assert all(g1 > g2 for g1, g2 in zip(gaps, gaps[1:])), gaps
+    assert all(g1 > g2 for g1, g2 in zip(gaps, gaps[1:], strict=False)), gaps
     assert gaps[-1] < 0.05 < gaps[0], gaps
 
 

@@ -105,10 +105,10 @@ def test_module_to_moves_everything():
 
 
 def test_ddp_single_process(tmp_path):
-    from .test_iterative import release_process_group
-
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from .test_iterative import release_process_group
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,

@@ -21,9 +21,7 @@ import graphviz
 
 from ..declaration import as_declaration
 from ..readers import trace_structure
-
-_COLOURS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2",
-            "#17becf"]
+from .graphviz import _COLOURS  # one palette: a family has the same colour in both views
 
 
 def _esc(text: str) -> str:

@@ -88,15 +88,13 @@ class BetaGeometric(Prior):
                  grad: str = "unroll", window_rule: str = "predictive",
                  initial_window: int | None = None, block_size: int = 32):
         self.a, self.b = _positive("a", a), _positive("b", b)
-        if inference not in INFERENCES:
-            raise ValueError(f"BetaGeometric prior: inference must be one of {INFERENCES}; "
-                             f"got {inference!r}")
-        if expectation not in EXPECTATIONS:
-            raise ValueError(f"BetaGeometric prior: expectation must be one of {EXPECTATIONS}; "
-                             f"got {expectation!r}")
-        if update not in UPDATES:
-            raise ValueError(f"BetaGeometric prior: update must be one of {UPDATES}; "
-                             f"got {update!r}")
+        for name, val, choices in (("inference", inference, INFERENCES),
+                                   ("expectation", expectation, EXPECTATIONS),
+                                   ("update", update, UPDATES), ("grad", grad, GRADS),
+                                   ("window_rule", window_rule, WINDOW_RULES)):
+            if val not in choices:
+                raise ValueError(f"BetaGeometric prior: {name} must be one of {choices}; "
+                                 f"got {val!r}")
         if inference == "mean_field" and tol is None:
             tol = 0.05
         if tol is not None and (isinstance(tol, bool) or not isinstance(tol, (int, float))
@@ -109,11 +107,6 @@ class BetaGeometric(Prior):
                                     or val < low):
                 raise ValueError(f"BetaGeometric prior: {name} must be an int ≥ {low}; "
                                  f"got {val!r}")
-        if window_rule not in WINDOW_RULES:
-            raise ValueError(f"BetaGeometric prior: window_rule must be one of {WINDOW_RULES}; "
-                             f"got {window_rule!r}")
-        if grad not in GRADS:
-            raise ValueError(f"BetaGeometric prior: grad must be one of {GRADS}; got {grad!r}")
         if not converge_tol > 0:
             raise ValueError(f"BetaGeometric prior: converge_tol must be > 0; got {converge_tol!r}")
         self.tol, self.max_window = tol, max_window
