@@ -14,20 +14,28 @@ from structattn.potentials.prediction_error import ACTIVATIONS
 class PredictiveCoding(sa.Declaration):
     """Layers z_0 = x (observed), z_1 … z_L (latent, flat prior; z_L = y observed when given).
 
-    - ``attention=True``: each unit i of layer l picks one incoming unit of layer l − 1,
-      φ_li ~ Uniform, with ψ(z_j, z_i) = −(k/2)(z_i − w_ij f(z_j) − b_i)²
-      (``PredictionError``): F = −Σ_{l,i} log (1/n_{l−1}) Σ_j exp ψ_ij, whose gradient weighs
-      each unit's prediction errors by a softmax over them.
+    - ``attention=True``: each node i of layer l picks one incoming node of layer l − 1,
+      φ_li ~ Uniform, with ψ(z_j, z_i) = −(k/2)‖z_i − W_ij f(z_j) − b_i‖²
+      (``PredictionError``): F = −Σ_{l,i} log (1/P_{l−1}) Σ_j exp ψ_ij, whose gradient weighs
+      each node's prediction errors by a softmax over them. A node is a unit (the paper's
+      derivation, the default) or, with ``blocks=[B_0, …, B_L]``, one of B_l equal blocks of
+      layer l's units (blocks of units competing, the paper's suggestion): ``blocks=[1, 4, 1]``
+      makes the output layer pick one of four hidden blocks, each predicted from the whole
+      input. With one block per layer there is one edge to choose and F is the standard
+      network's.
     - ``attention=False`` (the standard, precision-weighted network, the baseline): the node
       energy E_l = (k/2)‖z_l − W_l f(z_{l−1}) − b_l‖² per layer (``structattn.energy``).
 
     Inference: gradient steps on F for the latent layers (``steps``, ``step_size``), from the
     prediction under the prior (``attention``: the mean of the single-edge predictions,
-    (1/n) Σ_j w_ij f(z_j) + b_i; standard: W f(z) + b). Learning: the gradient of F with
+    (1/P) Σ_j W_ij f(z_j) + b_i; standard: W f(z) + b). Learning: the gradient of F with
     respect to W, b at the relaxed states (``free_energy``) — the local rule.
 
     x: ``(*batch, n_0)``, y: ``(*batch, n_L)`` (optional) → the top layer ``(*batch, n_L)``
-    (inferred, or y). Parameters ``weights[l−1]``: ``(n_l, n_{l−1})``, ``biases[l−1]``: ``(n_l,)``.
+    (inferred, or y). Parameters ``weights[l−1]``: units ``(n_l, n_{l−1})`` (also the standard
+    network's), blocks ``(B_l, B_{l−1}, n_l/B_l, n_{l−1}/B_{l−1})``; ``biases[l−1]``: units
+    ``(n_l,)``, blocks ``(B_l, n_l/B_l)``. Weights start at N(0, 1/n_{l−1}) in every reading.
+    Layer l's node set has states ``(*batch, B_l, n_l/B_l)`` (units: ``(*batch, n_l, 1)``).
 
     ::
 
@@ -36,8 +44,9 @@ class PredictiveCoding(sa.Declaration):
         layer l−1  z_1 … z_n          ψ = −(k/2)(z_i − w_ij f(z_j) − b_i)²
     """
 
-    def __init__(self, layer_sizes, *, attention=True, precision=1.0, activation="tanh",
-                 steps=20, step_size=0.1, grad="unroll", device=None, dtype=None):
+    def __init__(self, layer_sizes, *, attention=True, blocks=None, precision=1.0,
+                 activation="tanh", steps=20, step_size=0.1, grad="unroll", device=None,
+                 dtype=None):
         super().__init__()
         sizes = list(layer_sizes) if isinstance(layer_sizes, (list, tuple)) else None
         if not sizes or len(sizes) < 2 or not all(
@@ -47,35 +56,71 @@ class PredictiveCoding(sa.Declaration):
         if activation not in ACTIVATIONS:
             raise ValueError(f"PredictiveCoding: activation must be one of {list(ACTIVATIONS)}; "
                              f"got {activation!r}")
+        self.blocks = self._check_blocks(blocks, sizes, attention)
         sa.potentials.bilinear.check_temperature(precision, "PredictiveCoding (precision)")
         sa.IterationOptions(steps=steps, update="gradient", step_size=step_size, grad=grad)
         kw = {"device": device, "dtype": dtype}
         self.layer_sizes, self.attention, self.precision = sizes, bool(attention), precision
         self.activation, self.steps, self.step_size, self.grad = activation, steps, step_size, grad
         self.f = ACTIVATIONS[activation][0]
-        pairs = zip(sizes, sizes[1:], strict=False)  # (n_{l−1}, n_l)
-        self.weights = nn.ParameterList(
-            nn.Parameter(torch.randn(n, m, **kw) / math.sqrt(m)) for m, n in pairs)
-        self.biases = nn.ParameterList(nn.Parameter(torch.zeros(n, **kw)) for n in sizes[1:])
+        self.weights, self.biases = nn.ParameterList(), nn.ParameterList()
+        for l in range(1, len(sizes)):
+            C, P = self.blocks[l], self.blocks[l - 1]
+            shape = (C, P) if self._units(l) else (C, P, sizes[l] // C, sizes[l - 1] // P)
+            self.weights.append(nn.Parameter(torch.randn(shape, **kw) / math.sqrt(sizes[l - 1])))
+            self.biases.append(nn.Parameter(torch.zeros(shape[:1] + shape[2:3], **kw)))
+
+    @staticmethod
+    def _check_blocks(blocks, sizes, attention):
+        if blocks is None:
+            return list(sizes)  # one node per unit
+        if not attention:
+            raise ValueError("PredictiveCoding: blocks are nodes that compete for a child, an "
+                             "attention=True setting; the standard network connects whole layers")
+        ok = isinstance(blocks, (list, tuple)) and len(blocks) == len(sizes) and all(
+            isinstance(B, int) and not isinstance(B, bool) and B >= 1 and n % B == 0
+            for B, n in zip(blocks, sizes, strict=False))
+        if not ok:
+            raise ValueError(f"PredictiveCoding: blocks must give, for each of the "
+                             f"{len(sizes)} layers {sizes}, a positive number of equal blocks "
+                             f"dividing its size; got {blocks!r}")
+        return list(blocks)
+
+    def _units(self, l: int) -> bool:
+        """Layer l and the one below are scalar units (the paper's derivation), or standard."""
+        return not self.attention or (self.blocks[l] == self.layer_sizes[l]
+                                      and self.blocks[l - 1] == self.layer_sizes[l - 1])
+
+    def _nodes(self, l: int, flat: torch.Tensor) -> torch.Tensor:
+        """``(*batch, n_l)`` → layer l's node states ``(*batch, B_l, n_l/B_l)``."""
+        B = self.blocks[l]
+        return flat.unflatten(-1, (B, flat.shape[-1] // B))
 
     def predict(self, l: int, below: torch.Tensor) -> torch.Tensor:
-        """Layer l's prediction under the prior from layer l − 1's states ``(*batch, n_{l−1})``."""
+        """Layer l's prediction under the prior from layer l − 1's states ``(*batch, n_{l−1})``:
+        ``(*batch, n_l)``."""
         W, b = self.weights[l - 1], self.biases[l - 1]
         fz = self.f(below)
-        return (fz @ W.T) / (W.shape[1] if self.attention else 1) + b
+        if not self.attention:
+            return fz @ W.T + b
+        if self._units(l):
+            return (fz @ W.T) / W.shape[1] + b
+        P = W.shape[1]
+        pred = torch.einsum("cpkd,...pd->...ck", W, fz.unflatten(-1, (P, -1))) / P + b
+        return pred.flatten(-2)
 
     def model(self, x, y=None):
         L = len(self.layer_sizes) - 1
         self._check(x, y)
-        below = sa.nodes("layer0", x.unsqueeze(-1), features=1)
+        below = sa.nodes("layer0", self._nodes(0, x))
         state, latents = x, []
         for l in range(1, L + 1):
             guess = self.predict(l, state)
             if l == L and y is not None:
-                layer = sa.nodes(f"layer{l}", y.unsqueeze(-1), features=1)
+                layer = sa.nodes(f"layer{l}", self._nodes(l, y))
                 state = y
             else:
-                layer = sa.latent(f"layer{l}", guess.unsqueeze(-1), scale=None,
+                layer = sa.latent(f"layer{l}", self._nodes(l, guess), scale=None,
                                   update="gradient", steps=self.steps, step_size=self.step_size,
                                   grad=self.grad)
                 latents.append(layer)
@@ -89,7 +134,7 @@ class PredictiveCoding(sa.Declaration):
                 sa.energy(f"predict{l}", self._gaussian_error(W, b), layer, below)
             below = layer
         sa.infer(*latents)
-        return below.states[..., 0]
+        return below.states.flatten(-2)
 
     def _gaussian_error(self, W, b):
         k, f = self.precision, self.f
@@ -114,6 +159,7 @@ class PredictiveCoding(sa.Declaration):
 
 
 def predictive_coding(layer_sizes, **kwargs) -> PredictiveCoding:
-    """A predictive-coding network with attention over incoming units (``attention=True``) or
-    the standard precision-weighted one; see :class:`PredictiveCoding`."""
+    """A predictive-coding network with attention over incoming units or blocks of units
+    (``attention=True``, ``blocks=``) or the standard precision-weighted one; see
+    :class:`PredictiveCoding`."""
     return PredictiveCoding(layer_sizes, **kwargs)

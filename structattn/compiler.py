@@ -58,15 +58,15 @@ class CompiledModule(nn.Module):
 
     def free_energy(self, *inputs, latents: dict | None = None, **kwargs):
         """F = −log p(x, z) with the edges summed out, ``(*batch,)``, at given latent states
-        ``latents`` (name → states; default: the final iterate of a forward pass). Its
+        ``latents`` (name → states; default: the final iterate of a forward pass; a model with
+        nothing latent, e.g. every layer clamped, needs none). Its
         gradient with respect to the parameters at fixed states is predictive coding's local
         learning rule: ``layer.free_energy(x, latents=final).sum().backward()``."""
-        if latents is None:
-            _, trace = self(*inputs, return_trace=True, **kwargs)
-            return trace.free_energy[-1]
-        with Marginalise(latent_values=latents).direct() as reader:
+        with Marginalise(latent_values=latents, record_trace=latents is None).direct() as reader:
             self.declaration.model(*inputs, **kwargs)
-        missing = set(latents) - set(reader.latents)
+        if latents is None and reader.trace is not None:
+            return reader.trace.free_energy[-1]
+        missing = set(latents or {}) - set(reader.latents)
         if missing:
             raise ValueError(f"latents= names {sorted(missing)}, which the model does not "
                              f"declare; its latents: {sorted(reader.latents)}")

@@ -18,7 +18,16 @@ Two support kinds, registered with ``lowering.register_support_kind``:
        (``window_rule="predictive"``); or ``window_rule="edge"``: W_i ← 2 W_i while the
        evidence (softmax of ψ over the window, the prior left out) puts more than tol on the
        window's outer half, d > W_i/2 — a token keeps looking further back until its best
-       match sits confidently in the inner half.
+       match sits confidently in the inner half; or ``window_rule="evidence"``: W_i ← 2 W_i
+       while the posterior mass beyond the window exceeds tol, the unseen parents d > W_i
+       given the window's typical likelihood L̄_i (the mean of exp ψ over the window without
+       its best match):
+
+           P(φ_i > W_i) ≈ L̄_i Σ_{d>W_i} e^{(d−1)E[ln q_i]} / (L̄_i Σ_{d>W_i} … + Σ_{d≤W_i}
+           e^{ψ_{i,i−d} + (d−1)E[ln q_i]}),
+
+       so a token stops as soon as a match stands out of its window's noise, and keeps
+       looking, as far as its prior expects parents, while none does.
 
   The scores are computed once per band width (the band widens by doubling), each
   iteration costs O(N·W) (no feature dimension), the value read O(N·W·d_v): the cost
@@ -245,6 +254,22 @@ class _Band:
         p = torch.softmax(logits, -1)
         return p, self.offset - p @ self.slot
 
+    def beyond_mass(self, rows, win, e_ln_q):
+        """The posterior mass beyond each child's window, the unseen parents d > W_i given the
+        window's typical likelihood (mean exp ψ over 1 ≤ d ≤ W_i without the best match; the
+        best match itself when W_i = 1), ``(k, B)``: see the module docstring."""
+        scores, beyond = self._window(rows, win)
+        s = scores.masked_fill(beyond, float("-inf"))  # ψ on 1 ≤ d ≤ W_i
+        log_in = torch.logsumexp(torch.addcmul(s, self.dist, e_ln_q[..., None]), -1)
+        top = s.argmax(-1, keepdim=True)
+        rest = s.scatter(-1, top, float("-inf"))
+        w = win.clamp(min=1).to(s.dtype)
+        typical = torch.where(w > 1, torch.logsumexp(rest, -1) - (w - 1).clamp(min=1).log(),
+                              s.gather(-1, top)[..., 0])
+        # Σ_{d>W} e^{d·e} = e^{(W+1)e} / (1 − e^e) (the posterior's d·e convention)
+        log_out = (w + 1) * e_ln_q - torch.log(-torch.expm1(e_ln_q)) + typical
+        return torch.sigmoid(log_out - log_in)
+
     def outer_evidence(self, rows, win):
         """The evidence alone — softmax of ψ over 1 ≤ d ≤ W_i, the prior left out — on the
         window's outer half d > W_i/2, ``(k, B)``: whether the scores still point further
@@ -358,8 +383,9 @@ def mean_field(family):
             else:
                 new_alpha, new_beta = al + m - 1, be + 1
             with torch.no_grad():
-                if prior.window_rule == "edge":  # double while the evidence leans outward
-                    outer = current.outer_evidence(sel, w)
+                if prior.window_rule in ("edge", "evidence"):  # double while it points on
+                    outer = (current.outer_evidence(sel, w) if prior.window_rule == "edge"
+                             else current.beyond_mass(sel, w, e_ln_q))
                     new_win = torch.where((outer > prior.tol) & (w < cp),
                                           torch.minimum(2 * w, cp), w)
                 else:

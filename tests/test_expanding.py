@@ -202,6 +202,18 @@ def brute_mean_field(s, a, b, *, tol=0.05, max_window=None, max_iters=50, conver
                 lik = np.exp(lik - lik.max())
                 outer = float((lik / lik.sum())[ds > win // 2].sum())
                 new_win = min(2 * win, i, cap) if outer > tol and win < min(i, cap) else win
+            elif window_rule == "evidence":  # double while the extended posterior leaves > tol
+                e = log_q(alpha, beta)  # the step's E[ln q]
+                lik = np.array([float(s[i, i - d]) for d in ds])
+                inside = sum(math.exp(lik[k] + (ds[k] - 1) * e) for k in range(win))
+                if win > 1:  # mean likelihood of the window without its best match
+                    others = sorted(lik)[:-1]
+                    typical = sum(math.exp(v) for v in others) / len(others)
+                else:
+                    typical = math.exp(lik[0])
+                outside = typical * sum(math.exp((d - 1) * e) for d in range(win + 1, 20000))
+                beyond = outside / (outside + inside)
+                new_win = min(2 * win, i, cap) if beyond > tol and win < min(i, cap) else win
             else:
                 new_win = max(win, min(quantile(new_alpha, new_beta), i))
             if m_prev is not None and abs(m - m_prev) <= converge_tol * max(1.0, abs(m)) \
@@ -213,7 +225,8 @@ def brute_mean_field(s, a, b, *, tol=0.05, max_window=None, max_iters=50, conver
 
 @pytest.mark.parametrize("expectation,update,rule", [
     ("digamma", "conjugate", "predictive"), ("plug_in", "conjugate", "predictive"),
-    ("digamma", "accumulate", "predictive"), ("digamma", "conjugate", "edge")])
+    ("digamma", "accumulate", "predictive"), ("digamma", "conjugate", "edge"),
+    ("digamma", "conjugate", "evidence"), ("plug_in", "accumulate", "evidence")])
 @pytest.mark.parametrize("n,block", [(9, 4), (23, 64), (40, 8)])
 def test_mean_field_fixed_point_equals_the_brute_force(n, block, expectation, update, rule):
     g = torch.Generator().manual_seed(n)
@@ -221,7 +234,7 @@ def test_mean_field_fixed_point_equals_the_brute_force(n, block, expectation, up
     x = torch.randn(2, n, d, generator=g, dtype=f64)
     W = torch.randn(d, d, generator=g, dtype=f64) * 1.5
     a, b = torch.tensor([0.7, 2.0], dtype=f64), torch.tensor([1.3, 0.9], dtype=f64)
-    start = 2 if rule == "edge" else None
+    start = 2 if rule in ("edge", "evidence") else None
     prior = sa.priors.BetaGeometric(a, b, inference="mean_field", tol=0.1, block_size=block,
                                     expectation=expectation, update=update, window_rule=rule,
                                     initial_window=start)
@@ -455,6 +468,40 @@ def test_edge_rule_looks_further_back_until_it_finds_the_parent():
     assert bool((w[i][found] <= 4 * back[i][found]).all())
     assert float(post[0, 0, i[found], target[i[found]]].min()) > 0.9
     assert trace.converged
+
+
+def test_evidence_rule_stops_where_the_parent_stands_out():
+    """Parents 2–60 steps back, a wide prior (a = 30, b = 2: mean distance ≈ 16): from a
+    window of 4 the evidence rule doubles until a match stands out of the window's noise.
+    Tokens find their parent with windows under twice its distance (or 4); the predictive
+    rule, which looks only at the prior's tail, reads far more of the past for the same
+    parents."""
+    torch.manual_seed(3)
+    n, d = 400, 64
+    keys = torch.nn.functional.normalize(torch.randn(n, d, dtype=f64), dim=-1)
+    back = torch.randint(2, 61, (n,))
+    target = (torch.arange(n) - back).clamp(min=0)
+    x = torch.cat([keys, keys[target]], -1)[None]
+    Wq = torch.cat([torch.zeros(d, d), torch.eye(d)], 1).double() * 10.0
+    Wk = torch.cat([torch.eye(d), torch.zeros(d, d)], 1).double()
+
+    def prog(x, rule):
+        t = sa.nodes("x", x)
+        prior = sa.priors.BetaGeometric(30.0, 2.0, inference="mean_field", window_rule=rule,
+                                        initial_window=4, tol=0.05)
+        phi = sa.edges("attn", t, t, prior)
+        sa.potential(phi, sa.potentials.Bilinear(Wq, Wk, temperature=1.0))
+        return sa.value(phi, sa.values.Identity())
+
+    i = torch.arange(61, n)
+    _, post, trace = sa.compile(prog)(x, "evidence", return_posterior=True, return_trace=True)
+    w = trace.windows[-1, 0, 0][i]
+    found = w >= back[i]
+    assert float(found.double().mean()) > 0.95, float(found.double().mean())
+    assert bool((w[found] < torch.maximum(2 * back[i][found], torch.tensor(5))).all())
+    assert float(post[0, 0, i[found], target[i[found]]].min()) > 0.9
+    _, wide = sa.compile(prog)(x, "predictive", return_trace=True)
+    assert float(w.double().mean()) < 0.5 * float(wide.windows[-1, 0, 0][i].double().mean())
 
 
 def test_grad_last_trains_a_and_b_and_agrees_with_the_forward():

@@ -6,12 +6,25 @@ brute-force gradient descent), Pyro's ELBO loss and MAP, the textbook local lear
 
 import math
 
+import hypothesis.strategies as st
 import pytest
 import torch
+from hypothesis import given, settings
 
 import structattn as sa
 
 f64 = torch.float64
+
+
+def block_free_energy_by_hand(W, b, k, below, z, B_below, B):
+    """−Σ_i log (1/P) Σ_j exp(−(k/2)‖z_i − W_ij f(z_j) − b_i‖²), block by block, in loops."""
+    zs, fs = z.chunk(B, -1), below.chunk(B_below, -1)  # B blocks (batch, d), P blocks (batch, d')
+    total = 0
+    for i in range(B):
+        psi = torch.stack([-0.5 * k * ((zs[i] - fs[j] @ W[i, j].T - b[i]) ** 2).sum(-1)
+                           for j in range(B_below)], -1)
+        total = total - (torch.logsumexp(psi, -1) - math.log(B_below))
+    return total
 
 
 def free_energy_by_hand(m, x, y, layers):
@@ -22,7 +35,10 @@ def free_energy_by_hand(m, x, y, layers):
     for l in range(1, len(states)):
         W, b, k = m.weights[l - 1], m.biases[l - 1], m.precision
         below, z = m.f(states[l - 1]), states[l]
-        if m.attention:
+        if m.attention and W.dim() == 4:
+            total = total + block_free_energy_by_hand(W, b, k, below, z, m.blocks[l - 1],
+                                                      m.blocks[l])
+        elif m.attention:
             e = z[..., :, None] - W * below[..., None, :] - b[:, None]  # (B, n_l, n_{l−1})
             total = total - (torch.logsumexp(-0.5 * k * e ** 2, -1) - math.log(W.shape[1])).sum(-1)
         else:
@@ -76,6 +92,96 @@ def test_fixed_point_is_pyro_map(attention):
     assert report.fixed_point["layer1"] < 1e-4, str(report)
 
 
+blocks_cases = st.tuples(
+    st.lists(st.tuples(st.integers(1, 3), st.integers(1, 3)), min_size=2, max_size=4),
+    st.integers(0, 2**31 - 1), st.booleans(), st.sampled_from(["tanh", None]))
+
+
+@settings(max_examples=25, deadline=None)
+@given(blocks_cases)
+def test_blocks_inference_is_gradient_descent_on_the_free_energy(case):
+    """Blocks of units competing: random layers of B blocks × d units, random weights and
+    biases; the compiled iteration equals gradient descent on F written out in loops."""
+    layers, seed, clamped, activation = case
+    sizes, blocks = [B * d for B, d in layers], [B for B, _ in layers]
+    torch.manual_seed(seed)
+    m = sa.models.predictive_coding(sizes, blocks=blocks, precision=1.3, steps=4, step_size=0.1,
+                                    activation=activation, dtype=f64)
+    with torch.no_grad():
+        for b in m.biases:
+            b.normal_()
+    x = torch.randn(2, sizes[0], dtype=f64)
+    y = torch.randn(2, sizes[-1], dtype=f64) if clamped else None
+    if clamped and len(sizes) == 2:  # nothing latent: F alone
+        F = sa.compile(m).free_energy(x, y)
+        assert (F - free_energy_by_hand(m, x, y, [])).abs().max() < 1e-10
+        return
+    out, trace = sa.compile(m)(x, y, return_trace=True)
+    hand = descend_by_hand(m, x, y, 4, 0.1)
+    for i, z in enumerate(hand, start=1):
+        assert (trace.states[f"layer{i}"][-1].flatten(-2) - z).abs().max() < 1e-10
+    assert (out - (y if clamped else hand[-1])).abs().max() < 1e-10
+    assert (trace.free_energy[-1] - free_energy_by_hand(m, x, y, hand)).abs().max() < 1e-10
+
+
+@pytest.mark.parametrize("clamped", [True, False])
+def test_blocks_fixed_point_is_pyro_map(clamped):
+    m = sa.models.predictive_coding([6, 4, 3], blocks=[2, 2, 1], steps=5, step_size=0.2,
+                                    dtype=f64)
+    x = torch.randn(2, 6, dtype=f64)
+    y = torch.randn(2, 3, dtype=f64) if clamped else None
+    with sa.iteration(steps=5000, tol=1e-12):
+        report = sa.inference.compare(m, x, *([y] if clamped else []))
+    assert report.max_abs_diff < 1e-9, str(report)
+    assert report.fixed_point["layer1"] < 1e-4, str(report)
+
+
+def test_one_block_per_layer_is_the_standard_network():
+    """One node per layer: one edge to choose, F and the whole iteration are the standard
+    network's (same weights)."""
+    sizes = [6, 5, 3]
+    att = sa.models.predictive_coding(sizes, blocks=[1, 1, 1], precision=1.7, steps=6,
+                                      step_size=0.1, dtype=f64)
+    std = sa.models.predictive_coding(sizes, attention=False, precision=1.7, steps=6,
+                                      step_size=0.1, dtype=f64)
+    with torch.no_grad():
+        for Wa, ba, Ws, bs in zip(att.weights, att.biases, std.weights, std.biases, strict=True):
+            ba.normal_()
+            Ws.copy_(Wa[0, 0])
+            bs.copy_(ba[0])
+    x, y = torch.randn(3, 6, dtype=f64), torch.randn(3, 3, dtype=f64)
+    for target in (None, y):
+        a, ta = sa.compile(att)(x, target, return_trace=True)
+        s, ts = sa.compile(std)(x, target, return_trace=True)
+        assert (a - s).abs().max() < 1e-12
+        assert (ta.free_energy - ts.free_energy).abs().max() < 1e-12
+
+
+def test_blocks_gradcheck_one_step():
+    m = sa.models.predictive_coding([4, 4, 2], blocks=[2, 2, 1], steps=1, step_size=0.3,
+                                    dtype=f64)
+    layer = sa.compile(m)
+    names = [n for n, _ in layer.named_parameters()]
+
+    def f(x, *ps):
+        return torch.func.functional_call(layer, dict(zip(names, ps, strict=True)), (x,))
+
+    params = tuple(p.detach().clone().requires_grad_() for p in layer.parameters())
+    assert torch.autograd.gradcheck(f, (torch.randn(2, 4, dtype=f64, requires_grad=True), *params))
+
+
+def test_blocks_posterior_is_a_softmax_over_block_prediction_errors():
+    m = sa.models.predictive_coding([6, 3], blocks=[3, 1], precision=0.8, steps=0, dtype=f64)
+    x, y = torch.randn(2, 6, dtype=f64), torch.randn(2, 3, dtype=f64)
+    _, post = sa.compile(m)(x, y, return_posterior=True)
+    W, b = m.weights[0], m.biases[0]  # (1, 3, 3, 2), (1, 3)
+    fx = torch.tanh(x).unflatten(-1, (3, 2))
+    err = torch.stack([y - fx[:, j] @ W[0, j].T - b[0] for j in range(3)], -2)  # (2, 3, 3)
+    expected = torch.softmax(-0.4 * (err ** 2).sum(-1), -1)
+    assert post.shape == (2, 1, 1, 3)  # (batch, heads, one output block, three input blocks)
+    assert (post[..., 0, 0, :] - expected).abs().max() < 1e-12
+
+
 def test_free_energy_gradient_is_the_local_learning_rule():
     """Standard network: ∂F/∂W_l = −k e_l f(z_{l−1})ᵀ and ∂F/∂b_l = −k e_l at fixed states."""
     m = sa.models.predictive_coding([6, 5, 3], attention=False, precision=2.0, steps=10,
@@ -126,6 +232,10 @@ def test_gradcheck_one_step():
     (lambda: sa.models.predictive_coding([5, 3], precision=0.0), "precision"),
     (lambda: sa.models.predictive_coding([5, 3], step_size=-0.1), "step_size"),
     (lambda: sa.models.predictive_coding([5, 3], steps=-1), "steps"),
+    (lambda: sa.models.predictive_coding([6, 4], blocks=[2], ), r"blocks .* 2 layers"),
+    (lambda: sa.models.predictive_coding([6, 4], blocks=[4, 2]), r"dividing its size; got \[4, 2\]"),
+    (lambda: sa.models.predictive_coding([6, 4], blocks=[0, 2]), "blocks"),
+    (lambda: sa.models.predictive_coding([6, 4], blocks=[2, 2], attention=False), "attention=True"),
 ])
 def test_bad_configurations_are_refused(build, match):
     with pytest.raises(ValueError, match=match):
@@ -140,3 +250,18 @@ def test_bad_inputs_are_refused():
         layer(torch.randn(2, 5), torch.randn(2, 4))
     with pytest.raises(ValueError, match="non-finite"):
         layer(torch.full((2, 5), float("nan")))
+
+
+def test_blocks_are_the_nodes_of_the_drawing():
+    """[8, 8, 4] with blocks [1, 4, 1]: 6 nodes (one input block, four hidden, one output) and
+    8 candidate edges; the output's edge probabilities are its posterior over the blocks."""
+    m = sa.models.predictive_coding([8, 8, 4], blocks=[1, 4, 1], steps=3, dtype=f64)
+    x = torch.rand(1, 8, dtype=f64)
+    G = sa.to_networkx(m, x)
+    assert G.number_of_nodes() == 6 and G.number_of_edges() == 8
+    _, post = sa.compile(m)(x, return_posterior=True)
+    out = [(u, v, d) for u, v, d in G.edges(data=True) if d["family"] == "predict2"]
+    assert len(out) == 4
+    weights = sorted(d["posterior"] for *_, d in out)
+    assert torch.allclose(torch.tensor(weights, dtype=f64),
+                          post["predict2"][0, 0, 0].sort().values, atol=1e-6)

@@ -1,4 +1,4 @@
-"""Prediction-error potential of predictive coding: ψ(z_j, z_i) = −(k/2)(z_i − w_ij f(z_j) − b_i)²."""
+"""Prediction-error potential of predictive coding: ψ(z_j, z_i) = −(k/2)‖z_i − W_ij f(z_j) − b_i‖²."""
 
 from __future__ import annotations
 
@@ -14,91 +14,118 @@ ACTIVATIONS = {None: (lambda x: x, lambda x: torch.ones_like(x)),
 
 
 class PredictionError(Potential):
-    """``ψ(z_j, z_i) = −(k/2)(z_i − w_ij f(z_j) − b_i)²`` between scalar units (node states
-    ``(*batch, n, 1)``): unit i predicted from the one incoming unit j its edge chose, with
-    weight w_ij (``W``: ``(children, parents)``), bias b_i (``bias``: ``(children,)`` or None),
-    precision k > 0 and activation f ∈ {None (identity), "tanh"} (paper §4.4, appendix 7.2).
-    Marginalising the choice puts a softmax over squared prediction errors where a standard
-    predictive-coding network has fixed precisions.
+    """``ψ(z_j, z_i) = −(k/2)‖z_i − W_ij f(z_j) − b_i‖²``: node i predicted from the one
+    incoming node j its edge chose (paper §4.4, appendix 7.2), with precision k > 0 and
+    activation f ∈ {None (identity), "tanh"}. Marginalising the choice puts a softmax over
+    squared prediction errors where a standard predictive-coding network has fixed precisions.
 
-    Expected gradients in closed form: −k(z_i − b_i − Σ_j p_ij w_ij f(z_j)) (children) and
-    k f'(z_j) Σ_i p_ij w_ij (z_i − w_ij f(z_j) − b_i) (parents); curvature k for a child.
-    Dense: O(children·parents) per evaluation.
+    - Scalar units (the paper's derivation): node states ``(*batch, n, 1)``, ``W``:
+      ``(children, parents)`` (one weight w_ij per edge), ``bias``: ``(children,)``.
+    - Blocks of units competing (the paper's suggestion, "similar to multidimensional token
+      representations"): node states ``(*batch, n, d)``, ``W``: ``(children, parents, d_child,
+      d_parent)`` (one matrix per edge), ``bias``: ``(children, d_child)``.
+
+    Expected gradients in closed form: −k(z_i − b_i − Σ_j p_ij W_ij f(z_j)) (children) and
+    k f'(z_j) ⊙ Σ_i p_ij W_ijᵀ(z_i − W_ij f(z_j) − b_i) (parents); curvature k for a child.
+    Dense: O(children · parents · d_child · d_parent) per evaluation.
     """
 
     heads = 1
 
     def __init__(self, W: torch.Tensor, bias: torch.Tensor | None = None, *, precision=1.0,
                  activation: str | None = None):
-        if not isinstance(W, torch.Tensor) or W.dim() != 2:
+        if not isinstance(W, torch.Tensor) or W.dim() not in (2, 4):
             got = shape_str(W.shape) if isinstance(W, torch.Tensor) else type(W).__name__
-            raise ValueError(f"PredictionError potential: W must be a matrix (children, parents); "
-                             f"got {got}")
-        if bias is not None and (not isinstance(bias, torch.Tensor) or bias.shape != W.shape[:1]):
+            raise ValueError(f"PredictionError potential: W must be a matrix (children, parents) "
+                             f"or a tensor (children, parents, d_child, d_parent); got {got}")
+        blocks = W.dim() == 4
+        bias_shape = (W.shape[0], W.shape[2]) if blocks else W.shape[:1]
+        if bias is not None and (not isinstance(bias, torch.Tensor) or bias.shape != bias_shape):
             got = shape_str(bias.shape) if isinstance(bias, torch.Tensor) else type(bias).__name__
-            raise ValueError(f"PredictionError potential: bias must have shape ({W.shape[0]},); "
-                             f"got {got}")
+            raise ValueError(f"PredictionError potential: bias must have shape "
+                             f"{shape_str(bias_shape)}; got {got}")
         if activation not in ACTIVATIONS:
             raise ValueError(f"PredictionError potential: activation must be one of "
                              f"{list(ACTIVATIONS)}; got {activation!r}")
         self.W, self.bias, self.activation = W, bias, activation
+        # one matrix per edge, (C, P, d_child, d_parent), and a bias (C, d_child)
+        self._W = W if blocks else W[..., None, None]
+        self._b = None if bias is None else (bias if blocks else bias[:, None])
         self.precision = check_temperature(precision, "PredictionError potential (precision)")
         self.f, self.df = ACTIVATIONS[activation]
 
+    @property
+    def child_features(self) -> int:
+        return self._W.shape[2]
+
+    @property
+    def parent_features(self) -> int:
+        return self._W.shape[3]
+
     def _errors(self, children, parents):
-        """e_ij = z_i − w_ij f(z_j) − b_i: ``(*batch, 1, C, P)``."""
-        pred = self.W * self.f(parents[..., 0]).unsqueeze(-2)  # (*batch, C, P)
-        e = children - pred  # children (*batch, C, 1)
-        if self.bias is not None:
-            e = e - self.bias[:, None]
-        return e.unsqueeze(-3)
+        """e_ij = z_i − W_ij f(z_j) − b_i: ``(*batch, C, P, d_child)``."""
+        if self._W.shape[2:] == (1, 1):  # scalar units: a broadcast product, no matmul
+            pred = (self.W * self.f(parents[..., 0]).unsqueeze(-2)).unsqueeze(-1)
+        else:
+            pred = torch.einsum("cpkd,...pd->...cpk", self._W, self.f(parents))
+        e = children.unsqueeze(-2) - pred  # children (*batch, C, 1, d_child)
+        if self._b is not None:
+            e = e - self._b[:, None, :]
+        return e
 
     def pairwise(self, children, parents):
-        return -0.5 * self.precision * self._errors(children, parents) ** 2
+        return (-0.5 * self.precision * (self._errors(children, parents) ** 2).sum(-1)).unsqueeze(-3)
 
     def at(self, children, parents, index):
         """The Pyro reading at the chosen parents, from the states directly."""
         from pyro.ops.indexing import Vindex
 
         C = children.shape[-2]
-        w = Vindex(self.W)[torch.arange(C, device=index.device), index]  # broadcast(index)
-        zj = gather_parents(self.f(parents).unsqueeze(-3), index)[..., 0]
-        e = children[..., 0].unsqueeze(-2) - w * zj
-        if self.bias is not None:
-            e = e - self.bias
-        return -0.5 * self.precision * e ** 2
+        w = Vindex(self._W)[torch.arange(C, device=index.device), index]  # (…, C, d_c, d_p)
+        zj = gather_parents(self.f(parents).unsqueeze(-3), index)  # (…, C, d_p)
+        e = children.unsqueeze(-3) - (w @ zj.unsqueeze(-1)).squeeze(-1)  # (…, C, d_c)
+        if self._b is not None:
+            e = e - self._b
+        return -0.5 * self.precision * (e ** 2).sum(-1)
 
     def expected_gradient(self, side, op):
-        post = op.posterior()  # (*batch, 1, C, P)
+        post = op.posterior()[..., 0, :, :]  # (*batch, C, P)
         xc, xp = op.family.children.states, op.family.parents.states
         k = self.precision
-        if side == "children":  # −k (z_i − b_i − Σ_j p_ij w_ij f(z_j))
-            pred = (post * self.W) @ self.f(xp).unsqueeze(-3)  # (*batch, 1, C, 1)
-            e = xc - pred.squeeze(-3)
-            if self.bias is not None:
-                e = e - self.bias[:, None]
+        if side == "children":  # −k (z_i − b_i − Σ_j p_ij W_ij f(z_j))
+            if self._W.shape[2:] == (1, 1):
+                pred = ((post * self.W) @ self.f(xp)[..., 0].unsqueeze(-1))  # (*batch, C, 1)
+            else:
+                pred = torch.einsum("...cp,cpkd,...pd->...ck", post, self._W, self.f(xp))
+            e = xc - pred
+            if self._b is not None:
+                e = e - self._b
             return -k * e
-        e = self._errors(xc, xp)  # (*batch, 1, C, P)
-        s = (post * self.W * e).sum(-2).squeeze(-2)  # (*batch, P)
-        return (k * s * self.df(xp[..., 0])).unsqueeze(-1)
+        e = self._errors(xc, xp)  # (*batch, C, P, d_c)
+        if self._W.shape[2:] == (1, 1):
+            s = (post * self.W * e[..., 0]).sum(-2).unsqueeze(-1)  # (*batch, P, 1)
+        else:
+            s = torch.einsum("...cp,cpkd,...cpk->...pd", post, self._W, e)
+        return k * s * self.df(xp)
 
     def expected_curvature(self, side, op):
         if side == "children":
             return self.precision
-        if self.activation is not None:
-            return None
-        post = op.posterior()
-        return self.precision * (post * self.W ** 2).sum(-2).squeeze(-2).unsqueeze(-1)
+        if self.activation is not None or self.parent_features != 1:
+            return None  # not a multiple of the identity
+        post = op.posterior()[..., 0, :, :]  # (*batch, C, P)
+        w2 = (self._W ** 2).sum((-2, -1))  # (C, P): W_ijᵀW_ij for a scalar parent
+        return self.precision * (post * w2).sum(-2).unsqueeze(-1)
 
     def validate(self, family, children, parents):
         check_temperature_value(self.precision, family)
-        for role, ns, n in (("children", children, self.W.shape[0]),
-                            ("parents", parents, self.W.shape[1])):
-            if ns.features != 1 or ns.size != n:
+        C, P, dc, dp = self._W.shape
+        for role, ns, n, d in (("children", children, C, dc), ("parents", parents, P, dp)):
+            if ns.features != d or ns.size != n:
                 raise ValueError(
                     f"edge family {family!r}: a PredictionError potential with W "
-                    f"{shape_str(self.W.shape)} needs {role} {ns.name!r} of shape (*batch, {n}, 1) "
-                    f"(scalar units); got {shape_str(ns.states.shape)}")
+                    f"{shape_str(self.W.shape)} needs {role} {ns.name!r} of shape (*batch, {n}, "
+                    f"{d}); got {shape_str(ns.states.shape)}")
             if ns.states.dtype != self.W.dtype:
                 raise ValueError(f"edge family {family!r}: {role} {ns.name!r} has dtype "
                                  f"{ns.states.dtype} but W has dtype {self.W.dtype}")

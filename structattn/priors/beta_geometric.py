@@ -24,7 +24,9 @@ Two ways to marginalise the same prior, chosen by ``inference``:
   every iteration, or one step from the detached fixed point), ``window_rule``
   ("predictive": grow while the posterior predictive's tail beyond the window is ≥ tol;
   "edge": double while the evidence alone — softmax of ψ over the window — puts more than
-  tol on its outer half) and
+  tol on its outer half; "evidence": double while the current posterior, extended beyond
+  the window with the unseen parents' likelihood set to the window's typical one, puts more
+  than tol beyond it) and
   ``initial_window`` (default: the prior's tail quantile at tol).
 """
 
@@ -42,7 +44,7 @@ EXPECTATIONS = ("digamma", "plug_in")
 UPDATES = ("conjugate", "accumulate")
 INFERENCES = ("exact", "mean_field")
 GRADS = ("unroll", "last")
-WINDOW_RULES = ("predictive", "edge")
+WINDOW_RULES = ("predictive", "edge", "evidence")
 
 
 def _positive(name, value):

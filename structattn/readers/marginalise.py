@@ -11,6 +11,7 @@ from .._direct import direct_readers
 from ..family import EdgeFamily
 from ..iterate import Engine, Trace
 from ..latent import LatentNodeSet
+from ..operator import FamilyOperator
 
 
 class MarginalEdge:
@@ -100,7 +101,12 @@ class Marginalise(Messenger):
     def infer(self) -> None:
         """Iterate the pending latents to their fixed point (see ``structattn.iterate``)."""
         pending = [z for z in self.latents.values() if not z.inferred]
-        if not pending:
+        if not pending:  # e.g. every layer clamped: the posteriors at the observed states
+            if self.record_posterior:
+                for name, fam in self.families.items():
+                    if name not in self.posteriors:
+                        self.posteriors[name] = FamilyOperator(
+                            fam, self._caches.setdefault(name, {})).posterior()
             return
         for z in pending:
             if not any(z is f.children or z is f.parents for f in self.families.values()) \
