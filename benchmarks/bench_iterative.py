@@ -202,8 +202,8 @@ def section_pcn(cfg, log):
         m = sa.models.predictive_coding(sizes, blocks=blocks, steps=T, step_size=0.1)
         x = torch.rand(B, sizes[0])
         layer = sa.compile(m)
-        fns = {"structattn": (lambda: layer(x), []),
-               "baseline": (lambda: by_hand(m, x, T, 0.1), [])}  # noqa: B023 (called here)
+        fns = {"structattn": (lambda layer=layer, x=x: layer(x), []),
+               "baseline": (lambda m=m, x=x, f=by_hand, T=T: f(m, x, T, 0.1), [])}
         with torch.no_grad():
             err = float((fns["structattn"][0]() - fns["baseline"][0]()).abs().max())
         if err > 1e-3:

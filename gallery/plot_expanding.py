@@ -162,7 +162,7 @@ def main(argv=None):
     ap.add_argument("--b", type=float, default=2.0)
     ap.add_argument("--tol", type=float, default=0.05)
     ap.add_argument("--update", default="conjugate", choices=("conjugate", "accumulate"))
-    ap.add_argument("--window-rule", default="predictive", choices=("predictive", "edge"))
+    ap.add_argument("--window-rule", default="predictive", choices=("predictive", "edge", "evidence"))
     ap.add_argument("--cost", type=float, default=0.0,
                     help="λ of the penalty λ·E_prior[min(φ, T)]/T on the learned prior")
     ap.add_argument("--initial-window", type=int, default=None)

@@ -1,24 +1,29 @@
-"""Predictive coding with attention over incoming units (paper §4.4, appendix 7.2) against the
+"""Predictive coding with attention over incoming units or blocks (paper §4.4, appendix 7.2) against the
 standard precision-weighted network, trained with the local learning rule on scikit-learn's
 bundled 8 × 8 digits (no download): 64 pixels scaled to [0, 1], 10 classes one-hot, a fixed
 split of 1,397 training and 400 test digits.
 
-Both networks are ``sa.models.predictive_coding(layer_sizes, attention=…)`` with the same
-settings (the defaults below: layers [64, 64, 10], tanh, precision k = 1, 20 inference steps
-of size 0.1 while training — the published attention-PCN's — and 20 and 200 at test; Adam,
-learning rate 1e-3, mini-batches of 32, 10 epochs, seeds 0, 1, 2):
+Every network is ``sa.models.predictive_coding(layer_sizes, …)`` with the same settings (the
+defaults below: layers [64, 64, 10], tanh, precision k = 1, 20 inference steps of size 0.1
+while training — the published attention-PCN's — and 20 and 200 at test; Adam, learning rate
+1e-3, mini-batches of 32, 10 epochs, seeds 0 … 4):
 
-- ``attention=True``: each unit picks one incoming unit, F = −Σ_i log (1/n) Σ_j
-  exp(−(k/2)(z_i − w_ij f(z_j) − b_i)²) (a softmax over prediction errors);
-- ``attention=False``: F = Σ_l (k/2)‖z_l − W_l f(z_{l−1}) − b_l‖².
+- attention over blocks (``blocks=[1, K, 1]``, K = ``--blocks`` = 4): the hidden layer is K
+  blocks of 64/K units, each predicted from the whole input; the output picks one hidden
+  block, F_out = −log (1/K) Σ_j exp(−(k/2)‖y − W_j f(h_j) − b‖²) (the paper's "blocks of
+  units competing"; the same number of weights as the standard network). Run twice: at the
+  shared k = 1 and at k = ``--sharp-precision`` (5), where the posterior is sharper;
+- attention over units (the paper's derivation as written): each unit picks one incoming
+  unit, F = −Σ_i log (1/n) Σ_j exp(−(k/2)(z_i − w_ij f(z_j) − b_i)²);
+- the standard network: F = Σ_l (k/2)‖z_l − W_l f(z_{l−1}) − b_l‖².
 
 Training step per mini-batch: relax the hidden layer with the target clamped, without
 gradients (``layer(x, y, return_trace=True)``), then one Adam step on the gradient of the mean
 free energy at those fixed states (``layer.free_energy(x, y, latents=final)``: the local
-rule). Test: ``layer(x)`` (the output layer inferred too, from the feed-forward guess; the
-attention network's guess is the mean single-edge prediction (1/n)Σ_j w_ij f(z_j) + b_i) and
-the class is the argmax of the returned top layer. The same two networks without a hidden
-layer ([64, 10]; nothing to relax while training) are trained alongside as a control.
+rule). Test: ``layer(x)`` (the output layer inferred too, from the prediction under the prior:
+the mean of the single-edge predictions for the attention networks) and the class is the
+argmax of the returned top layer. The unit networks without a hidden layer ([64, 10]; nothing
+to relax while training) are trained alongside as a control.
 
 Shows (``gallery/output/predictive_coding/``):
 
@@ -26,16 +31,17 @@ Shows (``gallery/output/predictive_coding/``):
   (mean over an epoch's mini-batches of F at the relaxed states) per epoch, every seed;
 - ``pc_test_inference.png``: the free energy (mean over test digits) and the test accuracy
   per inference step at test, 0 … 200 steps, every seed;
-- ``pc_attention_posterior.png``: the attention networks' posteriors over incoming units after
+- ``pc_block_posterior.png``: the block networks' posterior of the output over the hidden
+  blocks, per true class with the label clamped (which block explains which digits), and how
+  sharp it is, label clamped and inferred;
+- ``pc_attention_posterior.png``: the unit networks' posteriors over incoming units after
   test inference, for the first four test digits, as n·p − 1 (0: uniform): every output
   unit's over the hidden units ([64, 64, 10]) and, as 8 × 8 images, every output unit's over
   the pixels ([64, 10]).
 
-With these settings the attention network with a hidden layer does *not* learn: its hidden
-units collapse to the same state for every digit (the bias-only solution, F = (k/2) Σ_c
-var(y_c)) and its test accuracy stays at chance, while the standard one reaches ≈ 92%;
-without a hidden layer the attention network learns, but less well than the standard one.
-Measured numbers and the tuning tried: ``gallery/README.md``.
+Measured (``gallery/README.md``): attention over blocks matches the standard network (≈ 92%);
+attention over units does not learn with a hidden layer (its hidden units collapse to one
+state for every digit) and reaches ≈ 68% without one.
 
 Printed: a markdown table (accuracy mean ± sd over seeds, free energies, the spread of the
 hidden units over test digits, inference steps, time per inference step measured on the
@@ -44,7 +50,7 @@ synchronisation; restored on return).
 ``--quick``: 200 training and 100 test digits, a hidden layer of 16, 1 epoch, 1 seed, 5
 training and 10 test steps (the test suite).
 Run: ``python gallery/plot_predictive_coding.py [--epochs E] [--seeds S] [--hidden H]
-[--precision K] [--lr LR] [--out DIR] [--quick]``
+[--blocks K] [--precision K] [--sharp-precision K] [--lr LR] [--out DIR] [--quick]``
 """
 
 from __future__ import annotations
@@ -53,6 +59,7 @@ import argparse
 import datetime
 import os
 import time
+from typing import NamedTuple
 
 import matplotlib
 
@@ -67,8 +74,32 @@ import structattn as sa  # noqa: E402
 
 CLASSES = 10
 SPLIT = 1397  # training digits; the remaining 400 of 1,797 are the test set
-NAMES = {True: "attention", False: "standard"}
-COLOURS = {True: "C3", False: "C0"}
+
+
+class Config(NamedTuple):
+    """One network: ``kind`` ∈ {"standard", "units", "blocks"} (attention over incoming units,
+    or over blocks of units), its layer sizes and, for "blocks", the blocks per layer."""
+
+    kind: str
+    sizes: tuple
+    blocks: tuple | None = None
+    precision: float | None = None  # None: the shared --precision
+
+    @property
+    def name(self) -> str:
+        name = {"standard": "standard", "units": "attention (units)",
+                "blocks": f"attention (blocks {list(self.blocks or ())})"}[self.kind]
+        return name if self.precision is None else f"{name}, k = {self.precision:g}"
+
+    @property
+    def colour(self) -> str:
+        if self.precision is not None:
+            return "C1"
+        return {"standard": "C0", "units": "C3", "blocks": "C2"}[self.kind]
+
+    @property
+    def deep(self) -> bool:
+        return len(self.sizes) > 2
 
 
 # -- data -------------------------------------------------------------------------------------
@@ -87,10 +118,12 @@ def one_hot(y):
 
 
 # -- training and testing ---------------------------------------------------------------------
-def build(attention, sizes, args):
-    return sa.models.predictive_coding(list(sizes), attention=attention, precision=args.precision,
-                                       activation=args.activation, steps=args.steps,
-                                       step_size=args.step_size)
+def build(cfg, args):
+    return sa.models.predictive_coding(
+        list(cfg.sizes), attention=cfg.kind != "standard",
+        blocks=list(cfg.blocks) if cfg.blocks else None,
+        precision=args.precision if cfg.precision is None else cfg.precision,
+        activation=args.activation, steps=args.steps, step_size=args.step_size)
 
 
 def train_step(m, layer, opt, x, y):
@@ -119,10 +152,10 @@ def test_trace(m, layer, X, y, steps):
     spread of the hidden units over digits after inference (mean over units of the sd)."""
     with torch.no_grad(), sa.iteration(steps=steps):
         _, trace = layer(X, return_trace=True)
-    top = trace.states[f"layer{len(m.layer_sizes) - 1}"][..., 0]  # (steps + 1, B, 10)
+    top = trace.states[f"layer{len(m.layer_sizes) - 1}"].flatten(-2)  # (steps + 1, B, 10)
     acc = (top.argmax(-1) == y).to(torch.float32).mean(-1)
     hidden = trace.states.get("layer1") if len(m.layer_sizes) > 2 else None
-    spread = float(hidden[-1, ..., 0].std(0).mean()) if hidden is not None else float("nan")
+    spread = float(hidden[-1].flatten(-2).std(0).mean()) if hidden is not None else float("nan")
     return trace.free_energy.mean(-1), acc, spread
 
 
@@ -139,12 +172,12 @@ def time_per_step(layer, X, steps, repeats=3):
     return (best(steps) - best(0)) / steps
 
 
-def train(attention, sizes, seed, data, args):
+def train(cfg, seed, data, args):
     """One network: per-epoch test accuracy (``args.steps`` steps; epoch 0 = untrained) and
     training free energy, then the test trace at ``args.test_steps``."""
     Xtr, ytr, Xte, yte = data
     torch.manual_seed(seed)
-    m = build(attention, sizes, args)
+    m = build(cfg, args)
     layer = sa.compile(m)
     opt = torch.optim.Adam(m.parameters(), lr=args.lr)
     g = torch.Generator().manual_seed(seed)
@@ -165,11 +198,11 @@ def train(attention, sizes, seed, data, args):
 # -- pictures -------------------------------------------------------------------------------
 def plot_learning(runs, args, path, title):
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.9))
-    for (attention, sizes), seeds in runs.items():
-        ls = "-" if len(sizes) > 2 else ":"
-        label = f"{NAMES[attention]} {list(sizes)}"
+    for cfg, seeds in runs.items():
+        ls = "-" if cfg.deep else ":"
+        label = f"{cfg.name} {list(cfg.sizes)}"
         for s, r in enumerate(seeds):
-            kw = {"color": COLOURS[attention], "ls": ls, "lw": 1.2, "alpha": 0.8,
+            kw = {"color": cfg.colour, "ls": ls, "lw": 1.2, "alpha": 0.8,
                   "label": label if s == 0 else None}
             axes[0].plot(range(len(r["acc"])), r["acc"], marker="o", ms=2.5, **kw)
             axes[1].plot(range(1, len(r["F"]) + 1), r["F"], marker="o", ms=2.5, **kw)
@@ -192,12 +225,12 @@ def plot_learning(runs, args, path, title):
 
 def plot_test_inference(runs, args, path, title):
     fig, axes = plt.subplots(1, 2, figsize=(10.5, 4.1))
-    for (attention, sizes), seeds in runs.items():
-        ls = "-" if len(sizes) > 2 else ":"
+    for cfg, seeds in runs.items():
+        ls = "-" if cfg.deep else ":"
         drop = max(abs(float(r["F_test"][0] - r["F_test"][-1])) for r in seeds)
         for s, r in enumerate(seeds):
-            label = f"{NAMES[attention]} {list(sizes)}"
-            kw = {"color": COLOURS[attention], "ls": ls, "lw": 1.2, "alpha": 0.8}
+            label = f"{cfg.name} {list(cfg.sizes)}"
+            kw = {"color": cfg.colour, "ls": ls, "lw": 1.2, "alpha": 0.8}
             steps = np.arange(len(r["F_test"]))
             axes[0].plot(steps, r["F_test"].numpy().clip(1e-17), **kw,
                          label=f"{label}: |F_0 − F_{args.test_steps}| ≤ {drop:.1g}" if s == 0 else None)
@@ -207,7 +240,7 @@ def plot_test_inference(runs, args, path, title):
     axes[0].set_ylim(1e-17, 1)
     axes[0].text(0.03, 0.2, "standard: the feed-forward guess has zero prediction error,\n"
                  "F = 0 up to rounding at every step", transform=axes[0].transAxes, fontsize=7,
-                 color=COLOURS[False])
+                 color="C0")
     axes[1].set_ylabel("test accuracy (argmax of the top layer)")
     axes[1].set_ylim(0, 1)
     axes[1].axhline(0.1, color="0.5", lw=0.8, ls="--")
@@ -226,8 +259,8 @@ def plot_test_inference(runs, args, path, title):
 def plot_posterior(runs, X, y, args, path, title, examples=4):
     """Per test digit: the deep attention network's posterior of every output unit over the
     hidden units, and the shallow one's posterior of every output unit over the pixels."""
-    deep = runs[(True, (64, args.hidden, CLASSES))][0]["layer"]
-    shallow = runs[(True, (64, CLASSES))][0]["layer"]
+    deep = runs[Config("units", (64, args.hidden, CLASSES))][0]["layer"]
+    shallow = runs[Config("units", (64, CLASSES))][0]["layer"]
     x = X[:examples]
     with torch.no_grad(), sa.iteration(steps=args.test_steps):
         out_d, post_d = deep(x, return_posterior=True)
@@ -286,6 +319,59 @@ def plot_posterior(runs, X, y, args, path, title, examples=4):
     plt.close(fig)
 
 
+def block_posterior(layer, X, steps, y=None):
+    """The output node's posterior over the hidden blocks after inference (the output inferred,
+    or clamped to the one-hot ``y``): ``(B, K)``."""
+    with torch.no_grad(), sa.iteration(steps=steps):
+        _, post = layer(X, *([] if y is None else [one_hot(y)]), return_posterior=True)
+    return post["predict2"][:, 0, 0]  # (B, heads=1, one output node, K blocks) → (B, K)
+
+
+def plot_block_posterior(runs, X, y, args, path, title, seeds_shown=3):
+    """Each block network (one row per precision): the mean posterior of the output node over
+    the hidden blocks per true class, with the label clamped (which block explains which
+    digits) for the first seeds, and how sharp it is (max_j p per test digit, every seed;
+    label clamped, solid, and inferred, dashed)."""
+    cfgs = [c for c in runs if c.kind == "blocks"]
+    shown = min(seeds_shown, len(runs[cfgs[0]]))
+    fig, axes = plt.subplots(len(cfgs), shown + 1, figsize=(2.3 * shown + 4.2, 3.3 * len(cfgs)),
+                             squeeze=False, constrained_layout=True,
+                             gridspec_kw={"width_ratios": [1] * shown + [1.6]})
+    for row, cfg in zip(axes, cfgs, strict=True):
+        K = cfg.blocks[1]
+        k = args.precision if cfg.precision is None else cfg.precision
+        for s, r in enumerate(runs[cfg]):
+            p = block_posterior(r["layer"], X, args.test_steps, y)
+            free = block_posterior(r["layer"], X, args.test_steps)
+            if s < shown:
+                ax = row[s]
+                per_class = torch.stack([p[y == c].mean(0) for c in range(CLASSES)]).numpy()
+                im = ax.imshow(per_class, cmap="Greens", vmin=0, vmax=1, aspect="auto")
+                ax.set_xticks(range(K))
+                ax.set_yticks(range(CLASSES))
+                ax.tick_params(labelsize=7)
+                ax.set_xlabel("hidden block j", fontsize=8)
+                ax.set_ylabel(f"k = {k:g}\ntrue class of the test digit" if s == 0 else "",
+                              fontsize=8)
+                ax.set_title(f"seed {s}: accuracy {float(r['acc_test'][-1]):.1%}", fontsize=8)
+            bins = np.linspace(1 / K, 1, 31)
+            row[-1].hist(p.max(-1).values.numpy(), bins=bins, histtype="step", lw=1.2,
+                         color=f"C{s}", label=f"seed {s}")
+            row[-1].hist(free.max(-1).values.numpy(), bins=bins, histtype="step", lw=1.0,
+                         ls="--", color=f"C{s}")
+        fig.colorbar(im, ax=list(row[:-1]), fraction=0.04).set_label(
+            "mean p(output picks block j), label clamped", fontsize=7)
+        row[-1].set_xlabel("max_j p(φ = j) per test digit (1/K: uniform)\n"
+                           "solid: label clamped; dashed: output inferred", fontsize=8)
+        row[-1].set_ylabel("test digits", fontsize=8)
+        row[-1].axvline(1 / K, color="0.5", ls="--", lw=0.8)
+        row[-1].legend(fontsize=6)
+        row[-1].tick_params(labelsize=7)
+    fig.suptitle(title, fontsize=9)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 # -- the table ----------------------------------------------------------------------------------
 def mean_sd(values, fmt="{:.1%}"):
     v = np.asarray(values, dtype=float)
@@ -299,15 +385,15 @@ def table(runs, timings, args):
             f"{args.test_steps} | hidden spread (sd over digits) | ms per inference step "
             f"(batch {args.test_size}) | time per epoch (training + test at {args.steps} steps) |",
             "|---|---|---|---|---|---|---|---|---|"]
-    for (attention, sizes), seeds in runs.items():
+    for cfg, seeds in runs.items():
         rows.append(
-            f"| {NAMES[attention]} | {list(sizes)} | {mean_sd([r['acc'][-1] for r in seeds])} | "
+            f"| {cfg.name} | {list(cfg.sizes)} | {mean_sd([r['acc'][-1] for r in seeds])} | "
             f"{mean_sd([float(r['acc_test'][-1]) for r in seeds])} | "
             f"{mean_sd([r['F'][-1] for r in seeds], '{:.3g}')} | "
             f"{np.mean([float(r['F_test'][0]) for r in seeds]):.3g} → "
             f"{np.mean([float(r['F_test'][-1]) for r in seeds]):.3g} | "
-            + ("—" if len(sizes) == 2 else mean_sd([r["spread"] for r in seeds], "{:.2g}"))
-            + f" | {timings[(attention, sizes)] * 1e3:.2f} | "
+            + ("—" if not cfg.deep else mean_sd([r["spread"] for r in seeds], "{:.2g}"))
+            + f" | {timings[cfg] * 1e3:.2f} | "
             f"{np.mean([r['train_seconds'] for r in seeds]) / max(args.epochs, 1):.1f} s |")
     return "\n".join(rows)
 
@@ -315,9 +401,13 @@ def table(runs, timings, args):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--epochs", type=int, default=10)
-    p.add_argument("--seeds", type=int, default=3, help="seeds 0 … S − 1")
+    p.add_argument("--seeds", type=int, default=5, help="seeds 0 … S − 1")
     p.add_argument("--hidden", type=int, default=64, help="hidden units (layers [64, H, 10])")
-    p.add_argument("--precision", type=float, default=1.0, help="precision k (both models)")
+    p.add_argument("--blocks", type=int, default=4,
+                   help="hidden blocks of the block attention network (blocks [1, K, 1])")
+    p.add_argument("--precision", type=float, default=1.0, help="precision k (every network)")
+    p.add_argument("--sharp-precision", type=float, default=5.0,
+                   help="the block network's precision in its second run (sharper posteriors)")
     p.add_argument("--activation", default="tanh", choices=["tanh", "none"])
     p.add_argument("--steps", type=int, default=20, help="inference steps while training")
     p.add_argument("--step-size", type=float, default=0.1, help="inference step size")
@@ -332,6 +422,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.quick:
         args.train_size, args.test_size, args.hidden, args.epochs, args.seeds = 200, 100, 16, 1, 1
+        args.blocks = 4
         args.steps, args.test_steps = 5, 10
     args.activation = None if args.activation == "none" else args.activation
     os.makedirs(args.out, exist_ok=True)
@@ -350,20 +441,23 @@ def _run(args):
           f"{args.seeds - 1}; precision {args.precision}, {args.activation or 'identity'}, "
           f"{args.steps} training / {args.test_steps} test inference steps of "
           f"{args.step_size}; Adam lr {args.lr}, batch {args.batch}")
-    configs = [(attention, sizes) for sizes in ((64, args.hidden, CLASSES), (64, CLASSES))
-               for attention in (True, False)]
+    deep, shallow = (64, args.hidden, CLASSES), (64, CLASSES)
+    configs = [Config("blocks", deep, (1, args.blocks, 1)),
+               Config("blocks", deep, (1, args.blocks, 1), args.sharp_precision),
+               Config("standard", deep),
+               Config("units", deep), Config("units", shallow), Config("standard", shallow)]
     runs, timings = {}, {}
-    for attention, sizes in configs:
-        runs[(attention, sizes)] = seeds = []
+    for cfg in configs:
+        runs[cfg] = seeds = []
         for seed in range(args.seeds):
-            r = train(attention, sizes, seed, data, args)
+            r = train(cfg, seed, data, args)
             seeds.append(r)
-            print(f"  {NAMES[attention]:9} {str(list(sizes)):12} seed {seed}: test accuracy per epoch "
+            print(f"  {cfg.name:26} {str(list(cfg.sizes)):12} seed {seed}: test accuracy per epoch "
                   + " ".join(f"{a:.3f}" for a in r["acc"])
                   + f"; {args.test_steps} steps: {float(r['acc_test'][-1]):.3f} "
                   f"({r['train_seconds']:.1f} s)", flush=True)
-        timings[(attention, sizes)] = time_per_step(seeds[0]["layer"], data[2], args.test_steps,
-                                                    repeats=1 if args.quick else 3)
+        timings[cfg] = time_per_step(seeds[0]["layer"], data[2], args.test_steps,
+                                     repeats=1 if args.quick else 3)
 
     print()
     print(table(runs, timings, args))
@@ -386,6 +480,12 @@ def _run(args):
                    f"attention networks (seed 0): posterior over incoming units after "
                    f"{args.test_steps} test inference steps, for the first test digits",
                    examples=2 if args.quick else 4)
+    written.append(path)
+    path = os.path.join(args.out, "pc_block_posterior.png")
+    plot_block_posterior(runs, data[2], data[3], args, path,
+                         f"block attention networks {list(deep)}, blocks [1, {args.blocks}, 1]: "
+                         f"the output's posterior over the hidden blocks\nafter "
+                         f"{args.test_steps} inference steps on the test digits")
     written.append(path)
     print(f"({time.perf_counter() - start:.1f} s)\nwrote:\n  " + "\n  ".join(written))
     return written

@@ -63,11 +63,32 @@ class PredictionError(Potential):
         return self._W.shape[3]
 
     def _errors(self, children, parents):
-        """e_ij = z_i − W_ij f(z_j) − b_i: ``(*batch, C, P, d_child)``."""
+        """e_ij = z_i − W_ij f(z_j) − b_i: ``(*batch, C, P, d_child)``; the last one is kept
+        for the same state tensors (a step's posterior and expected gradients share it)."""
+        memo = getattr(self, "_memo", None)
+        if memo is not None and memo[0] is children and memo[1] is parents:
+            return memo[2]
+        e = self._compute_errors(children, parents)
+        self._memo = (children, parents, e)
+        return e
+
+    def _activated(self, states):
+        """f(states), kept for the last few state tensors (an observed layer's once per
+        forward, not once per step)."""
+        memo = self.__dict__.setdefault("_f_memo", [])
+        for t, fz in memo:
+            if t is states:
+                return fz
+        fz = self.f(states)
+        memo.insert(0, (states, fz))
+        del memo[3:]
+        return fz
+
+    def _compute_errors(self, children, parents):
         if self._W.shape[2:] == (1, 1):  # scalar units: a broadcast product, no matmul
-            pred = (self.W * self.f(parents[..., 0]).unsqueeze(-2)).unsqueeze(-1)
+            pred = (self.W * self._activated(parents)[..., 0].unsqueeze(-2)).unsqueeze(-1)
         else:
-            pred = torch.einsum("cpkd,...pd->...cpk", self._W, self.f(parents))
+            pred = torch.einsum("cpkd,...pd->...cpk", self._W, self._activated(parents))
         e = children.unsqueeze(-2) - pred  # children (*batch, C, 1, d_child)
         if self._b is not None:
             e = e - self._b[:, None, :]
@@ -92,20 +113,15 @@ class PredictionError(Potential):
         post = op.posterior()[..., 0, :, :]  # (*batch, C, P)
         xc, xp = op.family.children.states, op.family.parents.states
         k = self.precision
-        if side == "children":  # −k (z_i − b_i − Σ_j p_ij W_ij f(z_j))
-            if self._W.shape[2:] == (1, 1):
-                pred = ((post * self.W) @ self.f(xp)[..., 0].unsqueeze(-1))  # (*batch, C, 1)
-            else:
-                pred = torch.einsum("...cp,cpkd,...pd->...ck", post, self._W, self.f(xp))
-            e = xc - pred
-            if self._b is not None:
-                e = e - self._b
-            return -k * e
         e = self._errors(xc, xp)  # (*batch, C, P, d_c)
+        if side == "children":  # −k (z_i − b_i − Σ_j p_ij W_ij f(z_j)) = −k Σ_j p_ij e_ij
+            return -k * (post.unsqueeze(-2) @ e).squeeze(-2)  # (*batch, C, d_c)
         if self._W.shape[2:] == (1, 1):
             s = (post * self.W * e[..., 0]).sum(-2).unsqueeze(-1)  # (*batch, P, 1)
         else:
-            s = torch.einsum("...cp,cpkd,...cpk->...pd", post, self._W, e)
+            s = torch.einsum("cpkd,...cpk->...pd", self._W, post.unsqueeze(-1) * e)
+        if self.activation == "tanh":  # f' = 1 − f²
+            return k * s * (1 - self._activated(xp) ** 2)
         return k * s * self.df(xp)
 
     def expected_curvature(self, side, op):
