@@ -438,17 +438,25 @@ def test_flex_attention_path_on_cuda_matches_the_banded_cpu_path():
     torch.testing.assert_close(y_gpu.cpu(), y_cpu, atol=2e-3, rtol=2e-3)
 
 
+def planted_parents(*, seed, n, d, distances, gain):
+    """Token i = [k_i ; k_{i − back_i}] with unit random keys k and back_i uniform on
+    ``distances`` (inclusive); W_q, W_k score the planted parent ``gain``, the others
+    ≈ gain·N(0, 1/d). Returns x ``(1, n, 2d)``, back, target = i − back, W_q, W_k."""
+    torch.manual_seed(seed)
+    keys = torch.nn.functional.normalize(torch.randn(n, d, dtype=f64), dim=-1)
+    back = torch.randint(distances[0], distances[1] + 1, (n,))
+    target = (torch.arange(n) - back).clamp(min=0)
+    x = torch.cat([keys, keys[target]], -1)[None]
+    Wq = torch.cat([torch.zeros(d, d), torch.eye(d)], 1).double() * gain
+    Wk = torch.cat([torch.eye(d), torch.zeros(d, d)], 1).double()
+    return x, back, target, Wq, Wk
+
+
 def test_edge_rule_looks_further_back_until_it_finds_the_parent():
     """From a window of 2, the edge rule doubles each token's window while the evidence leans
     on its outer half: tokens whose parent sits 5–40 steps back find it."""
-    torch.manual_seed(8)
-    n, d = 300, 128
-    keys = torch.nn.functional.normalize(torch.randn(n, d, dtype=f64), dim=-1)
-    back = torch.randint(5, 41, (n,))
-    target = (torch.arange(n) - back).clamp(min=0)
-    x = torch.cat([keys, keys[target]], -1)[None]
-    Wq = torch.cat([torch.zeros(d, d), torch.eye(d)], 1).double() * 12.0
-    Wk = torch.cat([torch.eye(d), torch.zeros(d, d)], 1).double()
+    n = 300
+    x, back, target, Wq, Wk = planted_parents(seed=8, n=n, d=128, distances=(5, 40), gain=12.0)
 
     def prog(x):
         t = sa.nodes("x", x)
@@ -476,14 +484,8 @@ def test_evidence_rule_stops_where_the_parent_stands_out():
     Tokens find their parent with windows under twice its distance (or 4); the predictive
     rule, which looks only at the prior's tail, reads far more of the past for the same
     parents."""
-    torch.manual_seed(3)
-    n, d = 400, 64
-    keys = torch.nn.functional.normalize(torch.randn(n, d, dtype=f64), dim=-1)
-    back = torch.randint(2, 61, (n,))
-    target = (torch.arange(n) - back).clamp(min=0)
-    x = torch.cat([keys, keys[target]], -1)[None]
-    Wq = torch.cat([torch.zeros(d, d), torch.eye(d)], 1).double() * 10.0
-    Wk = torch.cat([torch.eye(d), torch.zeros(d, d)], 1).double()
+    n = 400
+    x, back, target, Wq, Wk = planted_parents(seed=3, n=n, d=64, distances=(2, 60), gain=10.0)
 
     def prog(x, rule):
         t = sa.nodes("x", x)
