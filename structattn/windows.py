@@ -19,12 +19,12 @@ Two support kinds, registered with ``lowering.register_support_kind``:
        evidence (softmax of ψ over the window, the prior left out) puts more than tol on the
        window's outer half, d > W_i/2 — a token keeps looking further back until its best
        match sits confidently in the inner half; or ``window_rule="evidence"``: W_i ← 2 W_i
-       while the posterior mass beyond the window exceeds tol, the unseen parents d > W_i
-       given the window's typical likelihood L̄_i (the mean of exp ψ over the window without
-       its best match):
+       while the posterior mass beyond the window exceeds tol, the unseen parents
+       W_i < d ≤ C_i (C_i: the child's past, or ``max_window``) given the window's typical
+       likelihood L̄_i (the mean of exp ψ over the window without its best match):
 
-           P(φ_i > W_i) ≈ L̄_i Σ_{d>W_i} e^{(d−1)E[ln q_i]} / (L̄_i Σ_{d>W_i} … + Σ_{d≤W_i}
-           e^{ψ_{i,i−d} + (d−1)E[ln q_i]}),
+           P(φ_i > W_i) ≈ L̄_i Σ_{W_i<d≤C_i} e^{(d−1)E[ln q_i]} / (L̄_i Σ_{W_i<d≤C_i} … +
+           Σ_{d≤W_i} e^{ψ_{i,i−d} + (d−1)E[ln q_i]}),
 
        so a token stops as soon as a match stands out of its window's noise, and keeps
        looking, as far as its prior expects parents, while none does.
@@ -254,10 +254,11 @@ class _Band:
         p = torch.softmax(logits, -1)
         return p, self.offset - p @ self.slot
 
-    def beyond_mass(self, rows, win, e_ln_q):
-        """The posterior mass beyond each child's window, the unseen parents d > W_i given the
-        window's typical likelihood (mean exp ψ over 1 ≤ d ≤ W_i without the best match; the
-        best match itself when W_i = 1), ``(k, B)``: see the module docstring."""
+    def beyond_mass(self, rows, win, e_ln_q, caps):
+        """The posterior mass beyond each child's window, the unseen parents W_i < d ≤ C_i
+        (``caps``: the child's past, or ``max_window``) given the window's typical likelihood
+        (mean exp ψ over 1 ≤ d ≤ W_i without the best match; the best match itself when
+        W_i = 1), ``(k, B)``: see the module docstring."""
         scores, beyond = self._window(rows, win)
         s = scores.masked_fill(beyond, float("-inf"))  # ψ on 1 ≤ d ≤ W_i
         log_in = torch.logsumexp(torch.addcmul(s, self.dist, e_ln_q[..., None]), -1)
@@ -266,8 +267,11 @@ class _Band:
         w = win.clamp(min=1).to(s.dtype)
         typical = torch.where(w > 1, torch.logsumexp(rest, -1) - (w - 1).clamp(min=1).log(),
                               s.gather(-1, top)[..., 0])
-        # Σ_{d>W} e^{d·e} = e^{(W+1)e} / (1 − e^e) (the posterior's d·e convention)
-        log_out = (w + 1) * e_ln_q - torch.log(-torch.expm1(e_ln_q)) + typical
+        # Σ_{W<d≤C} e^{d·e} = e^{(W+1)e} (1 − e^{(C−W)e}) / (1 − e^e) (the posterior's d·e
+        # convention); C = W: nothing unseen, mass 0
+        unseen = (caps.to(s.dtype) - w).clamp(min=0)
+        log_out = ((w + 1) * e_ln_q + torch.log(-torch.expm1(unseen * e_ln_q))
+                   - torch.log(-torch.expm1(e_ln_q)) + typical)
         return torch.sigmoid(log_out - log_in)
 
     def outer_evidence(self, rows, win):
@@ -385,7 +389,7 @@ def mean_field(family):
             with torch.no_grad():
                 if prior.window_rule in ("edge", "evidence"):  # double while it points on
                     outer = (current.outer_evidence(sel, w) if prior.window_rule == "edge"
-                             else current.beyond_mass(sel, w, e_ln_q))
+                             else current.beyond_mass(sel, w, e_ln_q, cp))
                     new_win = torch.where((outer > prior.tol) & (w < cp),
                                           torch.minimum(2 * w, cp), w)
                 else:

@@ -211,8 +211,9 @@ def brute_mean_field(s, a, b, *, tol=0.05, max_window=None, max_iters=50, conver
                     typical = sum(math.exp(v) for v in others) / len(others)
                 else:
                     typical = math.exp(lik[0])
-                outside = typical * sum(math.exp((d - 1) * e) for d in range(win + 1, 20000))
-                beyond = outside / (outside + inside)
+                outside = typical * sum(math.exp((d - 1) * e)
+                                        for d in range(win + 1, min(i, cap) + 1))
+                beyond = outside / (outside + inside)  # 0 when the window holds the past
                 new_win = min(2 * win, i, cap) if beyond > tol and win < min(i, cap) else win
             else:
                 new_win = max(win, min(quantile(new_alpha, new_beta), i))
