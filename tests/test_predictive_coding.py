@@ -122,6 +122,7 @@ def test_blocks_inference_is_gradient_descent_on_the_free_energy(case):
         assert (trace.states[f"layer{i}"][-1].flatten(-2) - z).abs().max() < 1e-10
     assert (out - (y if clamped else hand[-1])).abs().max() < 1e-10
     assert (trace.free_energy[-1] - free_energy_by_hand(m, x, y, hand)).abs().max() < 1e-10
+    assert (trace.free_energy[1:] - trace.free_energy[:-1]).max() <= 1e-12  # F never rises
 
 
 @pytest.mark.parametrize("clamped", [True, False])
