@@ -21,7 +21,8 @@ Two support kinds, registered with ``lowering.register_support_kind``:
        match sits confidently in the inner half; or ``window_rule="evidence"``: W_i ← 2 W_i
        while the posterior mass beyond the window exceeds tol, the unseen parents
        W_i < d ≤ C_i (C_i: the child's past, or ``max_window``) given the window's typical
-       likelihood L̄_i (the mean of exp ψ over the window without its best match):
+       likelihood L̄_i = E[e^ψ] under a Gaussian fit to the window's scores without its best
+       match, log L̄_i = mean + variance/2 (the best match alone when it is the only one):
 
            P(φ_i > W_i) ≈ L̄_i Σ_{W_i<d≤C_i} e^{(d−1)E[ln q_i]} / (L̄_i Σ_{W_i<d≤C_i} … +
            Σ_{d≤W_i} e^{ψ_{i,i−d} + (d−1)E[ln q_i]}),
@@ -257,16 +258,22 @@ class _Band:
     def beyond_mass(self, rows, win, e_ln_q, caps):
         """The posterior mass beyond each child's window, the unseen parents W_i < d ≤ C_i
         (``caps``: the child's past, or ``max_window``) given the window's typical likelihood
-        (mean exp ψ over 1 ≤ d ≤ W_i without the best match; the best match itself when
-        W_i = 1), ``(k, B)``: see the module docstring."""
+        (E[e^ψ] under a Gaussian fit to the scores on 1 ≤ d ≤ W_i without the best match; the
+        best match itself when W_i = 1), ``(k, B)``: see the module docstring."""
         scores, beyond = self._window(rows, win)
         s = scores.masked_fill(beyond, float("-inf"))  # ψ on 1 ≤ d ≤ W_i
         log_in = torch.logsumexp(torch.addcmul(s, self.dist, e_ln_q[..., None]), -1)
         top = s.argmax(-1, keepdim=True)
-        rest = s.scatter(-1, top, float("-inf"))
+        rest = s.scatter(-1, top, float("-inf"))  # the window without its best match
         w = win.clamp(min=1).to(s.dtype)
-        typical = torch.where(w > 1, torch.logsumexp(rest, -1) - (w - 1).clamp(min=1).log(),
-                              s.gather(-1, top)[..., 0])
+        # log E[e^ψ] of a Gaussian fit to the other scores, μ + σ²/2: the sample mean of e^ψ
+        # over a few heavy-tailed draws falls far below it when the scores spread widely
+        seen = torch.isfinite(rest)
+        count = seen.sum(-1).to(s.dtype)
+        x = torch.where(seen, rest, 0.0)
+        mu = x.sum(-1) / count.clamp(min=1)
+        var = torch.where(seen, (x - mu[..., None]) ** 2, 0.0).sum(-1) / (count - 1).clamp(min=1)
+        typical = torch.where(count > 0, mu + var / 2, s.gather(-1, top)[..., 0])
         # Σ_{W<d≤C} e^{d·e} = e^{(W+1)e} (1 − e^{(C−W)e}) / (1 − e^e) (the posterior's d·e
         # convention); C = W: nothing unseen, mass 0
         unseen = (caps.to(s.dtype) - w).clamp(min=0)
