@@ -24,7 +24,9 @@ Writes (``gallery/output/expanding/``):
 - ``expanding_table.csv``: the numbers (also printed as a markdown table).
 
 ``--quick``: 60 steps, one seed, p ∈ {1/2, 1/10}, D = 10 (the test suite).
-Run: ``python gallery/plot_expanding.py [--steps N] [--seeds S] [--out DIR] [--quick]``
+Run: ``python gallery/plot_expanding.py [--steps N] [--seeds S] [--window-rule predictive|edge|evidence]
+[--initial-window W] [--tol T] [--out DIR] [--quick]`` (the savings run: ``--window-rule evidence
+--initial-window 8 --tol 1e-6 --ds 50``)
 """
 
 from __future__ import annotations
