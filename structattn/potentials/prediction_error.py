@@ -9,8 +9,9 @@ from ..heads import gather_parents
 from .base import Potential
 from .bilinear import check_temperature, check_temperature_value
 
-ACTIVATIONS = {None: (lambda x: x, lambda x: torch.ones_like(x)),
-               "tanh": (torch.tanh, lambda x: 1 - torch.tanh(x) ** 2)}
+# f, and f' written in terms of f's value (f'(x) = g(f(x))): the activated states serve both
+ACTIVATIONS = {None: (lambda x: x, lambda fx: torch.ones_like(fx)),
+               "tanh": (torch.tanh, lambda fx: 1 - fx ** 2)}
 
 
 class PredictionError(Potential):
@@ -52,7 +53,9 @@ class PredictionError(Potential):
         self._W = W if blocks else W[..., None, None]
         self._b = None if bias is None else (bias if blocks else bias[:, None])
         self.precision = check_temperature(precision, "PredictionError potential (precision)")
-        self.f, self.df = ACTIVATIONS[activation]
+        self.f, self.df_of_f = ACTIVATIONS[activation]
+        self._memo = None  # (children, parents, errors) of the last states seen
+        self._f_memo = []  # (states, f(states)) of the last few
 
     @property
     def child_features(self) -> int:
@@ -65,7 +68,7 @@ class PredictionError(Potential):
     def _errors(self, children, parents):
         """e_ij = z_i − W_ij f(z_j) − b_i: ``(*batch, C, P, d_child)``; the last one is kept
         for the same state tensors (a step's posterior and expected gradients share it)."""
-        memo = getattr(self, "_memo", None)
+        memo = self._memo
         if memo is not None and memo[0] is children and memo[1] is parents:
             return memo[2]
         e = self._compute_errors(children, parents)
@@ -75,7 +78,7 @@ class PredictionError(Potential):
     def _activated(self, states):
         """f(states), kept for the last few state tensors (an observed layer's once per
         forward, not once per step)."""
-        memo = self.__dict__.setdefault("_f_memo", [])
+        memo = self._f_memo
         for t, fz in memo:
             if t is states:
                 return fz
@@ -120,9 +123,7 @@ class PredictionError(Potential):
             s = (post * self.W * e[..., 0]).sum(-2).unsqueeze(-1)  # (*batch, P, 1)
         else:
             s = torch.einsum("cpkd,...cpk->...pd", self._W, post.unsqueeze(-1) * e)
-        if self.activation == "tanh":  # f' = 1 − f²
-            return k * s * (1 - self._activated(xp) ** 2)
-        return k * s * self.df(xp)
+        return k * s * self.df_of_f(self._activated(xp))
 
     def expected_curvature(self, side, op):
         if side == "children":
