@@ -4,7 +4,8 @@
 #   - a virtual environment in .venv with torch installed FIRST at a pinned version
 #     (TORCH_SPEC, default torch==2.13.0: on our CPU machines that is a local CPU wheel,
 #     whereas an unpinned torch pulls a multi-GB CUDA build);
-#   - structattn itself, editable, with its dev extras (pytest, hypothesis, ruff).
+#   - structattn itself, editable, with its dev extras (pytest, hypothesis, ruff);
+#   - the compiled CPU kernel (structattn/csrc, built once and cached; needs g++).
 # Safe to run again: it only installs what is missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -42,5 +43,13 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ] \
   echo "$WANT" > "$STAMP"
 else
   echo "setup: structattn already installed for this pyproject.toml"
+fi
+# The compiled CPU kernel of expanding attention: built once per machine (about a minute),
+# cached by torch under ~/.cache/torch_extensions; without it the library falls back to
+# its Python loop (slower) and says so.
+if ! .venv/bin/python -c "import structattn.kernels as k, sys; sys.exit(0 if k.available() else 1)" \
+    >/dev/null 2>&1; then
+  echo "setup: WARNING: the compiled kernel could not be built (a C++ compiler is needed):" \
+       "$(.venv/bin/python -c 'import structattn.kernels as k; k.available(); print(k.build_error())' 2>/dev/null | head -c 300)" >&2
 fi
 echo "setup: done ($(.venv/bin/python -c 'import torch, pyro; print("torch", torch.__version__, "pyro", pyro.__version__)'))"

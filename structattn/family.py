@@ -50,6 +50,8 @@ class EdgeFamily:
     tables: PriorTables = field(init=False, repr=False)
     #: what an iterating lowering did this pass (e.g. mean-field windows), or None
     trace: object = field(default=None, init=False, repr=False)
+    #: whether a reader will read ``trace`` (an iterating lowering may skip its history)
+    record_trace: bool = field(default=True, init=False, repr=False)
 
     def __post_init__(self):
         self.tables = self.prior.tables(self.children.size, self.parents.size,

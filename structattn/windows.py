@@ -209,6 +209,10 @@ class MeanFieldWindows(SupportKind):
 
     def lower(self, family, want_posterior):
         _check_self_family(family, "beta-geometric prior")
+        solved = mean_field_compiled(family)
+        if solved is not None:
+            attend, posterior, family.trace = solved
+            return attend, posterior
         p, layout, trace = mean_field(family)
         family.trace = trace
         keep = _keep_from_position(family.children.size, p.device, p.dtype)
@@ -290,6 +294,127 @@ class _Band:
         return (lik * (self.dist > (win // 2)[..., None].to(self.dist.dtype))).sum(-1)
 
 
+def _initial_windows(prior, a0, b0, lead, n, cap):
+    """``caps`` ``(N,)`` (child i sees at most min(i, cap) parents) and the first windows
+    ``(*lead, N)``: the prior's tail quantile at tol, or ``initial_window``; no grad."""
+    quantile = beta_quantile if prior.expectation == "digamma" else plug_in_quantile
+    with torch.no_grad():
+        caps = torch.arange(n, device=a0.device).clamp(max=cap)
+        win0 = torch.minimum(quantile(a0[:, None].expand(*lead, n),
+                                      b0[:, None].expand(*lead, n), prior.tol, cap), caps)
+        if prior.initial_window is not None:
+            win0 = torch.full_like(win0, prior.initial_window).clamp(max=cap).minimum(caps)
+    return caps, win0
+
+
+_RULES = {"predictive": 0, "edge": 1, "evidence": 2}
+
+
+@torch.compiler.disable
+def mean_field_compiled(family):
+    """The same iteration as ``mean_field``, each child's whole iteration in the compiled CPU
+    kernel (``structattn.kernels``); returns ``(attend, posterior, trace)``, or None where it
+    does not apply — not on the CPU, no kernel, or ``grad="unroll"`` with grad enabled (the
+    derivative through every iteration needs the Python loop's graph).
+
+    The kernel returns each child's fixed point (window, α, β); the output is then one more
+    posterior at that fixed point — the kernel's ``attend`` without grad, or under
+    ``grad="last"`` the differentiable step on the band, exactly as ``mean_field`` takes it.
+    The trace's ``band`` is the widest window scored at each round (no band is built)."""
+    from . import kernels
+
+    prior: BetaGeometric = family.prior
+    xc = family.children.states
+    if xc.device.type != "cpu" or (prior.grad == "unroll" and torch.is_grad_enabled()):
+        return None
+    ops = kernels.mean_field_windows()
+    if ops is None:
+        return None
+    n = family.children.size
+    a, b, scale = score_factors(family)  # (*batch, H, N, k)
+    a0, b0 = prior.params(a.device, xc.dtype)  # (H|1,)
+    work = a0.dtype
+    if work not in (torch.float32, torch.float64):
+        return None
+    cap = max(1, n - 1 if prior.max_window is None else min(n - 1, prior.max_window))
+    lead = a.shape[:-2]  # (*batch, H)
+    caps, win0 = _initial_windows(prior, a0, b0, lead, n, cap)
+    record = getattr(family, "record_trace", True)
+    with torch.no_grad():
+        af = a.detach().to(work).reshape(-1, n, a.shape[-1])  # (G, N, k)
+        bf = b.detach().to(work).reshape(-1, n, b.shape[-1])
+        G = af.shape[0]
+        a0g = a0.detach().expand(*lead).reshape(G)  # each row's head
+        b0g = b0.detach().expand(*lead).reshape(G)
+        win, alpha, beta, m, steps, settled, h_win, h_alpha, h_beta, h_m = ops.solve(
+            af, bf, float(scale), a0g.contiguous(), b0g.contiguous(),
+            win0.reshape(G, n).contiguous(), caps.contiguous(), float(prior.tol),
+            float(prior.converge_tol), prior.max_iters, cap, prior.expectation == "digamma",
+            prior.update == "conjugate", _RULES[prior.window_rule], record)
+        rounds = int(steps.max()) if steps.numel() else 0
+        if record:  # round t: each child's step min(t, steps − 1) (a settled child keeps its last)
+            t = torch.arange(rounds, device=a.device)[:, None, None]
+            at = torch.minimum(t, (steps - 1).clamp(min=0)).expand(rounds, G, n)
+            none = steps == 0  # no past: window 0, the prior's Beta, E[φ] 0
+
+            def history(h, first):
+                got = h.gather(0, at) if rounds else h[:0]
+                return torch.where(none, first, got).reshape(rounds, *lead, n)
+            h_win = history(h_win, win0.reshape(G, n))
+            h_alpha = history(h_alpha, a0g[:, None].expand(G, n))
+            h_beta = history(h_beta, b0g[:, None].expand(G, n))
+            h_m = history(h_m, torch.zeros((), dtype=work, device=a.device))
+            live = (t < steps).reshape(rounds, G * n)  # who scored at round t
+            band_w = [int(h_win.reshape(rounds, G * n)[r][live[r]].max()) for r in range(rounds)]
+        else:  # nobody reads it: the final state as one round
+            h_win, h_alpha, h_beta, h_m = (x.reshape(1, *lead, n) for x in (win, alpha, beta, m))
+            band_w = [int(win.max())] if win.numel() else []
+        discarded = _tail(alpha, beta, win, prior.expectation)
+    trace = WindowTrace(
+        windows=h_win, alpha=h_alpha, beta=h_beta, expected_distance=h_m, band=band_w,
+        iterations=rounds, converged=bool(settled.all()),
+        discarded=discarded.reshape(*lead, n).to(xc.dtype),
+        child_iterations=steps.reshape(*lead, n))
+    win_l = win.reshape(*lead, n)
+    reach = max(1, int(win.max()) if win.numel() else 1)
+
+    def band_posterior(alpha_f, beta_f):
+        """The posterior at the fixed point on a band (with grad where a, b carry it)."""
+        bnd = _Band(a, b, scale, n, reach, prior.block_size, work)
+        lay = bnd.layout
+        def blocked_ones(t):  # (*lead, N) → (G', B), padding slots at Beta(1, 1): finite
+            return lay.children((t - 1)[..., None])[..., 0].reshape(-1, lay.block) + 1
+
+        blocked = lay.children(win_l[..., None])[..., 0].reshape(-1, lay.block)
+        e = _log_q_expectations(blocked_ones(alpha_f), blocked_ones(beta_f),
+                                prior.expectation)[0]
+        p, _ = bnd.posterior(None, blocked, e)
+        p = (p * (blocked >= 1)[..., None]).reshape(bnd.shape).to(xc.dtype)
+        return p, lay
+
+    if prior.grad == "last" and torch.is_grad_enabled():
+        # one differentiable step from the detached fixed point (as mean_field)
+        a_prior = a0[:, None].expand(*lead, n)
+        b_prior = b0[:, None].expand(*lead, n)
+        alpha_f = alpha.reshape(*lead, n) + (a_prior - a_prior.detach())
+        beta_f = beta.reshape(*lead, n) + (b_prior - b_prior.detach())
+        p, lay = band_posterior(alpha_f, beta_f)
+        keep = _keep_from_position(n, p.device, p.dtype)
+        return (lambda u: band.apply(p, u, lay) * keep), (lambda: lay.to_dense(p)), trace
+
+    e_final = _log_q_expectations(alpha, beta, prior.expectation)[0]  # (G, N)
+
+    def attend(u):  # u: (*batch, H, N, d_v)
+        out = ops.attend(af, bf, u.detach().to(work).reshape(G, n, u.shape[-1]), float(scale),
+                         win, e_final)
+        return out.reshape(*lead, n, u.shape[-1]).to(u.dtype)
+
+    def posterior():
+        p, lay = band_posterior(alpha.reshape(*lead, n), beta.reshape(*lead, n))
+        return lay.to_dense(p)
+    return attend, posterior, trace
+
+
 @torch.compiler.disable
 def mean_field(family):
     """Iterate the mean-field equations for one family; returns the band posterior
@@ -339,13 +464,7 @@ def mean_field(family):
         return out
 
     # per-child state on the blocks of the first band: (G, B)
-    with torch.no_grad():
-        caps = torch.arange(n, device=a.device).clamp(max=cap)  # child i sees ≤ i parents
-        prior_alpha = a0[:, None].expand(*lead, n)
-        win0 = torch.minimum(quantile(prior_alpha, b0[:, None].expand(*lead, n), prior.tol,
-                                      cap), caps)
-        if prior.initial_window is not None:
-            win0 = torch.full_like(win0, prior.initial_window).clamp(max=cap).minimum(caps)
+    caps, win0 = _initial_windows(prior, a0, b0, lead, n, cap)
     # built with the graph when one is wanted at all: "last" reuses it for its one step
     current = _Band(a, b, scale, n, int(win0.max()) if win0.numel() else 1, prior.block_size,
                     work)

@@ -231,7 +231,11 @@ def brute_mean_field(s, a, b, *, tol=0.05, max_window=None, max_iters=50, conver
     ("digamma", "accumulate", "predictive"), ("digamma", "conjugate", "edge"),
     ("digamma", "conjugate", "evidence"), ("plug_in", "accumulate", "evidence")])
 @pytest.mark.parametrize("n,block", [(9, 4), (23, 64), (40, 8)])
-def test_mean_field_fixed_point_equals_the_brute_force(n, block, expectation, update, rule):
+@pytest.mark.parametrize("path", ["loop", "kernel"])
+def test_mean_field_fixed_point_equals_the_brute_force(n, block, expectation, update, rule,
+                                                       path):
+    """Both implementations: the Python loop (with its graph, as in training) and the
+    compiled CPU kernel (without one, as in inference)."""
     g = torch.Generator().manual_seed(n)
     heads, d = 2, 4
     x = torch.randn(2, n, d, generator=g, dtype=f64)
@@ -241,8 +245,11 @@ def test_mean_field_fixed_point_equals_the_brute_force(n, block, expectation, up
     prior = sa.priors.BetaGeometric(a, b, inference="mean_field", tol=0.1, block_size=block,
                                     expectation=expectation, update=update, window_rule=rule,
                                     initial_window=start)
-    y, post, trace = sa.compile(program)(x, W, prior, heads, return_posterior=True,
-                                         return_trace=True)
+    if path == "kernel":
+        assert sa.kernels.available(), sa.kernels.build_error()
+    with torch.no_grad() if path == "kernel" else sa.kernels.disabled():
+        y, post, trace = sa.compile(program)(x, W, prior, heads, return_posterior=True,
+                                             return_trace=True)
     s = scores_of(x, W, heads)
     for bi in range(2):
         for h in range(heads):

@@ -129,6 +129,7 @@ class Marginalise(Messenger):
         if family.name in self.families:
             raise ValueError(f"edge family {family.name!r} is declared twice in one model")
         self.families[family.name] = family
+        family.record_trace = self.record_trace
         return MarginalEdge(family, self)
 
     @contextlib.contextmanager

@@ -1,0 +1,329 @@
+// The mean-field geometric–Beta iteration of expanding attention, one child at a time.
+//
+// Children are independent given the scores (each has its own q_i), so each CPU thread
+// takes a run of children and iterates each to its own fixed point, scoring its parents
+// lazily as its window grows: work Σ_i W_i·(k + iterations_i), one call, no per-step
+// tensors. The equations are those of structattn/windows.py (its module docstring), step
+// for step, so the two agree to rounding; the Python loop is the reference and the path
+// on other devices.
+//
+//   solve:  (a (G, N, k), b (G, N, k), a0, b0 (G,), win0 (G, N), caps (N,)) →
+//           final windows, α, β, E[φ], steps and whether it settled, per child (and, when recording, the per-step
+//           history (max_iters, G, N) of each child's window, α, β, E[φ]).
+//   attend: out_i = Σ_{d ≤ W_i} softmax_d(ψ_{i,i−d} + d·e_i) u_{i−d}   (G, N, dv).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/native/Math.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+enum Rule : int64_t { kPredictive = 0, kEdge = 1, kEvidence = 2 };
+
+template <typename T>
+T log_beta(T x, T y) {
+  return std::lgamma(x) + std::lgamma(y) - std::lgamma(x + y);
+}
+
+// E[ln q] under Beta(α, β): digamma, or ln E[q] plugged in.
+template <typename T>
+T e_ln_q(T alpha, T beta, bool digamma) {
+  if (digamma) return calc_digamma(alpha) - calc_digamma(alpha + beta);
+  return std::log(alpha) - std::log(alpha + beta);
+}
+
+// P(φ > W) under Beta(α, β): the predictive (digamma) or the plug-in geometric.
+template <typename T>
+T tail(T alpha, T beta, int64_t w, bool digamma) {
+  T wt = static_cast<T>(w);
+  if (digamma) return std::exp(log_beta(alpha + wt, beta) - log_beta(alpha, beta));
+  return std::pow(alpha / (alpha + beta), wt);
+}
+
+// Smallest W in [1, cap] with P(φ > W) < tol (windows.beta_quantile / plug_in_quantile).
+template <typename T>
+int64_t quantile(T alpha, T beta, T tol, int64_t cap, bool digamma) {
+  if (digamma) {
+    const T log_tol = std::log(tol);
+    const T base = log_beta(alpha, beta);
+    int64_t lo = 0, hi = cap, bits = 0;
+    for (int64_t c = cap; c > 0; c >>= 1) ++bits;
+    for (int64_t it = 0; it < bits + 1; ++it) {
+      int64_t mid = (lo + hi) / 2;  // lo, hi ≥ 0: floor division as in Python
+      bool below = (log_beta(alpha + static_cast<T>(mid), beta) - base) < log_tol;
+      if (below) hi = mid; else lo = mid;
+    }
+    return std::max<int64_t>(hi, 1);
+  }
+  T log_q = std::log(alpha / (alpha + beta));
+  T w = std::floor(std::log(tol) / log_q) + T(1);
+  if (!(w >= T(1))) w = T(1);  // (NaN-safe)
+  if (w > static_cast<T>(cap)) w = static_cast<T>(cap);
+  return static_cast<int64_t>(w);
+}
+
+template <typename T>
+T dot(const T* x, const T* y, int64_t k) {
+  T acc = 0;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t j = 0; j < k; ++j) acc += x[j] * y[j];
+  return acc;
+}
+
+// Scores of child i against parents i − d for d in (have, want], into s[d − 1].
+template <typename T>
+void score_to(std::vector<T>& s, int64_t& have, int64_t want, const T* ai, const T* bg,
+              int64_t i, int64_t k, T scale) {
+  for (int64_t d = have + 1; d <= want; ++d) s[d - 1] = scale * dot(ai, bg + (i - d) * k, k);
+  if (want > have) have = want;
+}
+
+// log Σ_{d ≤ W} exp(s_d + d·e) and E[φ] = Σ d·p_d under that softmax.
+template <typename T>
+void posterior_moments(const std::vector<T>& s, int64_t w, T e, T& log_z, T& mean) {
+  T mx = -std::numeric_limits<T>::infinity();
+  for (int64_t d = 1; d <= w; ++d) mx = std::max(mx, s[d - 1] + static_cast<T>(d) * e);
+  T z = 0, zd = 0;
+  for (int64_t d = 1; d <= w; ++d) {
+    T p = std::exp(s[d - 1] + static_cast<T>(d) * e - mx);
+    z += p;
+    zd += p * static_cast<T>(d);
+  }
+  log_z = mx + std::log(z);
+  mean = zd / z;
+}
+
+// "edge": the evidence alone (softmax of ψ over the window) on its outer half d > W/2.
+template <typename T>
+T outer_evidence(const std::vector<T>& s, int64_t w) {
+  T mx = -std::numeric_limits<T>::infinity();
+  for (int64_t d = 1; d <= w; ++d) mx = std::max(mx, s[d - 1]);
+  T z = 0, outer = 0;
+  const int64_t half = w / 2;
+  for (int64_t d = 1; d <= w; ++d) {
+    T p = std::exp(s[d - 1] - mx);
+    z += p;
+    if (d > half) outer += p;
+  }
+  return outer / z;
+}
+
+// "evidence": posterior mass beyond the window, the unseen parents W < d ≤ C given the
+// typical likelihood log L̄ = μ + σ²/2 of the window's scores without its best match.
+template <typename T>
+T beyond_mass(const std::vector<T>& s, int64_t w, int64_t cap_i, T e, T log_in) {
+  const int64_t unseen_n = std::max<int64_t>(cap_i - w, 0);
+  if (unseen_n == 0) return T(0);
+  int64_t top = 0;
+  for (int64_t d = 1; d < w; ++d) if (s[d] > s[top]) top = d;
+  T typical;
+  const int64_t count = w - 1;
+  if (count > 0) {
+    T sum = 0;
+    for (int64_t d = 0; d < w; ++d) if (d != top) sum += s[d];
+    T mu = sum / static_cast<T>(count);
+    T ss = 0;
+    for (int64_t d = 0; d < w; ++d) if (d != top) ss += (s[d] - mu) * (s[d] - mu);
+    T var = ss / static_cast<T>(std::max<int64_t>(count - 1, 1));
+    typical = mu + var / T(2);
+  } else {
+    typical = s[top];
+  }
+  const T wt = static_cast<T>(w), unseen = static_cast<T>(unseen_n);
+  T log_out = (wt + T(1)) * e + std::log(-std::expm1(unseen * e)) - std::log(-std::expm1(e)) +
+              typical;
+  return T(1) / (T(1) + std::exp(log_in - log_out));
+}
+
+template <typename T>
+void solve_impl(const at::Tensor& a, const at::Tensor& b, double scale_d, const at::Tensor& a0,
+                const at::Tensor& b0, const at::Tensor& win0, const at::Tensor& caps,
+                double tol_d, double converge_tol_d, int64_t max_iters, int64_t cap,
+                bool digamma, bool conjugate, int64_t rule, bool record, at::Tensor& win_out,
+                at::Tensor& alpha_out, at::Tensor& beta_out, at::Tensor& m_out,
+                at::Tensor& steps_out, at::Tensor& settled_out, at::Tensor& h_win,
+                at::Tensor& h_alpha, at::Tensor& h_beta, at::Tensor& h_m) {
+  const int64_t G = a.size(0), N = a.size(1), k = a.size(2);
+  const T scale = static_cast<T>(scale_d), tol = static_cast<T>(tol_d);
+  const T ctol = static_cast<T>(converge_tol_d);
+  const T* A = a.data_ptr<T>();
+  const T* B = b.data_ptr<T>();
+  const T* A0 = a0.data_ptr<T>();
+  const T* B0 = b0.data_ptr<T>();
+  const int64_t* W0 = win0.data_ptr<int64_t>();
+  const int64_t* C = caps.data_ptr<int64_t>();
+  int64_t* Wout = win_out.data_ptr<int64_t>();
+  T* Aout = alpha_out.data_ptr<T>();
+  T* Bout = beta_out.data_ptr<T>();
+  T* Mout = m_out.data_ptr<T>();
+  int64_t* Sout = steps_out.data_ptr<int64_t>();
+  bool* Done = settled_out.data_ptr<bool>();
+  int64_t* HW = record ? h_win.data_ptr<int64_t>() : nullptr;
+  T* HA = record ? h_alpha.data_ptr<T>() : nullptr;
+  T* HB = record ? h_beta.data_ptr<T>() : nullptr;
+  T* HM = record ? h_m.data_ptr<T>() : nullptr;
+  const int64_t stride = G * N;  // one history step
+
+  at::parallel_for(0, G * N, 16, [&](int64_t begin, int64_t end) {
+    std::vector<T> s(std::max<int64_t>(cap, 1));
+    for (int64_t c = begin; c < end; ++c) {
+      const int64_t g = c / N, i = c % N;
+      const T pa = A0[g], pb = B0[g];
+      int64_t w = W0[c];
+      T alpha = pa, beta = pb, m = 0;
+      int64_t steps = 0;
+      bool done = true;  // no past: nothing to iterate
+      if (w >= 1) {
+        const int64_t cap_i = C[i];
+        const T* ai = A + c * k;
+        const T* bg = B + g * N * k;
+        int64_t have = 0;
+        T m_prev = std::numeric_limits<T>::quiet_NaN();
+        for (int64_t t = 0; t < max_iters; ++t) {
+          score_to(s, have, w, ai, bg, i, k, scale);
+          const T e = e_ln_q(alpha, beta, digamma);
+          T log_z, mean;
+          posterior_moments(s, w, e, log_z, mean);
+          m = mean;
+          const T new_alpha = (conjugate ? pa : alpha) + mean - T(1);
+          const T new_beta = (conjugate ? pb : beta) + T(1);
+          int64_t new_w = w;
+          if (rule == kPredictive) {
+            if (tail(new_alpha, new_beta, w, digamma) >= tol && w < cap_i)
+              new_w = std::min(quantile(new_alpha, new_beta, tol, cap, digamma), cap_i);
+          } else {
+            T outer = rule == kEdge ? outer_evidence(s, w) : beyond_mass(s, w, cap_i, e, log_z);
+            if (outer > tol && w < cap_i) new_w = std::min(2 * w, cap_i);
+          }
+          // NaN m_prev: never settled at the first step
+          const bool settled = std::abs(mean - m_prev) <= ctol * std::max(std::abs(mean), T(1)) &&
+                               new_w == w;
+          if (record) {
+            HW[t * stride + c] = w;
+            HA[t * stride + c] = alpha;
+            HB[t * stride + c] = beta;
+            HM[t * stride + c] = mean;
+          }
+          steps = t + 1;
+          done = settled;
+          if (settled || t + 1 == max_iters) break;  // its state stays that of this step
+          alpha = new_alpha;
+          beta = new_beta;
+          w = new_w;
+          m_prev = mean;
+        }
+      }
+      Wout[c] = w;
+      Aout[c] = alpha;
+      Bout[c] = beta;
+      Mout[c] = m;
+      Sout[c] = steps;
+      Done[c] = done;
+    }
+  });
+}
+
+std::vector<at::Tensor> solve(const at::Tensor& a, const at::Tensor& b, double scale,
+                              const at::Tensor& a0, const at::Tensor& b0,
+                              const at::Tensor& win0, const at::Tensor& caps, double tol,
+                              double converge_tol, int64_t max_iters, int64_t cap,
+                              bool digamma, bool conjugate, int64_t rule, bool record) {
+  TORCH_CHECK(a.device().is_cpu() && a.dim() == 3 && b.sizes() == a.sizes(),
+              "mean_field_windows.solve: a, b must be CPU (G, N, k) of one shape");
+  TORCH_CHECK(a.scalar_type() == b.scalar_type() && a0.scalar_type() == a.scalar_type() &&
+                  b0.scalar_type() == a.scalar_type(),
+              "mean_field_windows.solve: a, b, a0, b0 must share one dtype");
+  TORCH_CHECK(win0.scalar_type() == at::kLong && caps.scalar_type() == at::kLong,
+              "mean_field_windows.solve: win0, caps must be int64");
+  const int64_t G = a.size(0), N = a.size(1);
+  auto ac = a.contiguous(), bc = b.contiguous(), a0c = a0.contiguous(), b0c = b0.contiguous();
+  auto w0 = win0.contiguous(), cp = caps.contiguous();
+  auto lopt = a.options().dtype(at::kLong);
+  auto win_out = at::empty({G, N}, lopt), steps = at::empty({G, N}, lopt);
+  auto settled = at::empty({G, N}, a.options().dtype(at::kBool));
+  auto alpha = at::empty({G, N}, a.options()), beta = at::empty({G, N}, a.options());
+  auto m = at::empty({G, N}, a.options());
+  const int64_t R = record ? max_iters : 0;
+  auto h_win = at::empty({R, G, N}, lopt);
+  auto h_alpha = at::empty({R, G, N}, a.options()), h_beta = at::empty({R, G, N}, a.options());
+  auto h_m = at::empty({R, G, N}, a.options());
+  AT_DISPATCH_FLOATING_TYPES(a.scalar_type(), "mean_field_windows.solve", [&] {
+    solve_impl<scalar_t>(ac, bc, scale, a0c, b0c, w0, cp, tol, converge_tol, max_iters, cap,
+                         digamma, conjugate, rule, record, win_out, alpha, beta, m, steps,
+                         settled, h_win, h_alpha, h_beta, h_m);
+  });
+  return {win_out, alpha, beta, m, steps, settled, h_win, h_alpha, h_beta, h_m};
+}
+
+template <typename T>
+void attend_impl(const at::Tensor& a, const at::Tensor& b, const at::Tensor& u, double scale_d,
+                 const at::Tensor& win, const at::Tensor& e, at::Tensor& out) {
+  const int64_t G = a.size(0), N = a.size(1), k = a.size(2), dv = u.size(2);
+  const T scale = static_cast<T>(scale_d);
+  const T* A = a.data_ptr<T>();
+  const T* B = b.data_ptr<T>();
+  const T* U = u.data_ptr<T>();
+  const int64_t* W = win.data_ptr<int64_t>();
+  const T* E = e.data_ptr<T>();
+  T* O = out.data_ptr<T>();
+  at::parallel_for(0, G * N, 16, [&](int64_t begin, int64_t end) {
+    std::vector<T> p;
+    for (int64_t c = begin; c < end; ++c) {
+      const int64_t g = c / N, i = c % N, w = W[c];
+      T* o = O + c * dv;
+      for (int64_t j = 0; j < dv; ++j) o[j] = 0;
+      if (w < 1) continue;  // no past: zero output
+      p.resize(w);
+      const T* ai = A + c * k;
+      const T ei = E[c];
+      T mx = -std::numeric_limits<T>::infinity();
+      for (int64_t d = 1; d <= w; ++d) {
+        p[d - 1] = scale * dot(ai, B + (g * N + i - d) * k, k) + static_cast<T>(d) * ei;
+        mx = std::max(mx, p[d - 1]);
+      }
+      T z = 0;
+      for (int64_t d = 1; d <= w; ++d) z += (p[d - 1] = std::exp(p[d - 1] - mx));
+      const T inv = T(1) / z;
+      for (int64_t d = 1; d <= w; ++d) {
+        const T pd = p[d - 1] * inv;
+        const T* ud = U + (g * N + i - d) * dv;
+#pragma omp simd
+        for (int64_t j = 0; j < dv; ++j) o[j] += pd * ud[j];
+      }
+    }
+  });
+}
+
+at::Tensor attend(const at::Tensor& a, const at::Tensor& b, const at::Tensor& u, double scale,
+                  const at::Tensor& win, const at::Tensor& e) {
+  TORCH_CHECK(a.device().is_cpu() && a.dim() == 3 && b.sizes() == a.sizes() && u.dim() == 3 &&
+                  u.size(0) == a.size(0) && u.size(1) == a.size(1),
+              "mean_field_windows.attend: a, b (G, N, k) and u (G, N, dv) on the CPU");
+  TORCH_CHECK(a.scalar_type() == b.scalar_type() && u.scalar_type() == a.scalar_type() &&
+                  e.scalar_type() == a.scalar_type() && win.scalar_type() == at::kLong,
+              "mean_field_windows.attend: a, b, u, e must share one dtype; win int64");
+  auto ac = a.contiguous(), bc = b.contiguous(), uc = u.contiguous();
+  auto wc = win.contiguous(), ec = e.contiguous();
+  auto out = at::empty({a.size(0), a.size(1), u.size(2)}, a.options());
+  AT_DISPATCH_FLOATING_TYPES(a.scalar_type(), "mean_field_windows.attend", [&] {
+    attend_impl<scalar_t>(ac, bc, uc, scale, wc, ec, out);
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(structattn_mean_field, m) {
+  m.def("solve(Tensor a, Tensor b, float scale, Tensor a0, Tensor b0, Tensor win0, "
+        "Tensor caps, float tol, float converge_tol, int max_iters, int cap, bool digamma, "
+        "bool conjugate, int rule, bool record) -> Tensor[]",
+        &solve);
+  m.def("attend(Tensor a, Tensor b, Tensor u, float scale, Tensor win, Tensor e) -> Tensor",
+        &attend);
+}

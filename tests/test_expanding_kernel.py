@@ -1,0 +1,171 @@
+"""The compiled mean-field kernel (structattn/csrc/mean_field_windows.cpp) against the Python
+loop it replaces on the CPU, and its fallback.
+
+The loop itself is checked against a float64 brute force of the equations in
+test_expanding.py (which also runs the kernel against that brute force); here the two
+implementations are compared over random sizes, options and every field of the trace.
+"""
+
+import warnings
+
+import hypothesis.strategies as st
+import pytest
+import torch
+from hypothesis import given, settings
+
+import structattn as sa
+from structattn import kernels
+
+f64 = torch.float64
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernel_built():
+    """The set-up script builds the kernel: a machine without it fails here, loudly, rather
+    than skipping (``STRUCTATTN_KERNELS=0`` says on purpose that there is none)."""
+    if not kernels.available():
+        pytest.fail(f"the mean-field kernel is not available: {kernels.build_error()}")
+
+
+def program(x, W, prior, heads=1):
+    n = sa.nodes("x", x)
+    phi = sa.edges("attn", n, n, prior, heads=heads)
+    sa.potential(phi, sa.potentials.Bilinear(W, W, heads=heads))
+    return sa.value(phi, sa.values.Identity(heads=heads))
+
+
+def both(x, W, prior, heads):
+    """(output, posterior, trace) by the kernel and by the loop, without a graph."""
+    layer = sa.compile(program)
+    with torch.no_grad():
+        fast = layer(x, W, prior, heads, return_posterior=True, return_trace=True)
+        with kernels.disabled():
+            slow = layer(x, W, prior, heads, return_posterior=True, return_trace=True)
+    return fast, slow
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 45), heads=st.integers(1, 2), batch=st.integers(1, 2),
+       rule=st.sampled_from(["predictive", "edge", "evidence"]),
+       expectation=st.sampled_from(["digamma", "plug_in"]),
+       update=st.sampled_from(["conjugate", "accumulate"]),
+       max_window=st.one_of(st.none(), st.integers(1, 20)),
+       max_iters=st.sampled_from([1, 3, 50]), initial=st.one_of(st.none(), st.integers(1, 6)),
+       tol=st.sampled_from([1e-4, 0.05, 0.3]), gain=st.floats(0.2, 3.0), seed=st.integers(0, 99))
+def test_kernel_equals_the_loop(n, heads, batch, rule, expectation, update, max_window,
+                                max_iters, initial, tol, gain, seed):
+    g = torch.Generator().manual_seed(seed)
+    d = 2 * heads
+    x = torch.randn(batch, n, d, generator=g, dtype=f64)
+    W = torch.randn(d, d, generator=g, dtype=f64) * gain
+    a = torch.rand(heads, generator=g, dtype=f64) * 3 + 0.2
+    b = torch.rand(heads, generator=g, dtype=f64) * 3 + 0.2
+    prior = sa.priors.BetaGeometric(a, b, inference="mean_field", tol=tol, window_rule=rule,
+                                    expectation=expectation, update=update,
+                                    max_window=max_window, max_iters=max_iters,
+                                    initial_window=initial, block_size=8)
+    (y1, p1, t1), (y0, p0, t0) = both(x, W, prior, heads)
+    torch.testing.assert_close(y1, y0, atol=1e-12, rtol=0)
+    torch.testing.assert_close(p1, p0, atol=1e-12, rtol=0)
+    assert t1.iterations == t0.iterations and t1.converged == t0.converged
+    assert torch.equal(t1.windows, t0.windows)
+    assert torch.equal(t1.child_iterations, t0.child_iterations)
+    for name in ("alpha", "beta", "expected_distance", "discarded"):
+        torch.testing.assert_close(getattr(t1, name), getattr(t0, name), atol=1e-11, rtol=0)
+    # the kernel's band is the widest window scored each round; the loop's band covers it
+    assert len(t1.band) == len(t0.band)
+    assert all(k <= w for k, w in zip(t1.band, t0.band, strict=True))
+
+
+def test_without_a_trace_the_output_is_the_same():
+    """Nobody asks for the trace: the kernel keeps no history, and the output is unchanged."""
+    torch.manual_seed(1)
+    m = sa.models.expanding_attention(8, heads=2, a=2.0, b=1.0, window_rule="evidence",
+                                      initial_window=4, dtype=f64)
+    layer, x = sa.compile(m), torch.randn(3, 40, 8, dtype=f64)
+    with torch.no_grad():
+        y_traced, trace = layer(x, return_trace=True)
+        y = layer(x)
+        with kernels.disabled():
+            y_loop = layer(x)
+    torch.testing.assert_close(y, y_traced, atol=0, rtol=0)
+    torch.testing.assert_close(y, y_loop, atol=1e-12, rtol=0)
+    assert trace.windows.shape[0] == trace.iterations > 1
+
+
+@pytest.mark.parametrize("rule", ["predictive", "evidence"])
+def test_grad_last_gradients_equal_the_loop(rule):
+    """grad="last" with grad enabled: the kernel finds the fixed point, the band takes the one
+    differentiable step; gradients in x, W_q, W_k, W_v, a and b match the loop's."""
+    torch.manual_seed(2)
+    m = sa.models.expanding_attention(8, heads=2, a=torch.tensor([1.5, 3.0]), b=1.0, grad="last",
+                                      window_rule=rule, initial_window=3, dtype=f64)
+    layer = sa.compile(m)
+    x = torch.randn(2, 35, 8, dtype=f64, requires_grad=True)
+    grads = []
+    for off in (False, True):
+        m.zero_grad()
+        x.grad = None
+        ctx = kernels.disabled() if off else torch.enable_grad()
+        with ctx:
+            (layer(x) ** 2).sum().backward()
+        grads.append([x.grad.clone()] + [p.grad.clone() for p in m.parameters()])
+    for got, want in zip(*grads, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)
+    assert bool((m.raw_prior.grad != 0).all())
+
+
+def test_float32_and_bfloat16_agree_with_the_loop():
+    torch.manual_seed(3)
+    m = sa.models.expanding_attention(16, heads=2, a=2.0, b=1.0)
+    x = torch.randn(2, 60, 16)
+    layer = sa.compile(m)
+    for dtype in (torch.float32, torch.bfloat16):
+        layer_d = sa.compile(sa.models.expanding_attention(16, heads=2, a=2.0, b=1.0).to(dtype))
+        layer_d.declaration.load_state_dict({k: v.to(dtype) for k, v in m.state_dict().items()})
+        with torch.no_grad():
+            y = layer_d(x.to(dtype))
+            with kernels.disabled():
+                y_loop = layer_d(x.to(dtype))
+        assert y.dtype == dtype
+        # a child settles when E[φ] moves by ≤ 1e-3 relative: summation orders differ, so
+        # the two agree to the iteration's tolerance, not to rounding
+        tol = 2e-3 if dtype == torch.float32 else 5e-2
+        torch.testing.assert_close(y.float(), y_loop.float(), atol=tol, rtol=tol)
+    with torch.no_grad():
+        y32 = layer(x)
+    assert bool(torch.isfinite(y32).all())
+
+
+def test_a_failed_build_warns_once_and_falls_back_to_the_loop(monkeypatch):
+    saved = dict(kernels._state)
+
+    def broken():
+        raise RuntimeError("Ninja is required to load C++ extensions")
+    monkeypatch.setattr(kernels, "_build", broken)
+    kernels._state.update(ops=None, error=None, tried=False)
+    try:
+        torch.manual_seed(4)
+        m = sa.models.expanding_attention(4, dtype=f64)
+        x = torch.randn(1, 20, 4, dtype=f64)
+        with pytest.warns(RuntimeWarning, match="could not be built.*Ninja is required"):
+            with torch.no_grad():
+                y = sa.compile(m)(x)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # once: no second warning
+            with torch.no_grad():
+                y2 = sa.compile(m)(x)
+        assert not kernels.available() and "Ninja" in kernels.build_error()
+        torch.testing.assert_close(y, y2, atol=0, rtol=0)
+    finally:
+        kernels._state.clear()
+        kernels._state.update(saved)
+    with torch.no_grad(), kernels.disabled():
+        torch.testing.assert_close(sa.compile(m)(x), y, atol=0, rtol=0)
+
+
+def test_environment_switch_turns_the_kernel_off(monkeypatch):
+    monkeypatch.setenv("STRUCTATTN_KERNELS", "0")
+    assert kernels.mean_field_windows() is None
+    monkeypatch.delenv("STRUCTATTN_KERNELS")
+    assert kernels.mean_field_windows() is not None
