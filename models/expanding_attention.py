@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from structattn.nodes import nodes
 from structattn.priors import BetaGeometric
 from structattn.priors.beta_geometric import INFERENCES, _positive
 
@@ -36,7 +37,10 @@ class ExpandingAttention(TokenAttention):
     and ``initial_window``.
 
     x: ``(*batch, n, d_model)`` → ``(*batch, n, d_model)``. ``return_trace=True`` (mean-field)
-    gives the ``WindowTrace``: windows, Beta parameters, iterations.
+    gives the ``WindowTrace``: windows, Beta parameters, iterations. ``layer(x, last=k)``
+    computes only the last k tokens' outputs ``(*batch, k, d_model)``, each still reading its
+    own past among all n (equal to ``layer(x)[..., -k:, :]``; a decoding step, or a loss on
+    the final tokens): the cost is that of those k windows, not of n.
 
     ::
 
@@ -94,9 +98,17 @@ class ExpandingAttention(TokenAttention):
     def prior(self) -> BetaGeometric:
         return BetaGeometric(self.a, self.b, inference=self.variant, **self._options)
 
-    def model(self, x):
+    def model(self, x, last=None):
         tokens = self.tokens(x)
-        return self.attend(self.family_name, tokens, tokens, self.prior())
+        if last is None:
+            return self.attend(self.family_name, tokens, tokens, self.prior())
+        n = x.shape[-2]
+        if isinstance(last, bool) or not isinstance(last, int) or not 1 <= last <= n:
+            raise ValueError(f"ExpandingAttention: last (how many final tokens to compute) must "
+                             f"be an int in [1, n = {n}]; got {last!r}")
+        # the children are the last tokens, the parents all of them: each reads its own past
+        queries = nodes("x_last", x[..., n - last:, :], features=self.d_model)
+        return self.attend(self.family_name, queries, tokens, self.prior())
 
 
 def expanding_attention(d_model, **kwargs) -> ExpandingAttention:

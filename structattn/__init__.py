@@ -5,6 +5,7 @@ to an attention layer; check the layer against Pyro; draw the structure.
 """
 import importlib as _importlib
 
+from . import kernels as kernels
 from . import measures as measures
 from . import potentials as potentials
 from . import priors as priors

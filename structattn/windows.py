@@ -119,10 +119,11 @@ class WindowTrace:
 
 
 def _check_self_family(family, what):
-    if family.children.size != family.parents.size:
+    if family.children.size > family.parents.size:
         raise ValueError(f"edge family {family.name!r}: a {what} is a distance back along one "
-                         f"sequence, so children and parents must have the same length; got "
-                         f"{family.children.size} children and {family.parents.size} parents")
+                         f"sequence, so the children are the parents' tokens (all, or the last "
+                         f"C of them); got {family.children.size} children and "
+                         f"{family.parents.size} parents")
     if not can_use_fast_path(family):
         raise ValueError(f"edge family {family.name!r}: a {what} needs exactly one factorised "
                          f"potential (ψ = ⟨a_i, b_j⟩·scale, e.g. Bilinear); got "
@@ -151,7 +152,9 @@ class ExactWindow(SupportKind):
         xc = family.children.states
         n = family.children.size
         window = prior.window(n)
-        if window >= n - 1:  # the window holds all of the past: the dense reading is cheaper
+        if n < family.parents.size or window >= n - 1:
+            # the last C of P tokens (a decoding step), or a window holding all of the past:
+            # the dense reading, O(C·P)  # the window holds all of the past: the dense reading is cheaper
             return DenseSupport().lower(family, want_posterior)
         a, b, scale = score_factors(family)  # (*batch, H, N, k)
         keep = _keep_from_position(n, a.device, xc.dtype)
@@ -215,11 +218,12 @@ class MeanFieldWindows(SupportKind):
             return attend, posterior
         p, layout, trace = mean_field(family)
         family.trace = trace
-        keep = _keep_from_position(family.children.size, p.device, p.dtype)
+        off = family.parents.size - family.children.size  # children: the last C tokens
+        keep = _keep_from_position(family.parents.size, p.device, p.dtype)[off:]
 
         def attend(u):
-            return band.apply(p, u, layout) * keep
-        return attend, (lambda: layout.to_dense(p))
+            return band.apply(p, u, layout)[..., off:, :] * keep
+        return attend, (lambda: layout.to_dense(p)[..., off:, :])
 
     def posterior(self, family):
         return self.lower(family, True)[1]()
@@ -294,16 +298,20 @@ class _Band:
         return (lik * (self.dist > (win // 2)[..., None].to(self.dist.dtype))).sum(-1)
 
 
-def _initial_windows(prior, a0, b0, lead, n, cap):
-    """``caps`` ``(N,)`` (child i sees at most min(i, cap) parents) and the first windows
+def _initial_windows(prior, a0, b0, lead, n, cap, offset=0):
+    """``caps`` ``(offset + N,)`` (the child at position i sees at most min(i, cap) parents)
+    and the first windows of the N children at positions offset … offset + N − 1
     ``(*lead, N)``: the prior's tail quantile at tol, or ``initial_window``; no grad."""
     quantile = beta_quantile if prior.expectation == "digamma" else plug_in_quantile
     with torch.no_grad():
-        caps = torch.arange(n, device=a0.device).clamp(max=cap)
-        win0 = torch.minimum(quantile(a0[:, None].expand(*lead, n),
-                                      b0[:, None].expand(*lead, n), prior.tol, cap), caps)
+        caps = torch.arange(offset + n, device=a0.device).clamp(max=cap)
         if prior.initial_window is not None:
-            win0 = torch.full_like(win0, prior.initial_window).clamp(max=cap).minimum(caps)
+            win0 = torch.full((*lead, n), prior.initial_window, dtype=torch.long,
+                              device=a0.device).clamp(max=cap)
+        else:
+            win0 = quantile(a0[:, None].expand(*lead, n), b0[:, None].expand(*lead, n),
+                            prior.tol, cap)
+        win0 = torch.minimum(win0, caps[offset:])
     return caps, win0
 
 
@@ -330,24 +338,25 @@ def mean_field_compiled(family):
     ops = kernels.mean_field_windows()
     if ops is None:
         return None
-    n = family.children.size
-    a, b, scale = score_factors(family)  # (*batch, H, N, k)
+    n, n_all = family.children.size, family.parents.size
+    off = n_all - n  # the children are the last n of the n_all tokens
+    a, b, scale = score_factors(family)  # (*batch, H, N, k), (*batch, H, P, k)
     a0, b0 = prior.params(a.device, xc.dtype)  # (H|1,)
     work = a0.dtype
     if work not in (torch.float32, torch.float64):
         return None
-    cap = max(1, n - 1 if prior.max_window is None else min(n - 1, prior.max_window))
+    cap = max(1, n_all - 1 if prior.max_window is None else min(n_all - 1, prior.max_window))
     lead = a.shape[:-2]  # (*batch, H)
-    caps, win0 = _initial_windows(prior, a0, b0, lead, n, cap)
+    caps, win0 = _initial_windows(prior, a0, b0, lead, n, cap, off)
     record = getattr(family, "record_trace", True)
     with torch.no_grad():
         af = a.detach().to(work).reshape(-1, n, a.shape[-1])  # (G, N, k)
-        bf = b.detach().to(work).reshape(-1, n, b.shape[-1])
+        bf = b.detach().to(work).reshape(-1, n_all, b.shape[-1])  # (G, P, k)
         G = af.shape[0]
         a0g = a0.detach().expand(*lead).reshape(G)  # each row's head
         b0g = b0.detach().expand(*lead).reshape(G)
         win, alpha, beta, m, steps, settled, h_win, h_alpha, h_beta, h_m = ops.solve(
-            af, bf, float(scale), a0g.contiguous(), b0g.contiguous(),
+            af, bf, off, float(scale), a0g.contiguous(), b0g.contiguous(),
             win0.reshape(G, n).contiguous(), caps.contiguous(), float(prior.tol),
             float(prior.converge_tol), prior.max_iters, cap, prior.expectation == "digamma",
             prior.update == "conjugate", _RULES[prior.window_rule], record)
@@ -379,17 +388,21 @@ def mean_field_compiled(family):
     reach = max(1, int(win.max()) if win.numel() else 1)
 
     def band_posterior(alpha_f, beta_f):
-        """The posterior at the fixed point on a band (with grad where a, b carry it)."""
-        bnd = _Band(a, b, scale, n, reach, prior.block_size, work)
+        """The posterior at the fixed point on a band over all P tokens (the first P − C,
+        not children, at window 0), with grad where a, b carry it; → band, layout."""
+        front = torch.nn.functional.pad
+        bnd = _Band(front(a, (0, 0, off, 0)), b, scale, n_all, reach, prior.block_size, work)
         lay = bnd.layout
-        def blocked_ones(t):  # (*lead, N) → (G', B), padding slots at Beta(1, 1): finite
-            return lay.children((t - 1)[..., None])[..., 0].reshape(-1, lay.block) + 1
 
-        blocked = lay.children(win_l[..., None])[..., 0].reshape(-1, lay.block)
-        e = _log_q_expectations(blocked_ones(alpha_f), blocked_ones(beta_f),
+        def blocked(t):  # (*lead, N) → (G', B), the front and padding slots at 0
+            return lay.children(front(t, (off, 0))[..., None])[..., 0].reshape(-1, lay.block)
+
+        win_b = blocked(win_l)
+        # padding slots at Beta(1, 1): finite digammas, no NaN in the backward
+        e = _log_q_expectations(blocked(alpha_f - 1) + 1, blocked(beta_f - 1) + 1,
                                 prior.expectation)[0]
-        p, _ = bnd.posterior(None, blocked, e)
-        p = (p * (blocked >= 1)[..., None]).reshape(bnd.shape).to(xc.dtype)
+        p, _ = bnd.posterior(None, win_b, e)
+        p = (p * (win_b >= 1)[..., None]).reshape(bnd.shape).to(xc.dtype)
         return p, lay
 
     if prior.grad == "last" and torch.is_grad_enabled():
@@ -399,19 +412,19 @@ def mean_field_compiled(family):
         alpha_f = alpha.reshape(*lead, n) + (a_prior - a_prior.detach())
         beta_f = beta.reshape(*lead, n) + (b_prior - b_prior.detach())
         p, lay = band_posterior(alpha_f, beta_f)
-        keep = _keep_from_position(n, p.device, p.dtype)
-        return (lambda u: band.apply(p, u, lay) * keep), (lambda: lay.to_dense(p)), trace
+        return ((lambda u: band.apply(p, u, lay)[..., off:, :]),
+                (lambda: lay.to_dense(p)[..., off:, :]), trace)
 
     e_final = _log_q_expectations(alpha, beta, prior.expectation)[0]  # (G, N)
 
     def attend(u):  # u: (*batch, H, N, d_v)
-        out = ops.attend(af, bf, u.detach().to(work).reshape(G, n, u.shape[-1]), float(scale),
-                         win, e_final)
+        out = ops.attend(af, bf, u.detach().to(work).reshape(G, n_all, u.shape[-1]), off,
+                         float(scale), win, e_final)
         return out.reshape(*lead, n, u.shape[-1]).to(u.dtype)
 
     def posterior():
         p, lay = band_posterior(alpha.reshape(*lead, n), beta.reshape(*lead, n))
-        return lay.to_dense(p)
+        return lay.to_dense(p)[..., off:, :]
     return attend, posterior, trace
 
 
@@ -435,8 +448,10 @@ def mean_field(family):
     mode (the projections around it are compiled) rather than recompiling per iteration."""
     prior: BetaGeometric = family.prior
     xc = family.children.states
-    n = family.children.size
-    a, b, scale = score_factors(family)  # (*batch, H, N, k)
+    n = family.parents.size
+    off = n - family.children.size  # the children are the last C tokens: the loop runs over
+    a, b, scale = score_factors(family)  # all n, the first off at window 0 (never iterate)
+    a = torch.nn.functional.pad(a, (0, 0, off, 0))  # (*batch, H, N, k)
     a0, b0 = prior.params(a.device, xc.dtype)  # (H|1,)
     work = a0.dtype
     cap = max(1, n - 1 if prior.max_window is None else min(n - 1, prior.max_window))
@@ -465,6 +480,7 @@ def mean_field(family):
 
     # per-child state on the blocks of the first band: (G, B)
     caps, win0 = _initial_windows(prior, a0, b0, lead, n, cap)
+    win0[..., :off] = 0
     # built with the graph when one is wanted at all: "last" reuses it for its one step
     current = _Band(a, b, scale, n, int(win0.max()) if win0.numel() else 1, prior.block_size,
                     work)
@@ -572,12 +588,13 @@ def mean_field(family):
                                     prior.expectation), current.layout)
     empty = torch.zeros(0, *lead, n, device=a.device, dtype=xc.dtype)
     trace = WindowTrace(
-        windows=torch.stack(rec["windows"]) if rec["windows"] else empty.long(),
-        alpha=torch.stack(rec["alpha"]) if rec["alpha"] else empty,
-        beta=torch.stack(rec["beta"]) if rec["beta"] else empty,
-        expected_distance=torch.stack(rec["m"]) if rec["m"] else empty,
+        windows=(torch.stack(rec["windows"]) if rec["windows"] else empty.long())[..., off:],
+        alpha=(torch.stack(rec["alpha"]) if rec["alpha"] else empty)[..., off:],
+        beta=(torch.stack(rec["beta"]) if rec["beta"] else empty)[..., off:],
+        expected_distance=(torch.stack(rec["m"]) if rec["m"] else empty)[..., off:],
         band=rec["band"], iterations=len(rec["band"]), converged=converged,
-        discarded=discarded.to(xc.dtype), child_iterations=unblocked(steps, current.layout))
+        discarded=discarded[..., off:].to(xc.dtype),
+        child_iterations=unblocked(steps, current.layout)[..., off:])
     p_final = p_final.reshape(current.shape)
     return p_final.to(xc.dtype), current.layout, trace
 

@@ -132,6 +132,44 @@ def test_the_declarations_own_pyro_reading_agrees():
     assert report.passed and report.max_abs_diff < 1e-10, str(report)
 
 
+def test_last_tokens_against_pyro_and_the_full_forward():
+    """``layer(x, last=k)``: children are the last k tokens, parents all n. Exact: Pyro's own
+    reading of that declaration (children at positions n − k + i). Both variants, both
+    mean-field paths, with and without a graph: the rows of the full forward, its posterior
+    rows, its trace columns, and the same gradients."""
+    torch.manual_seed(12)
+    x = torch.randn(2, 30, 6, dtype=f64)
+    m = sa.models.expanding_attention(6, heads=2, a=0.8, b=1.7, variant="exact", dtype=f64)
+    report = sa.inference.compare(m, x[:, :7], last=3)
+    assert report.passed and report.max_abs_diff < 1e-10, str(report)
+    for variant, grad in (("exact", "unroll"), ("mean_field", "unroll"), ("mean_field", "last")):
+        m = sa.models.expanding_attention(6, heads=2, a=1.5, b=1.0, variant=variant, grad=grad,
+                                          window_rule="evidence", initial_window=2, dtype=f64)
+        layer = sa.compile(m)
+        for kernel in (True, False):
+            with contextlib.nullcontext() if kernel else sa.kernels.disabled():
+                with torch.no_grad():
+                    y, post = layer(x, return_posterior=True)
+                    y4, post4 = layer(x, last=4, return_posterior=True)
+                torch.testing.assert_close(y4, y[:, -4:], atol=1e-12, rtol=0)
+                torch.testing.assert_close(post4, post[..., -4:, :], atol=1e-12, rtol=0)
+                if variant == "mean_field":
+                    _, t = layer(x, return_trace=True)
+                    _, t4 = layer(x, last=4, return_trace=True)
+                    assert torch.equal(t4.windows[-1], t.windows[-1][..., -4:])
+                    assert torch.equal(t4.child_iterations, t.child_iterations[..., -4:])
+                xg = x.clone().requires_grad_()
+                grads = []
+                for last in (None, 4):
+                    m.zero_grad()
+                    xg.grad = None
+                    out = layer(xg)[:, -4:] if last is None else layer(xg, last=last)
+                    (out ** 2).sum().backward()
+                    grads.append([xg.grad.clone()] + [p.grad.clone() for p in m.parameters()])
+                for got, want in zip(*grads, strict=True):
+                    torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)
+
+
 def test_truncated_exact_is_the_renormalised_window_and_reports_the_discarded_mass():
     torch.manual_seed(1)
     x, W = torch.randn(2, 40, 4, dtype=f64), torch.randn(4, 4, dtype=f64)
@@ -392,8 +430,11 @@ def test_bad_model_arguments_and_mismatches():
         sa.potential(phi, sa.potentials.DotProduct())
         return sa.value(phi, sa.values.Identity())
 
-    with pytest.raises(ValueError, match="same length"):
-        sa.compile(cross)(x, torch.randn(1, 6, 4))
+    with pytest.raises(ValueError, match=r"the last C of them\); got 5 children and 4"):
+        sa.compile(cross)(x, torch.randn(1, 4, 4))
+    for last in (0, 6, 2.0, True):
+        with pytest.raises(ValueError, match=r"last \(how many final tokens.*\[1, n = 5\]"):
+            sa.compile(m)(x, last=last)
 
 
 def test_mean_field_cannot_join_a_latent_iteration():

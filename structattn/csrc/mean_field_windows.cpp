@@ -7,7 +7,8 @@
 // for step, so the two agree to rounding; the Python loop is the reference and the path
 // on other devices.
 //
-//   solve:  (a (G, N, k), b (G, N, k), a0, b0 (G,), win0 (G, N), caps (N,)) →
+//   solve:  (a (G, N, k), b (G, P, k), a0, b0 (G,), win0 (G, N), caps (P,)) → (child row q
+//           is position offset + q = P − N + q: the children may be the last N of P tokens)
 //           final windows, α, β, E[φ], steps and whether it settled, per child (and, when recording, the per-step
 //           history (max_iters, G, N) of each child's window, α, β, E[φ]).
 //   attend: out_i = Σ_{d ≤ W_i} softmax_d(ψ_{i,i−d} + d·e_i) u_{i−d}   (G, N, dv).
@@ -142,14 +143,15 @@ T beyond_mass(const std::vector<T>& s, int64_t w, int64_t cap_i, T e, T log_in) 
 }
 
 template <typename T>
-void solve_impl(const at::Tensor& a, const at::Tensor& b, double scale_d, const at::Tensor& a0,
+void solve_impl(const at::Tensor& a, const at::Tensor& b, int64_t offset, double scale_d,
+                const at::Tensor& a0,
                 const at::Tensor& b0, const at::Tensor& win0, const at::Tensor& caps,
                 double tol_d, double converge_tol_d, int64_t max_iters, int64_t cap,
                 bool digamma, bool conjugate, int64_t rule, bool record, at::Tensor& win_out,
                 at::Tensor& alpha_out, at::Tensor& beta_out, at::Tensor& m_out,
                 at::Tensor& steps_out, at::Tensor& settled_out, at::Tensor& h_win,
                 at::Tensor& h_alpha, at::Tensor& h_beta, at::Tensor& h_m) {
-  const int64_t G = a.size(0), N = a.size(1), k = a.size(2);
+  const int64_t G = a.size(0), N = a.size(1), P = b.size(1), k = a.size(2);
   const T scale = static_cast<T>(scale_d), tol = static_cast<T>(tol_d);
   const T ctol = static_cast<T>(converge_tol_d);
   const T* A = a.data_ptr<T>();
@@ -173,7 +175,7 @@ void solve_impl(const at::Tensor& a, const at::Tensor& b, double scale_d, const 
   at::parallel_for(0, G * N, 16, [&](int64_t begin, int64_t end) {
     std::vector<T> s(std::max<int64_t>(cap, 1));
     for (int64_t c = begin; c < end; ++c) {
-      const int64_t g = c / N, i = c % N;
+      const int64_t g = c / N, i = offset + c % N;  // child row c sits at position i
       const T pa = A0[g], pb = B0[g];
       int64_t w = W0[c];
       T alpha = pa, beta = pb, m = 0;
@@ -182,7 +184,7 @@ void solve_impl(const at::Tensor& a, const at::Tensor& b, double scale_d, const 
       if (w >= 1) {
         const int64_t cap_i = C[i];
         const T* ai = A + c * k;
-        const T* bg = B + g * N * k;
+        const T* bg = B + g * P * k;
         int64_t have = 0;
         T m_prev = std::numeric_limits<T>::quiet_NaN();
         for (int64_t t = 0; t < max_iters; ++t) {
@@ -229,13 +231,17 @@ void solve_impl(const at::Tensor& a, const at::Tensor& b, double scale_d, const 
   });
 }
 
-std::vector<at::Tensor> solve(const at::Tensor& a, const at::Tensor& b, double scale,
+std::vector<at::Tensor> solve(const at::Tensor& a, const at::Tensor& b, int64_t offset,
+                              double scale,
                               const at::Tensor& a0, const at::Tensor& b0,
                               const at::Tensor& win0, const at::Tensor& caps, double tol,
                               double converge_tol, int64_t max_iters, int64_t cap,
                               bool digamma, bool conjugate, int64_t rule, bool record) {
-  TORCH_CHECK(a.device().is_cpu() && a.dim() == 3 && b.sizes() == a.sizes(),
-              "mean_field_windows.solve: a, b must be CPU (G, N, k) of one shape");
+  TORCH_CHECK(a.device().is_cpu() && a.dim() == 3 && b.dim() == 3 && b.size(0) == a.size(0) &&
+                  b.size(2) == a.size(2) && offset >= 0 && offset + a.size(1) == b.size(1) &&
+                  caps.size(0) == b.size(1),
+              "mean_field_windows.solve: a (G, N, k), b (G, offset + N, k), caps (offset + N,) "
+              "on the CPU");
   TORCH_CHECK(a.scalar_type() == b.scalar_type() && a0.scalar_type() == a.scalar_type() &&
                   b0.scalar_type() == a.scalar_type(),
               "mean_field_windows.solve: a, b, a0, b0 must share one dtype");
@@ -254,7 +260,7 @@ std::vector<at::Tensor> solve(const at::Tensor& a, const at::Tensor& b, double s
   auto h_alpha = at::empty({R, G, N}, a.options()), h_beta = at::empty({R, G, N}, a.options());
   auto h_m = at::empty({R, G, N}, a.options());
   AT_DISPATCH_FLOATING_TYPES(a.scalar_type(), "mean_field_windows.solve", [&] {
-    solve_impl<scalar_t>(ac, bc, scale, a0c, b0c, w0, cp, tol, converge_tol, max_iters, cap,
+    solve_impl<scalar_t>(ac, bc, offset, scale, a0c, b0c, w0, cp, tol, converge_tol, max_iters, cap,
                          digamma, conjugate, rule, record, win_out, alpha, beta, m, steps,
                          settled, h_win, h_alpha, h_beta, h_m);
   });
@@ -262,9 +268,9 @@ std::vector<at::Tensor> solve(const at::Tensor& a, const at::Tensor& b, double s
 }
 
 template <typename T>
-void attend_impl(const at::Tensor& a, const at::Tensor& b, const at::Tensor& u, double scale_d,
-                 const at::Tensor& win, const at::Tensor& e, at::Tensor& out) {
-  const int64_t G = a.size(0), N = a.size(1), k = a.size(2), dv = u.size(2);
+void attend_impl(const at::Tensor& a, const at::Tensor& b, const at::Tensor& u, int64_t offset,
+                 double scale_d, const at::Tensor& win, const at::Tensor& e, at::Tensor& out) {
+  const int64_t G = a.size(0), N = a.size(1), P = b.size(1), k = a.size(2), dv = u.size(2);
   const T scale = static_cast<T>(scale_d);
   const T* A = a.data_ptr<T>();
   const T* B = b.data_ptr<T>();
@@ -275,7 +281,7 @@ void attend_impl(const at::Tensor& a, const at::Tensor& b, const at::Tensor& u, 
   at::parallel_for(0, G * N, 16, [&](int64_t begin, int64_t end) {
     std::vector<T> p;
     for (int64_t c = begin; c < end; ++c) {
-      const int64_t g = c / N, i = c % N, w = W[c];
+      const int64_t g = c / N, i = offset + c % N, w = W[c];
       T* o = O + c * dv;
       for (int64_t j = 0; j < dv; ++j) o[j] = 0;
       if (w < 1) continue;  // no past: zero output
@@ -284,7 +290,7 @@ void attend_impl(const at::Tensor& a, const at::Tensor& b, const at::Tensor& u, 
       const T ei = E[c];
       T mx = -std::numeric_limits<T>::infinity();
       for (int64_t d = 1; d <= w; ++d) {
-        p[d - 1] = scale * dot(ai, B + (g * N + i - d) * k, k) + static_cast<T>(d) * ei;
+        p[d - 1] = scale * dot(ai, B + (g * P + i - d) * k, k) + static_cast<T>(d) * ei;
         mx = std::max(mx, p[d - 1]);
       }
       T z = 0;
@@ -292,7 +298,7 @@ void attend_impl(const at::Tensor& a, const at::Tensor& b, const at::Tensor& u, 
       const T inv = T(1) / z;
       for (int64_t d = 1; d <= w; ++d) {
         const T pd = p[d - 1] * inv;
-        const T* ud = U + (g * N + i - d) * dv;
+        const T* ud = U + (g * P + i - d) * dv;
 #pragma omp simd
         for (int64_t j = 0; j < dv; ++j) o[j] += pd * ud[j];
       }
@@ -300,11 +306,13 @@ void attend_impl(const at::Tensor& a, const at::Tensor& b, const at::Tensor& u, 
   });
 }
 
-at::Tensor attend(const at::Tensor& a, const at::Tensor& b, const at::Tensor& u, double scale,
-                  const at::Tensor& win, const at::Tensor& e) {
-  TORCH_CHECK(a.device().is_cpu() && a.dim() == 3 && b.sizes() == a.sizes() && u.dim() == 3 &&
-                  u.size(0) == a.size(0) && u.size(1) == a.size(1),
-              "mean_field_windows.attend: a, b (G, N, k) and u (G, N, dv) on the CPU");
+at::Tensor attend(const at::Tensor& a, const at::Tensor& b, const at::Tensor& u, int64_t offset,
+                  double scale, const at::Tensor& win, const at::Tensor& e) {
+  TORCH_CHECK(a.device().is_cpu() && a.dim() == 3 && b.dim() == 3 && b.size(0) == a.size(0) &&
+                  b.size(2) == a.size(2) && offset >= 0 && offset + a.size(1) == b.size(1) &&
+                  u.dim() == 3 && u.size(0) == a.size(0) && u.size(1) == b.size(1),
+              "mean_field_windows.attend: a (G, N, k), b (G, offset + N, k), u (G, offset + N, "
+              "dv) on the CPU");
   TORCH_CHECK(a.scalar_type() == b.scalar_type() && u.scalar_type() == a.scalar_type() &&
                   e.scalar_type() == a.scalar_type() && win.scalar_type() == at::kLong,
               "mean_field_windows.attend: a, b, u, e must share one dtype; win int64");
@@ -312,7 +320,7 @@ at::Tensor attend(const at::Tensor& a, const at::Tensor& b, const at::Tensor& u,
   auto wc = win.contiguous(), ec = e.contiguous();
   auto out = at::empty({a.size(0), a.size(1), u.size(2)}, a.options());
   AT_DISPATCH_FLOATING_TYPES(a.scalar_type(), "mean_field_windows.attend", [&] {
-    attend_impl<scalar_t>(ac, bc, uc, scale, wc, ec, out);
+    attend_impl<scalar_t>(ac, bc, uc, offset, scale, wc, ec, out);
   });
   return out;
 }
@@ -320,10 +328,11 @@ at::Tensor attend(const at::Tensor& a, const at::Tensor& b, const at::Tensor& u,
 }  // namespace
 
 TORCH_LIBRARY(structattn_mean_field, m) {
-  m.def("solve(Tensor a, Tensor b, float scale, Tensor a0, Tensor b0, Tensor win0, "
+  m.def("solve(Tensor a, Tensor b, int offset, float scale, Tensor a0, Tensor b0, Tensor win0, "
         "Tensor caps, float tol, float converge_tol, int max_iters, int cap, bool digamma, "
         "bool conjugate, int rule, bool record) -> Tensor[]",
         &solve);
-  m.def("attend(Tensor a, Tensor b, Tensor u, float scale, Tensor win, Tensor e) -> Tensor",
+  m.def("attend(Tensor a, Tensor b, Tensor u, int offset, float scale, Tensor win, Tensor e) "
+        "-> Tensor",
         &attend);
 }

@@ -10,7 +10,9 @@ token infers its own context length). Integrating q out gives the beta-geometric
     p(φ_i = d) = B(a + d − 1, b + 1) / B(a, b),   P(φ_i > W) = B(a + W, b) / B(a, b).
 
 The first token has no past: its support is empty and it gets a zero output and an
-all-zero posterior row in every reading (``empty="zero"``, fixed).
+all-zero posterior row in every reading (``empty="zero"``, fixed). The children may be the
+last C of the P parent tokens (C < P: a decoding step, or a loss on the last tokens only):
+child i sits at position P − C + i.
 
 Two ways to marginalise the same prior, chosen by ``inference``:
 
@@ -174,10 +176,11 @@ class BetaGeometric(Prior):
         return BetaGeometricTables(self, num_children, num_parents, device)
 
     def log_table(self, num_children, num_parents, device, dtype):
-        """``(heads or 1, C, P)``: log p(φ_i = i − j) for 1 ≤ i − j ≤ window, −∞ elsewhere."""
+        """``(heads or 1, C, P)``: log p(φ_i = i − j) for 1 ≤ i − j ≤ window, −∞ elsewhere;
+        with C < P the children are the last C of the P tokens (child i at P − C + i)."""
         from .relative import offsets
 
-        dist = offsets(num_children, num_parents, device)  # (C, P): i − j
+        dist = offsets(num_children, num_parents, device) + (num_parents - num_children)
         w = self.window(num_parents)
         allowed = dist >= 1 if w is None else (dist >= 1) & (dist <= w)
         work = torch.float64 if dtype is None else dtype
@@ -224,8 +227,8 @@ class BetaGeometricTables(PriorTables):
                 raise ValueError(f"edge family {family!r}: BetaGeometric {name} has {h} entries "
                                  f"(one per head) but the family has heads={heads}; give a "
                                  f"scalar or a tensor of shape ({heads},)")
-        if self.num_children != self.num_parents:
+        if self.num_children > self.num_parents:
             raise ValueError(f"edge family {family!r}: a BetaGeometric prior is over distances "
-                             f"back along one sequence, so children and parents must have the "
-                             f"same length; got {self.num_children} children and "
-                             f"{self.num_parents} parents")
+                             f"back along one sequence, so the children are the parents' tokens "
+                             f"(all, or the last C of them); got {self.num_children} children "
+                             f"and {self.num_parents} parents")
