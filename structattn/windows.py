@@ -298,6 +298,33 @@ class _Band:
         return (lik * (self.dist > (win // 2)[..., None].to(self.dist.dtype))).sum(-1)
 
 
+def _kernel_trace(prior, lead, n, win0, a0g, b0g, win, alpha, beta, steps, settled, h_win,
+                  h_alpha, h_beta, h_m, dtype):
+    """The ``WindowTrace`` from the kernel's per-child histories ``(max_iters, G, N)``: round
+    t holds each child's step min(t, steps − 1) (a settled child keeps its last); ``band``:
+    the widest window scored at each round."""
+    G = win.shape[0]
+    with torch.no_grad():
+        rounds = int(steps.max()) if steps.numel() else 0
+        t = torch.arange(rounds, device=win.device)[:, None, None]
+        at = torch.minimum(t, (steps - 1).clamp(min=0)).expand(rounds, G, n)
+        none = steps == 0  # no past: window 0, the prior's Beta, E[φ] 0
+
+        def history(h, first):
+            got = h.gather(0, at) if rounds else h[:0]
+            return torch.where(none, first, got).reshape(rounds, *lead, n)
+        h_win = history(h_win, win0.reshape(G, n))
+        live = (t < steps).reshape(rounds, G * n)  # who scored at round t
+        band_w = [int(h_win.reshape(rounds, G * n)[r][live[r]].max()) for r in range(rounds)]
+        return WindowTrace(
+            windows=h_win, alpha=history(h_alpha, a0g[:, None].expand(G, n)),
+            beta=history(h_beta, b0g[:, None].expand(G, n)),
+            expected_distance=history(h_m, torch.zeros((), dtype=h_m.dtype, device=h_m.device)),
+            band=band_w, iterations=rounds, converged=bool(settled.all()),
+            discarded=_tail(alpha, beta, win, prior.expectation).reshape(*lead, n).to(dtype),
+            child_iterations=steps.reshape(*lead, n))
+
+
 def _initial_windows(prior, a0, b0, lead, n, cap, offset=0):
     """``caps`` ``(offset + N,)`` (the child at position i sees at most min(i, cap) parents)
     and the first windows of the N children at positions offset … offset + N − 1
@@ -328,7 +355,8 @@ def mean_field_compiled(family):
     The kernel returns each child's fixed point (window, α, β); the output is then one more
     posterior at that fixed point — the kernel's ``attend`` without grad, or under
     ``grad="last"`` the differentiable step on the band, exactly as ``mean_field`` takes it.
-    The trace's ``band`` is the widest window scored at each round (no band is built)."""
+    The trace (None when no reader asked for it: then no history is kept) has as ``band``
+    the widest window scored at each round (no band is built)."""
     from . import kernels
 
     prior: BetaGeometric = family.prior
@@ -360,37 +388,15 @@ def mean_field_compiled(family):
             win0.reshape(G, n).contiguous(), caps.contiguous(), float(prior.tol),
             float(prior.converge_tol), prior.max_iters, cap, prior.expectation == "digamma",
             prior.update == "conjugate", _RULES[prior.window_rule], record)
-        rounds = int(steps.max()) if steps.numel() else 0
-        if record:  # round t: each child's step min(t, steps − 1) (a settled child keeps its last)
-            t = torch.arange(rounds, device=a.device)[:, None, None]
-            at = torch.minimum(t, (steps - 1).clamp(min=0)).expand(rounds, G, n)
-            none = steps == 0  # no past: window 0, the prior's Beta, E[φ] 0
-
-            def history(h, first):
-                got = h.gather(0, at) if rounds else h[:0]
-                return torch.where(none, first, got).reshape(rounds, *lead, n)
-            h_win = history(h_win, win0.reshape(G, n))
-            h_alpha = history(h_alpha, a0g[:, None].expand(G, n))
-            h_beta = history(h_beta, b0g[:, None].expand(G, n))
-            h_m = history(h_m, torch.zeros((), dtype=work, device=a.device))
-            live = (t < steps).reshape(rounds, G * n)  # who scored at round t
-            band_w = [int(h_win.reshape(rounds, G * n)[r][live[r]].max()) for r in range(rounds)]
-        else:  # nobody reads it: the final state as one round
-            h_win, h_alpha, h_beta, h_m = (x.reshape(1, *lead, n) for x in (win, alpha, beta, m))
-            band_w = [int(win.max())] if win.numel() else []
-        discarded = _tail(alpha, beta, win, prior.expectation)
-    trace = WindowTrace(
-        windows=h_win, alpha=h_alpha, beta=h_beta, expected_distance=h_m, band=band_w,
-        iterations=rounds, converged=bool(settled.all()),
-        discarded=discarded.reshape(*lead, n).to(xc.dtype),
-        child_iterations=steps.reshape(*lead, n))
+    trace = _kernel_trace(prior, lead, n, win0, a0g, b0g, win, alpha, beta, steps, settled,
+                          h_win, h_alpha, h_beta, h_m, xc.dtype) if record else None
     win_l = win.reshape(*lead, n)
-    reach = max(1, int(win.max()) if win.numel() else 1)
 
     def band_posterior(alpha_f, beta_f):
         """The posterior at the fixed point on a band over all P tokens (the first P − C,
         not children, at window 0), with grad where a, b carry it; → band, layout."""
         front = torch.nn.functional.pad
+        reach = max(1, int(win.max()) if win.numel() else 1)
         bnd = _Band(front(a, (0, 0, off, 0)), b, scale, n_all, reach, prior.block_size, work)
         lay = bnd.layout
 
