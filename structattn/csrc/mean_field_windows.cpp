@@ -88,11 +88,14 @@ void score_to(std::vector<T>& s, int64_t& have, int64_t want, const T* ai, const
 // log Σ_{d ≤ W} exp(s_d + d·e) and E[φ] = Σ d·p_d under that softmax.
 template <typename T>
 void posterior_moments(const std::vector<T>& s, int64_t w, T e, T& log_z, T& mean) {
+  const T* sp = s.data();
   T mx = -std::numeric_limits<T>::infinity();
-  for (int64_t d = 1; d <= w; ++d) mx = std::max(mx, s[d - 1] + static_cast<T>(d) * e);
+#pragma omp simd reduction(max : mx)
+  for (int64_t d = 1; d <= w; ++d) mx = std::max(mx, sp[d - 1] + static_cast<T>(d) * e);
   T z = 0, zd = 0;
+#pragma omp simd reduction(+ : z, zd)
   for (int64_t d = 1; d <= w; ++d) {
-    T p = std::exp(s[d - 1] + static_cast<T>(d) * e - mx);
+    const T p = std::exp(sp[d - 1] + static_cast<T>(d) * e - mx);
     z += p;
     zd += p * static_cast<T>(d);
   }
@@ -103,14 +106,17 @@ void posterior_moments(const std::vector<T>& s, int64_t w, T e, T& log_z, T& mea
 // "edge": the evidence alone (softmax of ψ over the window) on its outer half d > W/2.
 template <typename T>
 T outer_evidence(const std::vector<T>& s, int64_t w) {
+  const T* sp = s.data();
   T mx = -std::numeric_limits<T>::infinity();
-  for (int64_t d = 1; d <= w; ++d) mx = std::max(mx, s[d - 1]);
+#pragma omp simd reduction(max : mx)
+  for (int64_t d = 1; d <= w; ++d) mx = std::max(mx, sp[d - 1]);
   T z = 0, outer = 0;
   const int64_t half = w / 2;
+#pragma omp simd reduction(+ : z, outer)
   for (int64_t d = 1; d <= w; ++d) {
-    T p = std::exp(s[d - 1] - mx);
+    const T p = std::exp(sp[d - 1] - mx);
     z += p;
-    if (d > half) outer += p;
+    outer += d > half ? p : T(0);
   }
   return outer / z;
 }
@@ -118,9 +124,7 @@ T outer_evidence(const std::vector<T>& s, int64_t w) {
 // "evidence": posterior mass beyond the window, the unseen parents W < d ≤ C given the
 // typical likelihood log L̄ = μ + σ²/2 of the window's scores without its best match.
 template <typename T>
-T beyond_mass(const std::vector<T>& s, int64_t w, int64_t cap_i, T e, T log_in) {
-  const int64_t unseen_n = std::max<int64_t>(cap_i - w, 0);
-  if (unseen_n == 0) return T(0);
+T typical_score(const std::vector<T>& s, int64_t w) {
   int64_t top = 0;
   for (int64_t d = 1; d < w; ++d) if (s[d] > s[top]) top = d;
   T typical;
@@ -136,6 +140,13 @@ T beyond_mass(const std::vector<T>& s, int64_t w, int64_t cap_i, T e, T log_in) 
   } else {
     typical = s[top];
   }
+  return typical;
+}
+
+template <typename T>
+T beyond_mass(int64_t w, int64_t cap_i, T e, T log_in, T typical) {
+  const int64_t unseen_n = std::max<int64_t>(cap_i - w, 0);
+  if (unseen_n == 0) return T(0);
   const T wt = static_cast<T>(w), unseen = static_cast<T>(unseen_n);
   T log_out = (wt + T(1)) * e + std::log(-std::expm1(unseen * e)) - std::log(-std::expm1(e)) +
               typical;
@@ -185,7 +196,8 @@ void solve_impl(const at::Tensor& a, const at::Tensor& b, int64_t offset, double
         const int64_t cap_i = C[i];
         const T* ai = A + c * k;
         const T* bg = B + g * P * k;
-        int64_t have = 0;
+        int64_t have = 0, typical_w = 0;  // the window the typical score was taken over
+        T typical = 0;
         T m_prev = std::numeric_limits<T>::quiet_NaN();
         for (int64_t t = 0; t < max_iters; ++t) {
           score_to(s, have, w, ai, bg, i, k, scale);
@@ -200,7 +212,13 @@ void solve_impl(const at::Tensor& a, const at::Tensor& b, int64_t offset, double
             if (tail(new_alpha, new_beta, w, digamma) >= tol && w < cap_i)
               new_w = std::min(quantile(new_alpha, new_beta, tol, cap, digamma), cap_i);
           } else {
-            T outer = rule == kEdge ? outer_evidence(s, w) : beyond_mass(s, w, cap_i, e, log_z);
+            T outer;
+            if (rule == kEdge) {
+              outer = outer_evidence(s, w);
+            } else {
+              if (typical_w != w) typical = typical_score(s, w), typical_w = w;  // per window
+              outer = beyond_mass(w, cap_i, e, log_z, typical);
+            }
             if (outer > tol && w < cap_i) new_w = std::min(2 * w, cap_i);
           }
           // NaN m_prev: never settled at the first step
@@ -294,7 +312,9 @@ void attend_impl(const at::Tensor& a, const at::Tensor& b, const at::Tensor& u, 
         mx = std::max(mx, p[d - 1]);
       }
       T z = 0;
-      for (int64_t d = 1; d <= w; ++d) z += (p[d - 1] = std::exp(p[d - 1] - mx));
+      T* pp = p.data();
+#pragma omp simd reduction(+ : z)
+      for (int64_t d = 0; d < w; ++d) z += (pp[d] = std::exp(pp[d] - mx));
       const T inv = T(1) / z;
       for (int64_t d = 1; d <= w; ++d) {
         const T pd = p[d - 1] * inv;
