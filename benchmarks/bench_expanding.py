@@ -7,8 +7,9 @@ The same W_Q, W_K, W_V, W_O serve every variant:
 
 - ``expanding (mean-field)``: ``sa.models.expanding_attention(variant="mean_field")``, a
   window per token inferred from the data (prior a, b as stated; tol 0.05);
-- ``expanding (mean-field, grad='last')``: the same, iterating without a graph and
-  back-propagating through one step from the fixed point;
+- ``expanding (mean-field, grad='last')``: the same, iterating without a graph (in the
+  compiled CPU kernel, ``structattn.kernels``) and back-propagating through one step from
+  the fixed point; and the same with the kernel off (the Python loop), to show what it buys;
 - ``expanding (exact, tol)``: the exact beta-geometric posterior over the prior's window;
 - ``full causal SDPA``: hand-written ``scaled_dot_product_attention(is_causal=True)``, the
   baseline (what a transformer computes without the prior);
@@ -85,6 +86,12 @@ def sliding_window(m, x, window):
     return band.attend(q, k, v, 1.0, bias, layout) @ m.W_o.T
 
 
+def loop(layer, x):
+    """The layer with the compiled kernel switched off: the Python mean-field loop."""
+    with sa.kernels.disabled():
+        return layer(x)
+
+
 def fwd_bwd(fn, params, x):
     for p in params:
         p.grad = None
@@ -110,6 +117,7 @@ def measure(args, n, results):
     variants = {
         "expanding (mean-field)": lambda x: layer(x),
         "expanding (mean-field, grad='last')": lambda x: layer_last(x),
+        "  the same, Python loop (no kernel)": lambda x: loop(layer_last, x),
         f"expanding (exact, tol {args.exact_tol})": lambda x: layer_exact(x),
         "full causal SDPA": lambda x: full_causal(m, x),
         f"sliding window (oracle, w={true_window})": lambda x: sliding_window(m, x,
