@@ -33,6 +33,15 @@ Two support kinds, registered with ``lowering.register_support_kind``:
   The scores are computed once per band width (the band widens by doubling), each
   iteration costs O(N·W) (no feature dimension), the value read O(N·W·d_v): the cost
   follows the inferred context length, not N.
+
+  Two implementations of the same equations: ``mean_field``, a loop of tensor operations
+  over the band (any device; the graph for ``grad="unroll"``), and ``mean_field_compiled``,
+  which on the CPU, wherever no graph through the iteration is needed, runs each child's
+  whole iteration in one call of the compiled kernel (``structattn.kernels``,
+  ``csrc/mean_field_windows.cpp``), scoring its parents lazily as its window grows.
+
+The children may be the last C of the P parent tokens (``layer(x, last=C)``): child i sits
+at position P − C + i, and only those C windows are computed.
 """
 
 from __future__ import annotations
