@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import operator
 
 import torch
 import torch.nn.functional as F
@@ -103,9 +104,15 @@ class ExpandingAttention(TokenAttention):
         if last is None:
             return self.attend(self.family_name, tokens, tokens, self.prior())
         n = x.shape[-2]
-        if isinstance(last, bool) or not isinstance(last, int) or not 1 <= last <= n:
+        try:  # an int, numpy integer or 0-d integer tensor (not a bool or a float)
+            k = None if isinstance(last, bool) or (
+                isinstance(last, torch.Tensor) and last.dim()) else operator.index(last)
+        except TypeError:
+            k = None
+        if k is None or not 1 <= k <= n:
             raise ValueError(f"ExpandingAttention: last (how many final tokens to compute) must "
                              f"be an int in [1, n = {n}]; got {last!r}")
+        last = k
         # the children are the last tokens, the parents all of them: each reads its own past
         queries = nodes("x_last", x[..., n - last:, :], features=self.d_model)
         return self.attend(self.family_name, queries, tokens, self.prior())

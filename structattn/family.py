@@ -108,6 +108,7 @@ class EdgeFamily:
                 f"{c.dtype} but parents {self.parents.name!r} have dtype {p.dtype}"
             )
         self.tables.validate(self.name, batch_shape=self.batch_shape, heads=self.heads)
+        self.prior.check_nodes(self.name, self.children, self.parents)
 
     def add_potential(self, potential: Potential) -> None:
         if not isinstance(potential, Potential):

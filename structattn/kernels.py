@@ -8,7 +8,8 @@ far larger than the arithmetic; the kernel runs each child's whole iteration in 
 The build needs a C++ compiler and ``ninja`` (a dependency); it takes about a minute once
 per machine (``scripts/setup.sh`` does it ahead of time) and is cached under
 ``TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``). Where it cannot be built,
-the library warns once and uses its Python loop, which computes the same thing.
+the library warns once and uses its Python loop, which computes the same thing (to rounding:
+in bfloat16 the kernel scores in float32, the loop in bfloat16).
 ``STRUCTATTN_KERNELS=0`` in the environment, or ``with structattn.kernels.disabled():``,
 turns the kernels off (e.g. to compare against the Python loop).
 """
@@ -53,8 +54,9 @@ def _build():
     log.info("structattn: building the mean-field kernel (once per machine, about a minute)")
     with warnings.catch_warnings():  # the loader's own notes (compiler version, ABI)
         warnings.simplefilter("ignore")
-        load(name=_NAME, sources=[_SOURCE], extra_cflags=["-O3", "-fopenmp-simd"],
-             is_python_module=False, verbose=False)
+        # -fopenmp: at::parallel_for spreads the children over torch's intra-op threads
+        load(name=_NAME, sources=[_SOURCE], extra_cflags=["-O3", "-fopenmp"],
+             extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
     return getattr(torch.ops, _NAME)
 
 

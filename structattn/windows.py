@@ -47,6 +47,7 @@ at position P − C + i, and only those C windows are computed.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -94,8 +95,11 @@ class WindowTrace:
     settled keeps its final values; ``band``: the band width scored at each round;
     ``iterations`` T (rounds: the slowest child's iterations); ``child_iterations``
     ``(*batch, H, N)``: each child's own; ``converged``: every child settled within
-    ``max_iters``; ``discarded``: the final predictive tail mass beyond each window. Child 0
-    (no past) has window 0 and no iterations."""
+    ``max_iters``; ``discarded``: the final predictive tail mass beyond each window; ``offset``:
+    the first child's position (children are the last N of offset + N tokens, ``last=``).
+    A child at position 0 (no past) has window 0 and no iterations. ``band``: the Python loop's
+    band reach per round; the compiled kernel builds no band and reports the widest window
+    it scored that round."""
 
     windows: torch.Tensor
     alpha: torch.Tensor
@@ -106,6 +110,7 @@ class WindowTrace:
     converged: bool = False
     discarded: torch.Tensor | None = None
     child_iterations: torch.Tensor | None = None
+    offset: int = 0
 
     @property
     def mean_window(self) -> float:
@@ -113,12 +118,14 @@ class WindowTrace:
         if self.windows.shape[0] == 0 or self.windows.numel() == 0:
             return 0.0
         w = self.windows[-1].to(torch.float64)
-        return float(w[..., 1:].mean()) if w.shape[-1] > 1 else 0.0
+        w = w[..., 1:] if self.offset == 0 else w  # the child at position 0 has no past
+        return float(w.mean()) if w.shape[-1] else 0.0
 
     def relative_operations(self, d: int) -> float:
         """The authors' counted-operations metric against full attention, averaged over
-        children: mean_i W_i · (d + iterations_i + 1) / (N · d)."""
-        n = self.windows.shape[-1]
+        children: mean_i W_i · (d + iterations_i + 1) / (n · d), n the tokens each child
+        would read under full attention (all of them, also with ``last=``)."""
+        n = self.offset + self.windows.shape[-1]
         if self.windows.shape[0] == 0 or self.windows.numel() == 0:
             return 0.0
         w = self.windows[-1].to(torch.float64)
@@ -128,15 +135,11 @@ class WindowTrace:
 
 
 def _check_self_family(family, what):
-    if family.children.size > family.parents.size:
+    c, p = family.children.size, family.parents.size
+    if c > p:
         raise ValueError(f"edge family {family.name!r}: a {what} is a distance back along one "
                          f"sequence, so the children are the parents' tokens (all, or the last "
-                         f"C of them); got {family.children.size} children and "
-                         f"{family.parents.size} parents")
-    if not can_use_fast_path(family):
-        raise ValueError(f"edge family {family.name!r}: a {what} needs exactly one factorised "
-                         f"potential (ψ = ⟨a_i, b_j⟩·scale, e.g. Bilinear); got "
-                         f"{[type(p).__name__ for p in family.potentials]}")
+                         f"C of them); got {c} children and {p} parents")
 
 
 def _keep_from_position(n, device, dtype):
@@ -163,7 +166,7 @@ class ExactWindow(SupportKind):
         window = prior.window(n)
         if n < family.parents.size or window >= n - 1:
             # the last C of P tokens (a decoding step), or a window holding all of the past:
-            # the dense reading, O(C·P)  # the window holds all of the past: the dense reading is cheaper
+            # the dense reading, O(C·P), is then the cheaper one
             return DenseSupport().lower(family, want_posterior)
         a, b, scale = score_factors(family)  # (*batch, H, N, k)
         keep = _keep_from_position(n, a.device, xc.dtype)
@@ -222,10 +225,10 @@ class MeanFieldWindows(SupportKind):
     def lower(self, family, want_posterior):
         _check_self_family(family, "beta-geometric prior")
         solved = mean_field_compiled(family)
-        if solved is not None:
+        if not isinstance(solved, ScoreFactors):
             attend, posterior, family.trace = solved
             return attend, posterior
-        p, layout, trace = mean_field(family)
+        p, layout, trace = mean_field(family, solved)
         family.trace = trace
         off = family.parents.size - family.children.size  # children: the last C tokens
         keep = _keep_from_position(family.parents.size, p.device, p.dtype)[off:]
@@ -307,8 +310,8 @@ class _Band:
         return (lik * (self.dist > (win // 2)[..., None].to(self.dist.dtype))).sum(-1)
 
 
-def _kernel_trace(prior, lead, n, win0, a0g, b0g, win, alpha, beta, steps, settled, h_win,
-                  h_alpha, h_beta, h_m, dtype):
+def _kernel_trace(prior, lead, n, offset, win0, a0g, b0g, win, alpha, beta, steps, settled,
+                  h_win, h_alpha, h_beta, h_m, dtype):
     """The ``WindowTrace`` from the kernel's per-child histories ``(max_iters, G, N)``: round
     t holds each child's step min(t, steps − 1) (a settled child keeps its last); ``band``:
     the widest window scored at each round."""
@@ -331,7 +334,7 @@ def _kernel_trace(prior, lead, n, win0, a0g, b0g, win, alpha, beta, steps, settl
             expected_distance=history(h_m, torch.zeros((), dtype=h_m.dtype, device=h_m.device)),
             band=band_w, iterations=rounds, converged=bool(settled.all()),
             discarded=_tail(alpha, beta, win, prior.expectation).reshape(*lead, n).to(dtype),
-            child_iterations=steps.reshape(*lead, n))
+            child_iterations=steps.reshape(*lead, n), offset=offset)
 
 
 def _initial_windows(prior, a0, b0, lead, n, cap, offset=0):
@@ -354,12 +357,21 @@ def _initial_windows(prior, a0, b0, lead, n, cap, offset=0):
 _RULES = {"predictive": 0, "edge": 1, "evidence": 2}
 
 
+class ScoreFactors(NamedTuple):
+    """ψ_ij = scale·⟨a_i, b_j⟩: ``a`` ``(*batch, H, C, k)``, ``b`` ``(*batch, H, P, k)``."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    scale: float
+
+
 @torch.compiler.disable
 def mean_field_compiled(family):
     """The same iteration as ``mean_field``, each child's whole iteration in the compiled CPU
-    kernel (``structattn.kernels``); returns ``(attend, posterior, trace)``, or None where it
-    does not apply — not on the CPU, no kernel, or ``grad="unroll"`` with grad enabled (the
-    derivative through every iteration needs the Python loop's graph).
+    kernel (``structattn.kernels``); returns ``(attend, posterior, trace)``, or the family's
+    ``ScoreFactors`` (for ``mean_field``) where it does not apply — not on the CPU, no kernel,
+    or ``grad="unroll"`` with a gradient to carry (the derivative through every iteration
+    needs the Python loop's graph).
 
     The kernel returns each child's fixed point (window, α, β); the output is then one more
     posterior at that fixed point — the kernel's ``attend`` without grad, or under
@@ -370,18 +382,21 @@ def mean_field_compiled(family):
 
     prior: BetaGeometric = family.prior
     xc = family.children.states
-    if xc.device.type != "cpu" or (prior.grad == "unroll" and torch.is_grad_enabled()):
-        return None
-    ops = kernels.mean_field_windows()
-    if ops is None:
-        return None
-    n, n_all = family.children.size, family.parents.size
-    off = n_all - n  # the children are the last n of the n_all tokens
-    a, b, scale = score_factors(family)  # (*batch, H, N, k), (*batch, H, P, k)
+    factors = ScoreFactors(*score_factors(family))  # (*batch, H, N, k), (*batch, H, P, k)
+    a, b, scale = factors
     a0, b0 = prior.params(a.device, xc.dtype)  # (H|1,)
     work = a0.dtype
-    if work not in (torch.float32, torch.float64):
-        return None
+    # the derivative through every iteration (grad="unroll") needs the loop's graph, when
+    # anything the iteration reads carries a gradient
+    unrolled = prior.grad == "unroll" and torch.is_grad_enabled() and any(
+        t.requires_grad for t in (a, b, a0, b0))
+    if xc.device.type != "cpu" or unrolled or work not in (torch.float32, torch.float64):
+        return factors
+    ops = kernels.mean_field_windows()
+    if ops is None:
+        return factors
+    n, n_all = family.children.size, family.parents.size
+    off = n_all - n  # the children are the last n of the n_all tokens
     cap = max(1, n_all - 1 if prior.max_window is None else min(n_all - 1, prior.max_window))
     lead = a.shape[:-2]  # (*batch, H)
     caps, win0 = _initial_windows(prior, a0, b0, lead, n, cap, off)
@@ -397,8 +412,8 @@ def mean_field_compiled(family):
             win0.reshape(G, n).contiguous(), caps.contiguous(), float(prior.tol),
             float(prior.converge_tol), prior.max_iters, cap, prior.expectation == "digamma",
             prior.update == "conjugate", _RULES[prior.window_rule], record)
-    trace = _kernel_trace(prior, lead, n, win0, a0g, b0g, win, alpha, beta, steps, settled,
-                          h_win, h_alpha, h_beta, h_m, xc.dtype) if record else None
+    trace = _kernel_trace(prior, lead, n, off, win0, a0g, b0g, win, alpha, beta, steps,
+                          settled, h_win, h_alpha, h_beta, h_m, xc.dtype) if record else None
     win_l = win.reshape(*lead, n)
 
     def band_posterior(alpha_f, beta_f):
@@ -432,6 +447,7 @@ def mean_field_compiled(family):
 
     e_final = _log_q_expectations(alpha, beta, prior.expectation)[0]  # (G, N)
 
+    @torch.compiler.disable  # an opaque C++ call: torch.compile runs it eagerly
     def attend(u):  # u: (*batch, H, N, d_v)
         out = ops.attend(af, bf, u.detach().to(work).reshape(G, n_all, u.shape[-1]), off,
                          float(scale), win, e_final)
@@ -444,7 +460,7 @@ def mean_field_compiled(family):
 
 
 @torch.compiler.disable
-def mean_field(family):
+def mean_field(family, factors=None):
     """Iterate the mean-field equations for one family; returns the band posterior
     ``(*batch, H, nb, B, L)``, its layout and the ``WindowTrace``.
 
@@ -465,7 +481,8 @@ def mean_field(family):
     xc = family.children.states
     n = family.parents.size
     off = n - family.children.size  # the children are the last C tokens: the loop runs over
-    a, b, scale = score_factors(family)  # all n, the first off at window 0 (never iterate)
+    # all n, the first off at window 0 (never iterate); ``factors``: score_factors(family)
+    a, b, scale = factors if factors is not None else score_factors(family)
     a = torch.nn.functional.pad(a, (0, 0, off, 0))  # (*batch, H, N, k)
     a0, b0 = prior.params(a.device, xc.dtype)  # (H|1,)
     work = a0.dtype
@@ -609,7 +626,7 @@ def mean_field(family):
         expected_distance=(torch.stack(rec["m"]) if rec["m"] else empty)[..., off:],
         band=rec["band"], iterations=len(rec["band"]), converged=converged,
         discarded=discarded[..., off:].to(xc.dtype),
-        child_iterations=unblocked(steps, current.layout)[..., off:])
+        child_iterations=unblocked(steps, current.layout)[..., off:], offset=off)
     p_final = p_final.reshape(current.shape)
     return p_final.to(xc.dtype), current.layout, trace
 

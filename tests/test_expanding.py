@@ -154,10 +154,19 @@ def test_last_tokens_against_pyro_and_the_full_forward():
                 torch.testing.assert_close(y4, y[:, -4:], atol=1e-12, rtol=0)
                 torch.testing.assert_close(post4, post[..., -4:, :], atol=1e-12, rtol=0)
                 if variant == "mean_field":
-                    _, t = layer(x, return_trace=True)
-                    _, t4 = layer(x, last=4, return_trace=True)
+                    with torch.no_grad():
+                        _, t = layer(x, return_trace=True)
+                        _, t4 = layer(x, last=4, return_trace=True)
+                        _, t1 = layer(x, last=1, return_trace=True)
                     assert torch.equal(t4.windows[-1], t.windows[-1][..., -4:])
                     assert torch.equal(t4.child_iterations, t.child_iterations[..., -4:])
+                    # the metrics count the last tokens' windows against reading all 30
+                    w4 = t4.windows[-1].double()
+                    assert t4.offset == 26 and t4.mean_window == pytest.approx(float(w4.mean()))
+                    assert t1.mean_window == pytest.approx(float(t1.windows[-1].double().mean()))
+                    its = t4.child_iterations.double()
+                    assert t4.relative_operations(6) == pytest.approx(
+                        float((w4 * (6 + its + 1)).mean()) / (30 * 6))
                 xg = x.clone().requires_grad_()
                 grads = []
                 for last in (None, 4):
@@ -432,7 +441,12 @@ def test_bad_model_arguments_and_mismatches():
 
     with pytest.raises(ValueError, match=r"the last C of them\); got 5 children and 4"):
         sa.compile(cross)(x, torch.randn(1, 4, 4))
-    for last in (0, 6, 2.0, True):
+    # fewer children than parents: they must be the parents' last tokens
+    with pytest.raises(ValueError, match=r"node set 'x' is not 'y'\[\.\.\., 1:, :\]"):
+        sa.compile(cross)(x, torch.randn(1, 6, 4))
+    sa.compile(cross)(x, torch.cat([torch.randn(1, 1, 4), x], 1))  # x is y's last 5: fine
+    assert sa.compile(m)(x, last=torch.tensor(2)).shape == (1, 2, 4)
+    for last in (0, 6, 2.0, True, torch.tensor([2])):
         with pytest.raises(ValueError, match=r"last \(how many final tokens.*\[1, n = 5\]"):
             sa.compile(m)(x, last=last)
 

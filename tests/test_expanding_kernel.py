@@ -169,3 +169,45 @@ def test_environment_switch_turns_the_kernel_off(monkeypatch):
     assert kernels.mean_field_windows() is None
     monkeypatch.delenv("STRUCTATTN_KERNELS")
     assert kernels.mean_field_windows() is not None
+
+
+def test_torch_compile_runs_the_kernel_path():
+    """Without a graph the compiled module reaches the C++ call: torch.compile runs it
+    eagerly (a graph break), and the result is the eager one."""
+    torch.manual_seed(5)
+    m = sa.models.expanding_attention(8, heads=2, a=1.5, b=1.0, dtype=f64)
+    layer, x = sa.compile(m), torch.randn(2, 40, 8, dtype=f64)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=UserWarning)  # dynamo's graph-break notes
+        torch.testing.assert_close(torch.compile(layer)(x), layer(x), atol=1e-12, rtol=0)
+
+
+def test_threads_do_not_change_the_result():
+    torch.manual_seed(6)
+    m = sa.models.expanding_attention(8, heads=2, a=1.5, b=1.0, window_rule="evidence",
+                                      initial_window=2, dtype=f64)
+    layer, x = sa.compile(m), torch.randn(3, 300, 8, dtype=f64)
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            with torch.no_grad():
+                outs.append(layer(x, return_trace=True))
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(outs[0][0], outs[1][0], atol=0, rtol=0)
+    assert torch.equal(outs[0][1].windows, outs[1][1].windows)
+
+
+def test_evaluation_with_grad_enabled_but_nothing_to_differentiate_uses_the_kernel(
+        monkeypatch):
+    """grad="unroll" needs the loop only when something carries a gradient."""
+    torch.manual_seed(7)
+    m = sa.models.expanding_attention(8, dtype=f64).requires_grad_(False)
+    x = torch.randn(1, 30, 8, dtype=f64)
+    calls = []
+    monkeypatch.setattr(sa.windows, "mean_field",
+                        lambda *a, **k: calls.append(1) or pytest.fail("loop used"))
+    y = sa.compile(m)(x)
+    assert not calls and not y.requires_grad

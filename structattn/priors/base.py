@@ -41,6 +41,10 @@ class Prior:
         """``(…, C, P)`` log weights in ``dtype`` (None: the parameters' own), or None."""
         return None
 
+    def check_nodes(self, family: str, children, parents) -> None:
+        """Raise a ``ValueError`` naming ``family`` where this prior cannot relate these node
+        sets (called when the family is declared); by default any two will do."""
+
     def describe(self) -> str:
         return type(self).__name__
 

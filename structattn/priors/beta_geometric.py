@@ -172,6 +172,20 @@ class BetaGeometric(Prior):
         return self.log_tail(w, "cpu", torch.float64).exp()
 
     # -- the Prior contract ----------------------------------------------------------------
+    def check_nodes(self, family, children, parents) -> None:
+        """Fewer children than parents: the children must be the parents' last C tokens (the
+        distance is read from there); a value check, on while validation is."""
+        c, p = children.size, parents.size
+        if c >= p or not is_validating() or torch.compiler.is_compiling():
+            return  # c > p: the tables' own check says so
+        xc, xp = children.states, parents.states
+        if xc.shape[-1] != xp.shape[-1] or not torch.equal(
+                xc, xp.expand(*xc.shape[:-2], p, xp.shape[-1])[..., p - c:, :]):
+            raise ValueError(f"edge family {family!r}: with fewer children ({c}) than parents "
+                             f"({p}), a BetaGeometric prior reads the children as the parents' "
+                             f"last {c} tokens, but node set {children.name!r} is not "
+                             f"{parents.name!r}[..., {p - c}:, :]")
+
     def tables(self, num_children, num_parents, device) -> PriorTables:
         return BetaGeometricTables(self, num_children, num_parents, device)
 
