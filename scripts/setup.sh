@@ -23,6 +23,16 @@ if ! command -v dot >/dev/null 2>&1; then
   fi
 fi
 
+# A C++ compiler for the compiled kernel (structattn/csrc); without one the library runs its
+# Python loop instead, and the kernel's tests say so.
+if ! command -v g++ >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
+  SUDO=""
+  if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
+  echo "setup: installing g++ with apt-get (for the compiled kernel)"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq g++ >/dev/null
+fi
+
 PYTHON="${PYTHON:-python3}"
 if [ ! -x .venv/bin/python ]; then
   echo "setup: creating .venv with $($PYTHON --version)"
