@@ -41,7 +41,9 @@ class ExpandingAttention(TokenAttention):
     gives the ``WindowTrace``: windows, Beta parameters, iterations. ``layer(x, last=k)``
     computes only the last k tokens' outputs ``(*batch, k, d_model)``, each still reading its
     own past among all n (equal to ``layer(x)[..., -k:, :]``; a decoding step, or a loss on
-    the final tokens): the cost is that of those k windows, not of n.
+    the final tokens): on the CPU without a graph (the compiled kernel) the cost is that of
+    those k windows, not n; the Python loop and ``grad="last"``'s differentiable step still
+    build the band over all n (same result).
 
     ::
 

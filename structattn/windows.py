@@ -92,14 +92,13 @@ class WindowTrace:
     """What the mean-field iteration did, per round t: ``windows`` ``(T, *batch, H, N)`` long,
     ``alpha`` / ``beta`` ``(T, *batch, H, N)`` (q's Beta parameters the posterior of round t
     used) and ``expected_distance`` ``(T, *batch, H, N)`` (E_{p_t}[φ_i]) — a child that has
-    settled keeps its final values; ``band``: the band width scored at each round;
-    ``iterations`` T (rounds: the slowest child's iterations); ``child_iterations``
-    ``(*batch, H, N)``: each child's own; ``converged``: every child settled within
-    ``max_iters``; ``discarded``: the final predictive tail mass beyond each window; ``offset``:
-    the first child's position (children are the last N of offset + N tokens, ``last=``).
-    A child at position 0 (no past) has window 0 and no iterations. ``band``: the Python loop's
-    band reach per round; the compiled kernel builds no band and reports the widest window
-    it scored that round."""
+    settled keeps its final values; ``iterations`` T (rounds: the slowest child's
+    iterations); ``child_iterations`` ``(*batch, H, N)``: each child's own; ``converged``:
+    every child settled within ``max_iters``; ``discarded``: the final predictive tail mass
+    beyond each window; ``offset``: the first child's position (children are the last N of
+    offset + N tokens, ``last=``). A child at position 0 (no past) has window 0 and no
+    iterations. ``band``: the Python loop's band reach per round; the compiled kernel builds
+    no band and reports the widest window it scored that round."""
 
     windows: torch.Tensor
     alpha: torch.Tensor
@@ -140,6 +139,10 @@ def _check_self_family(family, what):
         raise ValueError(f"edge family {family.name!r}: a {what} is a distance back along one "
                          f"sequence, so the children are the parents' tokens (all, or the last "
                          f"C of them); got {c} children and {p} parents")
+    if not can_use_fast_path(family):
+        raise ValueError(f"edge family {family.name!r}: a {what} needs exactly one factorised "
+                         f"potential (ψ = ⟨a_i, b_j⟩·scale, e.g. Bilinear); got "
+                         f"{[type(p).__name__ for p in family.potentials]}")
 
 
 def _keep_from_position(n, device, dtype):
@@ -408,8 +411,7 @@ def mean_field_compiled(family):
         a0g = a0.detach().expand(*lead).reshape(G)  # each row's head
         b0g = b0.detach().expand(*lead).reshape(G)
         win, alpha, beta, m, steps, settled, h_win, h_alpha, h_beta, h_m = ops.solve(
-            af, bf, off, float(scale), a0g.contiguous(), b0g.contiguous(),
-            win0.reshape(G, n).contiguous(), caps.contiguous(), float(prior.tol),
+            af, bf, off, float(scale), a0g, b0g, win0.reshape(G, n), caps, float(prior.tol),
             float(prior.converge_tol), prior.max_iters, cap, prior.expectation == "digamma",
             prior.update == "conjugate", _RULES[prior.window_rule], record)
     trace = _kernel_trace(prior, lead, n, off, win0, a0g, b0g, win, alpha, beta, steps,

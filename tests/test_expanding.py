@@ -451,6 +451,24 @@ def test_bad_model_arguments_and_mismatches():
             sa.compile(m)(x, last=last)
 
 
+def test_mean_field_needs_a_factorised_potential():
+    class Table(sa.potentials.base.Potential):
+        def pairwise(self, children, parents):
+            return children.sum(-1)[..., None, :, None] * parents.sum(-1)[..., None, None, :]
+
+    def prog(x):
+        n = sa.nodes("x", x)
+        phi = sa.edges("attn", n, n, sa.priors.BetaGeometric(inference="mean_field"))
+        sa.potential(phi, Table())
+        return sa.value(phi, sa.values.Identity())
+
+    for kernel in (True, False):
+        with contextlib.nullcontext() if kernel else sa.kernels.disabled():
+            with pytest.raises(ValueError, match=r"edge family 'attn': a beta-geometric prior "
+                                                 r"needs exactly one factorised potential"):
+                sa.compile(prog)(torch.randn(1, 6, 4))
+
+
 def test_mean_field_cannot_join_a_latent_iteration():
     def prog(x):
         z = sa.latent("z", x.clone(), scale=1.0, steps=2)

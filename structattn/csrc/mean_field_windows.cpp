@@ -9,8 +9,9 @@
 //
 //   solve:  (a (G, N, k), b (G, P, k), a0, b0 (G,), win0 (G, N), caps (P,)) → (child row q
 //           is position offset + q = P − N + q: the children may be the last N of P tokens)
-//           final windows, α, β, E[φ], steps and whether it settled, per child (and, when recording, the per-step
-//           history (max_iters, G, N) of each child's window, α, β, E[φ]).
+//           final windows, α, β, E[φ], steps and whether it settled, per child (and, when
+//           recording, the per-step history (max_iters, G, N) of each child's window, α, β,
+//           E[φ]).
 //   attend: out_i = Σ_{d ≤ W_i} softmax_d(ψ_{i,i−d} + d·e_i) u_{i−d}   (G, N, dv).
 
 #include <ATen/ATen.h>
