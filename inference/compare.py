@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from structattn import lowering
 from structattn.compiler import CompiledModule
 from structattn.compiler import compile as compile_model
 from structattn.readers import Marginalise, trace_structure
@@ -153,12 +154,9 @@ def _maxdiff(a, b) -> float:
 
 
 def _in_layout(family, dense: torch.Tensor) -> torch.Tensor:
-    """A dense ``(…, C, P)`` posterior in the compiled layout: per edge ``(…, E)`` for
-    edge-list supports (causal edges only when causal), else unchanged."""
-    if family.prior.edge_index is None:
-        return dense
-    src, dst = family.prior.edges(dense.device)
-    return dense[..., dst, src]
+    """A dense ``(…, C, P)`` posterior in the compiled layout of the family's operator (e.g.
+    per edge ``(…, E)`` for an edge list)."""
+    return lowering.operator_for(family).layout(dense)
 
 
 def _default_atol(inputs) -> float:
@@ -247,7 +245,8 @@ def _add_sampled(report, layer, *inputs, S, alpha, **kwargs):
     zs = {"E[output] by samples": z_out.flatten()}
     for name, (p, _) in report.pictures.items():  # edge frequencies vs compiled posteriors
         idx = draws.edges[name]  # (S, *batch, H, C)
-        freq = torch.nn.functional.one_hot(idx, p.shape[-1]).to(p.dtype).mean(0)
+        P = p.shape[-1]  # draws of P: "no parent" (a child without any, empty="zero")
+        freq = torch.nn.functional.one_hot(idx, P + 1)[..., :P].to(p.dtype).mean(0)
         se_p = (p * (1 - p) / S).sqrt()
         d = (freq - p).abs()
         zs[f"edge frequencies[{name}]"] = torch.where(
@@ -274,7 +273,7 @@ def _agreement(out, truth, posteriors, fast, **fields) -> Comparison:
         {k: _maxdiff(v, truth.expectations[k]) for k, v in fast.expectations.items()},
         **fields)
     report.pictures = {k: (p, truth.marginals[k]) for k, p in posteriors.items()
-                       if fast.families[k].prior.edge_index is None}
+                       if p.shape == truth.marginals[k].shape}  # dense layouts
     return report
 
 

@@ -27,7 +27,8 @@ class ExactPosterior:
 
     marginals[f]: p(φ_i = j | x), ``(*batch, H, C, P)``;
     expectations[f]: E[v_i], ``(*batch, H, C, d_v)``;
-    map_edges[f]: argmax_j p(φ_i = j | x), ``(*batch, H, C)`` (long);
+    map_edges[f]: argmax_j p(φ_i = j | x), ``(*batch, H, C)`` (long; P — "no parent" — for a
+    child without any parent under ``empty="zero"``);
     output: the program's output with each value replaced by its expectation — equal to
     E[output] when the program is affine in its values; ``sample`` estimates E[output]
     without that assumption.
@@ -77,7 +78,7 @@ def condition_latents(program, latents: dict):
 
 def is_enumerable(structure) -> bool:
     """Whether any edge family has a choice to enumerate (Pyro warns when none has)."""
-    return any(f.parents.size > 1 for f in structure.families.values())
+    return any(f.outcomes > 1 for f in structure.families.values())
 
 
 def elbo_for(structure, **kwargs):
@@ -92,7 +93,7 @@ def enumeration_bytes(structure) -> int:
     family the enumerated score and value tables, P × (*batch, H, C) × (1 + d_v) entries."""
     total = 0
     for f in structure.families.values():
-        cells = f.parents.size * f.batch_shape.numel() * f.heads * f.children.size
+        cells = f.outcomes * f.batch_shape.numel() * f.heads * f.children.size
         d_v = 1 if f.value is None else f.value.parent_values(f.parents.states).shape[-1]
         hops = 1 if f.value is None or f.value.single_edge else len(getattr(f.value, "weights", ()))
         total += cells * (1 + d_v) * max(hops, 1) * f.children.states.element_size()
@@ -151,15 +152,21 @@ def exact(model, *inputs, latents: dict | None = None, max_bytes: int = 4 * 2**3
     if enumerable:
         elbo = TraceEnum_ELBO(max_plate_nesting=mpn)
         marginal_dists = elbo.compute_marginals(program, _no_guide, *inputs, **kwargs)
-    # marginals of every enumerated site (edge families, and e.g. multihop's later hops)
-    marginals = {name: d.probs for name, d in marginal_dists.items()}
+    # marginals of every enumerated site (edge families, and e.g. multihop's later hops),
+    # over every outcome of the site (a family whose children may have no parent has one
+    # more, "no parent": its value is zero there)
+    outcomes = {name: d.probs for name, d in marginal_dists.items()}
+    marginals = dict(outcomes)
     for name, family in structure.families.items():
-        shape = (*family.batch_shape, family.heads, family.children.size, family.parents.size)
+        P = family.parents.size
+        shape = (*family.batch_shape, family.heads, family.children.size, P)
         if name in marginals:  # Pyro drops leading size-1 dims: restore them
-            marginals[name] = marginals[name].expand(shape)
+            m = marginals[name]
+            marginals[name] = m[..., :P].expand(shape)  # without "no parent": zero rows there
+            outcomes[name] = m.expand(*shape[:-1], m.shape[-1])
         else:  # a single parent: not enumerated, φ_i = 0 surely
-            marginals[name] = torch.ones(shape, dtype=family.children.states.dtype,
-                                         device=family.children.states.device)
+            marginals[name] = outcomes[name] = torch.ones(
+                shape, dtype=family.children.states.dtype, device=family.children.states.device)
 
     # E[v] = Σ over the value's terms of E_{marginal of the term's edge site}[term]
     enum_trace = poutine.trace(poutine.enum(program, first_available_dim=first_dim)).get_trace(
@@ -177,15 +184,9 @@ def exact(model, *inputs, latents: dict | None = None, max_bytes: int = 4 * 2**3
         if enum_dim is None:  # depends on no enumerated edge: its own expectation
             e = table.reshape(table.shape[max(0, table.dim() - len(target)):]).expand(target)
         else:
-            probs = marginals[edge]
+            probs = outcomes[edge]
             e = _expectation_from_table(table, enum_dim, probs.expand(*target[:-1], probs.shape[-1]))
         expectations[term["family"]] = expectations.get(term["family"], 0) + e
-    for name, family in structure.families.items():  # empty="zero": children without parents
-        keep = family.keep()
-        if keep is not None:
-            marginals[name] = marginals[name] * keep
-            if name in expectations:
-                expectations[name] = expectations[name] * keep
 
     map_program = (infer_discrete(program, first_available_dim=first_dim, temperature=0)
                    if enumerable else program)

@@ -6,6 +6,7 @@ to an attention layer; check the layer against Pyro; draw the structure.
 import importlib as _importlib
 
 from . import kernels as kernels
+from . import kinds as kinds
 from . import measures as measures
 from . import potentials as potentials
 from . import priors as priors
@@ -39,7 +40,7 @@ from .nodes import NodeSet as NodeSet
 from .nodes import nodes as nodes
 from .readers import Structure as Structure
 from .readers import trace_structure as trace_structure
-from .windows import WindowTrace as WindowTrace  # also registers the window support kinds
+from .windows import WindowTrace as WindowTrace
 
 
 def __getattr__(name):

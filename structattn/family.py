@@ -27,9 +27,11 @@ from pyro.poutine.runtime import effectful
 
 from ._direct import direct_readers
 from ._validation import same_device, shape_str
+from .kinds.base import Support
 from .nodes import NodeSet
 from .potentials.base import Potential
 from .priors.base import Prior
+from .priors.declared import declared_log_prior
 from .priors.tables import PriorTables
 from .values.base import Value
 
@@ -58,6 +60,17 @@ class EdgeFamily:
                                         self.children.states.device)
 
     @property
+    def outcomes(self) -> int:
+        """How many values φ_i takes in Pyro's reading: the P parents, and "no parent" when the
+        prior lets a child have none (``empty="zero"``)."""
+        return self.parents.size + (self.prior.empty == "zero")
+
+    @property
+    def support(self):
+        """The prior's support for these node sets (a ``structattn.kinds`` ``Support``)."""
+        return self.tables.support
+
+    @property
     def batch_shape(self) -> torch.Size:
         return self.children.batch_shape
 
@@ -78,8 +91,9 @@ class EdgeFamily:
         return stack
 
     def keep(self) -> torch.Tensor | None:
-        """``(…, C, 1)`` 0/1 factor zeroing children without parents (``empty="zero"``): their
-        value and posterior row are zero in every reading; None when no child can be empty."""
+        """``(…, C, 1)`` 0/1 factor zeroing children without parents (``empty="zero"``) in the
+        compiled reading: their value and posterior row are zero; None when no child can be
+        empty. (Pyro's reading gives them a "no parent" outcome of its own.)"""
         xc = self.children.states
         empty = self.tables.empty_children()
         return None if empty is None else (~empty).to(xc.dtype)[..., None]
@@ -107,8 +121,21 @@ class EdgeFamily:
                 f"edge family {self.name!r}: children {self.children.name!r} have dtype "
                 f"{c.dtype} but parents {self.parents.name!r} have dtype {p.dtype}"
             )
+        if type(self.support).contains is Support.contains:
+            raise ValueError(f"edge family {self.name!r}: the support {type(self.support).__name__} "
+                             f"states no contains(child, parent); a support kind must state "
+                             f"which parents each child may choose")
         self.tables.validate(self.name, batch_shape=self.batch_shape, heads=self.heads)
         self.prior.check_nodes(self.name, self.children, self.parents)
+
+    def check_complete(self) -> None:
+        """A family to read needs a value and at least one potential."""
+        if self.value is None:
+            raise ValueError(f"edge family {self.name!r} has no value function")
+        if not self.potentials:
+            raise ValueError(
+                f"edge family {self.name!r} has no potential: declare one with "
+                f"structattn.potential(edge, …) before structattn.value(edge, …)")
 
     def add_potential(self, potential: Potential) -> None:
         if not isinstance(potential, Potential):
@@ -154,41 +181,48 @@ class EdgeFamily:
 
 
 class SampledEdge:
-    """The Pyro reading's handle: φ as sampled (or enumerated) parent indices."""
+    """The Pyro reading's handle: φ as sampled (or enumerated) parent indices. A family whose
+    prior lets a child have no parent (``empty="zero"``) has one more outcome, φ_i = P, "no
+    parent", which is certain for parentless children and impossible for the others; its
+    potentials are 0 and its value is zero there."""
 
-    def __init__(self, family: EdgeFamily, index: torch.Tensor):
-        self.family, self.index = family, index
+    def __init__(self, family: EdgeFamily, index: torch.Tensor, none: torch.Tensor | None = None):
+        self.family, self.none = family, none
+        # the parent index the potentials and the value read (clamped at "no parent")
+        self.index = index if none is None else index.clamp(max=family.parents.size - 1)
 
     def add_potential(self, potential):
         fam = self.family
         fam.add_potential(potential)
+        psi = potential.at(fam.children.states, fam.parents.states, self.index)
+        if self.none is not None:
+            psi = psi.masked_fill(self.none, 0.0)
         with fam.plates():
-            pyro.factor(
-                f"{fam.name}.potential{len(fam.potentials) - 1}",
-                potential.at(fam.children.states, fam.parents.states, self.index),
-            )
+            pyro.factor(f"{fam.name}.potential{len(fam.potentials) - 1}", psi)
 
     def expect(self, value):
         self.family.set_value(value)
-        out = value.pyro_value(self)
-        keep = self.family.keep()  # children without parents predict zero
-        return out if keep is None else out * keep
+        return value.pyro_value(self)
 
 
 def _sample_edges(family: EdgeFamily) -> SampledEdge:
-    """Default (Pyro) reading of an edge site."""
-    c = family.children
-    log_prior = family.tables.log_prob_table(c.states.dtype)  # (…, C, P)
+    """Default (Pyro) reading of an edge site: a ``Categorical`` over the declared prior."""
+    log_prior, has_parent = declared_log_prior(family)  # (…, C, P), (…, C)
+    none = family.outcomes > family.parents.size
+    if none:  # the "no parent" outcome: certain without a parent, impossible with one
+        log_none = torch.where(has_parent, float("-inf"), 0.0).to(log_prior.dtype)
+        log_prior = torch.cat([torch.where(has_parent[..., None], log_prior, float("-inf")),
+                               log_none[..., None]], -1)
     with family.plates():
-        if family.parents.size == 1:
-            # One parent: φ_i = 0 surely. Observed, since Pyro cannot enumerate a size-1 support.
+        if log_prior.shape[-1] == 1:
+            # One outcome: φ_i = 0 surely. Observed, since Pyro cannot enumerate a size-1 support.
             index = pyro.sample(family.name, dist.Categorical(logits=log_prior),
                                 obs=torch.zeros(log_prior.shape[:-1], dtype=torch.long,
                                                 device=log_prior.device))
         else:
             index = pyro.sample(family.name, dist.Categorical(logits=log_prior),
                                 infer={"enumerate": "parallel"})
-    return SampledEdge(family, index)
+    return SampledEdge(family, index, index == family.parents.size if none else None)
 
 
 _edges_effect = effectful(_sample_edges, type="structattn_edges")

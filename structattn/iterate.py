@@ -29,8 +29,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .kinds.base import Operator
 from .latent import LatentNodeSet
-from .operator import FamilyOperator
+from .lowering import operator_for
 
 
 @dataclass
@@ -77,7 +78,7 @@ class Step:
         self._ops = {}
         return self
 
-    def operator(self, family) -> FamilyOperator:
+    def operator(self, family) -> Operator:
         name = family if isinstance(family, str) else family.family.name
         if name not in self._ops:
             try:
@@ -85,11 +86,11 @@ class Step:
             except KeyError:
                 raise ValueError(f"no edge family {name!r} in this model; families: "
                                  f"{sorted(self.engine.families)}") from None
-            self._ops[name] = FamilyOperator(fam, self.engine.caches.setdefault(name, {}))
+            self._ops[name] = operator_for(fam, self.engine.caches.setdefault(name, {}))
         return self._ops[name]
 
     def posterior(self, family):
-        return self.operator(family).posterior()
+        return self.operator(family).dense_posterior()
 
     def attend(self, family, u):
         return self.operator(family).attend(u)
@@ -136,7 +137,7 @@ class Step:
     def _autograd_gradient(self, fam) -> torch.Tensor:
         """∂ Σ log_partition / ∂μ by autograd (Lemma 7.1), for potentials without a closed form."""
         cache = dict(self.engine.caches.get(fam.name, {}))  # nothing built in here leaks out
-        return self._partial(lambda: FamilyOperator(fam, cache).log_partition().sum())
+        return self._partial(lambda: operator_for(fam, cache).log_partition().sum())
 
     def energy_gradient(self) -> torch.Tensor | None:
         """∂(Σ node energies)/∂μ by autograd (``structattn.energy``), or None without any."""
@@ -213,7 +214,7 @@ class Engine:
 
     def operators(self) -> dict:
         """One operator per family at the current states."""
-        return {name: FamilyOperator(fam, self.caches.setdefault(name, {}))
+        return {name: operator_for(fam, self.caches.setdefault(name, {}))
                 for name, fam in self.families.items()}
 
     def free_energy(self, ops: dict | None = None) -> torch.Tensor:
@@ -278,7 +279,7 @@ class Engine:
             energies.append(self.free_energy(ops))
             if record_posteriors:
                 for name, op in ops.items():
-                    posts.setdefault(name, []).append(op.posterior())
+                    posts.setdefault(name, []).append(op.dense_posterior())
 
         remember()
         t = 0

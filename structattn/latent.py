@@ -67,6 +67,22 @@ class IterationOptions:
         check_options(self)
 
 
+def place_latent(node_set, latent_values: dict | None) -> None:
+    """Put a latent node set at its given state (``latent_values``: name → states), marking it
+    inferred; nothing when no values are given (it starts at its initial state)."""
+    if latent_values is None:
+        return
+    try:
+        value = latent_values[node_set.name]
+    except KeyError:
+        raise ValueError(f"no value given for latent node set {node_set.name!r}; "
+                         f"given: {sorted(latent_values)}") from None
+    if value.shape != node_set.states.shape:
+        raise ValueError(f"latent node set {node_set.name!r}: the given value has shape "
+                         f"{tuple(value.shape)}, expected {tuple(node_set.states.shape)}")
+    node_set.states, node_set.inferred = value, True
+
+
 def check_options(o: IterationOptions, where: str = "latent") -> None:
     if not isinstance(o.steps, int) or isinstance(o.steps, bool) or o.steps < 0:
         raise ValueError(f"{where}: steps must be an int ≥ 0; got {o.steps!r}")

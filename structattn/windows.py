@@ -1,12 +1,8 @@
-"""Window supports: lowering rules for the geometric–Beta prior (expanding attention).
+"""Mean-field windows: the geometric–Beta prior's own inference scheme (expanding attention).
 
-Two support kinds, registered with ``lowering.register_support_kind``:
+(The exact beta-geometric posterior over a window is a support kind, ``structattn.kinds.window``.)
 
-- ``ExactWindow``: the exact beta-geometric posterior over a window of the past,
-  ``p(φ_i = d | x) ∝ exp(ψ(x_{i−d}, x_i)) B(a + d − 1, b + 1)`` for 1 ≤ d ≤ W; one
-  banded ``scaled_dot_product_attention`` call (``structattn.band``), O(N·W) — or
-  FlexAttention with a block mask on CUDA;
-- ``MeanFieldWindows``: the paper's mean-field scheme q(φ_i) q(q_i), each child with its
+``MeanFieldOperator``: the paper's mean-field scheme q(φ_i) q(q_i), each child with its
   own window W_i. Iterate to a fixed point (SPEC.md, "Geometric–Beta prior"):
 
     1. E[ln q_i], E[ln(1 − q_i)] under Beta(α_i, β_i) (digamma; or ln E[q] plugged in);
@@ -52,39 +48,8 @@ from typing import NamedTuple
 import torch
 
 from . import band
-from .lowering import DenseSupport, SupportKind, can_use_fast_path, register_support_kind, score_factors
-from .priors.beta_geometric import BetaGeometric, log_beta
-
-
-def beta_quantile(alpha: torch.Tensor, beta: torch.Tensor, tol: float, cap: int) -> torch.Tensor:
-    """Smallest integer W in [1, cap] with P(φ > W) = B(α + W, β)/B(α, β) < tol, elementwise
-    (``cap`` where even cap is not enough). Bisection: O(log cap) vectorised steps, no grad."""
-    alpha, beta = torch.broadcast_tensors(alpha.detach(), beta.detach())
-    log_tol = torch.log(torch.tensor(tol, dtype=alpha.dtype, device=alpha.device))
-    base = log_beta(alpha, beta)
-    lo = torch.zeros_like(alpha, dtype=torch.long)  # invariant: tail(lo) ≥ tol (tail(0) = 1)
-    hi = torch.full_like(lo, cap)  # tail(hi) < tol, or hi = cap
-    for _ in range(int(cap).bit_length() + 1):
-        mid = (lo + hi) // 2
-        below = (log_beta(alpha + mid.to(alpha.dtype), beta) - base) < log_tol
-        hi, lo = torch.where(below, mid, hi), torch.where(below, lo, mid)
-    return hi.clamp(min=1)
-
-
-def plug_in_quantile(alpha, beta, tol: float, cap: int) -> torch.Tensor:
-    """Smallest W in [1, cap] with q̄^W < tol, q̄ = α/(α + β) (the plug-in geometric)."""
-    log_q = torch.log(alpha.detach() / (alpha.detach() + beta.detach()))
-    w = torch.floor(torch.log(torch.tensor(tol, dtype=log_q.dtype)) / log_q) + 1
-    return w.clamp(1, cap).to(torch.long)
-
-
-def _log_q_expectations(alpha, beta, kind):
-    """``(E[ln q], E[ln(1 − q)])`` under Beta(α, β): digamma, or ln E[q] plugged in."""
-    if kind == "digamma":
-        total = torch.digamma(alpha + beta)
-        return torch.digamma(alpha) - total, torch.digamma(beta) - total
-    total = torch.log(alpha + beta)
-    return torch.log(alpha) - total, torch.log(beta) - total
+from .beta import beta_quantile, log_beta, log_q_expectations, plug_in_quantile
+from .kinds.base import Operator
 
 
 @dataclass
@@ -133,115 +98,58 @@ class WindowTrace:
         return float((w * (d + its + 1)).mean()) / (n * d)
 
 
-def _check_self_family(family, what):
-    c, p = family.children.size, family.parents.size
-    if c > p:
-        raise ValueError(f"edge family {family.name!r}: a {what} is a distance back along one "
-                         f"sequence, so the children are the parents' tokens (all, or the last "
-                         f"C of them); got {c} children and {p} parents")
-    if not can_use_fast_path(family):
-        raise ValueError(f"edge family {family.name!r}: a {what} needs exactly one factorised "
-                         f"potential (ψ = ⟨a_i, b_j⟩·scale, e.g. Bilinear); got "
-                         f"{[type(p).__name__ for p in family.potentials]}")
-
-
 def _keep_from_position(n, device, dtype):
     """``(N, 1)``: 0 for child 0, which has no past (zero output), 1 elsewhere."""
     return (torch.arange(n, device=device) > 0).to(dtype)[:, None]
 
 
-class ExactWindow(SupportKind):
-    """Exact beta-geometric posterior over a window of the past (the prior's ``window``)."""
+class MeanFieldOperator(Operator):
+    """The mean-field geometric–Beta posterior with a window per child (module docstring):
+    the prior's inference scheme (``BetaGeometric(inference="mean_field")``). The posterior
+    it reads is the mean-field one, so it is not the exact softmax the dense twin would give:
+    ``adjoint`` and ``mass`` read its own dense posterior, and it has no ``log_partition``
+    (it cannot join the iteration of latent node sets)."""
 
-    name = "beta-geometric window"
+    def __init__(self, family, cache=None):
+        super().__init__(family, cache)
+        self._solved = None
 
-    def matches(self, prior):
-        return isinstance(prior, BetaGeometric) and prior.inference == "exact" \
-            and (prior.tol is not None or prior.max_window is not None)
+    def _solve(self):
+        if self._solved is None:
+            f = self.family
+            if not self.is_fused():
+                raise ValueError(f"edge family {f.name!r}: a beta-geometric prior "
+                                 f"needs exactly one factorised potential (ψ = ⟨a_i, b_j⟩·scale, "
+                                 f"e.g. Bilinear); got {[type(p).__name__ for p in f.potentials]}")
+            factors = ScoreFactors(*self.fused_factors())
+            solved = mean_field_compiled(f, factors)
+            if solved is None:
+                p, layout, trace = mean_field(f, factors)
+                off = f.parents.size - f.children.size  # children: the last C tokens
+                keep = _keep_from_position(f.parents.size, p.device, p.dtype)[off:]
 
-    def lower(self, family, want_posterior):
-        prior = family.prior
-        if not can_use_fast_path(family):  # e.g. a squared distance: the dense reading
-            return DenseSupport().lower(family, want_posterior)
-        _check_self_family(family, "beta-geometric prior")
-        xc = family.children.states
-        n = family.children.size
-        window = prior.window(n)
-        if n < family.parents.size or window >= n - 1:
-            # the last C of P tokens (a decoding step), or a window holding all of the past:
-            # the dense reading, O(C·P), is then the cheaper one
-            return DenseSupport().lower(family, want_posterior)
-        a, b, scale = score_factors(family)  # (*batch, H, N, k)
-        keep = _keep_from_position(n, a.device, xc.dtype)
-        table = prior.log_by_distance(window, a.device, xc.dtype)  # (H|1, W + 1)
-        if a.is_cuda and not want_posterior and _flex_available():
-            H = table.shape[0]
+                def attend(u):
+                    return band.apply(p, u, layout)[..., off:, :] * keep
+                solved = (attend, lambda: layout.to_dense(p)[..., off:, :], trace)
+            self._solved = solved
+            f.trace = solved[2]
+        return self._solved
 
-            def log_prior(bi, h, i, d):
-                return table[h if H > 1 else 0, d.clamp(0, window)]
+    def attend(self, u):
+        return self._solve()[0](u)
 
-            lead = a.shape[:-2]  # FlexAttention takes (B, H, N, d): fold the batch dims
+    def dense_posterior(self):
+        return self._solve()[1]()
 
-            def attend(u):
-                out = band.flex_attend(a.reshape(-1, *a.shape[-3:]), b.reshape(-1, *b.shape[-3:]),
-                                       u.reshape(-1, *u.shape[-3:]), scale, log_prior, window)
-                return out.reshape(*lead, *out.shape[-2:]) * keep
-            return attend, None
-        layout = band.BandLayout.for_window(n, window, prior.block_size)
-        dist = layout.distance(a.device)  # (B, L)
-        pos = layout.child_positions(a.device)[:, :, None]  # (nb, B, 1)
-        inside = (dist >= 1) & (dist <= window) & (dist <= pos)  # (nb, B, L)
-        lp = table[:, dist.clamp(0, window)]  # (H|1, B, L)
-        bias = torch.where(inside, lp[:, None], torch.tensor(float("-inf"), dtype=lp.dtype,
-                                                             device=lp.device))
-        # children without any parent in the band (child 0, padding) attend anywhere; zeroed
-        bias = torch.where(inside.any(-1, keepdim=True), bias, torch.zeros_like(bias))
-        if want_posterior:
-            s = band.scores(a, b, scale, layout)  # (*batch, H, nb, B, L)
-            p = torch.softmax(s + bias, -1) * inside.any(-1, keepdim=True)
+    def adjoint(self, u):
+        return self.dense_posterior().transpose(-1, -2) @ u
 
-            def attend(u):
-                return band.apply(p, u, layout) * keep
-            return attend, lambda: layout.to_dense(p)
+    def mass(self):
+        return self.dense_posterior().sum(-2).unsqueeze(-1)
 
-        def attend(u):
-            return band.attend(a, b, u, scale, bias, layout) * keep
-        return attend, None
-
-
-def _flex_available() -> bool:
-    try:
-        from torch.nn.attention import flex_attention  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-class MeanFieldWindows(SupportKind):
-    """The mean-field geometric–Beta posterior with a window per child (module docstring)."""
-
-    name = "mean-field windows"
-
-    def matches(self, prior):
-        return isinstance(prior, BetaGeometric) and prior.inference == "mean_field"
-
-    def lower(self, family, want_posterior):
-        _check_self_family(family, "beta-geometric prior")
-        solved = mean_field_compiled(family)
-        if not isinstance(solved, ScoreFactors):
-            attend, posterior, family.trace = solved
-            return attend, posterior
-        p, layout, trace = mean_field(family, solved)
-        family.trace = trace
-        off = family.parents.size - family.children.size  # children: the last C tokens
-        keep = _keep_from_position(family.parents.size, p.device, p.dtype)[off:]
-
-        def attend(u):
-            return band.apply(p, u, layout)[..., off:, :] * keep
-        return attend, (lambda: layout.to_dense(p)[..., off:, :])
-
-    def posterior(self, family):
-        return self.lower(family, True)[1]()
+    def log_partition(self):
+        raise ValueError(f"edge family {self.family.name!r}: a mean-field prior has no "
+                         f"log-partition to add to a free energy; use inference='exact'")
 
 
 class _Band:
@@ -369,10 +277,10 @@ class ScoreFactors(NamedTuple):
 
 
 @torch.compiler.disable
-def mean_field_compiled(family):
+def mean_field_compiled(family, factors):
     """The same iteration as ``mean_field``, each child's whole iteration in the compiled CPU
-    kernel (``structattn.kernels``); returns ``(attend, posterior, trace)``, or the family's
-    ``ScoreFactors`` (for ``mean_field``) where it does not apply — not on the CPU, no kernel,
+    kernel (``structattn.kernels``); returns ``(attend, posterior, trace)``, or None (then
+    ``mean_field`` runs) where it does not apply — not on the CPU, no kernel,
     or ``grad="unroll"`` with a gradient to carry (the derivative through every iteration
     needs the Python loop's graph).
 
@@ -383,10 +291,9 @@ def mean_field_compiled(family):
     the widest window scored at each round (no band is built)."""
     from . import kernels
 
-    prior: BetaGeometric = family.prior
+    prior = family.prior  # a BetaGeometric
     xc = family.children.states
-    factors = ScoreFactors(*score_factors(family))  # (*batch, H, N, k), (*batch, H, P, k)
-    a, b, scale = factors
+    a, b, scale = factors  # (*batch, H, N, k), (*batch, H, P, k)
     a0, b0 = prior.params(a.device, xc.dtype)  # (H|1,)
     work = a0.dtype
     # the derivative through every iteration (grad="unroll") needs the loop's graph, when
@@ -394,10 +301,10 @@ def mean_field_compiled(family):
     unrolled = prior.grad == "unroll" and torch.is_grad_enabled() and any(
         t.requires_grad for t in (a, b, a0, b0))
     if xc.device.type != "cpu" or unrolled or work not in (torch.float32, torch.float64):
-        return factors
+        return None
     ops = kernels.mean_field_windows()
     if ops is None:
-        return factors
+        return None
     n, n_all = family.children.size, family.parents.size
     off = n_all - n  # the children are the last n of the n_all tokens
     cap = max(1, n_all - 1 if prior.max_window is None else min(n_all - 1, prior.max_window))
@@ -431,7 +338,7 @@ def mean_field_compiled(family):
 
         win_b = blocked(win_l)
         # padding slots at Beta(1, 1): finite digammas, no NaN in the backward
-        e = _log_q_expectations(blocked(alpha_f - 1) + 1, blocked(beta_f - 1) + 1,
+        e = log_q_expectations(blocked(alpha_f - 1) + 1, blocked(beta_f - 1) + 1,
                                 prior.expectation)[0]
         p, _ = bnd.posterior(None, win_b, e)
         p = (p * (win_b >= 1)[..., None]).reshape(bnd.shape).to(xc.dtype)
@@ -447,7 +354,7 @@ def mean_field_compiled(family):
         return ((lambda u: band.apply(p, u, lay)[..., off:, :]),
                 (lambda: lay.to_dense(p)[..., off:, :]), trace)
 
-    e_final = _log_q_expectations(alpha, beta, prior.expectation)[0]  # (G, N)
+    e_final = log_q_expectations(alpha, beta, prior.expectation)[0]  # (G, N)
 
     @torch.compiler.disable  # an opaque C++ call: torch.compile runs it eagerly
     def attend(u):  # u: (*batch, H, N, d_v)
@@ -462,7 +369,7 @@ def mean_field_compiled(family):
 
 
 @torch.compiler.disable
-def mean_field(family, factors=None):
+def mean_field(family, factors):
     """Iterate the mean-field equations for one family; returns the band posterior
     ``(*batch, H, nb, B, L)``, its layout and the ``WindowTrace``.
 
@@ -479,12 +386,12 @@ def mean_field(family, factors=None):
 
     Its length and band widths depend on the data, so ``torch.compile`` leaves it to eager
     mode (the projections around it are compiled) rather than recompiling per iteration."""
-    prior: BetaGeometric = family.prior
+    prior = family.prior  # a BetaGeometric
     xc = family.children.states
     n = family.parents.size
     off = n - family.children.size  # the children are the last C tokens: the loop runs over
-    # all n, the first off at window 0 (never iterate); ``factors``: score_factors(family)
-    a, b, scale = factors if factors is not None else score_factors(family)
+    # all n, the first off at window 0 (never iterate); ``factors``: the ScoreFactors
+    a, b, scale = factors
     a = torch.nn.functional.pad(a, (0, 0, off, 0))  # (*batch, H, N, k)
     a0, b0 = prior.params(a.device, xc.dtype)  # (H|1,)
     work = a0.dtype
@@ -556,7 +463,7 @@ def mean_field(family, factors=None):
                                                                 - old.width, 0))
             act, al, be, cp = active[rows], alpha[rows], beta[rows], caps_b[rows]  # (k, B)
             sel = None if rows.numel() == busy.numel() else rows  # all busy: no gather
-            e_ln_q, _ = _log_q_expectations(al, be, prior.expectation)
+            e_ln_q, _ = log_q_expectations(al, be, prior.expectation)
             p, m = current.posterior(sel, w, e_ln_q)  # (k, B, L), (k, B)
             if prior.update == "conjugate":
                 new_alpha, new_beta = a_prior[rows] + m - 1, b_prior[rows] + 1
@@ -614,7 +521,7 @@ def mean_field(family, factors=None):
         if not current.scores.requires_grad:  # the band widened without a graph
             current = _Band(a, b, scale, n, current.layout.reach, prior.block_size, work)
         win_f = blocked(final_win, current.layout)
-        p_final, _ = current.posterior(None, win_f, _log_q_expectations(alpha_f, beta_f,
+        p_final, _ = current.posterior(None, win_f, log_q_expectations(alpha_f, beta_f,
                                                                         prior.expectation)[0])
         p_final = p_final * (win_f >= 1)[..., None]  # children without a past: zero
     with torch.no_grad():
@@ -640,6 +547,3 @@ def _tail(alpha, beta, window, kind):
         return (log_beta(alpha + w, beta) - log_beta(alpha, beta)).exp()
     return (alpha / (alpha + beta)) ** w
 
-
-register_support_kind(ExactWindow())
-register_support_kind(MeanFieldWindows())

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 import structattn as sa
 from structattn.iterate import Step
-from structattn.operator import FamilyOperator
+from structattn.kinds import DenseOperator as FamilyOperator
 
 f64 = torch.float64
 

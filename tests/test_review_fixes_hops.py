@@ -6,7 +6,7 @@ import torch
 
 import structattn as sa
 import structattn.lowering
-from structattn.operator import FamilyOperator
+from structattn.kinds import DenseOperator as FamilyOperator
 from structattn.potentials.base import Potential
 
 TOL = 1e-6
@@ -76,7 +76,9 @@ def test_pyro_hops_never_read_the_compiler_tables(monkeypatch, prior_kind):
 
     monkeypatch.setattr(FamilyOperator, "_table", refuse)  # the compiler's score table
     monkeypatch.setattr(Potential, "pairwise", refuse)
-    for name in ("expectation", "posterior", "sdpa_attend", "segment_attend", "dense_attend"):
+    for name in ("log_weights", "log_prob_table", "sdpa_inputs"):  # the compiled tables
+        monkeypatch.setattr(structattn.priors.tables.PriorTables, name, refuse)
+    for name in ("expectation", "posterior", "operator_for"):
         monkeypatch.setattr(structattn.lowering, name, refuse)
     truth = sa.inference.exact(_program(W, weights, prior), x)
     torch.testing.assert_close(truth.expectations["walk"], ref, atol=TOL, rtol=0)

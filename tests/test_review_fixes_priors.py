@@ -60,6 +60,13 @@ class GraphPrior(sa.priors.Prior):
     def __init__(self, edge_index, logits, *, causal=False, empty="error"):
         self.edge_index, self.logits, self.causal, self.empty = edge_index, logits, causal, empty
 
+    def support(self, num_children, num_parents):
+        return sa.kinds.EdgeList(self.edge_index, causal=self.causal)
+
+    def log_weight(self, child, parent, sizes):
+        i, j = torch.broadcast_tensors(child, parent)
+        return torch.broadcast_to(self.logits, (*self.logits.shape[:-2], *sizes))[..., i, j]
+
     def log_table(self, num_children, num_parents, device, dtype):
         return self.logits if dtype is None else self.logits.to(dtype)
 
@@ -131,12 +138,12 @@ def test_changed_logits_give_fresh_tables_and_outputs():
         prior.logits.mul_(3.0)  # modified in place
     torch.testing.assert_close(layer(x), reference(new), atol=TOL, rtol=0)
     # one-off readings of the prior are as fresh as a forward pass
-    first = prior.log_prob_table(n, n, x.device, F64)
+    first = prior.tables(n, n, x.device).log_prob_table(F64)
     torch.testing.assert_close(first, new.log_softmax(-1), atol=TOL, rtol=0)
     prior.logits = logits
-    torch.testing.assert_close(prior.log_prob_table(n, n, x.device, F64), logits.log_softmax(-1),
-                               atol=TOL, rtol=0)
-    torch.testing.assert_close(prior.bias(n, n, x.device, F64), logits, atol=0, rtol=0)
+    torch.testing.assert_close(prior.tables(n, n, x.device).log_prob_table(F64),
+                               logits.log_softmax(-1), atol=TOL, rtol=0)
+    torch.testing.assert_close(prior.tables(n, n, x.device).bias(F64), logits, atol=0, rtol=0)
 
 
 def test_a_family_builds_each_table_once():

@@ -6,8 +6,10 @@ A potential offers up to three readings of itself:
   ``scaled_dot_product_attention`` consumes (fast path, never forms C×P);
 - ``pairwise(children, parents)``: the dense ``(*batch, H, C, P)`` table (the
   naive twin; derived from ``factors`` when it exists);
-- ``at(children, parents, index)``: ψ at the parent each child picked, the
-  Pyro reading's ``pyro.factor`` (derived from ``factors`` when it exists).
+- ``at(children, parents, index)``: ψ at the parent each child picked, the Pyro reading's
+  ``pyro.factor`` — the oracle. Every built-in potential computes it from its own
+  definition, never from ``factors`` (so a wrong factorisation shows in ``compare``); a
+  potential that does not define it falls back to ``pairwise`` (then to ``factors``).
 
 A factorised potential may state its two halves separately, ``child_factor(x)`` and
 ``parent_factor(x)`` with ``factor_scale()``: the iterative engine then computes the half
@@ -28,8 +30,6 @@ Either may return None: the engine then differentiates the log-partition with au
 from __future__ import annotations
 
 import torch
-
-from ..heads import gather_parents
 
 
 class Potential:
@@ -83,15 +83,12 @@ class Potential:
         return (a @ b.transpose(-1, -2)) * scale
 
     def at(self, children: torch.Tensor, parents: torch.Tensor, index: torch.Tensor):
-        """ψ(x_{index_i}, x_i): ``broadcast(index)`` shaped, index broadcastable to (*batch, H, C)."""
-        f = self.factors(children, parents)
-        if f is None:
-            table = self.pairwise(children, parents)
-            from pyro.ops.indexing import Vindex
+        """ψ(x_{index_i}, x_i): ``broadcast(index)`` shaped, index broadcastable to (*batch, H, C).
+        Built-in potentials compute it from their definition; this fallback reads the dense
+        table (``pairwise``)."""
+        from pyro.ops.indexing import Vindex
 
-            return Vindex(table)[..., index]
-        a, b, scale = f
-        return (a * gather_parents(b, index)).sum(-1) * scale
+        return Vindex(self.pairwise(children, parents))[..., index]  # table (*batch, H, C, P)
 
     def validate(self, family: str, children, parents) -> None:
         pass

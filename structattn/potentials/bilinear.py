@@ -7,7 +7,7 @@ import math
 import torch
 
 from .._validation import is_validating, same_device, shape_str
-from ..heads import merge_heads, split_heads
+from ..heads import gather_parents, merge_heads, split_heads
 from .base import Potential
 
 
@@ -90,6 +90,16 @@ class Bilinear(Potential):
 
     def factor_scale(self):
         return 1.0 / self.temperature
+
+    def at(self, children, parents, index):
+        """The Pyro reading, from the definition: ψ_h = x_iᵀ (W_Q^h)ᵀ W_K^h x_{φ_i} / τ."""
+        H = self.heads
+
+        def per_head(x, W):  # (*batch, n, d) → (*batch, H, n, d_k)
+            y = x if W is None else torch.einsum("...nd,hkd->...hnk", x, W.reshape(H, -1, W.shape[-1]))
+            return y if W is not None else y.reshape(*y.shape[:-1], H, -1).movedim(-2, -3)
+        q, k = per_head(children, self.W_q), per_head(parents, self.W_k)
+        return (q * gather_parents(k, index)).sum(-1) / self.temperature
 
     def expected_gradient(self, side, op):
         a, b, scale = op.factors(self)

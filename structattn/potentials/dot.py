@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .._validation import shape_str
-from ..heads import merge_heads, split_heads
+from ..heads import gather_parents, merge_heads, split_heads
 from .base import Potential
 from .bilinear import check_temperature, check_temperature_value
 
@@ -30,6 +30,13 @@ class DotProduct(Potential):
 
     def factor_scale(self):
         return 1.0 / self.temperature
+
+    def at(self, children, parents, index):
+        """The Pyro reading, from the definition: ⟨x_i^h, x_{φ_i}^h⟩ / τ per head slice."""
+        H = self.heads
+        xc = children.reshape(*children.shape[:-1], H, -1).movedim(-2, -3)  # (*batch, H, C, d/H)
+        xp = parents.reshape(*parents.shape[:-1], H, -1).movedim(-2, -3)
+        return (xc * gather_parents(xp, index)).sum(-1) / self.temperature
 
     def expected_gradient(self, side, op):
         a, b, scale = op.factors(self)

@@ -32,6 +32,9 @@ class Positional(Potential):
     def pairwise(self, children, parents):
         return self.base.pairwise(children + self.e_children, parents + self.e_parents)
 
+    def at(self, children, parents, index):
+        return self.base.at(children + self.e_children, parents + self.e_parents, index)
+
     def validate(self, family, children, parents):
         for role, ns, e in (("children", children, self.e_children),
                             ("parents", parents, self.e_parents)):

@@ -113,7 +113,7 @@ class PredictionError(Potential):
         return -0.5 * self.precision * (e ** 2).sum(-1)
 
     def expected_gradient(self, side, op):
-        post = op.posterior()[..., 0, :, :]  # (*batch, C, P)
+        post = op.dense_posterior()[..., 0, :, :]  # (*batch, C, P)
         xc, xp = op.family.children.states, op.family.parents.states
         k = self.precision
         e = self._errors(xc, xp)  # (*batch, C, P, d_c)
@@ -130,7 +130,7 @@ class PredictionError(Potential):
             return self.precision
         if self.activation is not None or self.parent_features != 1:
             return None  # not a multiple of the identity
-        post = op.posterior()[..., 0, :, :]  # (*batch, C, P)
+        post = op.dense_posterior()[..., 0, :, :]  # (*batch, C, P)
         w2 = (self._W ** 2).sum((-2, -1))  # (C, P): W_ijᵀW_ij for a scalar parent
         return self.precision * (post * w2).sum(-2).unsqueeze(-1)
 

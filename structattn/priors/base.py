@@ -1,44 +1,49 @@
 """The prior over one edge family: p(φ_i = j) for each child i over parents j.
 
-A prior is data, not code in the compiler. A subclass states up to four things and
-the compiler, the Pyro reading and the drawings derive everything else
-(``PriorTables``, priors/tables.py, built per family and pass):
+A prior states two things once, as data (the ``torch.distributions`` convention of a
+``support`` and a ``log_prob``), and every reading derives from them:
 
-- ``causal``: the support is restricted to j ≤ i;
-- ``edge_index``: the support is a graph, an edge list ``(2, E)`` (lowered in O(E));
-- ``explicit_support(C, P)``: a boolean ``(…, C, P)`` restriction (a mask);
-- ``log_table(C, P)``: unnormalised log prior weights ``(…, C, P)``; −∞ marks a
-  parent outside the support. With an edge list only its entries at the edges count.
+- ``support(C, P)``: the set of parents each child may choose, a ``structattn.kinds``
+  ``Support`` (every parent, j ≤ i, a mask, an edge list, a window, …) whose
+  ``contains(child, parent)`` is the definition;
+- ``log_weight(child, parent, sizes)``: the unnormalised log prior at index pairs (None:
+  uniform on the support), so that
 
-Everything broadcasts against ``(*batch, heads, C, P)``. The log prior is
-``log p(φ_i = j) = b_ij − logsumexp_{j'∈Φ_i} b_ij'`` on the support Φ_i and −∞
-outside; the normaliser is constant in j, so attention needs only the finite part of
-``b`` as an additive score term (``bias``) and the support as a mask.
+      log p(φ_i = j) = w_ij − logsumexp_{j' ∈ Φ_i} w_ij'  on Φ_i, −∞ outside.
+
+Pyro's reading (``structattn.family``) evaluates exactly these two on the (child, parent)
+grid; the compiled reading builds the support's operator, which reads the prior's dense
+``log_table`` (by default ``log_weight`` on the grid; a prior may give it faster, e.g. its
+own logits tensor) and the support's own efficient form. ``tests/priors`` checks, for every
+prior, that the two readings agree.
+
+Everything broadcasts against ``(*batch, heads, C, P)``.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..kinds.base import Support, grid
+from ..kinds.dense import AllParents, DenseOperator
 from .tables import PriorTables
-from .tables import check_edge_index as check_edge_index
 
 
 class Prior:
-    """Base class of edge priors (see module docstring for the contract)."""
+    """Base class of edge priors (see the module docstring for the contract)."""
 
-    causal: bool = False
     #: a child with no allowed parent: "error" (ValueError) or "zero" (zero value, zero posterior)
     empty: str = "error"
-    #: the support as an edge list (2, E) — row 0 parents j, row 1 children i — or None (dense)
-    edge_index: torch.Tensor | None = None
 
     # -- what a subclass states -------------------------------------------------
-    def explicit_support(self, num_children: int, num_parents: int, device) -> torch.Tensor | None:
-        return None
+    def support(self, num_children: int, num_parents: int) -> Support:
+        """Φ_i for C children and P parents (default: every parent)."""
+        return AllParents()
 
-    def log_table(self, num_children: int, num_parents: int, device, dtype) -> torch.Tensor | None:
-        """``(…, C, P)`` log weights in ``dtype`` (None: the parameters' own), or None."""
+    def log_weight(self, child: torch.Tensor, parent: torch.Tensor, sizes: tuple[int, int]):
+        """Unnormalised log p(φ_i = j) at long index tensors ``child``, ``parent`` (they
+        broadcast; the prior's own leading dims — heads, batch — come first), for ``sizes``
+        = (C, P); −∞ also excludes a parent. None: uniform on the support."""
         return None
 
     def check_nodes(self, family: str, children, parents) -> None:
@@ -48,74 +53,23 @@ class Prior:
     def describe(self) -> str:
         return type(self).__name__
 
-    def short_support(self) -> str:
-        parts = []
-        if self.causal:
-            parts.append("j ≤ i")
-        if getattr(self, "support", None) is not None:
-            parts.append("mask")
-        if self.edge_index is not None:
-            parts.append(f"graph, {self.edge_index.shape[1]} edges")
-        return " ∧ ".join(parts) if parts else "all parents"
+    # -- what the compiled reading uses (derived; overriding is an optimisation) ----------
+    def log_table(self, num_children: int, num_parents: int, device, dtype) -> torch.Tensor | None:
+        """Dense log weights ``(…, C, P)`` in ``dtype`` (None: the prior's own), or None for
+        a uniform prior: ``log_weight`` on the grid. A prior may return the same numbers
+        faster (e.g. its logits tensor itself); the prior tests check that it does."""
+        w = self.log_weight(*grid(num_children, num_parents, device), (num_children, num_parents))
+        return w if w is None or dtype is None else w.to(dtype)
 
-    # -- what is derived from it (priors/tables.py) ----------------------------------
+    def reading(self, support: Support) -> type:
+        """The operator class that marginalises a family under this prior: the support's
+        (``Support.operator``; the dense operator when it names none)."""
+        return support.operator or DenseOperator
+
     def tables(self, num_children: int, num_parents: int, device) -> PriorTables:
         """This prior's tables for one edge family in one pass, each built at most once.
         The caller holds them for the pass; nothing is stored on the prior."""
         return PriorTables(self, num_children, num_parents, device)
 
-    def reset(self) -> None:
-        """Nothing to forget: tables live in a ``PriorTables`` of one family, never on the
-        prior (kept so that callers from before that change keep working)."""
-
-    def edges(self, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(src, dst)`` of an edge-list support on ``device``: parents and children, only
-        the edges j ≤ i when causal."""
-        src, dst = self.edge_index.to(device)
-        if self.causal:
-            keep = src <= dst
-            src, dst = src[keep], dst[keep]
-        return src, dst
-
-    # One-off readings: each builds a fresh ``PriorTables`` (nothing is shared between
-    # calls); a reader that needs several tables of one family should hold ``tables(...)``.
-    def table(self, num_children, num_parents, device, dtype) -> torch.Tensor | None:
-        """``log_table`` in ``dtype`` (None: its own)."""
-        return self.tables(num_children, num_parents, device).table(dtype)
-
-    def bias(self, num_children, num_parents, device, dtype) -> torch.Tensor | None:
-        """The finite part of ``log_table`` (−∞ entries set to 0; they are masked anyway)."""
-        return self.tables(num_children, num_parents, device).bias(dtype)
-
-    def support_mask(self, num_children, num_parents, device) -> torch.Tensor | None:
-        """Boolean ``(…, C, P)``: the explicit support (and edge list) ∩ the finite entries
-        of ``log_table``, or None when neither restricts."""
-        return self.tables(num_children, num_parents, device).support_mask()
-
-    def full_mask(self, num_children, num_parents, device) -> torch.Tensor | None:
-        """Boolean support ``(…, C, P)`` including causality, or None for 'all parents'."""
-        return self.tables(num_children, num_parents, device).full_mask()
-
-    def log_weights(self, num_children, num_parents, device, dtype) -> torch.Tensor:
-        """Unnormalised log prior ``(…, C, P)`` with −∞ outside the support (materialised)."""
-        return self.tables(num_children, num_parents, device).log_weights(dtype)
-
-    def log_prob_table(self, num_children, num_parents, device, dtype) -> torch.Tensor:
-        """Normalised log prior ``(…, C, P)``: rows are log p(φ_i = ·)."""
-        return self.tables(num_children, num_parents, device).log_prob_table(dtype)
-
-    def empty_children(self, num_children, num_parents, device) -> torch.Tensor | None:
-        """Boolean ``(…, C)``: children with no allowed parent, when ``empty == "zero"``;
-        None when no row can be empty."""
-        return self.tables(num_children, num_parents, device).empty_children()
-
-    def sdpa_inputs(self, num_children, num_parents, device, dtype):
-        """``(attn_mask, is_causal)`` for ``scaled_dot_product_attention``."""
-        return self.tables(num_children, num_parents, device).sdpa_inputs(dtype)
-
-    def validate(self, family: str, num_children: int, num_parents: int, device, *,
-                 batch_shape=(), heads: int = 1) -> None:
-        """Shapes always; values (NaN/+∞ log weights, children with an empty support) while
-        validating. See ``PriorTables.validate``."""
-        self.tables(num_children, num_parents, device).validate(
-            family, batch_shape=batch_shape, heads=heads)
+    def short_support(self, num_children: int = 2, num_parents: int = 2) -> str:
+        return self.support(num_children, num_parents).describe()

@@ -39,6 +39,8 @@ import math
 import torch
 
 from .._validation import is_validating
+from ..beta import beta_quantile, log_beta
+from ..kinds.window import Window
 from .base import Prior
 from .tables import PriorTables
 
@@ -68,10 +70,6 @@ def _positive(name, value):
     return float(value)
 
 
-def log_beta(x, y):
-    return torch.lgamma(x) + torch.lgamma(y) - torch.lgamma(x + y)
-
-
 class BetaGeometric(Prior):
     """``p(φ_i = d) = B(a + d − 1, b + 1) / B(a, b)`` for the distance d = i − j ≥ 1 back from
     child i; ``a``, ``b``: floats or tensors ``()`` / ``(heads,)`` (learnable: gradients flow
@@ -83,8 +81,7 @@ class BetaGeometric(Prior):
     docstring). Paper §5.2, SPEC.md "Geometric–Beta prior".
     """
 
-    causal = False  # strictly causal: the table is −∞ for j ≥ i
-    empty = "zero"
+    empty = "zero"  # the first token has no past
 
     def __init__(self, a=1.0, b=1.0, *, tol: float | None = None, max_window: int | None = None,
                  inference: str = "exact", expectation: str = "digamma",
@@ -158,7 +155,6 @@ class BetaGeometric(Prior):
             return cap
         with torch.no_grad():
             a, b = self.params("cpu", torch.float64)
-            from ..windows import beta_quantile
             w = beta_quantile(a.detach().cpu(), b.detach().cpu(), tol, cap)
         return int(w.max())
 
@@ -189,18 +185,23 @@ class BetaGeometric(Prior):
     def tables(self, num_children, num_parents, device) -> PriorTables:
         return BetaGeometricTables(self, num_children, num_parents, device)
 
-    def log_table(self, num_children, num_parents, device, dtype):
-        """``(heads or 1, C, P)``: log p(φ_i = i − j) for 1 ≤ i − j ≤ window, −∞ elsewhere;
-        with C < P the children are the last C of the P tokens (child i at P − C + i)."""
-        from .relative import offsets
+    def support(self, num_children, num_parents):
+        """1 ≤ d ≤ window for the distance d = (P − C + i) − j: with C < P the children are
+        the last C of the P tokens (child i at P − C + i)."""
+        return Window(self.window(num_parents), offset=num_parents - num_children)
 
-        dist = offsets(num_children, num_parents, device) + (num_parents - num_children)
-        w = self.window(num_parents)
-        allowed = dist >= 1 if w is None else (dist >= 1) & (dist <= w)
-        work = torch.float64 if dtype is None else dtype
-        table = self.log_pmf(dist.clamp(min=1), device, work)  # (H|1, C, P)
-        table = table.masked_fill(~allowed, float("-inf"))
-        return table if dtype is None else table.to(dtype)
+    def log_weight(self, child, parent, sizes):
+        """log p(φ_i = d) at the distance d (outside 1 ≤ d the support excludes the pair)."""
+        C, P = sizes
+        d = (child + (P - C) - parent).clamp(min=1)
+        return self.log_pmf(d, child.device, torch.float64)  # (H|1, *index)
+
+    def reading(self, support):
+        if self.inference == "mean_field":  # an inference scheme of its own: the windows
+            from ..windows import MeanFieldOperator
+
+            return MeanFieldOperator
+        return super().reading(support)
 
     def log_by_distance(self, window: int, device, dtype) -> torch.Tensor:
         """``(heads or 1, window + 1)``: log p(φ = d) for d = 0..window (−∞ at d = 0)."""

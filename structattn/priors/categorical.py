@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from .base import Prior
+from .uniform import dense_support
 
 
 class Categorical(Prior):
@@ -34,13 +35,18 @@ class Categorical(Prior):
         self.empty = empty
         self.logits = logits
         self.causal = bool(causal)
-        self.support = support
+        self.mask = support
 
-    def explicit_support(self, num_children, num_parents, device):
-        return None if self.support is None else self.support.to(device)
+    def support(self, num_children, num_parents):
+        return dense_support(self.causal, self.mask)
+
+    def log_weight(self, child, parent, sizes):
+        i, j = torch.broadcast_tensors(child, parent)
+        table = torch.broadcast_to(self.logits, (*self.logits.shape[:-2], *sizes))  # (1, P) too
+        return table[..., i.to(table.device), j.to(table.device)]  # −∞: outside the support
 
     def log_table(self, num_children, num_parents, device, dtype):
-        return self.logits if dtype is None else self.logits.to(dtype)  # −∞: outside the support
+        return self.logits if dtype is None else self.logits.to(dtype)  # the tensor itself
 
     def describe(self) -> str:
         return f"Categorical(logits {tuple(self.logits.shape)}, {self.short_support()})"

@@ -6,6 +6,7 @@ import torch
 
 from .._validation import is_validating, shape_str
 from .base import Prior
+from .uniform import dense_support
 
 
 def offsets(num_children: int, num_parents: int, device) -> torch.Tensor:
@@ -31,11 +32,13 @@ class RelativePosition(Prior):
         self.logits, self.causal = logits, bool(causal)
         self.max_distance = (logits.shape[-1] - 1) // 2
 
-    def log_table(self, num_children, num_parents, device, dtype):
+    def support(self, num_children, num_parents):
+        return dense_support(self.causal, None)
+
+    def log_weight(self, child, parent, sizes):
         K = self.max_distance
-        idx = offsets(num_children, num_parents, self.logits.device).clamp(-K, K) + K
-        table = self.logits[..., idx]  # (…, C, P)
-        return table if dtype is None else table.to(dtype)
+        d = (child - parent).to(self.logits.device)
+        return self.logits[..., d.clamp(-K, K) + K]  # (…, *index)
 
     def describe(self) -> str:
         return f"RelativePosition(K={self.max_distance}, {self.short_support()})"
@@ -57,10 +60,13 @@ class ALiBi(Prior):
             raise ValueError(f"ALiBi prior: slopes must be a 1-D tensor of finite m ≥ 0; got {slopes}")
         self.slopes, self.causal = slopes, bool(causal)
 
-    def log_table(self, num_children, num_parents, device, dtype):
-        dtype = dtype or self.slopes.dtype
-        dist = offsets(num_children, num_parents, device).abs().to(dtype)
-        return -self.slopes.to(device=device, dtype=dtype)[:, None, None] * dist  # (H, C, P)
+    def support(self, num_children, num_parents):
+        return dense_support(self.causal, None)
+
+    def log_weight(self, child, parent, sizes):
+        d = (child - parent).abs()
+        m = self.slopes.to(d.device).reshape(-1, *([1] * d.dim()))
+        return -m * d.to(m.dtype)  # (H, *index)
 
     def describe(self) -> str:
         return f"ALiBi(heads={len(self.slopes)}, {self.short_support()})"

@@ -1,10 +1,11 @@
-"""What is derived from a prior for one edge family in one forward pass.
+"""What the compiled reading derives from a prior for one edge family in one forward pass.
 
-``PriorTables(prior, C, P, device)`` reads a prior (its ``causal``, ``empty``,
-``edge_index``, ``explicit_support`` and ``log_table``) and builds the tables every
-reading needs — support masks, the additive bias, the normalised log prior, the
-per-edge log weights of an edge list, the inputs of ``scaled_dot_product_attention``
-— each at most once, on demand.
+``PriorTables(prior, C, P, device)`` reads the prior's statement — its ``support(C, P)``
+(a ``structattn.kinds`` ``Support``), its dense ``log_table`` and ``empty`` — and builds
+the tables the operators need: the dense support mask, the additive bias, the normalised
+log prior, the per-edge log weights of an edge list, the inputs of
+``scaled_dot_product_attention`` — each at most once, on demand. (Pyro's reading does not
+use these tables: it evaluates the prior's ``contains`` and ``log_weight`` itself.)
 
 It is a cache with the lifetime of one family: whoever reads a family holds it for
 that pass and drops it with the family. Nothing is stored on the prior, so a prior
@@ -29,12 +30,17 @@ class PriorTables:
         self.prior = prior
         self.num_children, self.num_parents = num_children, num_parents
         self.device = device
+        self.support = prior.support(num_children, num_parents)
         self._built: dict = {}
 
     def _once(self, key, build):
         if key not in self._built:
             self._built[key] = build()
         return self._built[key]
+
+    @property
+    def is_edge_list(self) -> bool:
+        return hasattr(self.support, "edges")
 
     # -- the prior's own statements -----------------------------------------------------
     def table(self, dtype=None) -> torch.Tensor | None:
@@ -45,19 +51,11 @@ class PriorTables:
             return own
         return self._once(("table", dtype), lambda: own.to(dtype))
 
-    def explicit_support(self) -> torch.Tensor | None:
-        """Boolean ``(…, C, P)``: the prior's explicit support ∩ the dense reading of its
-        edge list (small graphs only: the lowering of an edge list never builds it)."""
-        def build():
-            C, P, prior = self.num_children, self.num_parents, self.prior
-            mask = prior.explicit_support(C, P, self.device)
-            if prior.edge_index is not None:
-                src, dst = prior.edge_index.to(self.device)
-                graph = torch.zeros(C, P, dtype=torch.bool, device=self.device)
-                graph[dst, src] = True
-                mask = graph if mask is None else mask & graph
-            return mask
-        return self._once("explicit", build)
+    def support_dense(self) -> torch.Tensor | None:
+        """The support's own dense mask ``(…, C, P)``, None for every parent (an edge list
+        builds it here: small graphs only, the edge-list operator never asks)."""
+        return self._once("dense", lambda: self.support.dense(
+            self.num_children, self.num_parents, self.device))
 
     # -- dense readings ----------------------------------------------------------------
     def bias(self, dtype=None) -> torch.Tensor | None:
@@ -68,25 +66,14 @@ class PriorTables:
         return self._once(("bias", table.dtype),
                           lambda: table.masked_fill(torch.isneginf(table), 0.0))
 
-    def support_mask(self) -> torch.Tensor | None:
-        """Boolean ``(…, C, P)``: the explicit support ∩ the finite entries of ``log_table``,
-        or None when neither restricts (built from tensor ops only, so it traces)."""
+    def full_mask(self) -> torch.Tensor | None:
+        """Boolean ``(…, C, P)``: the support ∩ the finite entries of ``log_table``, or None
+        for 'every parent' (built from tensor ops only, so it traces)."""
         def build():
-            mask, table = self.explicit_support(), self.table()
+            mask, table = self.support_dense(), self.table()
             if table is not None:
                 finite = ~torch.isneginf(table)
                 mask = finite if mask is None else mask & finite
-            return mask
-        return self._once("support", build)
-
-    def full_mask(self) -> torch.Tensor | None:
-        """Boolean support ``(…, C, P)`` including causality, or None for 'all parents'."""
-        def build():
-            mask = self.support_mask()
-            if self.prior.causal:
-                tril = torch.ones(self.num_children, self.num_parents, dtype=torch.bool,
-                                  device=self.device).tril()
-                mask = tril if mask is None else mask & tril
             return mask
         return self._once("full", build)
 
@@ -112,21 +99,20 @@ class PriorTables:
     def sdpa_inputs(self, dtype):
         """``(attn_mask, is_causal)`` for ``scaled_dot_product_attention``.
 
-        Causality alone lowers to the fused ``is_causal`` path; a support mask
-        alone to a boolean mask; a log table to an additive float mask with −∞
-        outside the support.
+        j ≤ i alone lowers to the fused ``is_causal`` path; a support mask alone to a
+        boolean mask; a log table to an additive float mask with −∞ outside the support.
         """
-        prior = self.prior
-        table, explicit = self.table(dtype), self.explicit_support()
+        table, support = self.table(dtype), self.support
+        if table is None and support.is_causal():
+            return None, True
+        explicit = self.support_dense()
         if table is None and explicit is None:
-            return None, prior.causal
-        if table is not None and explicit is None and prior.empty == "error" and not prior.causal:
-            # the table itself is the additive mask (−∞ = outside the support): no copies;
-            # causality takes SDPA's fused path only when nothing else restricts
-            return table, False
+            return None, False
+        if table is not None and explicit is None and self.prior.empty == "error":
+            return table, False  # the table itself is the additive mask (−∞ = outside)
         if table is None:
             mask = self.full_mask()
-            if prior.empty == "zero":  # let empty rows attend anywhere; the caller zeroes them
+            if self.prior.empty == "zero":  # let empty rows attend anywhere; the caller zeroes them
                 mask = mask | ~mask.any(-1, keepdim=True)
             return mask, False
         return self.log_weights(dtype), False
@@ -135,7 +121,7 @@ class PriorTables:
     def edges(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(src, dst)``, each ``(E,)``: the edges of an edge-list support (j ≤ i only when
         causal); every per-edge table is aligned with them."""
-        return self._once("edges", lambda: self.prior.edges(self.device))
+        return self._once("edges", lambda: self.support.edges(self.device))
 
     def edge_bias(self, dtype=None) -> torch.Tensor | None:
         """Per-edge log weights ``(…, E)`` (``log_table`` at each edge; −∞: the edge is
@@ -151,12 +137,12 @@ class PriorTables:
 
     def empty_children(self) -> torch.Tensor | None:
         """Boolean ``(…, C)``: children with no allowed parent, when ``empty == "zero"``;
-        None when no row can be empty (all parents, or j ≤ i alone: never C×P work)."""
+        None when no row can be empty (every parent: never C×P work)."""
         if self.prior.empty != "zero":
             return None
-        if self.prior.edge_index is not None:  # O(E): count incoming edges of finite weight
+        if self.is_edge_list:  # O(E): count incoming edges of finite weight
             return self._once("empty", lambda: _edge_counts(self) == 0)
-        if self.support_mask() is None:
+        if self.full_mask() is None:
             return None
         return self._once("empty", lambda: ~self.full_mask().any(-1))
 
@@ -170,8 +156,8 @@ class PriorTables:
             raise ValueError(f"edge family {family!r}: prior empty= must be 'error' or 'zero'; "
                              f"got {prior.empty!r}")
         target = (*batch_shape, heads, C, P)
-        if prior.edge_index is not None:
-            check_edge_index(family, prior.edge_index, C, P)
+        if self.is_edge_list:
+            check_edge_index(family, self.support.edge_index, C, P)
             table = self.table()
             if table is not None:
                 _check_table(family, "log weights", table, target, self.device)
@@ -182,7 +168,7 @@ class PriorTables:
             if prior.empty == "error":
                 _check_no_empty_edge_child(family, self, _edge_counts(self))
             return
-        table, explicit = self.table(), self.explicit_support()
+        table, explicit = self.table(), self.support_dense()
         for what, t in (("support mask", explicit), ("log weights", table)):
             if t is not None:
                 _check_table(family, what, t, target, self.device)
@@ -192,8 +178,11 @@ class PriorTables:
             _check_log_weights(family, table, "at index")
         if prior.empty == "zero":
             return
+        if self.support.is_causal() and self.num_parents and (
+                table is None or not bool(torch.isneginf(table).any())):
+            return  # j ≤ i alone: column 0 is always allowed, no row is empty
         if explicit is None and (table is None or not bool(torch.isneginf(table).any())):
-            return  # all parents, or j ≤ i alone: column 0 is always allowed, no row is empty
+            return  # every parent
         empty = ~self.full_mask().any(-1)
         where = first_true(empty)
         if where is not None:
@@ -252,7 +241,7 @@ def _check_no_empty_edge_child(family, tables: PriorTables, counts: torch.Tensor
     where = first_true(empty)
     if where is None:
         return
-    causal = " from j ≤ i" if tables.prior.causal else ""
+    causal = " from j ≤ i" if tables.support.causal else ""
     finite = " of finite log weight" if tables.table() is not None else ""
     raise ValueError(
         f"edge family {family!r}: child {where[-1]} has an empty support — no edge{finite} in "

@@ -4,7 +4,17 @@ from __future__ import annotations
 
 import torch
 
+from ..kinds.dense import AllParents, Causal, Mask
+from ..kinds.edge_list import EdgeList
 from .base import Prior
+
+
+def dense_support(causal: bool, mask: torch.Tensor | None):
+    """j ≤ i and/or a mask as one support (every parent when neither restricts)."""
+    parts = ([Causal()] if causal else []) + ([] if mask is None else [Mask(mask)])
+    if not parts:
+        return AllParents()
+    return parts[0] if len(parts) == 1 else parts[0] & parts[1]
 
 
 class Uniform(Prior):
@@ -40,13 +50,14 @@ class Uniform(Prior):
         if empty not in ("error", "zero"):
             raise ValueError(f"Uniform prior: empty must be 'error' or 'zero'; got {empty!r}")
         self.causal = bool(causal)
-        self.support = support
+        self.mask = support
         self.edge_index = edge_index
         self.empty = empty
 
-    def explicit_support(self, num_children, num_parents, device):
-        # an edge_index is read by the base class (PriorTables), densely only where asked
-        return None if self.support is None else self.support.to(device)
+    def support(self, num_children, num_parents):
+        if self.edge_index is not None:
+            return EdgeList(self.edge_index, causal=self.causal)
+        return dense_support(self.causal, self.mask)
 
     def describe(self) -> str:
         return f"Uniform({self.short_support()})"

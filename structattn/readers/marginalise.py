@@ -10,8 +10,7 @@ from .. import lowering
 from .._direct import direct_readers
 from ..family import EdgeFamily
 from ..iterate import Engine, Trace
-from ..latent import LatentNodeSet
-from ..operator import FamilyOperator
+from ..latent import LatentNodeSet, place_latent
 
 
 class MarginalEdge:
@@ -85,16 +84,7 @@ class Marginalise(Messenger):
     def latent(self, node_set: LatentNodeSet) -> LatentNodeSet:
         if node_set.name in self.latents:
             raise ValueError(f"latent node set {node_set.name!r} is declared twice in one model")
-        if self.latent_values is not None:
-            try:
-                value = self.latent_values[node_set.name]
-            except KeyError:
-                raise ValueError(f"no value given for latent node set {node_set.name!r}; "
-                                 f"given: {sorted(self.latent_values)}") from None
-            if value.shape != node_set.states.shape:
-                raise ValueError(f"latent node set {node_set.name!r}: the given value has shape "
-                                 f"{tuple(value.shape)}, expected {tuple(node_set.states.shape)}")
-            node_set.states, node_set.inferred = value, True
+        place_latent(node_set, self.latent_values)
         self.latents[node_set.name] = node_set
         return node_set
 
@@ -105,7 +95,7 @@ class Marginalise(Messenger):
             if self.record_posterior:
                 for name, fam in self.families.items():
                     if name not in self.posteriors:
-                        self.posteriors[name] = FamilyOperator(
+                        self.posteriors[name] = lowering.operator_for(
                             fam, self._caches.setdefault(name, {})).posterior()
             return
         for z in pending:
@@ -145,34 +135,13 @@ class Marginalise(Messenger):
             stack.pop()
 
     def expectation(self, family: EdgeFamily):
-        if family.name in self._final_ops and family.prior.edge_index is None:
-            # a family the iteration used: its operator at the inferred states (prior tables,
-            # the observed side's factor, the posterior if already built) serves the value too
-            lowering.check_complete(family)
-            op = self._final_ops[family.name]
-            post = op.posterior() if self.record_posterior else None
-            out = family.value.expectation(op.attend, family.children.states,
-                                           family.parents.states)
-        else:
-            out, post = lowering.expectation(family, want_posterior=self.record_posterior)
+        # a family the iteration used: its operator at the inferred states (prior tables, the
+        # observed side's factor, the posterior if already built) serves the value too
+        out, post = lowering.expectation(family, want_posterior=self.record_posterior,
+                                         operator=self._final_ops.get(family.name))
         if post is not None:
             self.posteriors[family.name] = post
         if family.trace is not None:
             self.window_traces[family.name] = family.trace
         self.expectations[family.name] = out
         return out
-
-
-class SubstituteExpectations(Marginalise):
-    """Every value site returns a given expectation (e.g. Pyro's exact one), so the rest of
-    the program — head merging, output projections — runs on ground truth."""
-
-    def __init__(self, expectations: dict, latent_values: dict | None = None):
-        super().__init__(latent_values=latent_values)
-        self.expectations = expectations
-
-    def expectation(self, family):
-        try:
-            return self.expectations[family.name]
-        except KeyError:
-            raise ValueError(f"no expectation given for edge family {family.name!r}") from None

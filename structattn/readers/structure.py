@@ -5,11 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from pyro.poutine.messenger import Messenger
 
 from .. import lowering
 from ..family import EdgeFamily
+from ..latent import place_latent
 from ..nodes import NodeSet
-from .marginalise import Marginalise
+from ..priors.declared import declared_log_prior
 
 
 @dataclass
@@ -38,11 +40,7 @@ class Structure:
     def log_prior(self, name: str) -> torch.Tensor:
         """Normalised log prior ``(*batch, H, C, P)`` of family ``name``."""
         f = self.families[name]
-        xc = f.children.states
-        t = f.tables.log_prob_table(xc.dtype)
-        keep = f.keep()
-        if keep is not None:  # parentless children (empty="zero") have no prior edge at all
-            t = t.masked_fill(keep == 0, float("-inf"))
+        t, _ = declared_log_prior(f)  # parentless children (empty="zero"): no prior edge at all
         return t.expand(*f.batch_shape, f.heads, *t.shape[-2:])
 
     def posterior(self, name: str) -> torch.Tensor:
@@ -51,10 +49,33 @@ class Structure:
         return lowering.posterior(self.families[name])
 
 
-class TraceStructure(Marginalise):
-    """Records node sets (in declaration order) and edge families without computing any
-    expectation: values are zeros of the right shape, so an oracle that traces the
-    structure first never runs the compiled lowering."""
+class StructureEdge:
+    """Handle for an edge family under ``TraceStructure``: records, computes nothing."""
+
+    def __init__(self, family: EdgeFamily, reader: TraceStructure):
+        self.family, self.reader = family, reader
+
+    def add_potential(self, potential):
+        self.family.add_potential(potential)
+
+    def expect(self, value):
+        self.family.set_value(value)
+        return self.reader.expectation(self.family)
+
+
+class TraceStructure(Messenger):
+    """Records node sets (in declaration order), edge families, latent node sets and energies
+    without computing any expectation: values are zeros of the right shape. It shares no code
+    with the compiled reading (``Marginalise``), so an oracle that traces the structure first
+    never runs the lowering. Latents stay at their initial state, or at ``latent_values``."""
+
+    def __init__(self, latent_values: dict | None = None):
+        super().__init__()
+        self.latent_values = latent_values
+        self.node_sets: dict[str, NodeSet] = {}
+        self.families: dict[str, EdgeFamily] = {}
+        self.latents: dict = {}
+        self.energies: dict = {}
 
     def _pyro_sample(self, msg):
         """Every random variable of a declaration comes from a structattn primitive; a raw
@@ -73,33 +94,58 @@ class TraceStructure(Marginalise):
             f"log-likelihoods with structattn.potential(...) and other terms of −log p with "
             f"structattn.energy(...)")
 
-    def expectation(self, family):
-        lowering.check_complete(family)
-        v = family.value.parent_values(family.parents.states)  # (*batch, H, P, d_v)
-        return v.new_zeros(*family.batch_shape, family.heads, family.children.size, v.shape[-1])
-
-    def __init__(self, latent_values: dict | None = None):
-        super().__init__(latent_values=latent_values)
-        self.node_sets: dict[str, NodeSet] = {}
-
-    def latent(self, node_set):
-        node_set = super().latent(node_set)
-        self.node_sets.setdefault(node_set.name, node_set)
-        return node_set
-
-    def infer(self):  # the structure only: latents stay at their initial (or given) state
-        for z in self.latents.values():
-            z.inferred = True
-
     def _pyro_post_structattn_nodes(self, msg):
         ns = msg["value"]
         self.node_sets.setdefault(ns.name, ns)
 
     def _pyro_structattn_edges(self, msg):
-        super()._pyro_structattn_edges(msg)
         family = msg["args"][0]
+        if family.name in self.families:
+            raise ValueError(f"edge family {family.name!r} is declared twice in one model")
+        self.families[family.name] = family
         for ns in (family.parents, family.children):
             self.node_sets.setdefault(ns.name, ns)
+        msg["value"], msg["done"] = StructureEdge(family, self), True
+
+    def _pyro_structattn_latent(self, msg):
+        node_set = msg["args"][0]
+        if node_set.name in self.latents:
+            raise ValueError(f"latent node set {node_set.name!r} is declared twice in one model")
+        place_latent(node_set, self.latent_values)
+        node_set.inferred = True  # the structure only: no iteration
+        self.latents[node_set.name] = node_set
+        self.node_sets.setdefault(node_set.name, node_set)
+        msg["value"], msg["done"] = node_set, True
+
+    def _pyro_structattn_energy(self, msg):
+        term = msg["args"][0]
+        if term.name in self.energies:
+            raise ValueError(f"energy {term.name!r} is declared twice in one model")
+        self.energies[term.name] = term
+        msg["value"], msg["done"] = term, True
+
+    def _pyro_structattn_infer(self, msg):
+        msg["value"], msg["done"] = msg["args"], True
+
+    def expectation(self, family):
+        family.check_complete()
+        v = family.value.parent_values(family.parents.states)  # (*batch, H, P, d_v)
+        return v.new_zeros(*family.batch_shape, family.heads, family.children.size, v.shape[-1])
+
+
+class SubstituteExpectations(TraceStructure):
+    """Every value site returns a given expectation (e.g. Pyro's exact one), so the rest of
+    the program — head merging, output projections — runs on ground truth."""
+
+    def __init__(self, expectations: dict, latent_values: dict | None = None):
+        super().__init__(latent_values=latent_values)
+        self.given = expectations
+
+    def expectation(self, family):
+        try:
+            return self.given[family.name]
+        except KeyError:
+            raise ValueError(f"no expectation given for edge family {family.name!r}") from None
 
 
 def trace_structure(program, *inputs, latent_values: dict | None = None, **kwargs) -> Structure:

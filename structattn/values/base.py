@@ -52,6 +52,8 @@ class Value:
     def pyro_value(self, edge) -> torch.Tensor:
         fam = edge.family
         v = self.at(fam.children.states, fam.parents.states, edge.index)
+        if edge.none is not None:  # "no parent": a zero value
+            v = v * (~edge.none).to(v.dtype)[..., None]
         with fam.plates():
             return value_term(f"{fam.name}.value", v, family=fam.name, edge=fam.name)
 

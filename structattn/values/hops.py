@@ -7,6 +7,7 @@ import pyro.distributions as dist
 import torch
 
 from ..heads import gather_parents
+from ..priors.declared import declared_log_prior
 from .base import value_term
 from .linear import Linear
 
@@ -85,7 +86,7 @@ def _edge_log_posterior(fam) -> torch.Tensor:
     ``potential.at`` (as the family's ``pyro.factor`` sites are) at every candidate parent j.
     −∞ off the support. Costs one ``at`` call per potential on a ``(P, *batch, H, C)`` index."""
     xc, xp = fam.children.states, fam.parents.states
-    log_prior = fam.prior.log_prob_table(fam.children.size, fam.parents.size, xc.device, xc.dtype)
+    log_prior, _ = declared_log_prior(fam)  # the prior as declared (Pyro's sites read it too)
     P, lead = fam.parents.size, len(fam.batch_shape) + 2  # (*batch, H, C)
     every_parent = torch.arange(P, device=xc.device).reshape(P, *(1,) * lead)
     total = log_prior

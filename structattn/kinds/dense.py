@@ -1,19 +1,10 @@
-"""The attention operator of one edge family at the current node states.
+"""Dense supports — every parent, j ≤ i, a boolean mask, their intersections — and the dense
+operator, which lowers any support through one ``scaled_dot_product_attention`` call
+(``is_causal``, a boolean mask or an additive log-prior bias; never the C×P posterior) or,
+when the posterior is asked for or a potential has no factorised form, through the dense
+posterior softmax(ψ + log prior) itself.
 
-For the posterior P (``(*batch, H, C, P)``, P_ij = p(φ_i = j | x)) it offers
-
-- ``attend(u) = P u`` — SDPA (never forms C×P) unless the dense posterior already exists;
-- ``adjoint(u) = Pᵀ u`` and ``mass() = Pᵀ 1`` — what a parent-side latent needs (slot
-  attention's update is a posterior-weighted mean over inputs);
-- ``log_partition()`` = log Σ_j exp(ψ_ij + log p(φ_i = j)) per child, ``(*batch, H, C)``:
-  the family's contribution to the free energy, −F = log p(z) + Σ log_partition;
-- ``posterior()``: the dense P, built once per step and shared by everything above.
-
-An iterating reader builds one operator per family per step; ``cache`` (one dict per
-family, kept across steps) holds what does not change while latents move: the prior's
-tables and the factor of an observed side.
-
-Cost per step: attend O(C·P·k) time, O((C + P)·k) memory; the dense readings O(C·P).
+Cost: SDPA O(C·P·(d_k + d_v)) time, O((C + P)·d) memory; the dense posterior O(C·P).
 """
 
 from __future__ import annotations
@@ -23,23 +14,67 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ._validation import is_validating
-from .family import EdgeFamily
+from .._validation import is_validating
+from .base import Intersection, Operator, Support, grid
 
 
-class FamilyOperator:
-    def __init__(self, family: EdgeFamily, cache: dict | None = None):
-        self.family = family
-        self.cache = {} if cache is None else cache
+class AllParents(Support):
+    """Φ_i = every parent."""
+
+    def contains(self, child, parent):
+        return torch.ones(torch.broadcast_shapes(child.shape, parent.shape), dtype=torch.bool,
+                          device=child.device)
+
+    def dense(self, num_children, num_parents, device):
+        return None
+
+    def describe(self):
+        return "all parents"
+
+
+class Causal(Support):
+    """Φ_i = {j ≤ i}: a child reads itself and the parents before it."""
+
+    def contains(self, child, parent):
+        return parent <= child
+
+    def dense(self, num_children, num_parents, device):
+        return torch.ones(num_children, num_parents, dtype=torch.bool, device=device).tril()
+
+    def is_causal(self):
+        return True
+
+    def describe(self):
+        return "j ≤ i"
+
+
+class Mask(Support):
+    """Φ_i = {j : mask[…, i, j]} for a boolean ``(…, C, P)`` mask (batch and heads dims
+    broadcast)."""
+
+    def __init__(self, mask: torch.Tensor):
+        self.mask = mask
+
+    def contains(self, child, parent):
+        i, j = torch.broadcast_tensors(child, parent)
+        return self.mask[..., i, j]
+
+    def dense(self, num_children, num_parents, device):
+        return self.mask.to(device)
+
+    def describe(self):
+        return "mask"
+
+
+class DenseOperator(Operator):
+    """The dense lowering of any support (module docstring)."""
+
+    def __init__(self, family, cache=None):
+        super().__init__(family, cache)
         self._post = None
         self._scores = None
 
     # -- pieces that do not change while the latents move ------------------------------
-    def _const(self, key, fn):
-        if key not in self.cache:
-            self.cache[key] = fn()
-        return self.cache[key]
-
     def log_weights(self) -> torch.Tensor:
         """Unnormalised log prior ``(…, C, P)``, −∞ off the support."""
         f, xc = self.family, self.family.children.states
@@ -49,27 +84,17 @@ class FamilyOperator:
         """True when the prior is uniform over all parents (no mask, no table): its log weights
         are zero and need not be added to the scores."""
         f, xc = self.family, self.family.children.states
-        return self._const("flat", lambda: f.prior.edge_index is None
-                           and f.tables.sdpa_inputs(xc.dtype) == (None, False))
+        return self._const("flat", lambda: f.tables.sdpa_inputs(xc.dtype) == (None, False))
 
     def log_normaliser(self) -> torch.Tensor:
         """log Σ_j exp(log weights) per child ``(…, C)``: log p(φ_i = j) = weights − this."""
         return self._const("log_normaliser", lambda: torch.logsumexp(self.log_weights(), -1))
 
-    def factors(self, potential):
-        """``(a, b, scale)`` of a factorised potential; an observed side's half is computed once
-        per forward (when the potential states its halves separately)."""
-        f = self.family
-        if not potential.is_split:
-            return potential.factors(f.children.states, f.parents.states)
-        k = id(potential)
-        a = (self._const(("a", k), lambda: potential.child_factor(f.children.states))
-             if f.children.observed else potential.child_factor(f.children.states))
-        b = (self._const(("b", k), lambda: potential.parent_factor(f.parents.states))
-             if f.parents.observed else potential.parent_factor(f.parents.states))
-        return a, b, potential.factor_scale()
+    def keep(self) -> torch.Tensor | None:
+        """``(…, C, 1)`` 0/1: zero for children without parents (``empty="zero"``), or None."""
+        return self.family.keep()
 
-    # -- the operator ------------------------------------------------------------------
+    # -- the scores ------------------------------------------------------------------
     def _parents_major(self) -> bool:
         """Few parents per child (slots): keep scores as (…, P, C) so the softmax runs along
         a non-innermost dim, where the CPU kernel vectorises over children; a softmax along an
@@ -107,12 +132,11 @@ class FamilyOperator:
         table, dim = self._table()
         return table if dim == -1 else table.transpose(-1, -2)
 
-    def posterior(self) -> torch.Tensor:
-        """p(φ_i = j | x) at the current states, ``(*batch, H, C, P)`` (zero rows for parentless
-        children under ``empty="zero"``)."""
+    # -- the operator ------------------------------------------------------------------
+    def dense_posterior(self) -> torch.Tensor:
         if self._post is None:
             table, dim = self._table()
-            post, keep = torch.softmax(table, dim), self.family.keep()
+            post, keep = torch.softmax(table, dim), self.keep()
             if keep is None and self.family.prior.empty == "error" and not is_validating():
                 # unchecked rows without support: zero, as the fused kernel gives, not NaN
                 post = post.masked_fill(torch.isneginf(table).all(dim, keepdim=True), 0.0)
@@ -122,34 +146,36 @@ class FamilyOperator:
         return self._post
 
     def attend(self, u: torch.Tensor) -> torch.Tensor:
-        """``P u``: u ``(*batch, H, P, d)`` → ``(*batch, H, C, d)``."""
-        f = self.family
-        fast = (self._post is None and len(f.potentials) == 1 and f.potentials[0].is_factorised
-                and f.prior.edge_index is None)
-        if not fast:
-            return self.posterior() @ u
-        a, b, scale = self.factors(f.potentials[0])
-        if isinstance(scale, torch.Tensor):  # the fused kernels take a float scale
-            a, scale = a * scale.to(a.dtype), 1.0
-        xc = f.children.states
+        """``P u`` through one SDPA call, unless the dense posterior already exists or a
+        potential has no factorised form."""
+        if self._post is not None or not self.is_fused():
+            return self.dense_posterior() @ u
+        f, xc = self.family, self.family.children.states
+        a, b, scale = self.fused_factors()
         mask, is_causal = self._const("sdpa", lambda: f.tables.sdpa_inputs(xc.dtype))
         out = F.scaled_dot_product_attention(a, b, u, attn_mask=mask, is_causal=is_causal,
-                                             scale=float(scale))
-        keep = f.keep()
+                                             scale=scale)
+        keep = self.keep()
         return out if keep is None else out * keep
 
     def adjoint(self, u: torch.Tensor) -> torch.Tensor:
-        """``Pᵀ u``: u ``(*batch, H, C, d)`` → ``(*batch, H, P, d)``."""
-        return self.posterior().transpose(-1, -2) @ u
+        return self.dense_posterior().transpose(-1, -2) @ u
 
     def mass(self) -> torch.Tensor:
-        """``Pᵀ 1``: the expected number of children choosing each parent, ``(*batch, H, P, 1)``."""
-        return self.posterior().sum(-2).unsqueeze(-1)
+        return self.dense_posterior().sum(-2).unsqueeze(-1)
 
     def log_partition(self) -> torch.Tensor:
-        """log Σ_j exp(ψ_ij) p(φ_i = j) per child and head, ``(*batch, H, C)``."""
+        """log Σ_j exp(ψ_ij) p(φ_i = j) per child, ``(*batch, H, C)``; 0 for a child without
+        any parent (``empty="zero"``: no edge, no factor)."""
         table, dim = self._table()
         lse = torch.logsumexp(table, dim)
         if self.flat_prior():
             return lse - math.log(self.family.parents.size)
-        return lse - self.log_normaliser()
+        out = lse - self.log_normaliser()
+        keep = self.keep()
+        return out if keep is None else out * keep[..., 0].to(out.dtype)
+
+
+Operator.dense_operator = DenseOperator
+
+__all__ = ["AllParents", "Causal", "Mask", "Intersection", "DenseOperator", "grid"]

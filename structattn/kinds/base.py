@@ -1,0 +1,187 @@
+"""A support kind: which parents each child may choose (``Support``), and the attention
+operator that lowers it (``Operator``).
+
+A prior states its support once, as data: a ``Support`` object whose ``contains(child,
+parent)`` *is* the definition, Φ_i = {j : contains(i, j)}, evaluated pointwise on index
+tensors. Every reading derives from that statement:
+
+- Pyro's reading (the oracle) evaluates ``contains`` on the (child, parent) grid and masks
+  the ``Categorical`` logits with it — nothing else;
+- the compiled reading builds the support's ``operator`` (``Support.operator``; the dense
+  operator when a kind names none), which may represent the same set in its own efficient
+  form (``is_causal``, an edge list, a band). A test checks, for every support kind and
+  prior, that the two agree.
+
+An operator, for the posterior P (``(*batch, H, C, P)``, P_ij = p(φ_i = j | x)), offers
+
+- ``attend(u) = P u`` and ``adjoint(u) = Pᵀ u`` (u: ``(*batch, H, P or C, d)``);
+- ``mass() = Pᵀ 1`` ``(*batch, H, P, 1)``;
+- ``log_partition()`` = log Σ_j exp(ψ_ij) p(φ_i = j) per child, ``(*batch, H, C)``;
+- ``posterior()`` in the kind's layout and ``dense_posterior()`` ``(*batch, H, C, P)``.
+
+The base class gives every one of them from the dense twin (``dense_twin()``, a
+``DenseOperator`` over ``contains``), so a new kind is correct everywhere — single-shot
+values, latent node sets, drawings, ``compare`` — as soon as it states ``contains``, and
+fast wherever its operator overrides a method.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def grid(num_children: int, num_parents: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(C, 1)`` child and ``(1, P)`` parent indices: every (i, j) pair, broadcast."""
+    return (torch.arange(num_children, device=device)[:, None],
+            torch.arange(num_parents, device=device)[None, :])
+
+
+class Support:
+    """Φ_i ⊆ {0, …, P − 1} for every child i: the set of parents a child may choose.
+
+    A subclass states ``contains(child, parent)``; it may also name the ``Operator``
+    subclass that lowers it (``operator``; default: the dense operator, a masked SDPA call)
+    and give its dense mask faster than the grid (``dense``)."""
+
+    #: the Operator subclass lowering this kind (None: ``DenseOperator``)
+    operator: type | None = None
+
+    def contains(self, child: torch.Tensor, parent: torch.Tensor) -> torch.Tensor:
+        """Boolean: whether parent j is in Φ_i, for long index tensors that broadcast (e.g.
+        ``(C, 1)`` and ``(1, P)``, or ``(E,)`` and ``(E,)``); leading dims of the support's
+        own data (a mask's batch and heads) come first."""
+        raise NotImplementedError(
+            f"support kind {type(self).__name__} must state contains(child, parent): the set "
+            f"of parents each child may choose")
+
+    def dense(self, num_children: int, num_parents: int, device) -> torch.Tensor | None:
+        """Boolean ``(…, C, P)`` mask for the dense lowering, or None for 'every parent'.
+        Default: ``contains`` on the grid."""
+        return self.contains(*grid(num_children, num_parents, device))
+
+    def is_causal(self) -> bool:
+        """Whether this support is exactly j ≤ i (SDPA's fused ``is_causal`` path)."""
+        return False
+
+    def __and__(self, other: Support) -> Support:
+        return Intersection(self, other)
+
+    def describe(self) -> str:
+        return type(self).__name__
+
+
+class Intersection(Support):
+    """Φ_i = the parents every part allows (e.g. j ≤ i ∧ a mask)."""
+
+    def __init__(self, *parts: Support):
+        self.parts = [q for p in parts for q in (p.parts if isinstance(p, Intersection) else [p])]
+        named = {type(p).operator for p in self.parts} - {None}
+        if len(named) > 1:
+            raise ValueError(f"support {self.describe()}: its parts name different operators "
+                             f"{sorted(o.__name__ for o in named)}; one support, one operator")
+        self.operator = named.pop() if named else None
+
+    def contains(self, child, parent):
+        out = self.parts[0].contains(child, parent)
+        for p in self.parts[1:]:
+            out = out & p.contains(child, parent)
+        return out
+
+    def dense(self, num_children, num_parents, device):
+        out = None
+        for p in self.parts:
+            m = p.dense(num_children, num_parents, device)
+            out = m if out is None else (out if m is None else out & m)
+        return out
+
+    def describe(self):
+        return " ∧ ".join(p.describe() for p in self.parts)
+
+
+class Operator:
+    """The attention operator of one edge family at the current node states.
+
+    ``cache`` (one dict per family, kept across the steps of an iterating reader) holds
+    what does not change while latents move: the prior's tables and an observed side's
+    factor. Everything not overridden comes from the dense twin."""
+
+    #: the dense lowering every kind falls back on (``structattn.kinds.dense`` sets it)
+    dense_operator: type | None = None
+    #: how error messages name this operator's support ("an edge-list support …")
+    kind_name = "this"
+
+    def __init__(self, family, cache: dict | None = None):
+        self.family = family
+        self.cache = {} if cache is None else cache
+        self._twin = None
+
+    def _const(self, key, fn):
+        if key not in self.cache:
+            self.cache[key] = fn()
+        return self.cache[key]
+
+    # -- the score factors: ψ_ij = scale·⟨a_i, b_j⟩ ---------------------------------------
+    def factors(self, potential):
+        """``(a, b, scale)`` of a factorised potential; an observed side's half is computed
+        once per forward (when the potential states its halves separately)."""
+        f = self.family
+        if not potential.is_split:
+            return potential.factors(f.children.states, f.parents.states)
+        k = id(potential)
+        a = (self._const(("a", k), lambda: potential.child_factor(f.children.states))
+             if f.children.observed else potential.child_factor(f.children.states))
+        b = (self._const(("b", k), lambda: potential.parent_factor(f.parents.states))
+             if f.parents.observed else potential.parent_factor(f.parents.states))
+        return a, b, potential.factor_scale()
+
+    def fused_factors(self):
+        """``(a, b, scale)`` of the family's one factorised potential with ``scale`` a float,
+        as the fused kernels take it: a tensor (learnable) temperature is folded into ``a``.
+        Refused with a clear error when the family has not exactly one factorised potential."""
+        f = self.family
+        if not self.is_fused():
+            raise NotImplementedError(
+                f"edge family {f.name!r}: {self.kind_name} support needs exactly one factorised "
+                f"potential (ψ = ⟨a_i, b_j⟩·scale, e.g. Bilinear) for {type(self).__name__}; got "
+                f"{[type(p).__name__ for p in f.potentials]}")
+        a, b, scale = self.factors(f.potentials[0])
+        if isinstance(scale, torch.Tensor):
+            a, scale = a * scale.to(a.dtype), 1.0
+        return a, b, float(scale)
+
+    def is_fused(self) -> bool:
+        """Whether the family has exactly one factorised potential (the fused kernels apply)."""
+        pots = self.family.potentials
+        return len(pots) == 1 and pots[0].is_factorised
+
+    # -- the operator: by default, the dense twin's ------------------------------------------
+    def dense_twin(self):
+        """The dense operator of the same family (shares this operator's cache)."""
+        if self._twin is None:
+            dense = Operator.dense_operator
+            self._twin = self if isinstance(self, dense) else dense(self.family, self.cache)
+        return self._twin
+
+    def posterior(self) -> torch.Tensor:
+        """p(φ_i = j | x) in this kind's layout (dense ``(*batch, H, C, P)`` by default)."""
+        return self.dense_posterior()
+
+    def dense_posterior(self) -> torch.Tensor:
+        """p(φ_i = j | x), ``(*batch, H, C, P)``; all-zero rows for parentless children."""
+        return self.dense_twin().dense_posterior()
+
+    def layout(self, dense: torch.Tensor) -> torch.Tensor:
+        """A dense ``(…, C, P)`` posterior in this kind's layout (``posterior()``'s)."""
+        return dense
+
+    def attend(self, u: torch.Tensor) -> torch.Tensor:
+        return self.dense_twin().attend(u)
+
+    def adjoint(self, u: torch.Tensor) -> torch.Tensor:
+        return self.dense_twin().adjoint(u)
+
+    def mass(self) -> torch.Tensor:
+        return self.dense_twin().mass()
+
+    def log_partition(self) -> torch.Tensor:
+        return self.dense_twin().log_partition()
