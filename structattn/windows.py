@@ -50,6 +50,7 @@ import torch
 from . import band
 from .beta import beta_quantile, log_beta, log_q_expectations, plug_in_quantile
 from .kinds.base import Operator
+from .kinds.window import keep_from_position
 
 
 @dataclass
@@ -98,11 +99,6 @@ class WindowTrace:
         return float((w * (d + its + 1)).mean()) / (n * d)
 
 
-def _keep_from_position(n, device, dtype):
-    """``(N, 1)``: 0 for child 0, which has no past (zero output), 1 elsewhere."""
-    return (torch.arange(n, device=device) > 0).to(dtype)[:, None]
-
-
 class MeanFieldOperator(Operator):
     """The mean-field geometric–Beta posterior with a window per child (module docstring):
     the prior's inference scheme (``BetaGeometric(inference="mean_field")``). The posterior
@@ -126,7 +122,7 @@ class MeanFieldOperator(Operator):
             if solved is None:
                 p, layout, trace = mean_field(f, factors)
                 off = f.parents.size - f.children.size  # children: the last C tokens
-                keep = _keep_from_position(f.parents.size, p.device, p.dtype)[off:]
+                keep = keep_from_position(f.parents.size, p.device, p.dtype)[off:]
 
                 def attend(u):
                     return band.apply(p, u, layout)[..., off:, :] * keep

@@ -22,7 +22,9 @@ class EdgeList(Support):
     def contains(self, child, parent):
         src, dst = self.edge_index.to(child.device)
         i, j = torch.broadcast_tensors(child, parent)
-        hit = ((dst == i[..., None]) & (src == j[..., None])).any(-1)
+        # pair (i, j) ↦ i·n + j, n above every parent index: O(pairs + E), not pairs × E
+        n = 1 + max(int(j.max()) if j.numel() else 0, int(src.max()) if src.numel() else 0)
+        hit = torch.isin(i * n + j, dst * n + src)
         return hit & (j <= i) if self.causal else hit
 
     def dense(self, num_children, num_parents, device):

@@ -19,6 +19,11 @@ from .. import band
 from .base import Operator, Support
 
 
+def keep_from_position(n: int, device, dtype) -> torch.Tensor:
+    """``(N, 1)``: 0 for the token at position 0, which has no past (zero output), 1 elsewhere."""
+    return (torch.arange(n, device=device) > 0).to(dtype)[:, None]
+
+
 class Window(Support):
     """Φ_i = {j : 1 ≤ (offset + i) − j ≤ width} (``width`` None: all of the past)."""
 
@@ -59,7 +64,7 @@ class WindowOperator(Operator):
             n, window = f.children.size, f.support.width
             a, b, scale = self.fused_factors()  # (*batch, H, N, k)
             xc = f.children.states
-            keep = (torch.arange(n, device=a.device) > 0).to(xc.dtype)[:, None]  # child 0: no past
+            keep = keep_from_position(n, a.device, xc.dtype)
             table = f.prior.log_by_distance(window, a.device, xc.dtype)  # (H|1, W + 1)
             layout = band.BandLayout.for_window(n, window, f.prior.block_size)
             dist = layout.distance(a.device)  # (B, L)
