@@ -1,6 +1,6 @@
 """One model with a latent node set, its compiled posterior beside SVI and MCMC ground truth.
 
-The model is the conjugate toy of ``tests/test_ground_truth.py``: a latent point z ∈ ℝ² with
+The model is the conjugate toy of ``tests/inference/helpers.py``: a latent point z ∈ ℝ² with
 prior z ~ N(0, s²I) picks one of three observed points x_j (uniform prior, φ ~ Uniform), with
 potential ψ = −‖z − x_j‖²/2τ (``SquaredDistance(temperature=τ)``); s = 1.5, τ = 0.7 and
 x = (−2, 0.5), (1.5, 1), (0.3, −1.8), all float64. Summing φ out, the exact posterior is a
@@ -64,7 +64,7 @@ from matplotlib.patches import Ellipse  # noqa: E402
 import structattn as sa  # noqa: E402
 
 F64 = torch.float64
-POINTS = [[-2.0, 0.5], [1.5, 1.0], [0.3, -1.8]]  # tests/test_ground_truth.py's conjugate toy
+POINTS = [[-2.0, 0.5], [1.5, 1.0], [0.3, -1.8]]  # tests/inference/helpers.py's conjugate toy
 HPD = (0.5, 0.9, 0.99)  # highest-density regions drawn and counted
 
 

@@ -34,3 +34,12 @@ def random_support(C, P, *, generator=None, density=0.5):
     m = torch.rand(C, P, generator=generator) < density
     m[torch.arange(C), torch.randint(P, (C,), generator=generator)] = True
     return m
+
+
+def random_graph(n, g, density=0.4, self_loops=True):
+    mask = torch.rand(n, n, generator=g) < density
+    if self_loops:
+        mask |= torch.eye(n, dtype=torch.bool)
+    dst, src = mask.nonzero().T  # mask[i, j]: child i, parent j
+    perm = torch.randperm(src.numel(), generator=g)  # edge order must not matter
+    return mask, torch.stack([src[perm], dst[perm]])

@@ -194,3 +194,18 @@ def test_no_edge_family_for_exact():
 def test_compile_rejects_non_callables():
     with pytest.raises(ValueError, match=r"expected a structattn Declaration or a callable"):
         sa.compile(42)
+
+
+def test_potential_after_value_is_refused():
+    W = torch.randn(2, 4, dtype=torch.float64)
+
+    def program(x):
+        n = sa.nodes("x", x)
+        phi = sa.edges("attn", n, n, sa.priors.Uniform())
+        sa.potential(phi, sa.potentials.Bilinear(W, W))
+        y = sa.value(phi, sa.values.Linear(W))
+        sa.potential(phi, sa.potentials.Bilinear(W, W))
+        return y
+
+    with pytest.raises(ValueError, match=r"edge family 'attn': potentials must be declared before"):
+        sa.compile(program)(_x(1, 3, 4))

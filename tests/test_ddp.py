@@ -78,7 +78,7 @@ def _grad_worker(rank, world, init_file, case_dir):
     finally:
         import gc
 
-        gc.collect()  # see tests/test_iterative.py, release_process_group
+        gc.collect()  # see tests/distributed.py, release_process_group
         dist.destroy_process_group()
 
 

@@ -108,7 +108,7 @@ def test_ddp_single_process(tmp_path):
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from .test_iterative import release_process_group
+    from .distributed import release_process_group
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
@@ -141,3 +141,9 @@ def test_compiled_modules_run_concurrently_in_threads():
     for (ea, eb), (ga, gb) in zip(expected, got, strict=True):
         torch.testing.assert_close(ga, ea)
         torch.testing.assert_close(gb, eb)
+
+
+def test_float16_runs():
+    m = sa.models.self_attention(8, heads=2).to(torch.float16)
+    y = sa.compile(m)(torch.randn(2, 5, 8, dtype=torch.float16))
+    assert y.dtype == torch.float16 and torch.isfinite(y).all()

@@ -1,5 +1,6 @@
-"""Review fixes: prior tables live for one family and one pass (nothing kept on the prior);
-edge-list supports honour a prior's log table and are checked once per forward."""
+"""Prior tables (structattn/priors/tables.py): they live for one family and one pass (nothing
+kept on the prior); edge-list supports honour a prior's log table and are checked once per
+forward; a batched table without a heads dim says how to declare heads."""
 
 import pyro
 import pytest
@@ -8,11 +9,10 @@ import torch
 import structattn as sa
 import structattn.priors.tables
 import structattn.segment
-from structattn.segment import segment_attention, segment_attention_naive
+from structattn.segment import segment_attention
 
-from .reference import heads_of, softmax_attention
+from ..reference import heads_of, softmax_attention
 
-TOL = 1e-6
 F64 = torch.float64
 
 
@@ -53,7 +53,6 @@ def _tensors_with_graph(obj, seen=None):
     return [t for item in items for t in _tensors_with_graph(item, seen)]
 
 
-# -- fix 2: no table outlives its pass -------------------------------------------------------
 class GraphPrior(sa.priors.Prior):
     """A prior stating an edge list *and* a log table (no built-in prior combines them)."""
 
@@ -120,6 +119,9 @@ def test_prior_keeps_no_tables_at_all():
     assert all(vars(prior)[k] is v for k, v in before.items())
 
 
+TOL = 1e-6
+
+
 def test_changed_logits_give_fresh_tables_and_outputs():
     n, W = 5, _weights()
     x = _x(2, n, 4)
@@ -165,7 +167,6 @@ def test_a_family_builds_each_table_once():
     assert len(calls) == 1 and prior.tables(6, 6, "cpu").table() is not tables.table()
 
 
-# -- fix 3: edge lists honour a log table; checked once --------------------------------------
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("table_shape", ["CP", "HCP", "BHCP"])
 def test_edge_list_with_a_log_table_equals_pyro_and_the_dense_mask(causal, table_shape):
@@ -266,46 +267,14 @@ def test_edge_list_is_checked_once_per_forward(monkeypatch):
     assert counts["kernel"] == 1
 
 
-@pytest.mark.parametrize("fn", [segment_attention, segment_attention_naive])
-@pytest.mark.parametrize("bias_shape", ["E", "HE", "BHE"])
-def test_segment_bias_values_and_gradients(fn, bias_shape):
-    g = torch.Generator().manual_seed(8)
-    B, H, C, P, k, d_v = 2, 3, 5, 7, 3, 2
-    mask = (torch.rand(C, P, generator=g) < 0.5)
-    mask[torch.arange(C), torch.arange(C)] = True
-    dst, src = mask.nonzero().T
-    E = src.numel()
-    a, b, v = _x(B, H, C, k, generator=g), _x(B, H, P, k, generator=g), _x(B, H, P, d_v, generator=g)
-    bias = _x(*{"E": (E,), "HE": (H, E), "BHE": (B, H, E)}[bias_shape], generator=g)
-    bias = bias.masked_fill(torch.rand(bias.shape, generator=g) < 0.2, float("-inf"))
-    bias[..., (src == dst).nonzero()[:3, 0]] = float("-inf")  # some children lose every edge
-    inputs = [t.clone().requires_grad_() for t in (a, b, v, bias)]
-    out, p = fn(*inputs[:3], src, dst, C, 0.7, bias=inputs[3], empty="zero", return_posterior=True,
-                chunk_size=3)
-    (out.square().sum() + (p * torch.arange(E)).sum()).backward()
-    # the dense reference
-    refs = [t.clone().requires_grad_() for t in (a, b, v, bias)]
-    s = 0.7 * refs[0] @ refs[1].transpose(-1, -2)
-    full = torch.full((B, H, C, P), float("-inf"), dtype=F64)
-    full[..., dst, src] = refs[3].expand(B, H, E) + s[..., dst, src]
-    rows = ~full.isneginf().all(-1, keepdim=True)
-    post = torch.where(rows, full.masked_fill(~rows, 0).softmax(-1), torch.zeros_like(full))
-    want = post @ refs[2]
-    (want.square().sum() + (post[..., dst, src] * torch.arange(E)).sum()).backward()
-    torch.testing.assert_close(out, want, atol=1e-10, rtol=1e-10)
-    torch.testing.assert_close(p, post[..., dst, src], atol=1e-10, rtol=1e-10)
-    for got, ref in zip(inputs, refs, strict=True):
-        torch.testing.assert_close(got.grad, ref.grad, atol=1e-10, rtol=1e-10)
+def test_a_batched_table_without_heads_points_to_edges_heads():
+    W = torch.randn(4, 4)
+    logits = torch.randn(2, 3, 5)  # (*batch, C, P): the heads dim is missing
 
+    def program(q, k):
+        phi = sa.edges("a", sa.nodes("q", q), sa.nodes("k", k), sa.priors.Categorical(logits))
+        sa.potential(phi, sa.potentials.Bilinear(W, W))
+        return sa.value(phi, sa.values.Linear(W))
 
-def test_segment_bias_checks():
-    src, dst = torch.tensor([0, 1, 1]), torch.tensor([0, 0, 1])
-    a, b, v = _x(2, 3), _x(2, 3), _x(2, 2)
-    with pytest.raises(ValueError, match=r"bias must broadcast to \(\*lead, E\)=\(3,\); got \(4,\)"):
-        segment_attention(a, b, v, src, dst, 2, bias=_x(4))
-    with pytest.raises(ValueError, match=r"bias must be a tensor of a's dtype"):
-        segment_attention(a, b, v, src, dst, 2, bias=torch.zeros(3))
-    with pytest.raises(ValueError, match=r"bias must hold finite values or -inf"):
-        segment_attention(a, b, v, src, dst, 2, bias=torch.tensor([0.0, float("nan"), 0.0], dtype=F64))
-    with pytest.raises(ValueError, match=r"child 1 has no incoming edge of finite bias"):
-        segment_attention(a, b, v, src, dst, 2, bias=torch.tensor([0.0, 0.0, -float("inf")], dtype=F64))
+    with pytest.raises(ValueError, match=r"heads dim too.*structattn.edges\(\.\.\., heads=H\)"):
+        sa.compile(program)(torch.randn(2, 3, 4), torch.randn(2, 5, 4))

@@ -1,5 +1,6 @@
-"""Review fix: the Pyro reading of multihop values builds its later hops from the prior and
-the declared potentials (``potential.at``), never from the compiler's score tables."""
+"""Multihop values (Hops): the Pyro reading builds its later hops from the prior and the
+declared potentials (``potential.at``), never from the compiler's score tables; a walk over
+an edge list; empty="zero" refused."""
 
 import pytest
 import torch
@@ -8,6 +9,8 @@ import structattn as sa
 import structattn.lowering
 from structattn.kinds import DenseOperator as FamilyOperator
 from structattn.potentials.base import Potential
+
+from ..reference import heads_of, random_graph, softmax_attention
 
 TOL = 1e-6
 
@@ -99,3 +102,46 @@ def test_pyro_hops_with_a_pairwise_potential_and_bias_match_the_maths():
     truth = sa.inference.exact(program, x)
     torch.testing.assert_close(truth.expectations["walk"], ref, atol=TOL, rtol=0)
     torch.testing.assert_close(sa.compile(program)(x), ref, atol=TOL, rtol=0)
+
+
+def test_multihop_walks_an_edge_list():
+    """A user's declaration: multihop values over a sparse graph, K attention calls, no P^k."""
+    g = torch.Generator().manual_seed(2)
+    mask, edge_index = random_graph(7, g)
+    W = [torch.randn(4, 5, generator=g, dtype=torch.float64) for _ in range(3)]
+
+    def program(x, adjacency):
+        n = sa.nodes("x", x)
+        phi = sa.edges("walk", n, n, sa.priors.Uniform(edge_index=adjacency), heads=2)
+        sa.potential(phi, sa.potentials.Bilinear(W[0], W[1], heads=2))
+        return sa.value(phi, sa.values.Hops(W[2], (0.2, 1.0, -0.5, 0.3), heads=2))
+
+    x = torch.randn(2, 7, 5, dtype=torch.float64)
+    _, P = softmax_attention(W[0], W[1], W[2], None, x, x, 2, mask=mask)
+    V = heads_of(x @ W[2].T, 2)
+    ref = sum(w * torch.linalg.matrix_power(P, k) @ V
+              for k, w in enumerate((0.2, 1.0, -0.5, 0.3)))
+    torch.testing.assert_close(sa.compile(program)(x, edge_index), ref, atol=TOL, rtol=0)
+    assert sa.inference.compare(program, x, edge_index).max_abs_diff < TOL
+
+
+def _one_family_program(prior_fn, heads=1, d=4, value=None):
+    g = torch.Generator().manual_seed(7)
+    W = [torch.randn(heads * 2, d, generator=g, dtype=torch.float64) for _ in range(3)]
+
+    def program(x, *extra):
+        n = sa.nodes("x", x)
+        phi = sa.edges("attn", n, n, prior_fn(*extra), heads=heads)
+        sa.potential(phi, sa.potentials.Bilinear(W[0], W[1], heads=heads))
+        v = sa.values.Linear(W[2], heads=heads) if value is None else value(W[2], heads)
+        return sa.value(phi, v)
+    return program, W
+
+
+def test_hops_refuse_empty_zero():
+    mask = torch.ones(5, 5, dtype=torch.bool)
+    mask[2] = False
+    program, _ = _one_family_program(lambda m: sa.priors.Uniform(support=m, empty="zero"),
+                                     value=lambda W, h: sa.values.Hops(W, (0, 1, 1), heads=h))
+    with pytest.raises(ValueError, match=r"edge family 'attn': empty='zero' .* Hops value walks"):
+        sa.compile(program)(_x(1, 5, 4), mask)

@@ -4,6 +4,8 @@ import pytest
 import torch
 
 import structattn as sa
+import structattn.priors.tables
+import structattn.segment
 from structattn.segment import segment_attention, segment_attention_naive
 
 F64 = torch.float64
@@ -191,8 +193,6 @@ def test_no_edges_at_all_zero_mode():
     assert (a.grad == 0).all() and (v.grad == 0).all()
 
 
-# ---- bad input -------------------------------------------------------------------------------
-
 def _ok():
     C, P = 5, 7
     src, dst = random_graph(C, P)
@@ -226,8 +226,6 @@ def test_bad_input(fn, change, pattern):
         fn(**change(_ok()))
 
 
-# ---- precision -------------------------------------------------------------------------------
-
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
 def test_low_precision_close_to_float64(dtype, tol):
     C, P, k, d_v = 13, 11, 8, 5
@@ -251,8 +249,6 @@ def test_low_precision_close_to_float64(dtype, tol):
     assert out_n.dtype == dtype
     assert (out_n.to(F64) - want).abs().max() <= tol * scale_out
 
-
-# ---- memory ----------------------------------------------------------------------------------
 
 def _saved_numel(fn, *args, **kwargs):
     total = 0
@@ -282,3 +278,52 @@ def test_saved_tensors_are_linear_in_edges(scale):
     assert fast < bound, (fast, bound)
     _, naive = _saved_numel(segment_attention_naive, a, b, v, src, dst, C, scale)
     assert naive > bound, (naive, bound)
+
+
+def _x(*shape, generator=None):
+    return torch.randn(*shape, dtype=F64, generator=generator)
+
+
+@pytest.mark.parametrize("fn", [segment_attention, segment_attention_naive])
+@pytest.mark.parametrize("bias_shape", ["E", "HE", "BHE"])
+def test_segment_bias_values_and_gradients(fn, bias_shape):
+    g = torch.Generator().manual_seed(8)
+    B, H, C, P, k, d_v = 2, 3, 5, 7, 3, 2
+    mask = (torch.rand(C, P, generator=g) < 0.5)
+    mask[torch.arange(C), torch.arange(C)] = True
+    dst, src = mask.nonzero().T
+    E = src.numel()
+    a, b, v = _x(B, H, C, k, generator=g), _x(B, H, P, k, generator=g), _x(B, H, P, d_v, generator=g)
+    bias = _x(*{"E": (E,), "HE": (H, E), "BHE": (B, H, E)}[bias_shape], generator=g)
+    bias = bias.masked_fill(torch.rand(bias.shape, generator=g) < 0.2, float("-inf"))
+    bias[..., (src == dst).nonzero()[:3, 0]] = float("-inf")  # some children lose every edge
+    inputs = [t.clone().requires_grad_() for t in (a, b, v, bias)]
+    out, p = fn(*inputs[:3], src, dst, C, 0.7, bias=inputs[3], empty="zero", return_posterior=True,
+                chunk_size=3)
+    (out.square().sum() + (p * torch.arange(E)).sum()).backward()
+    # the dense reference
+    refs = [t.clone().requires_grad_() for t in (a, b, v, bias)]
+    s = 0.7 * refs[0] @ refs[1].transpose(-1, -2)
+    full = torch.full((B, H, C, P), float("-inf"), dtype=F64)
+    full[..., dst, src] = refs[3].expand(B, H, E) + s[..., dst, src]
+    rows = ~full.isneginf().all(-1, keepdim=True)
+    post = torch.where(rows, full.masked_fill(~rows, 0).softmax(-1), torch.zeros_like(full))
+    want = post @ refs[2]
+    (want.square().sum() + (post[..., dst, src] * torch.arange(E)).sum()).backward()
+    torch.testing.assert_close(out, want, atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(p, post[..., dst, src], atol=1e-10, rtol=1e-10)
+    for got, ref in zip(inputs, refs, strict=True):
+        torch.testing.assert_close(got.grad, ref.grad, atol=1e-10, rtol=1e-10)
+
+
+def test_segment_bias_checks():
+    src, dst = torch.tensor([0, 1, 1]), torch.tensor([0, 0, 1])
+    a, b, v = _x(2, 3), _x(2, 3), _x(2, 2)
+    with pytest.raises(ValueError, match=r"bias must broadcast to \(\*lead, E\)=\(3,\); got \(4,\)"):
+        segment_attention(a, b, v, src, dst, 2, bias=_x(4))
+    with pytest.raises(ValueError, match=r"bias must be a tensor of a's dtype"):
+        segment_attention(a, b, v, src, dst, 2, bias=torch.zeros(3))
+    with pytest.raises(ValueError, match=r"bias must hold finite values or -inf"):
+        segment_attention(a, b, v, src, dst, 2, bias=torch.tensor([0.0, float("nan"), 0.0], dtype=F64))
+    with pytest.raises(ValueError, match=r"child 1 has no incoming edge of finite bias"):
+        segment_attention(a, b, v, src, dst, 2, bias=torch.tensor([0.0, 0.0, -float("inf")], dtype=F64))

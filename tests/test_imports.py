@@ -1,5 +1,6 @@
-"""Review fix: the catalogue imports the core from its submodules, not through the package's
-top level, so it does not depend on the order of the imports in structattn/__init__.py."""
+"""Imports: the subpackages import on their own, and the catalogue imports the core from its
+submodules, not through the package's top level, so it does not depend on the order of the
+imports in structattn/__init__.py."""
 
 import subprocess
 import sys

@@ -1,25 +1,18 @@
 """Graph attention: dense masks and edge lists agree with each other, a reference and Pyro."""
 
+
 import hypothesis.strategies as st
+import networkx as nx
 import pytest
 import torch
 from hypothesis import given, settings
 
 import structattn as sa
 
-from .conftest import PRIMES
-from .reference import heads_of, softmax_attention
+from ..conftest import PRIMES
+from ..reference import random_graph, softmax_attention
 
 TOL = 1e-6
-
-
-def random_graph(n, g, density=0.4, self_loops=True):
-    mask = torch.rand(n, n, generator=g) < density
-    if self_loops:
-        mask |= torch.eye(n, dtype=torch.bool)
-    dst, src = mask.nonzero().T  # mask[i, j]: child i, parent j
-    perm = torch.randperm(src.numel(), generator=g)  # edge order must not matter
-    return mask, torch.stack([src[perm], dst[perm]])
 
 
 @settings(max_examples=20, deadline=None)
@@ -79,27 +72,6 @@ def test_parentless_nodes_output_zero_when_asked(layout):
     assert torch.isfinite(x.grad).all()
 
 
-def test_multihop_walks_an_edge_list():
-    """A user's declaration: multihop values over a sparse graph, K attention calls, no P^k."""
-    g = torch.Generator().manual_seed(2)
-    mask, edge_index = random_graph(7, g)
-    W = [torch.randn(4, 5, generator=g, dtype=torch.float64) for _ in range(3)]
-
-    def program(x, adjacency):
-        n = sa.nodes("x", x)
-        phi = sa.edges("walk", n, n, sa.priors.Uniform(edge_index=adjacency), heads=2)
-        sa.potential(phi, sa.potentials.Bilinear(W[0], W[1], heads=2))
-        return sa.value(phi, sa.values.Hops(W[2], (0.2, 1.0, -0.5, 0.3), heads=2))
-
-    x = torch.randn(2, 7, 5, dtype=torch.float64)
-    _, P = softmax_attention(W[0], W[1], W[2], None, x, x, 2, mask=mask)
-    V = heads_of(x @ W[2].T, 2)
-    ref = sum(w * torch.linalg.matrix_power(P, k) @ V
-              for k, w in enumerate((0.2, 1.0, -0.5, 0.3)))
-    torch.testing.assert_close(sa.compile(program)(x, edge_index), ref, atol=TOL, rtol=0)
-    assert sa.inference.compare(program, x, edge_index).max_abs_diff < TOL
-
-
 def test_large_sparse_graph_never_builds_n_by_n():
     """300k nodes: a dense n×n mask would need 90 GB; the edge-list path needs O(E)."""
     n, extra = 300_000, 300_000
@@ -144,3 +116,50 @@ def test_causal_graph_keeps_only_edges_to_the_past():
     for adjacency in (mask, edge_index):
         torch.testing.assert_close(sa.compile(m)(x, adjacency), ref, atol=TOL, rtol=0)
         assert sa.inference.compare(m, x, adjacency).max_abs_diff < TOL
+
+
+def test_duplicate_edges_are_refused():
+    ei = torch.tensor([[0, 1, 2, 3, 4, 0, 1], [0, 1, 2, 3, 4, 1, 1]])
+    m = sa.models.graph_attention(4, d_k=2)
+    with pytest.raises(ValueError, match=r"edge_index lists the edge 1 → 1 \(parent → child\) 2 "
+                                         r"times.*torch.unique"):
+        sa.compile(m)(torch.randn(1, 5, 4), ei)
+
+
+def _x(*shape):
+    return torch.randn(*shape, dtype=torch.float64)
+
+
+def test_edge_list_posterior_comes_from_the_same_pass():
+    m = sa.models.graph_attention(4, d_k=2, heads=2, dtype=torch.float64)
+    ring = torch.arange(5)
+    ei = torch.cat([torch.stack([ring, ring]), torch.stack([(ring + 1) % 5, ring])], dim=1)
+    x = _x(2, 5, 4)
+    y, post = sa.compile(m)(x, ei, return_posterior=True)
+    torch.testing.assert_close(y, sa.compile(m)(x, ei), atol=1e-12, rtol=0)
+    torch.testing.assert_close(post.sum(-1), torch.full((2, 2), 5.0, dtype=torch.float64))
+
+
+def test_empty_edge_list_and_empty_batch():
+    m = sa.models.graph_attention(4, d_k=2, empty="zero", dtype=torch.float64)
+    x = _x(1, 3, 4)
+    no_edges = torch.zeros(2, 0, dtype=torch.long)
+    assert sa.compile(m)(x, no_edges).abs().max() == 0
+    assert sa.inference.compare(m, x, no_edges).max_abs_diff == 0
+    with pytest.raises(ValueError, match=r"edge family 'attn': the batch is empty"):
+        sa.inference.exact(sa.models.self_attention(4, d_k=2, dtype=torch.float64), _x(0, 3, 4))
+
+
+def test_networkx_graph_as_graph_attention_support():
+    m = sa.models.graph_attention(6, d_k=3, heads=2, dtype=torch.float64)
+    x = torch.randn(2, 5, 6, dtype=torch.float64)
+    ring = nx.cycle_graph(5)  # undirected: both directions
+    ring.add_edges_from((i, i) for i in range(5))  # self-loops
+    edge_index = torch.tensor([[j for i in range(5) for j in (i, (i + 1) % 5, (i - 1) % 5)],
+                               [i for i in range(5) for _ in range(3)]])
+    y_nx, p_nx = sa.compile(m)(x, ring, return_posterior=True)
+    y_ei, p_ei = sa.compile(m)(x, edge_index, return_posterior=True)
+    torch.testing.assert_close(y_nx, y_ei)
+    assert sa.inference.compare(m, x, ring).passed
+    with pytest.raises(ValueError, match=r"networkx adjacency must have nodes 0..4"):
+        sa.compile(m)(x, nx.path_graph(["a", "b"]))

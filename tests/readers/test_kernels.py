@@ -2,7 +2,7 @@
 loop it replaces on the CPU, and its fallback.
 
 The loop itself is checked against a float64 brute force of the equations in
-test_expanding.py (which also runs the kernel against that brute force); here the two
+tests/readers/test_windows.py (which also runs the kernel against that brute force); here the two
 implementations are compared over random sizes, options and every field of the trace.
 """
 
@@ -16,6 +16,8 @@ from hypothesis import given, settings
 import structattn as sa
 from structattn import kernels
 
+from ..programs import program
+
 f64 = torch.float64
 
 
@@ -25,13 +27,6 @@ def kernel_built():
     than skipping (``STRUCTATTN_KERNELS=0`` says on purpose that there is none)."""
     if not kernels.available():
         pytest.fail(f"the mean-field kernel is not available: {kernels.build_error()}")
-
-
-def program(x, W, prior, heads=1):
-    n = sa.nodes("x", x)
-    phi = sa.edges("attn", n, n, prior, heads=heads)
-    sa.potential(phi, sa.potentials.Bilinear(W, W, heads=heads))
-    return sa.value(phi, sa.values.Identity(heads=heads))
 
 
 def both(x, W, prior, heads):

@@ -1,0 +1,76 @@
+"""Comparisons with a verdict: exact and sampled checks, a non-affine program caught."""
+
+import pytest
+import torch
+from scipy import stats
+
+import structattn as sa
+
+f64 = torch.float64
+
+
+def test_compare_fails_a_program_that_is_not_affine_in_its_values():
+    """Exact enumeration evaluates the program at E[v]; only the sampled check sees that
+    E[v²] ≠ E[v]²."""
+    W = torch.randn(3, 3, dtype=f64)
+
+    def squared(x):
+        n = sa.nodes("x", x)
+        phi = sa.edges("attn", n, n, sa.priors.Uniform())
+        sa.potential(phi, sa.potentials.Bilinear(W, W, temperature=0.5))
+        return sa.value(phi, sa.values.Linear(W)) ** 2
+
+    x = 2 * torch.randn(1, 4, 3, dtype=f64)
+    assert sa.inference.compare(squared, x).passed  # blind to it
+    report = sa.inference.compare(squared, x, method="samples", num_samples=400)
+    assert not report.passed and "FAIL" in str(report)
+    assert any(c.kind == "z" and not c.passed for c in report.checks)
+
+
+def test_compare_verdicts_and_plot(tmp_path):
+    m = sa.models.cross_attention(4, 3, d_k=2, heads=2, dtype=f64)
+    q, k = torch.randn(2, 3, 4, dtype=f64), torch.randn(2, 5, 3, dtype=f64)
+    report = sa.inference.compare(m, q, k)
+    assert report.passed and bool(report) and str(report).startswith("PASS (exact)")
+    assert all(c.tolerance == 1e-6 for c in report.checks)
+    report.plot(tmp_path / "cmp.png")
+    assert (tmp_path / "cmp.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    strict = sa.inference.compare(m, q, k, atol=0.0)
+    assert not strict.passed or strict.max_abs_diff == 0.0
+    with pytest.raises(ValueError, match="method must be one of"):
+        sa.inference.compare(m, q, k, method="vibes")
+    with pytest.raises(ValueError, match="has none"):
+        sa.inference.compare(m, q, k, method="mcmc")
+
+
+def test_z_threshold_is_bonferroni():
+    from structattn.inference.compare import z_threshold
+
+    assert abs(z_threshold(1, 0.05) - 1.959964) < 1e-5
+    assert abs(z_threshold(100, 0.01) - stats.norm.ppf(1 - 0.01 / 200)) < 1e-9
+
+
+def _x(*shape):
+    return torch.randn(*shape, dtype=torch.float64)
+
+
+def test_compare_with_samples_accepts_affine_programs():
+    m = sa.models.multihop_attention(5, d_k=3, heads=2, dtype=torch.float64)
+    report = sa.inference.compare(m, _x(1, 4, 5), samples=600)
+    assert report.max_abs_diff < 1e-6
+    assert report.sampled_z < 5, str(report)
+
+
+def test_compare_with_samples_catches_a_non_affine_program():
+    """tanh after the value: the layer computes tanh(E[v]), not E[tanh(v)]."""
+    W = torch.randn(2, 5, dtype=torch.float64)
+
+    def program(x):
+        n = sa.nodes("x", x)
+        phi = sa.edges("a", n, n, sa.priors.Uniform())
+        sa.potential(phi, sa.potentials.Bilinear(W, W))
+        return torch.tanh(2 * sa.value(phi, sa.values.Linear(W)))
+
+    report = sa.inference.compare(program, _x(1, 4, 5), samples=400)
+    assert report.max_abs_diff < 1e-6  # at E[v] everything agrees …
+    assert report.sampled_z > 5  # … but E[output] does not

@@ -1,0 +1,295 @@
+"""Window supports (structattn/windows.py): the mean-field reading of the geometric–Beta prior.
+
+Oracle: the mean-field fixed point against a float64 brute force of the same equations, child
+by child with ``math.lgamma`` / ``scipy.special.digamma`` and a linear window search; planted
+parents for the window rules."""
+
+import contextlib
+import math
+
+import numpy as np
+import pytest
+import torch
+from scipy import special
+
+import structattn as sa
+
+from ..programs import program, scores_of
+
+
+def _lbeta(x, y):
+    return math.lgamma(x) + math.lgamma(y) - math.lgamma(x + y)
+
+
+def brute_mean_field(s, a, b, *, tol=0.05, max_window=None, max_iters=50, converge_tol=1e-3,
+                     expectation="digamma", update="conjugate", window_rule="predictive",
+                     initial_window=None):
+    """One head, one sequence, child by child (each has its own q_i, so each iterates alone
+    until |ΔE[φ_i]| ≤ converge_tol·max(1, E[φ_i]) with its window no longer growing):
+    scores ``s`` (N, N) → (posterior (N, N), final windows, iterations per child)."""
+    N = s.shape[0]
+    cap = max(1, N - 1 if max_window is None else min(N - 1, max_window))
+
+    def quantile(al, be):
+        for w in range(1, cap + 1):
+            tail = (w * math.log(al / (al + be)) if expectation == "plug_in"
+                    else _lbeta(al + w, be) - _lbeta(al, be))
+            if tail < math.log(tol):
+                return w
+        return cap
+
+    def log_q(al, be):
+        if expectation == "digamma":
+            return special.digamma(al) - special.digamma(al + be)
+        return math.log(al / (al + be))
+
+    P, windows, iterations = np.zeros((N, N)), [0] * N, [0] * N
+    for i in range(1, N):
+        start = quantile(a, b) if initial_window is None else min(initial_window, cap)
+        alpha, beta, win, m_prev = a, b, min(start, i), None
+        for t in range(max_iters):
+            ds = np.arange(1, win + 1)
+            logits = np.array([float(s[i, i - d]) for d in ds]) + (ds - 1) * log_q(alpha, beta)
+            p = np.exp(logits - logits.max())
+            p /= p.sum()
+            m = float((p * ds).sum())
+            P[i] = 0.0
+            P[i, i - ds] = p
+            windows[i], iterations[i] = win, t + 1
+            if update == "conjugate":
+                new_alpha, new_beta = a + m - 1, b + 1
+            else:
+                new_alpha, new_beta = alpha + m - 1, beta + 1
+            if window_rule == "edge":  # double while the evidence's outer half holds > tol
+                lik = np.array([float(s[i, i - d]) for d in ds])
+                lik = np.exp(lik - lik.max())
+                outer = float((lik / lik.sum())[ds > win // 2].sum())
+                new_win = min(2 * win, i, cap) if outer > tol and win < min(i, cap) else win
+            elif window_rule == "evidence":  # double while the extended posterior leaves > tol
+                e = log_q(alpha, beta)  # the step's E[ln q]
+                lik = np.array([float(s[i, i - d]) for d in ds])
+                inside = sum(math.exp(lik[k] + (ds[k] - 1) * e) for k in range(win))
+                others = sorted(lik)[:-1]  # the window without its best match
+                if len(others) >= 2:  # E[e^ψ] of a Gaussian fit: exp(mean + variance/2)
+                    typical = math.exp(np.mean(others) + np.var(others, ddof=1) / 2)
+                elif others:
+                    typical = math.exp(others[0])
+                else:
+                    typical = math.exp(lik[0])
+                outside = typical * sum(math.exp((d - 1) * e)
+                                        for d in range(win + 1, min(i, cap) + 1))
+                beyond = outside / (outside + inside)  # 0 when the window holds the past
+                new_win = min(2 * win, i, cap) if beyond > tol and win < min(i, cap) else win
+            else:
+                new_win = max(win, min(quantile(new_alpha, new_beta), i))
+            if m_prev is not None and abs(m - m_prev) <= converge_tol * max(1.0, abs(m)) \
+                    and new_win == win:
+                break
+            alpha, beta, win, m_prev = new_alpha, new_beta, new_win, m
+    return torch.tensor(P), windows, iterations
+
+
+f64 = torch.float64
+
+
+@pytest.mark.parametrize("expectation,update,rule", [
+    ("digamma", "conjugate", "predictive"), ("plug_in", "conjugate", "predictive"),
+    ("digamma", "accumulate", "predictive"), ("digamma", "conjugate", "edge"),
+    ("digamma", "conjugate", "evidence"), ("plug_in", "accumulate", "evidence")])
+@pytest.mark.parametrize("n,block", [(9, 4), (23, 64), (40, 8)])
+@pytest.mark.parametrize("path", ["loop", "kernel"])
+def test_mean_field_fixed_point_equals_the_brute_force(n, block, expectation, update, rule,
+                                                       path):
+    """Both implementations: the Python loop (with its graph, as in training) and the
+    compiled CPU kernel (without one, as in inference)."""
+    g = torch.Generator().manual_seed(n)
+    heads, d = 2, 4
+    x = torch.randn(2, n, d, generator=g, dtype=f64)
+    W = torch.randn(d, d, generator=g, dtype=f64) * 1.5
+    a, b = torch.tensor([0.7, 2.0], dtype=f64), torch.tensor([1.3, 0.9], dtype=f64)
+    start = 2 if rule in ("edge", "evidence") else None
+    prior = sa.priors.BetaGeometric(a, b, inference="mean_field", tol=0.1, block_size=block,
+                                    expectation=expectation, update=update, window_rule=rule,
+                                    initial_window=start)
+    if path == "kernel":
+        assert sa.kernels.available(), sa.kernels.build_error()
+    with torch.no_grad() if path == "kernel" else sa.kernels.disabled():
+        y, post, trace = sa.compile(program)(x, W, prior, heads, return_posterior=True,
+                                             return_trace=True)
+    s = scores_of(x, W, heads)
+    for bi in range(2):
+        for h in range(heads):
+            want, win, its = brute_mean_field(s[bi, h], float(a[h]), float(b[h]), tol=0.1,
+                                              expectation=expectation, update=update,
+                                              window_rule=rule, initial_window=start)
+            torch.testing.assert_close(post[bi, h], want, atol=1e-10, rtol=0)
+            assert trace.windows[-1][bi, h].tolist() == win
+            assert trace.child_iterations[bi, h].tolist() == its
+    assert trace.iterations == int(trace.child_iterations.max())
+    v = x.unflatten(-1, (heads, -1)).transpose(-2, -3)
+    torch.testing.assert_close(y, post @ v, atol=1e-10, rtol=0)
+
+
+def test_windows_grow_only_and_cover_the_dependencies():
+    """A chain whose true parents sit 5–12 steps back: every window ends up covering its
+    parent, windows never shrink, and the band scored stays far below N."""
+    torch.manual_seed(2)
+    n, d = 400, 32
+    keys = torch.nn.functional.normalize(torch.randn(n, d, dtype=f64), dim=-1)
+    back = torch.randint(5, 13, (n,))
+    target = (torch.arange(n) - back).clamp(min=0)
+    x = torch.cat([keys, keys[target]], -1)[None]  # (1, n, 2d): [own key, parent's key]
+    Wq = torch.cat([torch.zeros(d, d), torch.eye(d)], 1).double() * 12.0
+    Wk = torch.cat([torch.eye(d), torch.zeros(d, d)], 1).double()
+
+    def prog(x):
+        t = sa.nodes("x", x)
+        phi = sa.edges("attn", t, t, sa.priors.BetaGeometric(3.0, 1.0, inference="mean_field",
+                                                              block_size=32))
+        sa.potential(phi, sa.potentials.Bilinear(Wq, Wk, temperature=1.0))
+        return sa.value(phi, sa.values.Identity())
+
+    _, post, trace = sa.compile(prog)(x, return_posterior=True, return_trace=True)
+    w = trace.windows[:, 0, 0]  # (T, n)
+    assert bool((w[1:] >= w[:-1]).all())
+    i = torch.arange(20, n)
+    assert bool((w[-1, i] >= back[i]).all())
+    assert float(post[0, 0, i, target[i]].min()) > 0.9
+    assert trace.converged and max(trace.band) < n // 4
+    assert 0 < trace.relative_operations(2 * d) < 0.5
+
+
+def test_mean_field_approaches_exact_as_evidence_grows():
+    """The mean-field posterior's total-variation gap to the exact one shrinks as the scores
+    sharpen (more evidence about each φ_i)."""
+    g = torch.Generator().manual_seed(3)
+    x, W = torch.randn(3, 30, 4, generator=g, dtype=f64), torch.randn(4, 4, generator=g,
+                                                                     dtype=f64)
+    gaps = []
+    for strength in (0.3, 1.0, 3.0, 10.0):
+        exact = sa.priors.BetaGeometric(1.0, 2.0)
+        mf = sa.priors.BetaGeometric(1.0, 2.0, inference="mean_field", tol=1e-3)
+        _, pe = sa.compile(program)(x, W * strength ** 0.5, exact, return_posterior=True)
+        _, pm = sa.compile(program)(x, W * strength ** 0.5, mf, return_posterior=True)
+        gaps.append(float(0.5 * (pe - pm).abs().sum(-1).mean()))
+    assert all(g1 > g2 for g1, g2 in zip(gaps, gaps[1:], strict=False)), gaps
+    assert gaps[-1] < 0.05 < gaps[0], gaps
+
+
+def test_mean_field_needs_a_factorised_potential():
+    class Table(sa.potentials.base.Potential):
+        def pairwise(self, children, parents):
+            return children.sum(-1)[..., None, :, None] * parents.sum(-1)[..., None, None, :]
+
+    def prog(x):
+        n = sa.nodes("x", x)
+        phi = sa.edges("attn", n, n, sa.priors.BetaGeometric(inference="mean_field"))
+        sa.potential(phi, Table())
+        return sa.value(phi, sa.values.Identity())
+
+    for kernel in (True, False):
+        with contextlib.nullcontext() if kernel else sa.kernels.disabled():
+            with pytest.raises(ValueError, match=r"edge family 'attn': a beta-geometric prior "
+                                                 r"needs exactly one factorised potential"):
+                sa.compile(prog)(torch.randn(1, 6, 4))
+
+
+def test_mean_field_cannot_join_a_latent_iteration():
+    def prog(x):
+        z = sa.latent("z", x.clone(), scale=1.0, steps=2)
+        phi = sa.edges("attn", z, z, sa.priors.BetaGeometric(inference="mean_field"))
+        sa.potential(phi, sa.potentials.DotProduct())
+        return sa.value(phi, sa.values.Identity())
+
+    with pytest.raises(ValueError, match="cannot join the iteration of latent node sets"):
+        sa.compile(prog)(torch.randn(1, 5, 3))
+
+
+def planted_parents(*, seed, n, d, distances, gain):
+    """Token i = [k_i ; k_{i − back_i}] with unit random keys k and back_i uniform on
+    ``distances`` (inclusive); W_q, W_k score the planted parent ``gain``, the others
+    ≈ gain·N(0, 1/d). Returns x ``(1, n, 2d)``, back, target = i − back, W_q, W_k."""
+    torch.manual_seed(seed)
+    keys = torch.nn.functional.normalize(torch.randn(n, d, dtype=f64), dim=-1)
+    back = torch.randint(distances[0], distances[1] + 1, (n,))
+    target = (torch.arange(n) - back).clamp(min=0)
+    x = torch.cat([keys, keys[target]], -1)[None]
+    Wq = torch.cat([torch.zeros(d, d), torch.eye(d)], 1).double() * gain
+    Wk = torch.cat([torch.eye(d), torch.zeros(d, d)], 1).double()
+    return x, back, target, Wq, Wk
+
+
+def test_edge_rule_looks_further_back_until_it_finds_the_parent():
+    """From a window of 2, the edge rule doubles each token's window while the evidence leans
+    on its outer half: tokens whose parent sits 5–40 steps back find it."""
+    n = 300
+    x, back, target, Wq, Wk = planted_parents(seed=8, n=n, d=128, distances=(5, 40), gain=12.0)
+
+    def prog(x):
+        t = sa.nodes("x", x)
+        prior = sa.priors.BetaGeometric(8.0, 1.0, inference="mean_field", window_rule="edge",
+                                        initial_window=2, tol=0.05)
+        phi = sa.edges("attn", t, t, prior)
+        sa.potential(phi, sa.potentials.Bilinear(Wq, Wk, temperature=1.0))
+        return sa.value(phi, sa.values.Identity())
+
+    _, post, trace = sa.compile(prog)(x, return_posterior=True, return_trace=True)
+    i = torch.arange(41, n)
+    w = trace.windows[-1, 0, 0]
+    found = w[i] >= back[i]
+    # a small window can look decisive by chance (two distractors far apart in score): those
+    # tokens stop early; the rest find their parent with a window under four times its distance
+    assert float(found.double().mean()) > 0.8, float(found.double().mean())
+    assert bool((w[i][found] <= 4 * back[i][found]).all())
+    assert float(post[0, 0, i[found], target[i[found]]].min()) > 0.9
+    assert trace.converged
+
+
+def test_evidence_rule_stops_where_the_parent_stands_out():
+    """Parents 2–60 steps back, a wide prior (a = 30, b = 2: mean distance ≈ 16): from a
+    window of 4 the evidence rule doubles until a match stands out of the window's noise.
+    Tokens find their parent with windows at most twice its distance (or 4); the predictive
+    rule, which looks only at the prior's tail, reads far more of the past for the same
+    parents."""
+    n = 400
+    x, back, target, Wq, Wk = planted_parents(seed=3, n=n, d=64, distances=(2, 60), gain=10.0)
+
+    def prog(x, rule):
+        t = sa.nodes("x", x)
+        prior = sa.priors.BetaGeometric(30.0, 2.0, inference="mean_field", window_rule=rule,
+                                        initial_window=4, tol=0.05)
+        phi = sa.edges("attn", t, t, prior)
+        sa.potential(phi, sa.potentials.Bilinear(Wq, Wk, temperature=1.0))
+        return sa.value(phi, sa.values.Identity())
+
+    i = torch.arange(61, n)
+    _, post, trace = sa.compile(prog)(x, "evidence", return_posterior=True, return_trace=True)
+    w = trace.windows[-1, 0, 0][i]
+    found = w >= back[i]
+    assert float(found.double().mean()) > 0.95, float(found.double().mean())
+    assert bool((w[found] <= torch.maximum(2 * back[i][found], torch.tensor(4))).all())
+    assert float(post[0, 0, i[found], target[i[found]]].min()) > 0.9
+    _, wide = sa.compile(prog)(x, "predictive", return_trace=True)
+    assert float(w.double().mean()) < 0.5 * float(wide.windows[-1, 0, 0][i].double().mean())
+
+
+def test_grad_last_trains_a_and_b_and_agrees_with_the_forward():
+    """grad="last": a and b get gradients; and a child stopped by max_iters keeps the Beta and
+    window of its final posterior, so the differentiable step reproduces the forward (also
+    when nothing converged)."""
+    torch.manual_seed(9)
+    x, W = torch.randn(2, 30, 4, dtype=f64), torch.randn(4, 4, dtype=f64) * 2
+    for max_iters in (1, 2, 50):
+        kw = dict(inference="mean_field", max_iters=max_iters, initial_window=2)
+        last = sa.priors.BetaGeometric(2.0, 0.7, grad="last", **kw)
+        unroll = sa.priors.BetaGeometric(2.0, 0.7, grad="unroll", **kw)
+        _, p_last = sa.compile(program)(x, W, last, return_posterior=True)
+        _, p_unroll = sa.compile(program)(x, W, unroll, return_posterior=True)
+        with torch.no_grad():
+            _, p_free = sa.compile(program)(x, W, last, return_posterior=True)
+        torch.testing.assert_close(p_last, p_unroll, atol=1e-12, rtol=0)
+        torch.testing.assert_close(p_free, p_unroll, atol=1e-12, rtol=0)
+    m = sa.models.expanding_attention(4, heads=2, variant="mean_field", grad="last", dtype=f64)
+    sa.compile(m)(torch.randn(2, 12, 4, dtype=f64)).sum().backward()
+    assert m.raw_prior.grad is not None and bool(torch.isfinite(m.raw_prior.grad).all())
+    assert bool((m.raw_prior.grad != 0).all())
