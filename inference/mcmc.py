@@ -63,22 +63,3 @@ def mcmc(model, *inputs, num_samples: int = 200, warmup_steps: int = 200, num_ch
                        **kwargs)
     draws.stats = {"diverging": torch.cat(diverging)}
     return draws
-    for c in range(num_chains):
-        pyro.set_rng_seed(seed + c)
-        kernel = NUTS(program, max_plate_nesting=structure.max_plate_nesting,
-                      init_strategy=init_to_value(values=init), max_tree_depth=max_tree_depth)
-        run = MCMC(kernel, num_samples=num_samples, warmup_steps=warmup_steps,
-                   disable_progbar=not progress)
-        run.run(*inputs, **kwargs)
-        samples = run.get_samples()
-        for n in chains:
-            chains[n].append(samples[n].detach().squeeze(-3))
-        flags = torch.zeros(num_samples, dtype=torch.bool)  # Pyro reports divergent draws by index
-        for i in run.diagnostics().get("divergences", {}).get("chain 0", []):
-            flags[int(i)] = True
-        diverging.append(flags)
-    latents = {n: torch.cat(v) for n, v in chains.items()}  # (chains·draws, *shape)
-    draws = draw_edges(program, *inputs, latents=latents, chains=num_chains, progress=progress,
-                       **kwargs)
-    draws.stats = {"diverging": torch.stack(diverging)}
-    return draws

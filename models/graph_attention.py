@@ -46,10 +46,12 @@ class GraphAttention(TokenAttention):
         return self.attend(self.family_name, tokens, tokens, prior)
 
     def example_inputs(self, n=5, batch=1):
+        """Tokens and an ``edge_index``: self-loops, a ring (j → j + 1) and chords (i + 2 → i),
+        each edge once (a support is a set: for n ≤ 3 these coincide)."""
         ring = torch.arange(n)
         edge_index = torch.cat([torch.stack([ring, ring]), torch.stack([ring, (ring + 1) % n]),
                                 torch.stack([(ring + 2) % n, ring])], dim=1)
-        return (self._randn(batch, n, self.d_model), edge_index)
+        return (self._randn(batch, n, self.d_model), edge_index.unique(dim=1))
 
 
 def graph_attention(d_model, **kwargs) -> GraphAttention:
