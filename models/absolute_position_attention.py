@@ -8,6 +8,7 @@ from torch import nn
 from structattn.potentials import sinusoidal
 from structattn.priors import Uniform
 
+from ._catalogue import Entry, randn64
 from ._projections import TokenAttention
 
 
@@ -44,3 +45,16 @@ class AbsolutePositionAttention(TokenAttention):
 def absolute_position_attention(d_model, **kwargs) -> AbsolutePositionAttention:
     """Absolute-position self attention; see :class:`AbsolutePositionAttention`."""
     return AbsolutePositionAttention(d_model, **kwargs)
+
+
+def _case():
+    m = absolute_position_attention(7, max_len=11, d_k=3, heads=2, temperature="learned",
+                                    dtype=torch.float64)
+    with torch.no_grad():
+        m.positions.normal_()
+    return m, (randn64(2, 5, 7),)
+
+
+#: the catalogue's statement (models/_catalogue.py)
+ENTRY = Entry(absolute_position_attention, AbsolutePositionAttention, case=_case,
+              example=dict(d_model=8, max_len=16, heads=2, causal=True))

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import torch
+
 from structattn.priors import ALiBi
 from structattn.priors.relative import alibi_slopes
 
+from ._catalogue import Entry, randn64
 from ._projections import TokenAttention
 
 
@@ -29,3 +32,13 @@ class ALiBiAttention(TokenAttention):
 def alibi_attention(d_model, **kwargs) -> ALiBiAttention:
     """ALiBi self attention; see :class:`ALiBiAttention`."""
     return ALiBiAttention(d_model, **kwargs)
+
+
+def _case():
+    m = alibi_attention(7, d_k=3, heads=3, dtype=torch.float64)
+    return m, (randn64(2, 5, 7),)
+
+
+#: the catalogue's statement (models/_catalogue.py)
+ENTRY = Entry(alibi_attention, ALiBiAttention, case=_case,
+              example=dict(d_model=8, heads=2))

@@ -10,6 +10,7 @@ from torch import nn
 
 import structattn as sa
 
+from ._catalogue import Entry, randn64
 from .slot_attention import SlotAttention
 
 
@@ -154,3 +155,14 @@ def block_slot_attention(num_slots, dim, *, num_blocks, num_prototypes, **kwargs
     """Block-slot attention; see :class:`BlockSlotAttention`."""
     return BlockSlotAttention(num_slots, dim, num_blocks=num_blocks, num_prototypes=num_prototypes,
                               **kwargs)
+
+
+def _case():
+    m = block_slot_attention(3, 6, num_blocks=2, num_prototypes=4, iters=2, hidden_dim=8,
+                             dtype=torch.float64)
+    return m, (randn64(2, 7, 6), randn64(2, 3, 6))
+
+
+#: the catalogue's statement (models/_catalogue.py)
+ENTRY = Entry(block_slot_attention, BlockSlotAttention, case=_case,
+              example=dict(num_slots=3, dim=8, num_blocks=2, num_prototypes=3, iters=3, hidden_dim=16))

@@ -17,6 +17,8 @@ from structattn.potentials.bilinear import check_temperature
 from structattn.priors import Uniform
 from structattn.values import Identity
 
+from ._catalogue import Entry, randn64
+
 
 class Classification(Declaration):
     """φ_i ~ Uniform(classes); ψ(y_j, f_i) = f_iᵀ y_j / τ; v = y_j.
@@ -61,3 +63,13 @@ class Classification(Declaration):
 def classification(d, num_classes=4, **kwargs) -> Classification:
     """The classification-layer declaration; see :class:`Classification`."""
     return Classification(d, num_classes, **kwargs)
+
+
+def _case():
+    m = classification(7, 5, temperature=0.7, dtype=torch.float64)
+    return m, (randn64(2, 3, 7),)
+
+
+#: the catalogue's statement (models/_catalogue.py)
+ENTRY = Entry(classification, Classification, case=_case,
+              example=dict(d=8, num_classes=4))

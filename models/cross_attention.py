@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import torch
+
 from structattn.nodes import nodes
 from structattn.priors import Uniform
 
+from ._catalogue import Entry, randn64
 from ._projections import ProjectedAttention
 
 
@@ -45,3 +48,13 @@ class CrossAttention(ProjectedAttention):
 def cross_attention(d_query, d_key=None, **kwargs) -> CrossAttention:
     """The cross-attention declaration; see :class:`CrossAttention`."""
     return CrossAttention(d_query, d_key, **kwargs)
+
+
+def _case():
+    m = cross_attention(7, 11, d_k=3, d_v=2, heads=3, dtype=torch.float64)
+    return m, (randn64(2, 5, 7), randn64(2, 3, 11))
+
+
+#: the catalogue's statement (models/_catalogue.py)
+ENTRY = Entry(cross_attention, CrossAttention, case=_case,
+              example=dict(d_query=8, heads=2))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 
@@ -13,6 +14,7 @@ from structattn.nodes import nodes
 from structattn.priors import BetaGeometric
 from structattn.priors.beta_geometric import INFERENCES, _positive
 
+from ._catalogue import Entry, randn64
 from ._projections import TokenAttention
 
 
@@ -123,3 +125,18 @@ class ExpandingAttention(TokenAttention):
 def expanding_attention(d_model, **kwargs) -> ExpandingAttention:
     """The expanding-attention declaration; see :class:`ExpandingAttention`."""
     return ExpandingAttention(d_model, **kwargs)
+
+
+def _case(**kwargs):
+    """The default (mean-field) reading; ``variant="exact"`` for the exact one."""
+    m = expanding_attention(6, heads=2, a=1.5, b=2.0, dtype=torch.float64, **kwargs)
+    with torch.no_grad():
+        m.raw_prior.add_(torch.randn_like(m.raw_prior) * 0.3)  # heads with their own a, b
+    return m, (randn64(2, 6, 6),)
+
+
+#: the catalogue's statement (models/_catalogue.py): the default reading is mean field, an
+#: approximation of the exact posterior; the generic tests also run the exact variant
+ENTRY = Entry(expanding_attention, ExpandingAttention, case=_case,
+              example=dict(d_model=8, heads=2, a=2.0, b=2.0), exact=False,
+              variants={"exact": functools.partial(_case, variant="exact")})

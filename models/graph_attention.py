@@ -6,6 +6,7 @@ import torch
 
 from structattn.priors import Uniform
 
+from ._catalogue import Entry, randn64
 from ._projections import TokenAttention
 
 
@@ -79,3 +80,17 @@ def edge_index_from_networkx(graph, n: int, device=None) -> torch.Tensor:
     if not pairs:
         return torch.zeros(2, 0, dtype=torch.long, device=device)
     return torch.tensor(sorted(pairs), dtype=torch.long, device=device).T.contiguous()
+
+
+def _case():
+    m = graph_attention(7, d_k=3, heads=2, dtype=torch.float64)
+    n = 5
+    ring = torch.arange(n)
+    edge_index = torch.cat([torch.stack([ring, ring]), torch.stack([(ring + 1) % n, ring]),
+                            torch.tensor([[0, 3], [2, 4]])], dim=1)  # self-loops, ring, two chords
+    return m, (randn64(2, n, 7), edge_index)
+
+
+#: the catalogue's statement (models/_catalogue.py)
+ENTRY = Entry(graph_attention, GraphAttention, case=_case,
+              example=dict(d_model=8, heads=2))

@@ -9,6 +9,8 @@ from torch import nn
 
 import structattn as sa
 
+from ._catalogue import Entry, randn64
+
 
 class Hopfield(sa.Declaration):
     """ξ_i ~ N(0, β⁻¹ I) (latent); φ_i ~ Uniform(stored patterns); ψ(y_j, ξ_i) = β ξ_iᵀ W_K y_j;
@@ -113,3 +115,13 @@ class Hopfield(sa.Declaration):
 def hopfield(d_query, d_key=None, **kwargs) -> Hopfield:
     """The modern Hopfield layer; see :class:`Hopfield`."""
     return Hopfield(d_query, d_key, **kwargs)
+
+
+def _case():
+    m = hopfield(7, 5, heads=2, d_k=3, d_v=2, beta=0.8, update_steps=3, dtype=torch.float64)
+    return m, (randn64(2, 3, 7), randn64(2, 6, 5))
+
+
+#: the catalogue's statement (models/_catalogue.py)
+ENTRY = Entry(hopfield, Hopfield, case=_case,
+              example=dict(d_query=8, heads=2, update_steps=3))

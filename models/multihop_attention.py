@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import torch
+
 from structattn.priors import Uniform
 from structattn.values import Hops
 
+from ._catalogue import Entry, randn64
 from ._projections import TokenAttention
 
 
@@ -32,3 +35,14 @@ class MultihopAttention(TokenAttention):
 def multihop_attention(d_model, **kwargs) -> MultihopAttention:
     """Multihop self attention; see :class:`MultihopAttention`."""
     return MultihopAttention(d_model, **kwargs)
+
+
+def _case():
+    m = multihop_attention(7, d_k=3, heads=2, hop_weights=(1 / 3, 1 / 3, 1 / 3),
+                           dtype=torch.float64)
+    return m, (randn64(2, 4, 7),)
+
+
+#: the catalogue's statement (models/_catalogue.py)
+ENTRY = Entry(multihop_attention, MultihopAttention, case=_case,
+              example=dict(d_model=8, heads=2, causal=True))

@@ -10,6 +10,8 @@ from torch import nn
 import structattn as sa
 from structattn.potentials.prediction_error import ACTIVATIONS
 
+from ._catalogue import Entry, randn64
+
 
 class PredictiveCoding(sa.Declaration):
     """Layers z_0 = x (observed), z_1 … z_L (latent, flat prior; z_L = y observed when given).
@@ -163,3 +165,13 @@ def predictive_coding(layer_sizes, **kwargs) -> PredictiveCoding:
     (``attention=True``, ``blocks=``) or the standard precision-weighted one; see
     :class:`PredictiveCoding`."""
     return PredictiveCoding(layer_sizes, **kwargs)
+
+
+def _case():
+    m = predictive_coding([5, 4, 3], steps=3, step_size=0.2, dtype=torch.float64)
+    return m, (randn64(2, 5),)
+
+
+#: the catalogue's statement (models/_catalogue.py)
+ENTRY = Entry(predictive_coding, PredictiveCoding, case=_case,
+              example=dict(layer_sizes=[6, 4, 3], steps=10))

@@ -7,6 +7,7 @@ from torch import nn
 
 from structattn.priors import RelativePosition
 
+from ._catalogue import Entry, randn64
 from ._projections import TokenAttention
 
 
@@ -35,3 +36,16 @@ class RelativePositionAttention(TokenAttention):
 def relative_position_attention(d_model, **kwargs) -> RelativePositionAttention:
     """Relative-position self attention; see :class:`RelativePositionAttention`."""
     return RelativePositionAttention(d_model, **kwargs)
+
+
+def _case():
+    m = relative_position_attention(7, max_distance=2, d_k=3, heads=2, causal=True,
+                                    dtype=torch.float64)
+    with torch.no_grad():
+        m.position_logits.normal_()
+    return m, (randn64(2, 5, 7),)
+
+
+#: the catalogue's statement (models/_catalogue.py)
+ENTRY = Entry(relative_position_attention, RelativePositionAttention, case=_case,
+              example=dict(d_model=8, max_distance=2, heads=2, causal=True))

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import torch
+
 from structattn.priors import Uniform
 
+from ._catalogue import Entry, randn64
 from ._projections import TokenAttention
 
 
@@ -29,3 +32,13 @@ class SelfAttention(TokenAttention):
 def self_attention(d_model, **kwargs) -> SelfAttention:
     """The self-attention declaration; see :class:`SelfAttention`."""
     return SelfAttention(d_model, **kwargs)
+
+
+def _case():
+    m = self_attention(7, d_k=3, d_v=5, heads=2, causal=True, dtype=torch.float64)
+    return m, (randn64(2, 5, 7),)
+
+
+#: the catalogue's statement (models/_catalogue.py)
+ENTRY = Entry(self_attention, SelfAttention, case=_case,
+              example=dict(d_model=8, heads=2, causal=True))

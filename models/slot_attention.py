@@ -9,6 +9,8 @@ from torch import nn
 
 import structattn as sa
 
+from ._catalogue import Entry, randn64
+
 RECIPES = ("original", "collapsed")
 
 
@@ -162,3 +164,13 @@ class SlotAttention(sa.Declaration):
 def slot_attention(num_slots, dim, **kwargs) -> SlotAttention:
     """Slot attention; see :class:`SlotAttention`."""
     return SlotAttention(num_slots, dim, **kwargs)
+
+
+def _case():
+    m = slot_attention(3, 5, iters=2, hidden_dim=8, dtype=torch.float64)
+    return m, (randn64(2, 7, 5), randn64(2, 3, 5))
+
+
+#: the catalogue's statement (models/_catalogue.py)
+ENTRY = Entry(slot_attention, SlotAttention, case=_case,
+              example=dict(num_slots=3, dim=8, iters=3, hidden_dim=16))
