@@ -229,12 +229,6 @@ def test_the_catalogue_and_inference_are_in_no_import_cycle():
     assert not ours, describe(graph, ours)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "structattn/ has one import cycle (issue 20): structattn.family → structattn.priors "
-    "(priors.base runs priors/__init__) → structattn.priors.beta_geometric → (line 161, inside "
-    "BetaGeometric.window) structattn.windows → structattn.lowering → structattn.family; also "
-    "lowering → operator → family and windows → priors. Break it at the function-level import "
-    "of windows.beta_quantile in priors/beta_geometric.py, then remove this mark."))
 def test_no_import_cycles():
     graph = import_graph()
     cycles = import_cycles(graph)
