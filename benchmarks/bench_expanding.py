@@ -110,6 +110,7 @@ def measure(args, n, results):
     with torch.no_grad(), sa.validation(False):
         _, post, trace = layer(x, return_posterior=True, return_trace=True) \
             if n <= 4096 else (None, None, layer(x, return_trace=True)[1])
+        trace = trace.mean_field["attn"]  # the mean-field windows' history
         if post is not None:
             hit = (post[0, 0].argmax(-1) == parent)[has].double().mean().item()
         else:

@@ -263,7 +263,7 @@ def main(argv=None):
                                          train_s=time.perf_counter() - t0))
                     exp, full = trained[(d, p, seed, "expanding")], trained[(d, p, seed, "full")]
                     with torch.no_grad():
-                        _, trace = exp(Xt, return_trace=True)
+                        trace = exp(Xt, return_trace=True)[1].mean_field["attn"]
                     last = trace.windows[-1][:, 0, -1].double()  # the query's final window
                     counted = float(last.mean()) * (d + trace.iterations + 1) / (problem.T * d)
                     hit = float((last >= dist_t.double()).double().mean())
@@ -309,7 +309,7 @@ def main(argv=None):
         X, _, dist = problem.sample(8)
         model = trained[(d, p, 0, "expanding")]
         with torch.no_grad():
-            _, trace = model(X, return_trace=True)
+            trace = model(X, return_trace=True)[1].mean_field["attn"]
         w = trace.windows[:, :, 0, -1].double()  # (T, 8): the query's window per iteration
         ax = axes[0, c]
         for k in range(8):

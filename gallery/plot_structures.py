@@ -82,6 +82,7 @@ def dynamics(out, quick):
         m.W_q.zero_()[: d // 2, d // 2:] = torch.eye(d // 2) * 10
         m.W_k.zero_()[: d // 2, : d // 2] = torch.eye(d // 2)
         _, post, trace = sa.compile(m)(x, return_posterior=True, return_trace=True)
+        trace = trace.mean_field["attn"]  # the mean-field windows' history
     ax = fig.add_subplot(grid[0, :2])
     w = trace.windows[:, 0, 0].double()  # (T, n)
     im = ax.imshow(w.T.numpy(), aspect="auto", cmap="viridis", interpolation="nearest")

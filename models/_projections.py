@@ -57,10 +57,12 @@ class ProjectedAttention(Declaration):
         """τ of the tempered posterior: fixed (float/None = √d_k) or learned (exp(log τ))."""
         return self._temperature if self.log_temperature is None else self.log_temperature.exp()
 
-    def attend(self, name, children, parents, prior, *, value=None, positions=None):
+    def attend(self, name, children, parents, prior, *, value=None, positions=None,
+               inference=None):
         """One multi-head edge family: bilinear potential (on x + positions, if given) and a
-        value (default: linear W_V x_j); heads merged, then W_O."""
-        phi = edges(name, children, parents, prior, heads=self.heads)
+        value (default: linear W_V x_j); heads merged, then W_O. ``inference``: the family's
+        inference scheme (None: read exactly)."""
+        phi = edges(name, children, parents, prior, heads=self.heads, inference=inference)
         psi = Bilinear(self.W_q, self.W_k, heads=self.heads, temperature=self.temperature)
         if positions is not None:
             psi = Positional(psi, positions)

@@ -12,10 +12,13 @@ from torch import nn
 
 from structattn.nodes import nodes
 from structattn.priors import BetaGeometric
-from structattn.priors.beta_geometric import INFERENCES, _positive
+from structattn.priors.beta_geometric import _positive
+from structattn.windows import MeanFieldWindows
 
 from ._catalogue import Entry, randn64
 from ._projections import TokenAttention
+
+VARIANTS = ("exact", "mean_field")
 
 
 def _softplus_inverse(v: float) -> float:
@@ -27,25 +30,28 @@ class ExpandingAttention(TokenAttention):
     q_i ~ Beta(a, b); ψ(x_j, x_i) = x_iᵀW_QᵀW_K x_j / τ; v = W_V x_j; y_i = W_O [E v_i]_heads.
 
     ``variant="exact"``: q integrated out, p(φ = d) = B(a + d − 1, b + 1)/B(a, b), one softmax
-    over the past (over the window where the prior's tail is below ``tol``, if given).
-    ``variant="mean_field"``: the paper's scheme, a window per token that grows while the
-    posterior needs it; the cost follows the inferred context, not n
-    (``structattn.windows``). ``a``, ``b`` (per head) are learned when ``learn_prior``
-    (a = softplus(raw) > 0). Token 0 has no past: its attention output is zero. Mean-field
-    options: ``tol`` (tail mass left outside a window, default 0.05), ``max_window``,
-    ``max_iters``, ``expectation`` ("digamma" | "plug_in"), ``update`` ("conjugate" |
+    over the past (over the window where the prior's tail is below ``tol``, if given; at
+    most ``max_window``). ``variant="mean_field"``: the paper's scheme
+    (``structattn.windows.MeanFieldWindows``, declared on the family), a window per token
+    that grows while the posterior needs it; the cost follows the inferred context, not n.
+    ``a``, ``b`` (per head) are learned when ``learn_prior`` (a = softplus(raw) > 0). Token
+    0 has no past: its attention output is zero. Mean-field options (the scheme's): ``tol``
+    (tail mass left outside a window, default 0.05), ``max_window``, ``max_iters``,
+    ``converge_tol``, ``expectation`` ("digamma" | "plug_in"), ``update`` ("conjugate" |
     "accumulate", the authors' code), ``grad`` ("unroll" | "last": one step from the
-    detached fixed point, O(N·W) memory for long sequences), ``window_rule``
-    ("predictive" | "edge": double a window while the evidence puts > tol on its outer half)
-    and ``initial_window``.
+    detached fixed point, O(N·W) memory for long sequences; ``structattn.iteration(grad=…)``
+    overrides it), ``window_rule`` ("predictive" | "edge" | "evidence", or a
+    ``structattn.windows.WindowRule``: see ``structattn.windows.rules``) and
+    ``initial_window``. ``block_size``: the band's block of tokens (both variants).
 
     x: ``(*batch, n, d_model)`` → ``(*batch, n, d_model)``. ``return_trace=True`` (mean-field)
-    gives the ``WindowTrace``: windows, Beta parameters, iterations. ``layer(x, last=k)``
-    computes only the last k tokens' outputs ``(*batch, k, d_model)``, each still reading its
-    own past among all n (equal to ``layer(x)[..., -k:, :]``; a decoding step, or a loss on
-    the final tokens): on the CPU without a graph (the compiled kernel) the cost is that of
-    those k windows, not n; the Python loop and ``grad="last"``'s differentiable step still
-    build the band over all n (same result).
+    gives the ``Trace``, whose ``mean_field["attn"]`` holds the windows, Beta parameters and
+    iterations. ``layer(x, last=k)`` computes only the last k tokens' outputs
+    ``(*batch, k, d_model)``, each still reading its own past among all n (equal to
+    ``layer(x)[..., -k:, :]``; a decoding step, or a loss on the final tokens): on the CPU
+    without a graph (the compiled kernel) the cost is that of those k windows, not n; the
+    Python loop and ``grad="last"``'s differentiable step still build the band over all n
+    (same result).
 
     ::
 
@@ -55,10 +61,11 @@ class ExpandingAttention(TokenAttention):
     def __init__(self, d_model, *, heads=1, a=1.0, b=1.0, learn_prior=True,
                  variant="mean_field", max_iters=50, tol=None, max_window=None,
                  expectation="digamma", update="conjugate", grad="unroll",
-                 window_rule="predictive", initial_window=None, block_size=32, **kwargs):
+                 window_rule="predictive", initial_window=None, block_size=32,
+                 converge_tol=1e-3, **kwargs):
         super().__init__(d_model, heads=heads, causal=True, **kwargs)
-        if variant not in INFERENCES:
-            raise ValueError(f"ExpandingAttention: variant must be one of {INFERENCES}; "
+        if variant not in VARIANTS:
+            raise ValueError(f"ExpandingAttention: variant must be one of {VARIANTS}; "
                              f"got {variant!r}")
         kw = {"device": kwargs.get("device"), "dtype": kwargs.get("dtype")}
         rows = []
@@ -75,11 +82,17 @@ class ExpandingAttention(TokenAttention):
         else:
             self.register_buffer("raw_prior", raw)
         self.variant = variant
-        # checked now (the prior is rebuilt each forward from the current a, b)
-        self._options = dict(tol=tol, max_window=max_window, max_iters=max_iters,
-                             expectation=expectation, update=update, grad=grad,
-                             window_rule=window_rule, initial_window=initial_window,
-                             block_size=block_size)
+        # the prior's truncation (exact) or the scheme's options (mean field), checked now
+        # (the prior is rebuilt each forward from the current a, b)
+        if variant == "exact":
+            self._prior_options = dict(tol=tol, max_window=max_window, block_size=block_size)
+            self.inference = None
+        else:
+            self._prior_options = dict(block_size=block_size)
+            self.inference = MeanFieldWindows(
+                tol=0.05 if tol is None else tol, max_window=max_window, max_iters=max_iters,
+                converge_tol=converge_tol, expectation=expectation, update=update,
+                window_rule=window_rule, initial_window=initial_window, grad=grad)
         self.prior()
 
     @property
@@ -101,12 +114,13 @@ class ExpandingAttention(TokenAttention):
                                      self.raw_prior.dtype).exp().sum(0)
 
     def prior(self) -> BetaGeometric:
-        return BetaGeometric(self.a, self.b, inference=self.variant, **self._options)
+        return BetaGeometric(self.a, self.b, **self._prior_options)
 
     def model(self, x, last=None):
         tokens = self.tokens(x)
         if last is None:
-            return self.attend(self.family_name, tokens, tokens, self.prior())
+            return self.attend(self.family_name, tokens, tokens, self.prior(),
+                               inference=self.inference)
         n = x.shape[-2]
         try:  # an int, numpy integer or 0-d integer tensor (not a bool or a float)
             k = None if isinstance(last, bool) or (
@@ -119,7 +133,8 @@ class ExpandingAttention(TokenAttention):
         last = k
         # the children are the last tokens, the parents all of them: each reads its own past
         queries = nodes("x_last", x[..., n - last:, :], features=self.d_model)
-        return self.attend(self.family_name, queries, tokens, self.prior())
+        return self.attend(self.family_name, queries, tokens, self.prior(),
+                           inference=self.inference)
 
 
 def expanding_attention(d_model, **kwargs) -> ExpandingAttention:

@@ -11,6 +11,7 @@ from . import measures as measures
 from . import potentials as potentials
 from . import priors as priors
 from . import values as values
+from . import windows as windows
 from ._validation import is_validating as is_validating
 from ._validation import set_validation as set_validation
 from ._validation import validation as validation
@@ -40,7 +41,9 @@ from .nodes import NodeSet as NodeSet
 from .nodes import nodes as nodes
 from .readers import Structure as Structure
 from .readers import trace_structure as trace_structure
-from .windows import WindowTrace as WindowTrace
+from .scheme import InferenceScheme as InferenceScheme
+from .windows import MeanFieldHistory as MeanFieldHistory
+from .windows import MeanFieldWindows as MeanFieldWindows
 
 
 def __getattr__(name):

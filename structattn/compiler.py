@@ -24,11 +24,12 @@ class CompiledModule(nn.Module):
 
     Models with latent node sets (``structattn.latent``) iterate: the latents move to the
     (approximate) fixed point of their collapsed free energy before any value is read.
-    ``return_trace=True`` also returns the ``Trace`` (states and free energy per step;
-    with ``trace_posteriors=True`` the edge posteriors per step too) — or, for a model whose
-    only iteration is a mean-field prior (expanding attention), its ``WindowTrace``
-    (windows, Beta parameters and expected distances per child and iteration). Outputs come in the
-    order (output, posterior, trace).
+    Families declared with an inference scheme (``structattn.scheme``, e.g. expanding
+    attention's mean-field windows) iterate too. ``return_trace=True`` also returns the
+    ``Trace``: states and free energy per step (with ``trace_posteriors=True`` the edge
+    posteriors per step too), and one field per scheme (``trace.mean_field[family]``:
+    windows, Beta parameters and expected distances per child and round). Outputs come in
+    the order (output, posterior, trace).
     """
 
     def __init__(self, declaration: Declaration):
@@ -45,15 +46,12 @@ class CompiledModule(nn.Module):
             posts = reader.posteriors
             result += (next(iter(posts.values())) if len(posts) == 1 else dict(posts),)
         if return_trace:
-            windows = reader.window_traces
-            if reader.trace is None and not windows:
+            if reader.trace is None:
                 raise ValueError(f"{type(self.declaration).__name__} declares no latent node set "
-                                 f"(structattn.latent) and no mean-field prior: there is no "
-                                 f"iteration to trace")
-            if reader.trace is None:  # mean-field windows: one trace, or one per family
-                result += (next(iter(windows.values())) if len(windows) == 1 else dict(windows),)
-            else:
-                result += (reader.trace,)
+                                 f"(structattn.latent) and no family with an inference scheme "
+                                 f"(structattn.edges(..., inference=…)): there is no iteration "
+                                 f"to trace")
+            result += (reader.trace,)
         return result[0] if len(result) == 1 else result
 
     def free_energy(self, *inputs, latents: dict | None = None, **kwargs):
@@ -64,7 +62,7 @@ class CompiledModule(nn.Module):
         learning rule: ``layer.free_energy(x, latents=final).sum().backward()``."""
         with Marginalise(latent_values=latents, record_trace=latents is None).direct() as reader:
             self.declaration.model(*inputs, **kwargs)
-        if latents is None and reader.trace is not None:
+        if latents is None and reader.trace is not None and reader.trace.free_energy is not None:
             return reader.trace.free_energy[-1]
         missing = set(latents or {}) - set(reader.latents)
         if missing:

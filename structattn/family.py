@@ -33,6 +33,7 @@ from .potentials.base import Potential
 from .priors.base import Prior
 from .priors.declared import declared_log_prior
 from .priors.tables import PriorTables
+from .scheme import InferenceScheme
 from .values.base import Value
 
 
@@ -47,13 +48,11 @@ class EdgeFamily:
     heads: int = 1
     potentials: list = field(default_factory=list)
     value: Value | None = None
+    #: how the compiled reader marginalises it (``structattn.scheme``); None: exactly
+    inference: InferenceScheme | None = None
     _heads_plate: object = field(default=None, repr=False)
     #: the prior's tables for this family, this pass (built on demand, each at most once)
     tables: PriorTables = field(init=False, repr=False)
-    #: what an iterating lowering did this pass (e.g. mean-field windows), or None
-    trace: object = field(default=None, init=False, repr=False)
-    #: whether a reader will read ``trace`` (an iterating lowering may skip its history)
-    record_trace: bool = field(default=True, init=False, repr=False)
 
     def __post_init__(self):
         self.tables = self.prior.tables(self.children.size, self.parents.size,
@@ -99,8 +98,9 @@ class EdgeFamily:
         return None if empty is None else (~empty).to(xc.dtype)[..., None]
 
     def describe(self) -> str:
+        scheme = "" if self.inference is None else f", read by {self.inference.describe()}"
         return (f"φ {self.name!r}: {self.parents.name} → {self.children.name}, "
-                f"prior {self.prior.describe()}, heads={self.heads}")
+                f"prior {self.prior.describe()}, heads={self.heads}{scheme}")
 
     def validate_structure(self) -> None:
         c, p = self.children.states, self.parents.states
@@ -127,6 +127,8 @@ class EdgeFamily:
                              f"which parents each child may choose")
         self.tables.validate(self.name, batch_shape=self.batch_shape, heads=self.heads)
         self.prior.check_nodes(self.name, self.children, self.parents)
+        if self.inference is not None:
+            self.inference.check(self)
 
     def check_complete(self) -> None:
         """A family to read needs a value and at least one potential."""
@@ -228,11 +230,15 @@ def _sample_edges(family: EdgeFamily) -> SampledEdge:
 _edges_effect = effectful(_sample_edges, type="structattn_edges")
 
 
-def edges(name: str, children: NodeSet, parents: NodeSet, prior: Prior, *, heads: int = 1):
+def edges(name: str, children: NodeSet, parents: NodeSet, prior: Prior, *, heads: int = 1,
+          inference: InferenceScheme | None = None):
     """Declare the edge family ``name``: for each child i (and head), φ_i ~ prior over parents.
 
     children, parents: node sets from ``structattn.nodes``; prior: a
-    ``structattn.priors.Prior``. Returns a handle for ``potential`` and ``value``.
+    ``structattn.priors.Prior``; inference: how the compiled module marginalises it when
+    not exactly (``structattn.scheme``, e.g. ``structattn.windows.MeanFieldWindows()``;
+    Pyro's reading is exact whatever it says). Returns a handle for ``potential`` and
+    ``value``.
     """
     if not isinstance(name, str) or not name:
         raise ValueError(f"an edge family needs a non-empty string name; got {name!r}")
@@ -249,7 +255,11 @@ def edges(name: str, children: NodeSet, parents: NodeSet, prior: Prior, *, heads
         )
     if not isinstance(heads, int) or isinstance(heads, bool) or heads < 1:
         raise ValueError(f"edge family {name!r}: heads must be a positive int; got {heads!r}")
-    family = EdgeFamily(name, children, parents, prior, heads)
+    if inference is not None and not isinstance(inference, InferenceScheme):
+        raise ValueError(f"edge family {name!r}: inference must be a structattn inference scheme "
+                         f"(e.g. structattn.windows.MeanFieldWindows()) or None; got "
+                         f"{type(inference).__name__}")
+    family = EdgeFamily(name, children, parents, prior, heads, inference=inference)
     family.validate_structure()
     readers = direct_readers()
     if readers:  # a compiled module's reader, entered without Pyro's stack

@@ -36,16 +36,25 @@ from .lowering import operator_for
 
 @dataclass
 class Trace:
-    """What an iteration did. ``states[name]``: ``(T + 1, *batch, n, d)`` (initial state first);
-    ``free_energy``: ``(T + 1, *batch)``, F at each recorded state; ``posteriors[family]``:
-    ``(T + 1, *batch, H, C, P)`` when recorded; ``steps``: T, the updates made; ``converged``:
-    whether the tolerance was met (None without one)."""
+    """What a compiled module iterated, one field per inference scheme.
+
+    Latent node sets (``structattn.latent``): ``states[name]``: ``(T + 1, *batch, n, d)``
+    (initial state first); ``free_energy``: ``(T + 1, *batch)``, F at each recorded state;
+    ``posteriors[family]``: ``(T + 1, *batch, H, C, P)`` when recorded; ``steps``: T, the
+    updates made; ``converged``: whether the tolerance was met (None without one).
+
+    Mean-field windows (``structattn.windows.MeanFieldWindows``): ``mean_field[family]``, a
+    ``MeanFieldHistory`` (windows, Beta parameters, expected distances per child and
+    round). A model whose only iteration is mean-field windows has ``steps`` = its families'
+    largest round count and ``converged`` = every window settled.
+    """
 
     states: dict = field(default_factory=dict)
     free_energy: torch.Tensor | None = None
     posteriors: dict | None = None
     steps: int = 0
     converged: bool | None = None
+    mean_field: dict = field(default_factory=dict)
 
 
 def sides(family, latent) -> list[str]:
@@ -206,11 +215,11 @@ class Engine:
         self.latents, self.families, self.caches = latents, families, caches
         self.energies = energies or {}
         for fam in families.values():
-            if getattr(fam.prior, "inference", "exact") != "exact":
+            if fam.inference is not None:
                 raise ValueError(
-                    f"edge family {fam.name!r}: a {fam.prior.inference!r} prior iterates on its "
-                    f"own and cannot join the iteration of latent node sets; declare it after "
-                    f"structattn.infer(...), or use its exact reading (inference='exact')")
+                    f"edge family {fam.name!r}: its inference scheme ({fam.inference.describe()}) "
+                    f"iterates on its own and cannot join the iteration of latent node sets; "
+                    f"declare it after structattn.infer(...), or read it exactly (no scheme)")
 
     def operators(self) -> dict:
         """One operator per family at the current states."""

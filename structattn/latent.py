@@ -121,6 +121,11 @@ def iteration(**options):
         _overrides.options = old
 
 
+def iteration_overrides() -> dict:
+    """The options ``structattn.iteration(...)`` sets in this thread (name → value)."""
+    return dict(getattr(_overrides, "options", {}))
+
+
 class LatentNodeSet(NodeSet):
     """A node set whose states are inferred: prior N(loc, scale²) (or flat), an initial state,
     and the options of its iteration. ``states`` is the current iterate."""

@@ -1,10 +1,11 @@
 """Closed-form marginalisation of one edge family: E_{p(φ_i|x)}[v_i(x, φ_i)].
 
 A family's attention operator ``attend(u)_i = Σ_j p(φ_i = j | x) u_j`` is built once per
-family from its prior's statement: the prior's ``reading`` of its support — the support
+family from its prior's statement: the prior's ``reading`` of its support, the support
 kind's ``Operator`` (``structattn.kinds``: dense, edge list, window, or a kind of one's
-own), or an inference scheme of the prior's own (mean-field windows). The same operator
-serves single-shot values, the iterating reader (``structattn.iterate``), drawings and
+own) — or, for a family declared with an inference scheme (``structattn.scheme``, e.g.
+mean-field windows), the scheme's operator at its fixed point. The same operator serves
+single-shot values, the iterating reader (``structattn.iterate``), drawings and
 ``compare``; the value function turns it into E[v] (one call for a linear value, K calls
 for K hops).
 """
@@ -17,9 +18,13 @@ from .family import EdgeFamily
 from .kinds.base import Operator
 
 
-def operator_for(family: EdgeFamily, cache: dict | None = None) -> Operator:
+def operator_for(family: EdgeFamily, cache: dict | None = None, *,
+                 record: bool = False) -> Operator:
     """The family's operator at the current node states (``cache``: what an iterating reader
-    keeps across steps)."""
+    keeps across steps; ``record``: an inference scheme keeps its history in the operator's
+    ``history``)."""
+    if family.inference is not None:
+        return family.inference.operator(family, record=record)
     cls = family.prior.reading(family.support)
     if not (isinstance(cls, type) and issubclass(cls, Operator)):
         raise ValueError(f"edge family {family.name!r}: support {family.support.describe()} "

@@ -31,7 +31,7 @@ REFUSALS: dict[tuple[str, str, str], str] = {}
 #: once it is gone, so that the entry is removed.
 KNOWN_DEFECTS = {
     ("expanding_attention", "scaled 1e4", "float16"): (
-        "the mean-field reading (structattn/windows.py, the Python loop and the kernel alike) "
+        "the mean-field reading (structattn/windows/, the Python loop and the kernel alike) "
         "outputs NaN in float16 when the scores overflow (inputs scaled by 1e3 or more); the "
         "dense path, and so the exact variant, gives finite outputs"),
 }

@@ -3,7 +3,7 @@
 // Children are independent given the scores (each has its own q_i), so each CPU thread
 // takes a run of children and iterates each to its own fixed point, scoring its parents
 // lazily as its window grows: work Σ_i W_i·(k + iterations_i), one call, no per-step
-// tensors. The equations are those of structattn/windows.py (its module docstring), step
+// tensors. The equations are those of structattn/windows/ (scheme.py, rules.py), step
 // for step, so the two agree to rounding; the Python loop is the reference and the path
 // on other devices.
 //

@@ -72,10 +72,10 @@ def model_graph(model, *inputs, unrolled: bool = False) -> graphviz.Digraph:
                  + (f"\nheads: {fam.heads}" if fam.heads > 1 else ""))
         src, dst = ids[fam.parents.name], ids[fam.children.name]
         dot.edge(src, dst, label=_esc(label), color=colour, fontcolor=colour, penwidth="1.6")
-        hyper = getattr(fam.prior, "hyper_prior", None)
+        hyper = fam.prior.hyper_prior()
         if hyper is not None:  # e.g. q_i ~ Beta(a, b): an open node feeding the family
             hid = f"hyper{f_i}"
-            dot.node(hid, _esc(hyper()), shape="ellipse", style="dashed", color=colour,
+            dot.node(hid, _esc(hyper), shape="ellipse", style="dashed", color=colour,
                      fontcolor=colour)
             dot.edge(hid, dst, style="dashed", color=colour, arrowhead="odot")
     for e_i, (name, term) in enumerate((s.energies or {}).items()):

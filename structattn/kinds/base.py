@@ -107,6 +107,9 @@ class Operator:
 
     #: the dense lowering every kind falls back on (``structattn.kinds.dense`` sets it)
     dense_operator: type | None = None
+    #: what an inference scheme iterated to build this operator (``structattn.scheme``);
+    #: None for a support kind's closed-form operator
+    history = None
     #: how error messages name this operator's support ("an edge-list support …")
     kind_name = "this"
 

@@ -66,6 +66,11 @@ class Prior:
         (``Support.operator``; the dense operator when it names none)."""
         return support.operator or DenseOperator
 
+    def hyper_prior(self) -> str | None:
+        """A hyper-prior over the prior's parameters, as drawn in plate notation (one line
+        per statement), or None when it has none."""
+        return None
+
     def tables(self, num_children: int, num_parents: int, device) -> PriorTables:
         """This prior's tables for one edge family in one pass, each built at most once.
         The caller holds them for the pass; nothing is stored on the prior."""

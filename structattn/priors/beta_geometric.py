@@ -14,22 +14,12 @@ all-zero posterior row in every reading (``empty="zero"``, fixed). The children 
 last C of the P parent tokens (C < P: a decoding step, or a loss on the last tokens only):
 child i sits at position P − C + i.
 
-Two ways to marginalise the same prior, chosen by ``inference``:
-
-- ``"exact"``: one softmax with the beta-geometric log prior (``log_table``), over all of
-  the past, or over the ``window`` where the prior's tail mass beyond it is below ``tol``
-  (the discarded mass is ``discarded_mass()``), lowered through a banded kernel;
-- ``"mean_field"``: the paper's scheme q(φ) q(q), per-child windows that grow while the
-  posterior needs them (``structattn.windows``): options ``expectation`` ("digamma" |
-  "plug_in"), ``update`` ("conjugate" | "accumulate"), ``max_iters``, ``converge_tol`` (on
-  the relative change of every E[φ_i]), ``grad`` ("unroll" | "last": back-propagate through
-  every iteration, or one step from the detached fixed point), ``window_rule``
-  ("predictive": grow while the posterior predictive's tail beyond the window is ≥ tol;
-  "edge": double while the evidence alone — softmax of ψ over the window — puts more than
-  tol on its outer half; "evidence": double while the current posterior, extended beyond
-  the window with the unseen parents' likelihood set to the window's typical one, puts more
-  than tol beyond it) and
-  ``initial_window`` (default: the prior's tail quantile at tol).
+Read exactly, one softmax with the beta-geometric log prior, over all of the past, or over
+the ``window`` where the prior's tail mass beyond it is below ``tol`` (the discarded mass
+is ``discarded_mass()``), lowered through a banded kernel (``structattn.kinds.window``).
+The paper's mean-field reading — a window per child that grows while the posterior needs
+it — is an inference scheme declared on the family: ``structattn.edges(..., prior,
+inference=structattn.windows.MeanFieldWindows(...))``.
 """
 
 from __future__ import annotations
@@ -44,11 +34,9 @@ from ..kinds.window import Window
 from .base import Prior
 from .tables import PriorTables
 
-EXPECTATIONS = ("digamma", "plug_in")
-UPDATES = ("conjugate", "accumulate")
-INFERENCES = ("exact", "mean_field")
-GRADS = ("unroll", "last")
-WINDOW_RULES = ("predictive", "edge", "evidence")
+#: the mean-field options that moved to ``structattn.windows.MeanFieldWindows``
+_SCHEME_OPTIONS = ("inference", "expectation", "update", "max_iters", "converge_tol", "grad",
+                   "window_rule", "initial_window")
 
 
 def _positive(name, value):
@@ -75,45 +63,35 @@ class BetaGeometric(Prior):
     child i; ``a``, ``b``: floats or tensors ``()`` / ``(heads,)`` (learnable: gradients flow
     through ``lgamma`` / ``digamma``). The child at position 0 has no parent: zero output.
 
-    ``tol`` ∈ (0, 1): the tail mass allowed outside a window (exact: the prior's, giving one
-    window for all children; mean-field: each child's posterior predictive); ``max_window``
-    ≥ 1 caps any window. ``inference="mean_field"`` infers a window per child (module
-    docstring). Paper §5.2, SPEC.md "Geometric–Beta prior".
+    ``tol`` ∈ (0, 1): the prior's tail mass left outside one window for all children;
+    ``max_window`` ≥ 1 caps it; ``block_size``: the banded kernel's block of children. Paper
+    §5.2, SPEC.md "Geometric–Beta prior".
     """
 
     empty = "zero"  # the first token has no past
 
     def __init__(self, a=1.0, b=1.0, *, tol: float | None = None, max_window: int | None = None,
-                 inference: str = "exact", expectation: str = "digamma",
-                 update: str = "conjugate", max_iters: int = 50, converge_tol: float = 1e-3,
-                 grad: str = "unroll", window_rule: str = "predictive",
-                 initial_window: int | None = None, block_size: int = 32):
+                 block_size: int = 32, **moved):
+        if moved:
+            known = sorted(set(moved) & set(_SCHEME_OPTIONS))
+            unknown = sorted(set(moved) - set(_SCHEME_OPTIONS))
+            if unknown:
+                raise TypeError(f"BetaGeometric got unexpected keyword arguments {unknown}")
+            raise ValueError(f"BetaGeometric prior: {known} are options of the mean-field "
+                             f"inference scheme, not of the prior; declare it on the family: "
+                             f"structattn.edges(..., prior, inference=structattn.windows."
+                             f"MeanFieldWindows(...))")
         self.a, self.b = _positive("a", a), _positive("b", b)
-        for name, val, choices in (("inference", inference, INFERENCES),
-                                   ("expectation", expectation, EXPECTATIONS),
-                                   ("update", update, UPDATES), ("grad", grad, GRADS),
-                                   ("window_rule", window_rule, WINDOW_RULES)):
-            if val not in choices:
-                raise ValueError(f"BetaGeometric prior: {name} must be one of {choices}; "
-                                 f"got {val!r}")
-        if inference == "mean_field" and tol is None:
-            tol = 0.05
         if tol is not None and (isinstance(tol, bool) or not isinstance(tol, (int, float))
                                 or not 0 < tol < 1):
             raise ValueError(f"BetaGeometric prior: tol (the tail mass left outside a window) "
                              f"must be in (0, 1); got {tol!r}")
-        for name, val, low in (("max_window", max_window, 1), ("max_iters", max_iters, 1),
-                               ("block_size", block_size, 1), ("initial_window", initial_window, 1)):
+        for name, val in (("max_window", max_window), ("block_size", block_size)):
             if val is not None and (isinstance(val, bool) or not isinstance(val, int)
-                                    or val < low):
-                raise ValueError(f"BetaGeometric prior: {name} must be an int ≥ {low}; "
+                                    or val < 1):
+                raise ValueError(f"BetaGeometric prior: {name} must be an int ≥ 1; "
                                  f"got {val!r}")
-        if not converge_tol > 0:
-            raise ValueError(f"BetaGeometric prior: converge_tol must be > 0; got {converge_tol!r}")
-        self.tol, self.max_window = tol, max_window
-        self.inference, self.expectation, self.update = inference, expectation, update
-        self.max_iters, self.converge_tol, self.block_size = max_iters, converge_tol, block_size
-        self.grad, self.window_rule, self.initial_window = grad, window_rule, initial_window
+        self.tol, self.max_window, self.block_size = tol, max_window, block_size
 
     # -- the prior's parameters, per head ---------------------------------------------------
     def params(self, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -145,7 +123,7 @@ class BetaGeometric(Prior):
     def window(self, num_parents: int) -> int | None:
         """The exact reading's window: the smallest W with P(φ > W) < ``tol`` (over heads),
         capped by ``max_window`` and the sequence, or None (no truncation: all of the past)."""
-        tol = self.tol if self.inference == "exact" else None  # mean-field: tol is its own
+        tol = self.tol
         if tol is None and self.max_window is None:
             return None
         cap = max(1, num_parents - 1)
@@ -196,13 +174,6 @@ class BetaGeometric(Prior):
         d = (child + (P - C) - parent).clamp(min=1)
         return self.log_pmf(d, child.device, torch.float64)  # (H|1, *index)
 
-    def reading(self, support):
-        if self.inference == "mean_field":  # an inference scheme of its own: the windows
-            from ..windows import MeanFieldOperator
-
-            return MeanFieldOperator
-        return super().reading(support)
-
     def log_by_distance(self, window: int, device, dtype) -> torch.Tensor:
         """``(heads or 1, window + 1)``: log p(φ = d) for d = 0..window (−∞ at d = 0)."""
         d = torch.arange(window + 1, device=device)
@@ -226,9 +197,7 @@ class BetaGeometric(Prior):
             vals = v.detach().reshape(-1).tolist()
             return ("(" + ", ".join(f"{x:.3g}" for x in vals) + ")" if len(vals) <= 4
                     else f"tensor{tuple(v.shape)}")
-        extra = "" if self.inference == "exact" else (
-            f", mean-field {self.expectation}/{self.update}")
-        return f"BetaGeometric(a={show(self.a)}, b={show(self.b)}{extra}, {self.short_support()})"
+        return f"BetaGeometric(a={show(self.a)}, b={show(self.b)}, {self.short_support()})"
 
 
 class BetaGeometricTables(PriorTables):

@@ -53,8 +53,7 @@ class Marginalise(Messenger):
         self.energies: dict = {}
         self.posteriors: dict = {}
         self.expectations: dict = {}
-        self.trace: Trace | None = None
-        self.window_traces: dict = {}  # family name → what its lowering iterated (WindowTrace)
+        self.trace: Trace | None = None  # what was iterated: latents and schemes alike
         self._caches: dict = {}
         self._final_ops: dict = {}
 
@@ -105,8 +104,11 @@ class Marginalise(Messenger):
                                  f"energy: declare its families (structattn.edges) or energies "
                                  f"(structattn.energy) before inferring it")
         engine = Engine(pending, dict(self.families), self._caches, dict(self.energies))
-        self.trace = engine.run(record=self.record_trace,
-                                record_posteriors=self.record_trace_posteriors)
+        trace = engine.run(record=self.record_trace,
+                           record_posteriors=self.record_trace_posteriors)
+        if self.trace is not None:  # schemes read before: their histories stay
+            trace.mean_field.update(self.trace.mean_field)
+        self.trace = trace
         for z in pending:
             z.inferred = True
         # the families' operators at the inferred states: they serve the values read next
@@ -119,7 +121,6 @@ class Marginalise(Messenger):
         if family.name in self.families:
             raise ValueError(f"edge family {family.name!r} is declared twice in one model")
         self.families[family.name] = family
-        family.record_trace = self.record_trace
         return MarginalEdge(family, self)
 
     @contextlib.contextmanager
@@ -137,11 +138,23 @@ class Marginalise(Messenger):
     def expectation(self, family: EdgeFamily):
         # a family the iteration used: its operator at the inferred states (prior tables, the
         # observed side's factor, the posterior if already built) serves the value too
+        op = self._final_ops.get(family.name)
+        if op is None:
+            family.check_complete()
+            op = lowering.operator_for(family, record=self.record_trace)
         out, post = lowering.expectation(family, want_posterior=self.record_posterior,
-                                         operator=self._final_ops.get(family.name))
+                                         operator=op)
         if post is not None:
             self.posteriors[family.name] = post
-        if family.trace is not None:
-            self.window_traces[family.name] = family.trace
+        if op.history is not None:  # an inference scheme iterated: its field of the trace
+            self._scheme_history(family, op.history)
         self.expectations[family.name] = out
         return out
+
+    def _scheme_history(self, family: EdgeFamily, history) -> None:
+        if self.trace is None:
+            self.trace = Trace(converged=True)
+        getattr(self.trace, family.inference.trace_field)[family.name] = history
+        if not self.trace.states:  # no latent iterated: the schemes' rounds are the steps
+            self.trace.steps = max(self.trace.steps, history.iterations)
+            self.trace.converged = bool(self.trace.converged and history.converged)

@@ -45,9 +45,9 @@ def test_last_tokens_against_pyro_and_the_full_forward():
                 torch.testing.assert_close(post4, post[..., -4:, :], atol=1e-12, rtol=0)
                 if variant == "mean_field":
                     with torch.no_grad():
-                        _, t = layer(x, return_trace=True)
-                        _, t4 = layer(x, last=4, return_trace=True)
-                        _, t1 = layer(x, last=1, return_trace=True)
+                        t = layer(x, return_trace=True)[1].mean_field["attn"]
+                        t4 = layer(x, last=4, return_trace=True)[1].mean_field["attn"]
+                        t1 = layer(x, last=1, return_trace=True)[1].mean_field["attn"]
                     assert torch.equal(t4.windows[-1], t.windows[-1][..., -4:])
                     assert torch.equal(t4.child_iterations, t.child_iterations[..., -4:])
                     # the metrics count the last tokens' windows against reading all 30
@@ -203,5 +203,7 @@ def test_mean_field_drawing_shows_the_inferred_posterior():
 def test_trace_of_a_sequence_without_past():
     m = sa.models.expanding_attention(4, variant="mean_field")
     _, trace = sa.compile(m)(torch.randn(2, 1, 4), return_trace=True)
+    assert trace.steps == 0 and trace.converged
+    trace = trace.mean_field["attn"]
     assert trace.iterations == 0 and trace.mean_window == 0.0
     assert trace.relative_operations(4) == 0.0

@@ -137,13 +137,58 @@ def test_truncated_exact_is_the_renormalised_window_and_reports_the_discarded_ma
     (dict(b=float("nan")), "b must be finite"),
     (dict(tol=0.0), r"tol .* must be in \(0, 1\)"), (dict(tol=1.0), r"must be in \(0, 1\)"),
     (dict(max_window=0), "max_window must be an int ≥ 1"),
-    (dict(inference="variational"), "inference must be one of"),
-    (dict(expectation="mode"), "expectation must be one of"),
-    (dict(update="sum"), "update must be one of"),
-    (dict(window_rule="tail"), "window_rule must be one of"),
-    (dict(initial_window=0), "initial_window must be an int ≥ 1"),
-    (dict(grad="implicit"), "grad must be one of"),
+    (dict(block_size=0), "block_size must be an int ≥ 1"),
+    # the mean-field options belong to the family's inference scheme, and the prior says so
+    (dict(inference="mean_field"), r"\['inference'\] are options of the mean-field inference "
+                                   r"scheme, not of the prior; declare it on the family"),
+    (dict(window_rule="edge", grad="last"), r"\['grad', 'window_rule'\] are options of the "
+                                            r"mean-field inference scheme"),
 ])
 def test_bad_prior_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         sa.priors.BetaGeometric(**kwargs)
+
+
+def test_unknown_prior_argument_is_a_type_error():
+    with pytest.raises(TypeError, match=r"unexpected keyword arguments \['windw'\]"):
+        sa.priors.BetaGeometric(windw=3)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(tol=0.0), r"MeanFieldWindows: tol .* must be in \(0, 1\); got 0.0"),
+    (dict(tol=1.0), r"tol .* must be in \(0, 1\); got 1.0"),
+    (dict(max_window=0), "MeanFieldWindows: max_window must be an int ≥ 1; got 0"),
+    (dict(max_iters=0), "MeanFieldWindows: max_iters must be an int ≥ 1; got 0"),
+    (dict(converge_tol=0.0), "MeanFieldWindows: converge_tol must be a finite number > 0"),
+    (dict(expectation="mode"), r"MeanFieldWindows: expectation must be one of \('digamma', "
+                               r"'plug_in'\); got 'mode'"),
+    (dict(update="sum"), r"MeanFieldWindows: update must be one of \('conjugate', "
+                         r"'accumulate'\); got 'sum'"),
+    (dict(window_rule="tail"), r"MeanFieldWindows: window_rule must be a "
+                               r"structattn.windows.WindowRule or one of \('predictive', 'edge', "
+                               r"'evidence'\); got 'tail'"),
+    (dict(initial_window=0), "MeanFieldWindows: initial_window must be an int ≥ 1; got 0"),
+    (dict(grad="implicit"), r"MeanFieldWindows: grad must be one of \('unroll', 'last'\); "
+                            r"got 'implicit'"),
+])
+def test_bad_mean_field_options(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        sa.MeanFieldWindows(**kwargs)
+
+
+def test_mean_field_windows_read_only_a_beta_geometric_prior():
+    def prog(x):
+        t = sa.nodes("x", x)
+        phi = sa.edges("attn", t, t, sa.priors.Uniform(causal=True),
+                       inference=sa.MeanFieldWindows())
+        sa.potential(phi, sa.potentials.DotProduct())
+        return sa.value(phi, sa.values.Identity())
+
+    with pytest.raises(ValueError, match=r"edge family 'attn': MeanFieldWindows infers the "
+                                         r"geometric–Beta prior's per-child windows; the family's "
+                                         r"prior is Uniform"):
+        sa.compile(prog)(torch.randn(1, 5, 3))
+    with pytest.raises(ValueError, match=r"edge family 'attn': inference must be a structattn "
+                                         r"inference scheme .* got str"):
+        t = sa.nodes("x", torch.randn(1, 5, 3))
+        sa.edges("attn", t, t, sa.priors.BetaGeometric(), inference="mean_field")

@@ -16,7 +16,7 @@ from hypothesis import given, settings
 import structattn as sa
 from structattn import kernels
 
-from ..programs import program
+from ..programs import history, program
 
 f64 = torch.float64
 
@@ -29,14 +29,15 @@ def kernel_built():
         pytest.fail(f"the mean-field kernel is not available: {kernels.build_error()}")
 
 
-def both(x, W, prior, heads):
-    """(output, posterior, trace) by the kernel and by the loop, without a graph."""
+def both(x, W, prior, heads, scheme):
+    """(output, posterior, history) by the kernel and by the loop, without a graph."""
     layer = sa.compile(program)
     with torch.no_grad():
-        fast = layer(x, W, prior, heads, return_posterior=True, return_trace=True)
+        y1, p1, t1 = layer(x, W, prior, heads, scheme, return_posterior=True, return_trace=True)
         with kernels.disabled():
-            slow = layer(x, W, prior, heads, return_posterior=True, return_trace=True)
-    return fast, slow
+            y0, p0, t0 = layer(x, W, prior, heads, scheme, return_posterior=True,
+                               return_trace=True)
+    return (y1, p1, history(t1)), (y0, p0, history(t0))
 
 
 @settings(max_examples=40, deadline=None)
@@ -55,11 +56,11 @@ def test_kernel_equals_the_loop(n, heads, batch, rule, expectation, update, max_
     W = torch.randn(d, d, generator=g, dtype=f64) * gain
     a = torch.rand(heads, generator=g, dtype=f64) * 3 + 0.2
     b = torch.rand(heads, generator=g, dtype=f64) * 3 + 0.2
-    prior = sa.priors.BetaGeometric(a, b, inference="mean_field", tol=tol, window_rule=rule,
-                                    expectation=expectation, update=update,
-                                    max_window=max_window, max_iters=max_iters,
-                                    initial_window=initial, block_size=8)
-    (y1, p1, t1), (y0, p0, t0) = both(x, W, prior, heads)
+    prior = sa.priors.BetaGeometric(a, b, block_size=8)
+    scheme = sa.MeanFieldWindows(tol=tol, window_rule=rule, expectation=expectation,
+                                 update=update, max_window=max_window, max_iters=max_iters,
+                                 initial_window=initial)
+    (y1, p1, t1), (y0, p0, t0) = both(x, W, prior, heads, scheme)
     torch.testing.assert_close(y1, y0, atol=1e-12, rtol=0)
     torch.testing.assert_close(p1, p0, atol=1e-12, rtol=0)
     assert t1.iterations == t0.iterations and t1.converged == t0.converged
@@ -85,7 +86,7 @@ def test_without_a_trace_the_output_is_the_same():
             y_loop = layer(x)
     torch.testing.assert_close(y, y_traced, atol=0, rtol=0)
     torch.testing.assert_close(y, y_loop, atol=1e-12, rtol=0)
-    assert trace.windows.shape[0] == trace.iterations > 1
+    assert history(trace).windows.shape[0] == history(trace).iterations > 1
 
 
 @pytest.mark.parametrize("rule", ["predictive", "evidence"])
@@ -192,7 +193,7 @@ def test_threads_do_not_change_the_result():
     finally:
         torch.set_num_threads(threads)
     torch.testing.assert_close(outs[0][0], outs[1][0], atol=0, rtol=0)
-    assert torch.equal(outs[0][1].windows, outs[1][1].windows)
+    assert torch.equal(history(outs[0][1]).windows, history(outs[1][1]).windows)
 
 
 def test_evaluation_with_grad_enabled_but_nothing_to_differentiate_uses_the_kernel(
@@ -202,7 +203,7 @@ def test_evaluation_with_grad_enabled_but_nothing_to_differentiate_uses_the_kern
     m = sa.models.expanding_attention(8, dtype=f64).requires_grad_(False)
     x = torch.randn(1, 30, 8, dtype=f64)
     calls = []
-    monkeypatch.setattr(sa.windows, "mean_field",
+    monkeypatch.setattr(sa.windows.loop, "mean_field",
                         lambda *a, **k: calls.append(1) or pytest.fail("loop used"))
     y = sa.compile(m)(x)
     assert not calls and not y.requires_grad

@@ -1,4 +1,4 @@
-"""Window supports (structattn/windows.py): the mean-field reading of the geometric–Beta prior.
+"""Mean-field windows (structattn/windows/): the geometric–Beta prior's inference scheme.
 
 Oracle: the mean-field fixed point against a float64 brute force of the same equations, child
 by child with ``math.lgamma`` / ``scipy.special.digamma`` and a linear window search; planted
@@ -14,7 +14,7 @@ from scipy import special
 
 import structattn as sa
 
-from ..programs import program, scores_of
+from ..programs import history, program, scores_of
 
 
 def _lbeta(x, y):
@@ -108,14 +108,15 @@ def test_mean_field_fixed_point_equals_the_brute_force(n, block, expectation, up
     W = torch.randn(d, d, generator=g, dtype=f64) * 1.5
     a, b = torch.tensor([0.7, 2.0], dtype=f64), torch.tensor([1.3, 0.9], dtype=f64)
     start = 2 if rule in ("edge", "evidence") else None
-    prior = sa.priors.BetaGeometric(a, b, inference="mean_field", tol=0.1, block_size=block,
-                                    expectation=expectation, update=update, window_rule=rule,
-                                    initial_window=start)
+    prior = sa.priors.BetaGeometric(a, b, block_size=block)
+    scheme = sa.MeanFieldWindows(tol=0.1, expectation=expectation, update=update,
+                                 window_rule=rule, initial_window=start)
     if path == "kernel":
         assert sa.kernels.available(), sa.kernels.build_error()
     with torch.no_grad() if path == "kernel" else sa.kernels.disabled():
-        y, post, trace = sa.compile(program)(x, W, prior, heads, return_posterior=True,
+        y, post, trace = sa.compile(program)(x, W, prior, heads, scheme, return_posterior=True,
                                              return_trace=True)
+    trace = history(trace)
     s = scores_of(x, W, heads)
     for bi in range(2):
         for h in range(heads):
@@ -144,12 +145,13 @@ def test_windows_grow_only_and_cover_the_dependencies():
 
     def prog(x):
         t = sa.nodes("x", x)
-        phi = sa.edges("attn", t, t, sa.priors.BetaGeometric(3.0, 1.0, inference="mean_field",
-                                                              block_size=32))
+        phi = sa.edges("attn", t, t, sa.priors.BetaGeometric(3.0, 1.0, block_size=32),
+                       inference=sa.MeanFieldWindows())
         sa.potential(phi, sa.potentials.Bilinear(Wq, Wk, temperature=1.0))
         return sa.value(phi, sa.values.Identity())
 
     _, post, trace = sa.compile(prog)(x, return_posterior=True, return_trace=True)
+    trace = history(trace)
     w = trace.windows[:, 0, 0]  # (T, n)
     assert bool((w[1:] >= w[:-1]).all())
     i = torch.arange(20, n)
@@ -167,10 +169,11 @@ def test_mean_field_approaches_exact_as_evidence_grows():
                                                                      dtype=f64)
     gaps = []
     for strength in (0.3, 1.0, 3.0, 10.0):
-        exact = sa.priors.BetaGeometric(1.0, 2.0)
-        mf = sa.priors.BetaGeometric(1.0, 2.0, inference="mean_field", tol=1e-3)
-        _, pe = sa.compile(program)(x, W * strength ** 0.5, exact, return_posterior=True)
-        _, pm = sa.compile(program)(x, W * strength ** 0.5, mf, return_posterior=True)
+        prior = sa.priors.BetaGeometric(1.0, 2.0)
+        mf = sa.MeanFieldWindows(tol=1e-3)
+        _, pe = sa.compile(program)(x, W * strength ** 0.5, prior, return_posterior=True)
+        _, pm = sa.compile(program)(x, W * strength ** 0.5, prior, inference=mf,
+                                    return_posterior=True)
         gaps.append(float(0.5 * (pe - pm).abs().sum(-1).mean()))
     assert all(g1 > g2 for g1, g2 in zip(gaps, gaps[1:], strict=False)), gaps
     assert gaps[-1] < 0.05 < gaps[0], gaps
@@ -183,21 +186,22 @@ def test_mean_field_needs_a_factorised_potential():
 
     def prog(x):
         n = sa.nodes("x", x)
-        phi = sa.edges("attn", n, n, sa.priors.BetaGeometric(inference="mean_field"))
+        phi = sa.edges("attn", n, n, sa.priors.BetaGeometric(),
+                       inference=sa.MeanFieldWindows())
         sa.potential(phi, Table())
         return sa.value(phi, sa.values.Identity())
 
     for kernel in (True, False):
         with contextlib.nullcontext() if kernel else sa.kernels.disabled():
-            with pytest.raises(ValueError, match=r"edge family 'attn': a beta-geometric prior "
-                                                 r"needs exactly one factorised potential"):
+            with pytest.raises(ValueError, match=r"edge family 'attn': mean-field windows need "
+                                                 r"exactly one factorised potential"):
                 sa.compile(prog)(torch.randn(1, 6, 4))
 
 
 def test_mean_field_cannot_join_a_latent_iteration():
     def prog(x):
         z = sa.latent("z", x.clone(), scale=1.0, steps=2)
-        phi = sa.edges("attn", z, z, sa.priors.BetaGeometric(inference="mean_field"))
+        phi = sa.edges("attn", z, z, sa.priors.BetaGeometric(), inference=sa.MeanFieldWindows())
         sa.potential(phi, sa.potentials.DotProduct())
         return sa.value(phi, sa.values.Identity())
 
@@ -227,13 +231,13 @@ def test_edge_rule_looks_further_back_until_it_finds_the_parent():
 
     def prog(x):
         t = sa.nodes("x", x)
-        prior = sa.priors.BetaGeometric(8.0, 1.0, inference="mean_field", window_rule="edge",
-                                        initial_window=2, tol=0.05)
-        phi = sa.edges("attn", t, t, prior)
+        scheme = sa.MeanFieldWindows(window_rule=sa.windows.Edge(), initial_window=2, tol=0.05)
+        phi = sa.edges("attn", t, t, sa.priors.BetaGeometric(8.0, 1.0), inference=scheme)
         sa.potential(phi, sa.potentials.Bilinear(Wq, Wk, temperature=1.0))
         return sa.value(phi, sa.values.Identity())
 
     _, post, trace = sa.compile(prog)(x, return_posterior=True, return_trace=True)
+    trace = history(trace)
     i = torch.arange(41, n)
     w = trace.windows[-1, 0, 0]
     found = w[i] >= back[i]
@@ -256,21 +260,21 @@ def test_evidence_rule_stops_where_the_parent_stands_out():
 
     def prog(x, rule):
         t = sa.nodes("x", x)
-        prior = sa.priors.BetaGeometric(30.0, 2.0, inference="mean_field", window_rule=rule,
-                                        initial_window=4, tol=0.05)
-        phi = sa.edges("attn", t, t, prior)
+        scheme = sa.MeanFieldWindows(window_rule=rule, initial_window=4, tol=0.05)
+        phi = sa.edges("attn", t, t, sa.priors.BetaGeometric(30.0, 2.0), inference=scheme)
         sa.potential(phi, sa.potentials.Bilinear(Wq, Wk, temperature=1.0))
         return sa.value(phi, sa.values.Identity())
 
     i = torch.arange(61, n)
     _, post, trace = sa.compile(prog)(x, "evidence", return_posterior=True, return_trace=True)
-    w = trace.windows[-1, 0, 0][i]
+    w = history(trace).windows[-1, 0, 0][i]
     found = w >= back[i]
     assert float(found.double().mean()) > 0.95, float(found.double().mean())
     assert bool((w[found] <= torch.maximum(2 * back[i][found], torch.tensor(4))).all())
     assert float(post[0, 0, i[found], target[i[found]]].min()) > 0.9
     _, wide = sa.compile(prog)(x, "predictive", return_trace=True)
-    assert float(w.double().mean()) < 0.5 * float(wide.windows[-1, 0, 0][i].double().mean())
+    assert float(w.double().mean()) < 0.5 * float(history(wide).windows[-1, 0, 0][i].double()
+                                                  .mean())
 
 
 def test_grad_last_trains_a_and_b_and_agrees_with_the_forward():
@@ -280,16 +284,52 @@ def test_grad_last_trains_a_and_b_and_agrees_with_the_forward():
     torch.manual_seed(9)
     x, W = torch.randn(2, 30, 4, dtype=f64), torch.randn(4, 4, dtype=f64) * 2
     for max_iters in (1, 2, 50):
-        kw = dict(inference="mean_field", max_iters=max_iters, initial_window=2)
-        last = sa.priors.BetaGeometric(2.0, 0.7, grad="last", **kw)
-        unroll = sa.priors.BetaGeometric(2.0, 0.7, grad="unroll", **kw)
-        _, p_last = sa.compile(program)(x, W, last, return_posterior=True)
-        _, p_unroll = sa.compile(program)(x, W, unroll, return_posterior=True)
+        prior = sa.priors.BetaGeometric(2.0, 0.7)
+        last = sa.MeanFieldWindows(max_iters=max_iters, initial_window=2, grad="last")
+        unroll = sa.MeanFieldWindows(max_iters=max_iters, initial_window=2, grad="unroll")
+        _, p_last = sa.compile(program)(x, W, prior, inference=last, return_posterior=True)
+        _, p_unroll = sa.compile(program)(x, W, prior, inference=unroll, return_posterior=True)
         with torch.no_grad():
-            _, p_free = sa.compile(program)(x, W, last, return_posterior=True)
+            _, p_free = sa.compile(program)(x, W, prior, inference=last, return_posterior=True)
+        # structattn.iteration(grad=…) sets the same option, for latents and windows alike
+        with sa.iteration(grad="last"):
+            _, p_over = sa.compile(program)(x, W, prior, inference=unroll, return_posterior=True)
+        torch.testing.assert_close(p_over, p_last, atol=0, rtol=0)
         torch.testing.assert_close(p_last, p_unroll, atol=1e-12, rtol=0)
         torch.testing.assert_close(p_free, p_unroll, atol=1e-12, rtol=0)
     m = sa.models.expanding_attention(4, heads=2, variant="mean_field", grad="last", dtype=f64)
     sa.compile(m)(torch.randn(2, 12, 4, dtype=f64)).sum().backward()
     assert m.raw_prior.grad is not None and bool(torch.isfinite(m.raw_prior.grad).all())
     assert bool((m.raw_prior.grad != 0).all())
+
+
+def test_a_window_rule_of_ones_own_runs_in_the_loop():
+    """A user's rule (grow by one while the evidence's best match sits at the window's edge)
+    is a small WindowRule subclass; with no kernel code it runs in the Python loop, also
+    where the kernel would serve the built-in rules."""
+
+    class OneMore(sa.windows.WindowRule):
+        name = "one more"
+
+        def grow(self, r):
+            lik = r.scores.outer_evidence(r.rows, r.window)  # evidence on the outer half
+            return torch.where((lik > r.tol) & (r.window < r.caps), r.window + 1, r.window)
+
+    g = torch.Generator().manual_seed(4)
+    x, W = torch.randn(1, 20, 4, generator=g, dtype=f64), torch.randn(4, 4, generator=g,
+                                                                     dtype=f64)
+    prior = sa.priors.BetaGeometric(1.0, 2.0, block_size=8)
+    scheme = sa.MeanFieldWindows(window_rule=OneMore(), initial_window=1, max_iters=30)
+    assert sa.kernels.available()
+    with torch.no_grad():
+        _, post, trace = sa.compile(program)(x, W, prior, inference=scheme,
+                                             return_posterior=True, return_trace=True)
+    w = history(trace).windows  # (T, 1, 1, n)
+    assert bool((w[1:] - w[:-1]).max() <= 1) and bool((w[1:] >= w[:-1]).all())
+    # each posterior row puts its mass on its final window exactly
+    d = torch.arange(20)[:, None] - torch.arange(20)[None, :]
+    inside = (d >= 1) & (d <= w[-1, 0, 0][:, None])
+    assert float(post[0, 0][~inside].abs().max()) == 0.0
+    torch.testing.assert_close(post[0, 0, 1:].sum(-1), torch.ones(19, dtype=f64), atol=1e-12,
+                               rtol=0)
+    assert int(w[-1].max()) > 1  # it grew somewhere

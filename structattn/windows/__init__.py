@@ -1,0 +1,10 @@
+"""Mean-field windows: expanding attention's inference scheme (``scheme.py``), its window
+rules (``rules.py``), the band's scores (``scores.py``), the Python loop (``loop.py``) and
+the compiled kernel's typed interface (``kernel.py``)."""
+
+from .history import MeanFieldHistory
+from .rules import RULES, Edge, Evidence, Predictive, Round, WindowRule
+from .scheme import MeanFieldOperator, MeanFieldWindows, ScoreFactors
+
+__all__ = ["MeanFieldHistory", "MeanFieldOperator", "MeanFieldWindows", "ScoreFactors", "RULES",
+           "WindowRule", "Round", "Predictive", "Edge", "Evidence"]

@@ -1,0 +1,54 @@
+"""What the mean-field window iteration did: ``Trace.mean_field[family]``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class MeanFieldHistory:
+    """What the mean-field window iteration did for one family, per round t:
+    ``windows`` ``(T, *batch, H, N)`` long, ``alpha`` / ``beta`` ``(T, *batch, H, N)`` (q's
+    Beta parameters the posterior of round t used) and ``expected_distance``
+    ``(T, *batch, H, N)`` (E_{p_t}[φ_i]) — a child that has settled keeps its final values;
+    ``iterations`` T (rounds: the slowest child's iterations); ``child_iterations``
+    ``(*batch, H, N)``: each child's own; ``converged``: every child settled within
+    ``max_iters``; ``discarded``: the final predictive tail mass beyond each window;
+    ``offset``: the first child's position (children are the last N of offset + N tokens,
+    ``last=``). A child at position 0 (no past) has window 0 and no iterations. ``band``:
+    the Python loop's band reach per round; the compiled kernel builds no band and reports
+    the widest window it scored that round."""
+
+    windows: torch.Tensor
+    alpha: torch.Tensor
+    beta: torch.Tensor
+    expected_distance: torch.Tensor
+    band: list = field(default_factory=list)
+    iterations: int = 0
+    converged: bool = False
+    discarded: torch.Tensor | None = None
+    child_iterations: torch.Tensor | None = None
+    offset: int = 0
+
+    @property
+    def mean_window(self) -> float:
+        """The final windows' mean over children that have a past (0 when nothing iterated)."""
+        if self.windows.shape[0] == 0 or self.windows.numel() == 0:
+            return 0.0
+        w = self.windows[-1].to(torch.float64)
+        w = w[..., 1:] if self.offset == 0 else w  # the child at position 0 has no past
+        return float(w.mean()) if w.shape[-1] else 0.0
+
+    def relative_operations(self, d: int) -> float:
+        """The authors' counted-operations metric against full attention, averaged over
+        children: mean_i W_i · (d + iterations_i + 1) / (n · d), n the tokens each child
+        would read under full attention (all of them, also with ``last=``)."""
+        n = self.offset + self.windows.shape[-1]
+        if self.windows.shape[0] == 0 or self.windows.numel() == 0:
+            return 0.0
+        w = self.windows[-1].to(torch.float64)
+        its = (self.child_iterations if self.child_iterations is not None
+               else torch.full_like(w, self.iterations)).to(torch.float64)
+        return float((w * (d + its + 1)).mean()) / (n * d)

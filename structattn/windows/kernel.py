@@ -1,0 +1,183 @@
+"""The compiled kernel's side of the mean-field windows: a typed interface in and out.
+
+``solve(ops, KernelProblem) → KernelSolution``: each child's whole iteration in one call of
+``csrc/mean_field_windows.cpp`` (``structattn.kernels``), scoring its parents lazily as its
+window grows; ``attend``: the output at the fixed point. ``mean_field_compiled`` is the
+scheme's fast path on the CPU: the same equations as the Python loop (``loop.mean_field``),
+which stays the reference and the path on other devices and for ``grad="unroll"``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .. import band
+from ..beta import log_q_expectations
+from .history import MeanFieldHistory
+from .scores import BandScores, tail
+
+
+@dataclass(frozen=True)
+class KernelProblem:
+    """One family's mean-field problem, flattened over G = batch · heads rows. Child q of N
+    sits at position ``offset`` + q of P tokens (the children are the last N)."""
+
+    a: torch.Tensor  # (G, N, k): the children's score factors, ψ_ij = scale·⟨a_i, b_j⟩
+    b: torch.Tensor  # (G, P, k): the parents'
+    offset: int
+    scale: float
+    a0: torch.Tensor  # (G,): each row's Beta prior a
+    b0: torch.Tensor  # (G,): … and b
+    initial_window: torch.Tensor  # (G, N) long
+    caps: torch.Tensor  # (P,) long: the most parents position i may read, min(i, cap)
+    tol: float
+    converge_tol: float
+    max_iters: int
+    cap: int
+    digamma: bool  # E[ln q] by digamma (else ln E[q])
+    conjugate: bool  # α ← a + E[φ] − 1 (else accumulate)
+    rule: int  # WindowRule.code
+    record: bool  # keep the per-round history
+
+
+@dataclass(frozen=True)
+class KernelSolution:
+    """Each child's fixed point ``(G, N)``: ``window`` (long), ``alpha``, ``beta``,
+    ``expected_distance``, ``steps`` (long: its own iterations) and ``settled`` (bool); with
+    ``record``, the per-round histories ``(max_iters, G, N)`` (a child's row t is its step
+    t, rows past its last step unset), else None."""
+
+    window: torch.Tensor
+    alpha: torch.Tensor
+    beta: torch.Tensor
+    expected_distance: torch.Tensor
+    steps: torch.Tensor
+    settled: torch.Tensor
+    history: tuple | None  # (windows, alpha, beta, expected_distance)
+
+
+def solve(ops, p: KernelProblem) -> KernelSolution:
+    """Run the kernel's ``solve`` op on ``p``."""
+    out = ops.solve(p.a, p.b, p.offset, p.scale, p.a0, p.b0, p.initial_window, p.caps, p.tol,
+                    p.converge_tol, p.max_iters, p.cap, p.digamma, p.conjugate, p.rule, p.record)
+    window, alpha, beta, m, steps, settled = out[:6]
+    return KernelSolution(window, alpha, beta, m, steps, settled,
+                          tuple(out[6:10]) if p.record else None)
+
+
+def _history(p: KernelProblem, s: KernelSolution, lead, expectation, dtype) -> MeanFieldHistory:
+    """The ``MeanFieldHistory`` from the kernel's per-child histories: round t holds each
+    child's step min(t, steps − 1) (a settled child keeps its last); ``band``: the widest
+    window scored at each round."""
+    G, n = s.window.shape
+    h_win, h_alpha, h_beta, h_m = s.history
+    with torch.no_grad():
+        rounds = int(s.steps.max()) if s.steps.numel() else 0
+        t = torch.arange(rounds, device=s.window.device)[:, None, None]
+        at = torch.minimum(t, (s.steps - 1).clamp(min=0)).expand(rounds, G, n)
+        none = s.steps == 0  # no past: window 0, the prior's Beta, E[φ] 0
+
+        def per_round(h, first):
+            got = h.gather(0, at) if rounds else h[:0]
+            return torch.where(none, first, got).reshape(rounds, *lead, n)
+        windows = per_round(h_win, p.initial_window)
+        live = (t < s.steps).reshape(rounds, G * n)  # who scored at round t
+        widest = [int(windows.reshape(rounds, G * n)[r][live[r]].max()) for r in range(rounds)]
+        return MeanFieldHistory(
+            windows=windows, alpha=per_round(h_alpha, p.a0[:, None].expand(G, n)),
+            beta=per_round(h_beta, p.b0[:, None].expand(G, n)),
+            expected_distance=per_round(h_m, torch.zeros((), dtype=h_m.dtype,
+                                                         device=h_m.device)),
+            band=widest, iterations=rounds, converged=bool(s.settled.all()),
+            discarded=tail(s.alpha, s.beta, s.window, expectation).reshape(*lead, n).to(dtype),
+            child_iterations=s.steps.reshape(*lead, n), offset=p.offset)
+
+
+@torch.compiler.disable
+def mean_field_compiled(family, factors, scheme, grad: str, record: bool):
+    """The scheme's iteration for ``family`` in the compiled CPU kernel; returns
+    ``(attend, dense_posterior, history)``, or None (then the Python loop runs) where it
+    does not apply — not on the CPU, no kernel, or ``grad="unroll"`` with a gradient to
+    carry (the derivative through every iteration needs the loop's graph).
+
+    The kernel returns each child's fixed point (window, α, β); the output is then one more
+    posterior at that fixed point — the kernel's ``attend`` without grad, or under
+    ``grad="last"`` the differentiable step on the band, exactly as the loop takes it.
+    ``history`` is None unless ``record``."""
+    from .. import kernels
+
+    prior = family.prior  # a BetaGeometric
+    xc = family.children.states
+    a, b, scale = factors  # (*batch, H, N, k), (*batch, H, P, k)
+    a0, b0 = prior.params(a.device, xc.dtype)  # (H|1,)
+    work = a0.dtype
+    unrolled = grad == "unroll" and torch.is_grad_enabled() and any(
+        t.requires_grad for t in (a, b, a0, b0))
+    if xc.device.type != "cpu" or unrolled or work not in (torch.float32, torch.float64) \
+            or scheme.window_rule.code is None:
+        return None
+    ops = kernels.mean_field_windows()
+    if ops is None:
+        return None
+    n, n_all = family.children.size, family.parents.size
+    off = n_all - n  # the children are the last n of the n_all tokens
+    cap = scheme.cap(family)
+    lead = a.shape[:-2]  # (*batch, H)
+    caps, win0 = scheme.initial_windows(a0, b0, lead, n, cap, off)
+    with torch.no_grad():
+        a_rows = a.detach().to(work).reshape(-1, n, a.shape[-1])  # (G, N, k)
+        b_rows = b.detach().to(work).reshape(-1, n_all, b.shape[-1])  # (G, P, k)
+        G = a_rows.shape[0]
+        problem = KernelProblem(
+            a_rows, b_rows, off, float(scale), a0.detach().expand(*lead).reshape(G),
+            b0.detach().expand(*lead).reshape(G), win0.reshape(G, n), caps, float(scheme.tol),
+            float(scheme.converge_tol), scheme.max_iters, cap, scheme.expectation == "digamma",
+            scheme.update == "conjugate", scheme.window_rule.code, record)
+        fixed = solve(ops, problem)
+    history = _history(problem, fixed, lead, scheme.expectation, xc.dtype) if record else None
+    window = fixed.window.reshape(*lead, n)
+
+    def band_posterior(alpha, beta):
+        """The posterior at the fixed point on a band over all P tokens (the first P − C,
+        not children, at window 0), with grad where a, b carry it; → band, layout."""
+        front = torch.nn.functional.pad
+        reach = max(1, int(fixed.window.max()) if fixed.window.numel() else 1)
+        scores = BandScores(front(a, (0, 0, off, 0)), b, scale, n_all, reach, prior.block_size,
+                            work)
+        lay = scores.layout
+
+        def blocked(t):  # (*lead, N) → (G', B), the front and padding slots at 0
+            return lay.children(front(t, (off, 0))[..., None])[..., 0].reshape(-1, lay.block)
+
+        win_b = blocked(window)
+        # padding slots at Beta(1, 1): finite digammas, no NaN in the backward
+        e = log_q_expectations(blocked(alpha - 1) + 1, blocked(beta - 1) + 1,
+                               scheme.expectation)[0]
+        p, _ = scores.posterior(None, win_b, e)
+        p = (p * (win_b >= 1)[..., None]).reshape(scores.shape).to(xc.dtype)
+        return p, lay
+
+    if grad == "last" and torch.is_grad_enabled():
+        # one differentiable step from the detached fixed point (as the loop)
+        a_prior = a0[:, None].expand(*lead, n)
+        b_prior = b0[:, None].expand(*lead, n)
+        alpha = fixed.alpha.reshape(*lead, n) + (a_prior - a_prior.detach())
+        beta = fixed.beta.reshape(*lead, n) + (b_prior - b_prior.detach())
+        p, lay = band_posterior(alpha, beta)
+        return ((lambda u: band.apply(p, u, lay)[..., off:, :]),
+                (lambda: lay.to_dense(p)[..., off:, :]), history)
+
+    e_final = log_q_expectations(fixed.alpha, fixed.beta, scheme.expectation)[0]  # (G, N)
+
+    @torch.compiler.disable  # an opaque C++ call: torch.compile runs it eagerly
+    def attend(u):  # u: (*batch, H, N, d_v)
+        out = ops.attend(a_rows, b_rows, u.detach().to(work).reshape(G, n_all, u.shape[-1]),
+                         off, float(scale), fixed.window, e_final)
+        return out.reshape(*lead, n, u.shape[-1]).to(u.dtype)
+
+    def dense_posterior():
+        p, lay = band_posterior(fixed.alpha.reshape(*lead, n), fixed.beta.reshape(*lead, n))
+        return lay.to_dense(p)[..., off:, :]
+    return attend, dense_posterior, history

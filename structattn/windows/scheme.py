@@ -1,0 +1,192 @@
+"""Mean-field windows: the geometric–Beta prior's inference scheme (expanding attention,
+paper §5.2, appendix 7.3; SPEC.md "Geometric–Beta prior").
+
+q(φ_i) q(q_i), each child with its own window W_i; iterate to a fixed point:
+
+    1. E[ln q_i], E[ln(1 − q_i)] under Beta(α_i, β_i) (digamma; or ln E[q] plugged in);
+    2. p_t(φ_i = d) ∝ exp(ψ_{i,i−d} + (d − 1) E[ln q_i] + E[ln(1 − q_i)]), 1 ≤ d ≤ W_i;
+    3. α_i ← a + E_{p_t}[φ_i] − 1, β_i ← b + 1 (conjugate; or accumulate: α_i ← α_i +
+       E[φ_i] − 1, β_i ← β_i + 1, the authors' code);
+    4. W_i ← the window rule's next window (``structattn.windows.rules``), capped by the
+       child's past, the prior's own window and ``max_window``.
+
+Each round costs O(N·W) (no feature dimension), the value read O(N·W·d_v): the cost follows
+the inferred context length, not N. (The exact beta-geometric posterior over a window is a
+support kind, ``structattn.kinds.window``; this scheme is its approximation.)
+
+Two implementations of the same equations: ``loop.mean_field``, tensor operations over the
+band (any device; the graph for ``grad="unroll"``), and ``kernel.mean_field_compiled``,
+which on the CPU, wherever no graph through the iteration is needed, runs each child's
+whole iteration in one call of the compiled kernel.
+
+The children may be the last C of the P parent tokens (``layer(x, last=C)``): child i sits
+at position P − C + i, and only those C windows are computed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from .. import band
+from ..beta import beta_quantile, plug_in_quantile
+from ..kinds.base import Operator
+from ..kinds.window import keep_from_position
+from ..latent import iteration_overrides
+from ..priors.beta_geometric import BetaGeometric
+from ..scheme import InferenceScheme
+from . import kernel, loop
+from .rules import WindowRule, as_rule
+
+EXPECTATIONS = ("digamma", "plug_in")
+UPDATES = ("conjugate", "accumulate")
+GRADS = ("unroll", "last")
+
+
+class ScoreFactors(NamedTuple):
+    """ψ_ij = scale·⟨a_i, b_j⟩: ``a`` ``(*batch, H, C, k)``, ``b`` ``(*batch, H, P, k)``."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    scale: float
+
+
+@dataclass(frozen=True)
+class MeanFieldWindows(InferenceScheme):
+    """The mean-field window scheme's options (module docstring):
+
+    tol ∈ (0, 1): the tail mass a window may leave out (the rules' threshold);
+    max_window ≥ 1: caps every window; max_iters ≥ 1: rounds at most; converge_tol > 0: a
+    child settles when |ΔE[φ_i]| ≤ converge_tol·max(1, E[φ_i]) and its window stops growing;
+    expectation: "digamma" (E[ln q]) or "plug_in" (ln E[q]); update: "conjugate" or
+    "accumulate"; window_rule: a ``WindowRule`` or the name of a built-in one
+    ("predictive", "edge", "evidence"); initial_window (default: the prior's tail quantile
+    at tol); grad: "unroll" (back-propagate through every round) or "last" (one
+    differentiable step from the detached fixed point) — ``structattn.iteration(grad=…)``
+    overrides it, as it does every latent's.
+    """
+
+    tol: float = 0.05
+    max_window: int | None = None
+    max_iters: int = 50
+    converge_tol: float = 1e-3
+    expectation: str = "digamma"
+    update: str = "conjugate"
+    window_rule: WindowRule | str = "predictive"
+    initial_window: int | None = None
+    grad: str = "unroll"
+
+    trace_field = "mean_field"
+
+    def __post_init__(self):
+        object.__setattr__(self, "window_rule", as_rule(self.window_rule))
+        for name, choices in (("expectation", EXPECTATIONS), ("update", UPDATES),
+                              ("grad", GRADS)):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"MeanFieldWindows: {name} must be one of {choices}; "
+                                 f"got {getattr(self, name)!r}")
+        if isinstance(self.tol, bool) or not isinstance(self.tol, (int, float)) \
+                or not 0 < self.tol < 1:
+            raise ValueError(f"MeanFieldWindows: tol (the tail mass a window may leave out) "
+                             f"must be in (0, 1); got {self.tol!r}")
+        for name, low in (("max_window", 1), ("max_iters", 1), ("initial_window", 1)):
+            val = getattr(self, name)
+            if val is not None and (isinstance(val, bool) or not isinstance(val, int)
+                                    or val < low):
+                raise ValueError(f"MeanFieldWindows: {name} must be an int ≥ {low}; "
+                                 f"got {val!r}")
+        if isinstance(self.converge_tol, bool) or not isinstance(self.converge_tol, (int, float)) \
+                or not (self.converge_tol > 0 and math.isfinite(self.converge_tol)):
+            raise ValueError(f"MeanFieldWindows: converge_tol must be a finite number > 0; "
+                             f"got {self.converge_tol!r}")
+
+    # -- what the iteration reads ------------------------------------------------------------
+    def effective_grad(self) -> str:
+        """``grad``, or the one ``structattn.iteration(grad=…)`` sets in this thread."""
+        return iteration_overrides().get("grad", self.grad)
+
+    def cap(self, family) -> int:
+        """The widest window any child may reach: its past, the prior's own window (a prior
+        with ``tol``/``max_window`` truncates its support) and ``max_window``."""
+        cap = family.parents.size - 1
+        for w in (family.support.width, self.max_window):
+            if w is not None:
+                cap = min(cap, w)
+        return max(1, cap)
+
+    def initial_windows(self, a0, b0, lead, n, cap, offset=0):
+        """``caps`` ``(offset + N,)`` (the child at position i sees at most min(i, cap)
+        parents) and the first windows of the N children at positions offset … offset + N − 1
+        ``(*lead, N)``: the prior's tail quantile at tol, or ``initial_window``; no grad."""
+        quantile = beta_quantile if self.expectation == "digamma" else plug_in_quantile
+        with torch.no_grad():
+            caps = torch.arange(offset + n, device=a0.device).clamp(max=cap)
+            if self.initial_window is not None:
+                win0 = torch.full((*lead, n), self.initial_window, dtype=torch.long,
+                                  device=a0.device).clamp(max=cap)
+            else:
+                win0 = quantile(a0[:, None].expand(*lead, n), b0[:, None].expand(*lead, n),
+                                self.tol, cap)
+            win0 = torch.minimum(win0, caps[offset:])
+        return caps, win0
+
+    # -- the InferenceScheme contract --------------------------------------------------------
+    def check(self, family) -> None:
+        if not isinstance(family.prior, BetaGeometric):
+            raise ValueError(f"edge family {family.name!r}: MeanFieldWindows infers the "
+                             f"geometric–Beta prior's per-child windows; the family's prior is "
+                             f"{family.prior.describe()} (use structattn.priors.BetaGeometric, "
+                             f"or no inference scheme)")
+
+    def operator(self, family, *, record: bool = False) -> MeanFieldOperator:
+        return MeanFieldOperator(family, self, record=record)
+
+    def describe(self) -> str:
+        return (f"mean-field windows ({self.expectation}/{self.update}, "
+                f"rule {self.window_rule.name}, tol {self.tol:g})")
+
+
+class MeanFieldOperator(Operator):
+    """The family's operator at the scheme's fixed point: ``attend`` and ``dense_posterior``
+    read the mean-field posterior (not the exact softmax the dense twin would give), so
+    ``adjoint`` and ``mass`` read it too; it has no ``log_partition`` (it cannot join the
+    iteration of latent node sets). ``history``: the ``MeanFieldHistory``, or None."""
+
+    def __init__(self, family, scheme: MeanFieldWindows, *, record: bool = False):
+        super().__init__(family)
+        if not self.is_fused():
+            raise ValueError(f"edge family {family.name!r}: mean-field windows need exactly one "
+                             f"factorised potential (ψ = ⟨a_i, b_j⟩·scale, e.g. Bilinear); got "
+                             f"{[type(p).__name__ for p in family.potentials]}")
+        factors = ScoreFactors(*self.fused_factors())
+        grad = scheme.effective_grad()
+        solved = kernel.mean_field_compiled(family, factors, scheme, grad, record)
+        if solved is None:
+            p, layout, history = loop.mean_field(family, factors, scheme, grad, record)
+            off = family.parents.size - family.children.size  # children: the last C tokens
+            keep = keep_from_position(family.parents.size, p.device, p.dtype)[off:]
+
+            def attend(u):
+                return band.apply(p, u, layout)[..., off:, :] * keep
+            solved = (attend, lambda: layout.to_dense(p)[..., off:, :], history)
+        self._attend, self._dense_posterior, self.history = solved
+
+    def attend(self, u):
+        return self._attend(u)
+
+    def dense_posterior(self):
+        return self._dense_posterior()
+
+    def adjoint(self, u):
+        return self.dense_posterior().transpose(-1, -2) @ u
+
+    def mass(self):
+        return self.dense_posterior().sum(-2).unsqueeze(-1)
+
+    def log_partition(self):
+        raise ValueError(f"edge family {self.family.name!r}: mean-field windows have no "
+                         f"log-partition to add to a free energy; read the family exactly "
+                         f"(no inference scheme)")

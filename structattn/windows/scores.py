@@ -1,0 +1,93 @@
+"""The scores of a band of parents, and what every mean-field round computes from them.
+
+``BandScores`` holds ψ on the band of one family at one width (``structattn.band``): each
+child's parents at distances 1 … reach, in blocks ``(G, B, L)``; a round reads its
+posterior over a window, the mass beyond the window, and the evidence on the window's
+outer half from it. The scores are computed once per band width (the band widens by
+doubling), so a round costs O(N·W), with no feature dimension.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import band
+from ..beta import log_beta
+
+
+class BandScores:
+    """The band of one family at one width: its scores ψ, flattened to blocks ``(G, B, L)``
+    (G = batch · heads · blocks), and what every step reuses."""
+
+    def __init__(self, a, b, scale, n, reach, block, work):
+        self.layout = lay = band.BandLayout.for_window(n, max(reach, 1), block)
+        s = band.scores(a, b, scale, lay).to(work)  # (*batch, H, nb, B, L)
+        self.shape = s.shape
+        self.dist = lay.distance(a.device).to(work)  # (B, L): child − parent
+        # the band's own slots at distance < 1 (the child itself and later) never count
+        self.scores = s.reshape(-1, lay.block, lay.width).masked_fill(self.dist < 1,
+                                                                      float("-inf"))  # (G, B, L)
+        # Σ_l p_l·dist_l = (mB + r)·Σ_l p_l − Σ_l p_l·l: one matrix-vector product per step
+        self.offset = (lay.reach + torch.arange(lay.block, device=a.device)).to(work)  # (B,)
+        self.slot = torch.arange(lay.width, device=a.device).to(work)  # (L,)
+
+    def _window(self, rows, win):
+        """The scores of blocks ``rows`` (None: all) and the mask of slots beyond each child's
+        window, d > max(W_i, 1), ``(k, B, L)``."""
+        beyond = self.dist > win.clamp(min=1)[..., None].to(self.dist.dtype)
+        return (self.scores if rows is None else self.scores[rows]), beyond
+
+    def posterior(self, rows, win, e_ln_q):
+        """For the blocks ``rows`` ``(k,)`` (None: all) with windows ``win`` ``(k, B)`` and E[ln q]
+        ``(k, B)``: p(φ_i = d) ∝ exp(ψ_{i,i−d} + (d − 1) E[ln q_i]) on 1 ≤ d ≤ W_i (the
+        E[ln(1 − q_i)] term is constant in d), ``(k, B, L)``, and E[φ_i] ``(k, B)``. A row
+        without parents (W_i = 0) is computed at W = 1 to stay finite: the caller zeroes its
+        posterior and never reads its E[φ]."""
+        scores, beyond = self._window(rows, win)
+        logits = torch.addcmul(scores, self.dist, e_ln_q[..., None]).masked_fill_(
+            beyond, float("-inf"))
+        p = torch.softmax(logits, -1)
+        return p, self.offset - p @ self.slot
+
+    def beyond_mass(self, rows, win, e_ln_q, caps):
+        """The posterior mass beyond each child's window, the unseen parents W_i < d ≤ C_i
+        (``caps``: the child's past, or ``max_window``) given the window's typical likelihood
+        (E[e^ψ] under a Gaussian fit to the scores on 1 ≤ d ≤ W_i without the best match; the
+        best match itself when W_i = 1), ``(k, B)``: see the module docstring."""
+        scores, beyond = self._window(rows, win)
+        s = scores.masked_fill(beyond, float("-inf"))  # ψ on 1 ≤ d ≤ W_i
+        log_in = torch.logsumexp(torch.addcmul(s, self.dist, e_ln_q[..., None]), -1)
+        top = s.argmax(-1, keepdim=True)
+        rest = s.scatter(-1, top, float("-inf"))  # the window without its best match
+        w = win.clamp(min=1).to(s.dtype)
+        # log E[e^ψ] of a Gaussian fit to the other scores, μ + σ²/2: the sample mean of e^ψ
+        # over a few heavy-tailed draws falls far below it when the scores spread widely
+        seen = torch.isfinite(rest)
+        count = seen.sum(-1).to(s.dtype)
+        x = torch.where(seen, rest, 0.0)
+        mu = x.sum(-1) / count.clamp(min=1)
+        var = torch.where(seen, (x - mu[..., None]) ** 2, 0.0).sum(-1) / (count - 1).clamp(min=1)
+        typical = torch.where(count > 0, mu + var / 2, s.gather(-1, top)[..., 0])
+        # Σ_{W<d≤C} e^{d·e} = e^{(W+1)e} (1 − e^{(C−W)e}) / (1 − e^e) (the posterior's d·e
+        # convention); C = W: nothing unseen, mass 0
+        unseen = (caps.to(s.dtype) - w).clamp(min=0)
+        log_out = ((w + 1) * e_ln_q + torch.log(-torch.expm1(unseen * e_ln_q))
+                   - torch.log(-torch.expm1(e_ln_q)) + typical)
+        return torch.sigmoid(log_out - log_in)
+
+    def outer_evidence(self, rows, win):
+        """The evidence alone — softmax of ψ over 1 ≤ d ≤ W_i, the prior left out — on the
+        window's outer half d > W_i/2, ``(k, B)``: whether the scores still point further
+        back than the window's middle."""
+        scores, beyond = self._window(rows, win)
+        lik = torch.softmax(scores.masked_fill(beyond, float("-inf")), -1)
+        return (lik * (self.dist > (win // 2)[..., None].to(self.dist.dtype))).sum(-1)
+
+
+def tail(alpha, beta, window, kind):
+    """P(φ > W) under q's current Beta(α, β): the predictive (digamma) or plug-in geometric."""
+    w = window.to(alpha.dtype)
+    if kind == "digamma":
+        return (log_beta(alpha + w, beta) - log_beta(alpha, beta)).exp()
+    return (alpha / (alpha + beta)) ** w
+
