@@ -233,3 +233,17 @@ def test_no_import_cycles():
     graph = import_graph()
     cycles = import_cycles(graph)
     assert not cycles, describe(graph, cycles)
+
+
+def test_import_loads_no_dynamo_nor_pyro_inference():
+    """``import structattn`` stays light: torch._dynamo (over a second to import) loads only
+    when torch.compile or a disabled function first runs (structattn._eager)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, structattn; "
+            "print(sorted(m for m in ('torch._dynamo', 'structattn.inference', "
+            "'structattn.models') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=120)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import band
+from .._eager import eager
 from ..beta import log_q_expectations
 from .history import MeanFieldHistory
 from .scores import BandScores, tail
@@ -95,7 +96,7 @@ def _history(p: KernelProblem, s: KernelSolution, lead, expectation, dtype) -> M
             child_iterations=s.steps.reshape(*lead, n), offset=p.offset)
 
 
-@torch.compiler.disable
+@eager
 def mean_field_compiled(family, factors, scheme, grad: str, record: bool):
     """The scheme's iteration for ``family`` in the compiled CPU kernel; returns
     ``(attend, dense_posterior, history)``, or None (then the Python loop runs) where it
@@ -171,7 +172,7 @@ def mean_field_compiled(family, factors, scheme, grad: str, record: bool):
 
     e_final = log_q_expectations(fixed.alpha, fixed.beta, scheme.expectation)[0]  # (G, N)
 
-    @torch.compiler.disable  # an opaque C++ call: torch.compile runs it eagerly
+    @eager  # an opaque C++ call: torch.compile runs it eagerly
     def attend(u):  # u: (*batch, H, N, d_v)
         out = ops.attend(a_rows, b_rows, u.detach().to(work).reshape(G, n_all, u.shape[-1]),
                          off, float(scale), fixed.window, e_final)

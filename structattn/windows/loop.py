@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import torch
 
+from .._eager import eager
 from ..beta import log_q_expectations
 from .history import MeanFieldHistory
 from .rules import Round
 from .scores import BandScores, tail
 
 
-@torch.compiler.disable
+@eager
 def mean_field(family, factors, scheme, grad: str, record: bool):
     """Iterate the mean-field equations (``MeanFieldWindows``) for one family; returns the
     band posterior ``(*batch, H, nb, B, L)``, its layout and the ``MeanFieldHistory`` (None
