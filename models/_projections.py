@@ -35,8 +35,8 @@ class ProjectedAttention(Declaration):
         if learned and temperature != "learned":
             raise ValueError(f"{type(self).__name__}: temperature must be a number > 0, a tensor, "
                              f"None (√d_k) or 'learned'; got {temperature!r}")
-        if temperature is not None and not learned:
-            check_temperature(temperature, type(self).__name__)
+        if temperature is not None and not learned:  # a tensor: one, or one per head (heads,)
+            temperature = check_temperature(temperature, type(self).__name__, heads)
         kw = {"device": device, "dtype": dtype}
         self.heads, self.d_k, self.d_v = heads, d_k, d_v
         # a learned temperature is τ = exp(log τ) > 0, initialised at √d_k

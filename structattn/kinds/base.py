@@ -139,7 +139,8 @@ class Operator:
 
     def fused_factors(self):
         """``(a, b, scale)`` of the family's one factorised potential with ``scale`` a float,
-        as the fused kernels take it: a tensor (learnable) temperature is folded into ``a``.
+        as the fused kernels take it: a tensor (learnable) temperature — one, or one per head
+        (an ``(H, 1, 1)`` scale) — is folded into ``a``.
         Refused with a clear error when the family has not exactly one factorised potential."""
         f = self.family
         if not self.is_fused():

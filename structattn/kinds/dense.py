@@ -115,6 +115,8 @@ class DenseOperator(Operator):
                     a, b, scale = self.factors(psi)
                     if a.dtype in (torch.float16, torch.bfloat16):  # accumulate in float32
                         a, b = a.float(), b.float()
+                    if isinstance(scale, torch.Tensor):  # learned: 0-dim, or (H, 1, 1) per head
+                        scale = scale.to(a.dtype)
                     if a.shape[-2] <= b.shape[-2]:  # scale the smaller factor, not C×P scores
                         a = a * scale
                     else:

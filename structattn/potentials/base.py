@@ -54,7 +54,8 @@ class Potential:
         raise NotImplementedError
 
     def factor_scale(self):
-        """The scale of ⟨a, b⟩: a float or a scalar tensor."""
+        """The scale of ⟨a, b⟩: a float, a 0-dim tensor, or one per head as an ``(H, 1, 1)``
+        tensor (broadcasting against the factors ``(*batch, H, n, k)``)."""
         return 1.0
 
     def factors(self, children: torch.Tensor, parents: torch.Tensor):
@@ -80,6 +81,8 @@ class Potential:
         a, b, scale = f
         if a.dtype in (torch.float16, torch.bfloat16):  # accumulate as the fused kernels do
             a, b = a.float(), b.float()
+        if isinstance(scale, torch.Tensor):  # a learned 1/τ: 0-dim, or (H, 1, 1) per head
+            scale = scale.to(a.dtype)
         return (a @ b.transpose(-1, -2)) * scale
 
     def at(self, children: torch.Tensor, parents: torch.Tensor, index: torch.Tensor):

@@ -6,38 +6,10 @@ import math
 
 import torch
 
-from .._validation import is_validating, same_device, shape_str
+from .._validation import same_device, shape_str
 from ..heads import gather_parents, merge_heads, split_heads
 from .base import Potential
-
-
-def check_temperature(temperature, where: str):
-    """A float temperature must be finite and > 0 (checked now); a tensor one is checked when
-    the potential is used (its value may change while learning)."""
-    if isinstance(temperature, torch.Tensor):
-        return temperature
-    try:
-        t = float(temperature)
-    except (TypeError, ValueError):
-        raise ValueError(f"{where}: temperature must be a finite number > 0 or a tensor; got "
-                         f"{temperature!r}") from None
-    if not (t > 0 and math.isfinite(t)):
-        raise ValueError(f"{where}: temperature must be a finite number > 0; got {temperature}")
-    return t
-
-
-def check_temperature_value(t, family: str) -> None:
-    """A tensor temperature must be a positive scalar (its value is checked while validating)."""
-    if not isinstance(t, torch.Tensor):
-        return
-    if t.numel() != 1:
-        raise ValueError(
-            f"edge family {family!r}: temperature must be a scalar; got shape {shape_str(t.shape)}"
-        )
-    if is_validating() and not torch.compiler.is_compiling() and not bool(t > 0):
-        raise ValueError(
-            f"edge family {family!r}: temperature must be > 0; got {float(t.detach()):g}"
-        )
+from .temperature import check_temperature, check_temperature_value, describe_temperature, inverse, per_head
 
 
 class Bilinear(Potential):
@@ -46,7 +18,8 @@ class Bilinear(Potential):
     W_q: ``(heads*d_k, d_child)``, W_k: ``(heads*d_k, d_parent)``; either may be None for
     the identity (that side's states are already ``heads*d_k`` features, e.g. a Hopfield
     state ξ). The temperature τ > 0 tempers the posterior (default √d_k); it may be a
-    float or a (learnable) scalar tensor. Paper §3.2, Table 1; §4.2 (Hopfield).
+    float, a (learnable) scalar tensor, or one per head: a tensor of shape ``(heads,)``, ψ_h
+    divided by τ_h. Paper §3.2, Table 1; §4.2 (Hopfield).
 
     Linear in each side, so for a latent side the expected gradient is one attention call,
     E[∂ψ/∂x_i] = W_Qᵀ Σ_j p_ij W_K x_j / τ (children) or W_Kᵀ Σ_i p_ij W_Q x_i / τ (parents),
@@ -78,7 +51,7 @@ class Bilinear(Potential):
         self.d_k = rows[0] // heads
         if temperature is None:
             temperature = math.sqrt(self.d_k)
-        self.temperature = check_temperature(temperature, "Bilinear potential")
+        self.temperature = check_temperature(temperature, "Bilinear potential", heads)
 
     def child_factor(self, children):
         q = children if self.W_q is None else children @ self.W_q.T
@@ -89,25 +62,26 @@ class Bilinear(Potential):
         return split_heads(k, self.heads)  # (*batch, H, P, d_k)
 
     def factor_scale(self):
-        return 1.0 / self.temperature
+        return inverse(self.temperature)
 
     def at(self, children, parents, index):
-        """The Pyro reading, from the definition: ψ_h = x_iᵀ (W_Q^h)ᵀ W_K^h x_{φ_i} / τ."""
+        """The Pyro reading, from the definition: ψ_h = x_iᵀ (W_Q^h)ᵀ W_K^h x_{φ_i} / τ_h."""
         H = self.heads
 
-        def per_head(x, W):  # (*batch, n, d) → (*batch, H, n, d_k)
+        def project(x, W):  # (*batch, n, d) → (*batch, H, n, d_k)
             y = x if W is None else torch.einsum("...nd,hkd->...hnk", x, W.reshape(H, -1, W.shape[-1]))
             return y if W is not None else y.reshape(*y.shape[:-1], H, -1).movedim(-2, -3)
-        q, k = per_head(children, self.W_q), per_head(parents, self.W_k)
-        return (q * gather_parents(k, index)).sum(-1) / self.temperature
+        q, k = project(children, self.W_q), project(parents, self.W_k)
+        psi = (q * gather_parents(k, index)).sum(-1)  # (…, H, C)
+        return psi / per_head(self.temperature, psi, 1)
 
     def expected_gradient(self, side, op):
-        a, b, scale = op.factors(self)
-        if side == "children":  # Σ_j p_ij ∂ψ_ij/∂x_i = W_Qᵀ (P b)_i · scale
-            g, W = merge_heads(op.attend(b)), self.W_q
-        else:  # Σ_i p_ij ∂ψ_ij/∂x_j = W_Kᵀ (Pᵀ a)_j · scale
-            g, W = merge_heads(op.adjoint(a)), self.W_k
-        g = g * scale
+        a, b, _ = op.factors(self)
+        if side == "children":  # Σ_j p_ij ∂ψ_ij/∂x_i = W_Qᵀ (P b)_i / τ_h
+            g, W = op.attend(b), self.W_q
+        else:  # Σ_i p_ij ∂ψ_ij/∂x_j = W_Kᵀ (Pᵀ a)_j / τ_h
+            g, W = op.adjoint(a), self.W_k
+        g = merge_heads(g / per_head(self.temperature, g, 2))
         return g if W is None else g @ W
 
     def expected_curvature(self, side, op):
@@ -143,9 +117,8 @@ class Bilinear(Potential):
                     f"but potential {wname} is on {W.device}; move one of them "
                     f"(e.g. layer.to({str(x.device)!r}))"
                 )
-        check_temperature_value(self.temperature, family)
+        check_temperature_value(self.temperature, family, self.heads)
 
     def describe(self) -> str:
-        t = self.temperature
-        t = f"{float(t.detach() if isinstance(t, torch.Tensor) else t):.3g}"
+        t = describe_temperature(self.temperature)
         return f"Bilinear(heads={self.heads}, d_k={self.d_k}, τ={t})"

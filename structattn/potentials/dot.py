@@ -7,19 +7,20 @@ import torch
 from .._validation import shape_str
 from ..heads import gather_parents, merge_heads, split_heads
 from .base import Potential
-from .bilinear import check_temperature, check_temperature_value
+from .temperature import check_temperature, check_temperature_value, inverse, per_head
 
 
 class DotProduct(Potential):
     """``ψ_h(x_j, x_i) = ⟨x_i^h, x_j^h⟩ / τ`` on the h-th of ``heads`` equal slices of the
     features — e.g. a classification layer's ``f_θ(X)_iᵀ y_j`` (paper Table 1, one head) or
-    a Hopfield retrieval ``β ξᵀ x_j`` (τ = 1/β, §4.2). τ > 0 (float or tensor), default 1.
+    a Hopfield retrieval ``β ξᵀ x_j`` (τ = 1/β, §4.2). τ > 0 (float, scalar tensor, or one
+    per head: shape ``(heads,)``), default 1.
     Linear in each side: closed-form expected gradient, zero curvature."""
 
     def __init__(self, *, temperature: float | torch.Tensor = 1.0, heads: int = 1):
         if not isinstance(heads, int) or isinstance(heads, bool) or heads < 1:
             raise ValueError(f"DotProduct potential: heads must be a positive int; got {heads!r}")
-        self.temperature = check_temperature(temperature, "DotProduct potential")
+        self.temperature = check_temperature(temperature, "DotProduct potential", heads)
         self.heads = heads
 
     def child_factor(self, children):
@@ -29,25 +30,26 @@ class DotProduct(Potential):
         return split_heads(parents, self.heads)
 
     def factor_scale(self):
-        return 1.0 / self.temperature
+        return inverse(self.temperature)
 
     def at(self, children, parents, index):
-        """The Pyro reading, from the definition: ⟨x_i^h, x_{φ_i}^h⟩ / τ per head slice."""
+        """The Pyro reading, from the definition: ⟨x_i^h, x_{φ_i}^h⟩ / τ_h per head slice."""
         H = self.heads
         xc = children.reshape(*children.shape[:-1], H, -1).movedim(-2, -3)  # (*batch, H, C, d/H)
         xp = parents.reshape(*parents.shape[:-1], H, -1).movedim(-2, -3)
-        return (xc * gather_parents(xp, index)).sum(-1) / self.temperature
+        psi = (xc * gather_parents(xp, index)).sum(-1)  # (…, H, C)
+        return psi / per_head(self.temperature, psi, 1)
 
     def expected_gradient(self, side, op):
-        a, b, scale = op.factors(self)
+        a, b, _ = op.factors(self)
         g = op.attend(b) if side == "children" else op.adjoint(a)
-        return merge_heads(g) * scale
+        return merge_heads(g / per_head(self.temperature, g, 2))
 
     def expected_curvature(self, side, op):
         return 0.0
 
     def validate(self, family, children, parents):
-        check_temperature_value(self.temperature, family)
+        check_temperature_value(self.temperature, family, self.heads)
         if children.features != parents.features:
             raise ValueError(
                 f"edge family {family!r}: a DotProduct potential needs children and parents of "

@@ -7,7 +7,7 @@ import torch
 from .._validation import shape_str
 from ..heads import gather_parents
 from .base import Potential
-from .bilinear import check_temperature, check_temperature_value
+from .temperature import check_temperature, check_temperature_value
 
 # f, and f' written in terms of f's value (f'(x) = g(f(x))): the activated states serve both
 ACTIVATIONS = {None: (lambda x: x, lambda fx: torch.ones_like(fx)),

@@ -8,12 +8,13 @@ import torch
 from .._validation import shape_str
 from ..heads import gather_parents, merge_heads, split_heads
 from .base import Potential
-from .bilinear import check_temperature, check_temperature_value
+from .temperature import check_temperature, check_temperature_value, inverse, per_feature, per_head
 
 
 class SquaredDistance(Potential):
     """``ψ_h(x_j, x_i) = −‖x_i^h − x_j^h‖² / (2τ)`` on the h-th of ``heads`` equal slices of
-    the features (τ > 0: the component variance; one head: the whole vector).
+    the features (τ > 0: the component variance, a float, a scalar tensor or one per head,
+    shape ``(heads,)``; one head: the whole vector).
 
     Factorised for the fused kernels as ⟨a_i, b_j⟩/τ with a = [x_i, −½‖x_i‖², 1] and
     b = [x_j, 1, −½‖x_j‖²] per head. For a latent side the expected gradient is
@@ -26,7 +27,7 @@ class SquaredDistance(Potential):
         if not isinstance(heads, int) or isinstance(heads, bool) or heads < 1:
             raise ValueError(f"SquaredDistance potential: heads must be a positive int; got "
                              f"{heads!r}")
-        self.temperature = check_temperature(temperature, "SquaredDistance potential")
+        self.temperature = check_temperature(temperature, "SquaredDistance potential", heads)
         self.heads = heads
 
     def child_factor(self, children):
@@ -40,14 +41,15 @@ class SquaredDistance(Potential):
                          -1)  # (*batch, H, P, d + 2)
 
     def factor_scale(self):
-        return 1.0 / self.temperature
+        return inverse(self.temperature)
 
     def at(self, children, parents, index):
-        """The Pyro reading: −‖x_i − x_{φ_i}‖²/(2τ) per head, computed directly (not from the
+        """The Pyro reading: −‖x_i − x_{φ_i}‖²/(2τ_h) per head, computed directly (not from the
         factors)."""
         xc, xp = split_heads(children, self.heads), split_heads(parents, self.heads)
         diff = xc - gather_parents(xp, index)
-        return -0.5 * (diff * diff).sum(-1) / self.temperature
+        psi = -0.5 * (diff * diff).sum(-1)  # (…, H, C)
+        return psi / per_head(self.temperature, psi, 1)
 
     def expected_gradient(self, side, op):
         xc = split_heads(op.family.children.states, self.heads)
@@ -56,17 +58,18 @@ class SquaredDistance(Potential):
             g = op.attend(xp) - xc
         else:
             g = op.adjoint(xc) - op.mass() * xp
-        return merge_heads(g) / self.temperature
+        return merge_heads(g / per_head(self.temperature, g, 2))
 
     def expected_curvature(self, side, op):
-        if side == "children":
-            return 1.0 / self.temperature  # each head's posterior row sums to one
+        if side == "children":  # each head's posterior row sums to one: 1/τ_h per feature
+            xc = op.family.children.states
+            return 1.0 / per_feature(self.temperature, self.heads, xc.shape[-1], xc)
         xp = op.family.parents.states
         m = op.mass().expand(*op.mass().shape[:-1], xp.shape[-1] // self.heads)
-        return merge_heads(m) / self.temperature  # (*batch, P, features)
+        return merge_heads(m / per_head(self.temperature, m, 2))  # (*batch, P, features)
 
     def validate(self, family, children, parents):
-        check_temperature_value(self.temperature, family)
+        check_temperature_value(self.temperature, family, self.heads)
         if children.features != parents.features:
             raise ValueError(
                 f"edge family {family!r}: a SquaredDistance potential needs children and parents "

@@ -35,7 +35,13 @@ def _family(potential_side, potential):
     lambda: sa.potentials.DotProduct(heads=2, temperature=0.9),
     lambda: sa.potentials.SquaredDistance(temperature=1.7),
     lambda: sa.potentials.SquaredDistance(temperature=0.6, heads=2),
-], ids=["bilinear", "bilinear-identity", "dot", "squared-distance", "squared-distance-heads"])
+    lambda: sa.potentials.Bilinear(torch.randn(6, 4, dtype=f64), torch.randn(6, 4, dtype=f64),
+                                   heads=2, temperature=torch.tensor([0.4, 1.9], dtype=f64)),
+    lambda: sa.potentials.DotProduct(heads=2, temperature=torch.tensor([2.2, 0.5], dtype=f64)),
+    lambda: sa.potentials.SquaredDistance(temperature=torch.tensor([0.6, 1.5], dtype=f64),
+                                          heads=2),
+], ids=["bilinear", "bilinear-identity", "dot", "squared-distance", "squared-distance-heads",
+        "bilinear-tau-per-head", "dot-tau-per-head", "squared-distance-tau-per-head"])
 def test_closed_form_expected_gradient_is_the_log_partition_gradient(side, make):
     """Lemma 7.1: Σ_i ∇ log Σ_j exp ψ_ij = E_post[∇ψ] — the closed form against autograd."""
     psi = make()
@@ -50,3 +56,29 @@ def test_closed_form_expected_gradient_is_the_log_partition_gradient(side, make)
     closed = psi.expected_gradient(side, step.operator("f"))
     (auto,) = torch.autograd.grad(FamilyOperator(fam).log_partition().sum(), lat.states)
     assert closed is not None and (closed - auto).abs().max() < 1e-12
+
+
+@pytest.mark.parametrize("side", ["children", "parents"])
+def test_squared_distance_curvature_per_head(side):
+    """E[−∂²ψ/∂x²] with τ per head: on head h's features, the curvature at the scalar τ_h
+    (1/τ_h for a child, m_j/τ_h for a parent) — the EM step's denominator per head."""
+    tau = torch.tensor([0.6, 1.5], dtype=f64)
+    program, z, x = _family(side, sa.potentials.SquaredDistance(temperature=tau, heads=2))
+
+    def curvature(t):
+        psi = sa.potentials.SquaredDistance(temperature=t, heads=2)
+        prog, _, _ = _family(side, psi)
+        reader = sa.readers.Marginalise(latent_values={"z": z})
+        with reader:
+            prog(z, x)
+        lat = reader.latents["z"]
+        step = Step(sa.iterate.Engine([lat], dict(reader.families), {}), lat)
+        c = psi.expected_curvature(side, step.operator("f"))
+        return torch.as_tensor(c, dtype=f64).expand(*z.shape[:-1], z.shape[-1])
+
+    per_head = curvature(tau)
+    for h in range(2):
+        ref = curvature(float(tau[h]))
+        torch.testing.assert_close(per_head[..., 2 * h:2 * h + 2], ref[..., 2 * h:2 * h + 2],
+                                   atol=1e-12, rtol=0)
+    assert not torch.allclose(per_head[..., :2], per_head[..., 2:])
