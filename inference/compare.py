@@ -244,7 +244,7 @@ def _add_sampled(report, layer, *inputs, S, alpha, **kwargs):
                         torch.where(diff > 1e-9, torch.inf, 0.0))
     zs = {"E[output] by samples": z_out.flatten()}
     for name, (p, _) in report.pictures.items():  # edge frequencies vs compiled posteriors
-        idx = draws.edges[name]  # (S, *batch, H, C)
+        idx = draws.flat(draws.edges)[name]  # (S, *batch, H, C)
         P = p.shape[-1]  # draws of P: "no parent" (a child without any, empty="zero")
         freq = torch.nn.functional.one_hot(idx, P + 1)[..., :P].to(p.dtype).mean(0)
         se_p = (p * (1 - p) / S).sqrt()

@@ -17,15 +17,19 @@ from tqdm.auto import tqdm
 
 from structattn.readers import trace_structure
 
-from ._arviz import edge_dims, inference_data, latent_dims
+from ._arviz import edge_dims, inference_data, latent_dims, output_dims
 from .exact import condition_latents
 
 
 @dataclass
 class Draws:
-    """``latents[name]``: ``(chains, draws, *batch, n, d)``; ``edges[family]``: ``(chains, draws,
-    *batch, H, C)`` (parent indices); ``outputs``: ``(chains, draws, *output)``;
-    ``stats``: per-draw diagnostics ``(chains, draws)`` (e.g. ``diverging``)."""
+    """Draws of every result that samples (``sample``, ``mcmc``, ``predictive``,
+    ``svi(...).sample()``), with ArviZ's leading ``(chain, draw)`` dims throughout:
+    ``latents[name]``: ``(chains, draws, *batch, n, d)``; ``edges[family]``: ``(chains, draws,
+    *batch, H, C)`` (parent indices; P for "no parent"); ``outputs``: ``(chains, draws,
+    *output)``; ``stats``: per-draw diagnostics ``(chains, draws)`` (e.g. ``diverging``).
+    Independent draws (``sample``, ``predictive``, SVI's guide) are one chain unless asked;
+    ``flat(...)`` merges the two dims."""
 
     latents: dict
     edges: dict
@@ -33,7 +37,17 @@ class Draws:
     stats: dict = field(default_factory=dict)
     batch_dims: dict = field(default_factory=dict)
 
+    @property
+    def num_chains(self) -> int:
+        return self.outputs.shape[0]
+
+    @property
+    def num_draws(self) -> int:
+        """Draws per chain."""
+        return self.outputs.shape[1]
+
     def flat(self, what: dict) -> dict:
+        """``what`` (e.g. ``draws.edges``) with (chain, draw) merged: ``(chains·draws, …)``."""
         return {k: v.reshape(-1, *v.shape[2:]) for k, v in what.items()}
 
     def mean_output(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -42,11 +56,14 @@ class Draws:
         return out.mean(0), out.std(0) / out.shape[0] ** 0.5
 
     def to_arviz(self, group: str = "posterior", observed: dict | None = None):
-        """ArviZ data: latents, edges (dims ``<family>_batch_k``, ``_head``, ``_child``) and the
-        output in ``group``; ``stats`` as sample_stats; ``observed`` as observed_data."""
+        """ArviZ data (``inference/_arviz.py``'s convention): latents (dims ``<z>_batch_k``,
+        ``_node``, ``_feature``), edges (``<family>_batch_k``, ``_head``, ``_child``) and the
+        output (``output_dim_k``) in ``group``; ``stats`` as sample_stats; ``observed`` as
+        observed_data."""
         variables = {**self.latents, **self.edges, "output": self.outputs}
         dims = {name: latent_dims(name, self.batch_dims.get(name, 0)) for name in self.latents}
         dims.update({name: edge_dims(name, self.batch_dims.get(name, 0)) for name in self.edges})
+        dims["output"] = output_dims(self.outputs.dim() - 2)
         groups = {group: variables}
         if self.stats:
             groups["sample_stats" if group == "posterior" else f"sample_stats_{group}"] = self.stats
@@ -56,16 +73,18 @@ class Draws:
 
 
 def draw_edges(model_program, *inputs, latents: dict | None, num_samples: int | None = None,
-               chains: int = 1, progress: bool = False, **kwargs) -> Draws:
+               chains: int = 1, progress: bool = False, structure=None, **kwargs) -> Draws:
     """Edges and outputs for each latent draw (``latents[name]``: ``(chains·draws, *shape)``),
     or ``num_samples`` draws of the edges alone for models without latents."""
-    structure = trace_structure(model_program, *inputs, **kwargs)
+    if structure is None:
+        structure = trace_structure(model_program, *inputs, **kwargs)
     first = -structure.max_plate_nesting - 1
     S = num_samples if not latents else next(iter(latents.values())).shape[0]
     edges = {name: [] for name in structure.families}
     outputs = []
     with torch.no_grad():
-        for s in tqdm(range(S), disable=not progress, desc="edges per draw"):
+        for s in tqdm(range(S), disable=not progress,
+                      desc="edges per draw" if latents else "posterior samples"):
             program = (condition_latents(model_program, {k: v[s] for k, v in latents.items()})
                        if latents else model_program)
             sampler = infer_discrete(program, first_available_dim=first, temperature=1)

@@ -20,6 +20,8 @@ from pyro.infer import Trace_ELBO, TraceEnum_ELBO, infer_discrete
 from structattn.declaration import as_declaration
 from structattn.readers import SubstituteExpectations, trace_structure
 
+from ._arviz import edge_dims, inference_data, output_dims, point
+
 
 @dataclass
 class ExactPosterior:
@@ -41,6 +43,28 @@ class ExactPosterior:
     #: −log p(x, z) with the edges summed out (TraceEnum_ELBO's loss; z the given latents),
     #: summed over the batch: the collapsed free energy
     free_energy: float | None = None
+
+    def to_arviz(self):
+        """ArviZ data (``inference/_arviz.py``'s convention), a point result: one chain of one
+        draw. Per edge family f: ``f`` the MAP edges (dims ``f_batch_k``, ``f_head``,
+        ``f_child``), ``f_posterior`` the marginals (… ``f_parent``), ``f_value`` E[v] (…
+        ``f_feature``); ``output``; ``free_energy`` in sample_stats."""
+        variables, dims = {}, {}
+        for name, edges in self.map_edges.items():
+            batch = edges.dim() - 2
+            variables[name] = point(edges)
+            dims[name] = edge_dims(name, batch)
+            variables[f"{name}_posterior"] = point(self.marginals[name])
+            dims[f"{name}_posterior"] = [*edge_dims(name, batch), f"{name}_parent"]
+            if name in self.expectations:
+                variables[f"{name}_value"] = point(self.expectations[name])
+                dims[f"{name}_value"] = [*edge_dims(name, batch), f"{name}_feature"]
+        if isinstance(self.output, torch.Tensor):
+            variables["output"] = point(self.output)
+            dims["output"] = output_dims(self.output.dim())
+        stats = {} if self.free_energy is None else {"free_energy": point(
+            torch.as_tensor(float(self.free_energy), dtype=torch.float64))}
+        return inference_data({"posterior": variables, "sample_stats": stats}, dims)
 
 
 def _no_guide(*args, **kwargs):

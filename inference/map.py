@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 from structattn.declaration import as_declaration
 from structattn.readers import trace_structure
 
+from ._arviz import inference_data, latent_dims, point
 from .exact import _no_guide, elbo_for, site_values
 
 
@@ -36,6 +37,16 @@ class MAPEstimate:
     losses: list
     converged: bool
     gradient: float = float("nan")
+
+    def to_arviz(self):
+        """ArviZ data (``inference/_arviz.py``'s convention), a point result: one chain of one
+        draw. Each latent ``z`` (dims ``z_batch_k``, ``z_node``, ``z_feature``) in the posterior
+        group; ``free_energy`` in sample_stats."""
+        variables = {name: point(z) for name, z in self.latents.items()}
+        dims = {name: latent_dims(name, z.dim() - 2) for name, z in self.latents.items()}
+        stats = {"free_energy": point(torch.as_tensor(float(self.free_energy),
+                                                      dtype=torch.float64))}
+        return inference_data({"posterior": variables, "sample_stats": stats}, dims)
 
 
 def map_estimate(model, *inputs, init: dict | None = None, max_iter: int = 500,

@@ -44,19 +44,22 @@ class SVIResult:
     inputs: tuple = ()
     kwargs: dict = None
 
-    def sample(self, num_samples: int = 200, chains: int = 4, progress: bool = False) -> Draws:
+    def sample(self, num_samples: int = 200, chains: int = 1, progress: bool = False) -> Draws:
         """Joint draws (z, φ) ~ q(z) p(φ | x, z): latents from the guide, edges by
-        ``infer_discrete`` at each (``chains`` groups of independent draws, for ArviZ)."""
-        if num_samples % chains:
-            raise ValueError(f"num_samples={num_samples} must be a multiple of chains={chains}")
+        ``infer_discrete`` at each; independent draws, one chain unless ``chains`` deals them
+        into groups (for ArviZ's between-chain diagnostics)."""
+        if not isinstance(chains, int) or isinstance(chains, bool) or chains < 1 \
+                or num_samples % chains:
+            raise ValueError(f"chains must be a positive int dividing num_samples={num_samples}; "
+                             f"got {chains!r}")
         latents = _guide_draws(self.guide, self.params, list(self.latents), num_samples,
                                self.inputs, self.kwargs)
         return draw_edges(self.program, *self.inputs, latents=latents, num_samples=num_samples,
                           chains=chains, progress=progress, **self.kwargs)
 
-    def to_arviz(self, num_samples: int = 200, chains: int = 4):
-        """ArviZ data of ``sample(num_samples, chains)`` plus the ELBO per step as
-        ``sample_stats``-free attrs (``losses``) and the inputs as observed_data."""
+    def to_arviz(self, num_samples: int = 200, chains: int = 1):
+        """ArviZ data of ``sample(num_samples, chains)`` (the draws' convention), with the
+        floating-point inputs as observed_data (``input_0``, …)."""
         draws = self.sample(num_samples, chains)
         observed = {f"input_{i}": x for i, x in enumerate(self.inputs)
                     if isinstance(x, torch.Tensor) and x.is_floating_point()}

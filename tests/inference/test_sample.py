@@ -17,7 +17,7 @@ def test_edge_draws_match_the_exact_marginals():
     x = torch.randn(2, 4, 5, dtype=f64)
     draws = sa.inference.sample(m, x, num_samples=400)
     exact = sa.inference.exact(m, x).marginals["attn"].detach()  # (2, 2, 4, 4)
-    counts = torch.nn.functional.one_hot(draws.edges["attn"], 4).sum(0).double()
+    counts = torch.nn.functional.one_hot(draws.flat(draws.edges)["attn"], 4).sum(0).double()
     assert chi_square_ok(counts, exact)
 
 
@@ -30,10 +30,10 @@ def test_sampled_edges_follow_the_exact_marginals():
     x = _x(2, 4, 5)
     S = 2000
     samples = sa.inference.sample(m, x, num_samples=S)
-    assert samples.edges["attn"].shape == (S, 2, 2, 4)
+    assert samples.edges["attn"].shape == (1, S, 2, 2, 4)  # (chain, draw, batch, H, C)
     assert bool((samples.edges["attn"] <= torch.arange(4)).all())  # inside the causal support
     p = sa.inference.exact(m, x).marginals["attn"].detach()
-    freq = torch.nn.functional.one_hot(samples.edges["attn"], 4).double().mean(0)
+    freq = torch.nn.functional.one_hot(samples.edges["attn"], 4).double().mean((0, 1))
     se = (p * (1 - p) / S).sqrt()
     assert bool(((freq - p).abs() <= 5 * se + 1e-12).all())
 
@@ -43,8 +43,8 @@ def test_to_arviz_summary():
 
     # non-causal: a causal child 0 has one parent, a constant ArviZ cannot diagnose
     m = sa.models.self_attention(4, d_k=2, heads=1, dtype=torch.float64)
-    samples = sa.inference.sample(m, _x(1, 3, 4) * 0.1, num_samples=40)
-    idata = samples.to_arviz(chains=4)
+    samples = sa.inference.sample(m, _x(1, 3, 4) * 0.1, num_samples=40, chains=4)
+    idata = samples.to_arviz()
     assert idata.posterior["attn"].shape[:2] == (4, 10)
     summary = az.summary(idata, var_names=["attn"])
     assert len(summary) == 3
@@ -54,3 +54,6 @@ def test_sample_bad_input():
     m = sa.models.self_attention(4, d_k=2)
     with pytest.raises(ValueError, match=r"num_samples must be an int ≥ 2; got 1"):
         sa.inference.sample(m, torch.randn(1, 3, 4), num_samples=1)
+    with pytest.raises(ValueError, match=r"chains must be a positive int dividing "
+                                         r"num_samples=10; got 4"):
+        sa.inference.sample(m, torch.randn(1, 3, 4), num_samples=10, chains=4)
