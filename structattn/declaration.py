@@ -25,10 +25,15 @@ class Declaration(nn.Module):
     def forward(self, *inputs, **kwargs):
         return self.model(*inputs, **kwargs)
 
+    @property
+    def display_name(self) -> str:
+        """How drawings and messages name this declaration: its class's name."""
+        return type(self).__name__
+
     def example_inputs(self, n: int = 5, batch: int = 1) -> tuple:
         raise NotImplementedError(
-            f"{type(self).__name__} has no example_inputs(); pass inputs explicitly, e.g. "
-            f"structattn.render(model, x)"
+            f"{self.display_name} has no example_inputs(); pass inputs explicitly, e.g. "
+            f"structattn.render(model, x) or structattn.model_graph(model, x)"
         )
 
     def _param_like(self) -> dict:
@@ -47,8 +52,38 @@ class FunctionDeclaration(Declaration):
         super().__init__()
         self.fn = fn
 
+    @property
+    def display_name(self) -> str:
+        """The function's own name (``program``; ``<lambda>`` for a lambda)."""
+        return getattr(self.fn, "__name__", type(self.fn).__name__)
+
     def model(self, *inputs, **kwargs):
         return self.fn(*inputs, **kwargs)
+
+
+def has_example_inputs(decl: Declaration) -> bool:
+    """Whether ``decl`` defines ``example_inputs()`` (small inputs to draw it without data)."""
+    return type(decl).example_inputs is not Declaration.example_inputs
+
+
+def require_example_inputs(decl: Declaration, caller: str) -> None:
+    """Refuse to draw ``decl`` without inputs when it has no ``example_inputs()``, naming the
+    function the user called (``structattn.{caller}``) and how to call it instead."""
+    if has_example_inputs(decl):
+        return
+    name = decl.display_name
+    what = f"function {name!r}" if isinstance(decl, FunctionDeclaration) else name
+    arg = name if name.isidentifier() else "model"
+    raise NotImplementedError(
+        f"structattn.{caller}: {what} has no example_inputs(); pass inputs explicitly, e.g. "
+        f"structattn.{caller}({arg}, x), or declare it as a structattn.Declaration that "
+        f"defines example_inputs(self, n=5, batch=1)")
+
+
+def example_inputs(decl: Declaration, caller: str) -> tuple:
+    """``decl``'s example inputs, for ``structattn.{caller}`` called without inputs."""
+    require_example_inputs(decl, caller)
+    return tuple(decl.example_inputs())
 
 
 def as_declaration(model) -> Declaration:

@@ -17,6 +17,7 @@ def test_readme_examples_run(tmp_path, monkeypatch):
         exec(compile(block, str(README), "exec"), ns)
     assert (tmp_path / "declared.svg").exists() and (tmp_path / "inferred.png").exists()
     sa = ns["sa"]
+    assert ns["draws"].edges["attn"].shape == (1, 100, 2, 4, 10)  # the quickstart's comment
     reader = ns["MemoryReader"](8, 5, 3).double()
     q, m = torch.randn(2, 3, 8, dtype=torch.float64), torch.randn(2, 5, 8, dtype=torch.float64)
     assert sa.compile(reader)(q, m).shape == (2, 3, 8)

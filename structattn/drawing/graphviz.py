@@ -13,6 +13,7 @@ import os
 import graphviz
 import networkx as nx
 
+from ..declaration import as_declaration, require_example_inputs
 from .networkx import to_networkx
 
 
@@ -173,6 +174,8 @@ def render(model, *inputs, heads=None, threshold: float = 0.0, top_k: int | None
     lighter edges) prune before anything is drawn; ``max_nodes`` (default 64 per family
     without pruning, unlimited with it) guards against unreadable pictures.
     """
+    if not inputs:  # drawn at the declaration's example inputs: say so if it has none
+        require_example_inputs(as_declaration(model), "render")
     if max_nodes is None and top_k is None and threshold == 0.0:
         max_nodes = 64
     G = to_networkx(model, *inputs, batch_index=batch_index, max_nodes=max_nodes, top_k=top_k,

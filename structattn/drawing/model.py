@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import graphviz
 
-from ..declaration import as_declaration
+from ..declaration import as_declaration, example_inputs
 from ..readers import trace_structure
 from .graphviz import _COLOURS  # one palette: a family has the same colour in both views
 
@@ -45,9 +45,9 @@ def model_graph(model, *inputs, unrolled: bool = False) -> graphviz.Digraph:
     declaration's ``example_inputs()`` fix the sizes."""
     decl = as_declaration(model)
     if not inputs:
-        inputs = tuple(decl.example_inputs())
+        inputs = example_inputs(decl, "model_graph")
     s = trace_structure(decl.model, *inputs)
-    dot = graphviz.Digraph(type(decl).__name__, graph_attr={
+    dot = graphviz.Digraph(decl.display_name, graph_attr={
         "fontname": "Helvetica", "labelloc": "t", "rankdir": "TB", "compound": "true",
         "nodesep": "0.6", "ranksep": "0.9"},
         node_attr={"fontname": "Helvetica", "fontsize": "10"},
@@ -83,7 +83,7 @@ def model_graph(model, *inputs, unrolled: bool = False) -> graphviz.Digraph:
         dot.node(eid, _esc(f"energy '{name}'"), shape="box", style="rounded")
         for ns in term.node_sets:
             dot.edge(eid, ids[ns.name], dir="none", style="dotted")
-    title = [f"{type(decl).__name__} — the declaration (plate notation)",
+    title = [f"{decl.display_name} — the declaration (plate notation)",
              "shaded: observed · open, dashed: latent · arrows: parents → children of an edge "
              "family"]
     if unrolled and s.latents:

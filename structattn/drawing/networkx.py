@@ -5,14 +5,14 @@ from __future__ import annotations
 import networkx as nx
 import torch
 
-from ..declaration import as_declaration
+from ..declaration import as_declaration, example_inputs
 from ..readers import trace_structure
 
 
-def _inputs_or_examples(decl, inputs):
+def _inputs_or_examples(decl, inputs, caller="to_networkx"):
     if inputs:
         return inputs, True
-    return tuple(decl.example_inputs()), False
+    return example_inputs(decl, caller), False
 
 
 def node_id(node_set: str, index: int) -> str:
@@ -66,7 +66,7 @@ def to_networkx(model, *inputs, batch_index: int = 0, max_nodes: int | None = No
     steps = None
     if inferred and structure.latents:
         steps = {name: int(trace.steps) for name in structure.latents}
-    G = nx.MultiDiGraph(inferred=inferred, model=type(decl).__name__, families={},
+    G = nx.MultiDiGraph(inferred=inferred, model=decl.display_name, families={},
                         steps=steps)
     for ns in structure.node_sets.values():
         for i in range(ns.size):
