@@ -33,7 +33,12 @@ class Entry:
       (tests compare them to 1e-6); an approximation (a mean-field scheme) says ``False`` and
       names exact configurations in ``variants``;
     - ``variants``: ``{label: case}``, further configurations the generic tests also run, each
-      read exactly (e.g. the exact variant of an approximation).
+      read exactly (e.g. the exact variant of an approximation);
+    - ``sizes``: the factory's size arguments (widths, heads, counts, step budgets) → the least
+      value each allows (1, or 0 where none is meaningful: no memory, no steps); a list of sizes
+      (``layer_sizes``) is checked entry by entry. The edge-case matrix gives each one zero,
+      negative and non-int values and expects a ValueError naming it (``check_size``), and
+      fails when a factory's int argument is not listed here.
     """
 
     factory: Callable
@@ -42,10 +47,15 @@ class Entry:
     case: Callable[[], tuple]
     exact: bool = True
     variants: dict[str, Callable[[], tuple]] = field(default_factory=dict)
+    sizes: dict[str, int] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
         return self.factory.__name__
+
+
+#: the size arguments every multi-head attention model over one set of tokens takes
+TOKEN_SIZES = {"d_model": 1, "heads": 1, "d_k": 1, "d_v": 1}
 
 
 def randn64(*shape) -> torch.Tensor:

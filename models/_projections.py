@@ -7,6 +7,7 @@ import math
 import torch
 from torch import nn
 
+from structattn._validation import check_size
 from structattn.declaration import Declaration
 from structattn.family import edges, potential
 from structattn.family import value as expect
@@ -27,10 +28,11 @@ class ProjectedAttention(Declaration):
         if not isinstance(name, str) or not name:
             raise ValueError(f"{type(self).__name__}: name must be a non-empty string; got {name!r}")
         self.family_name = name  # the edge family's name: distinct names let layers share a model
-        for name, val in (("d_k", d_k), ("d_v", d_v), ("heads", heads)):
-            if not isinstance(val, int) or isinstance(val, bool) or val < 1:
-                raise ValueError(
-                    f"{type(self).__name__}: {name} must be a positive int; got {val!r}")
+        owner = type(self).__name__
+        d_k, d_v, heads = (check_size(owner, n, v) for n, v in
+                           (("d_k", d_k), ("d_v", d_v), ("heads", heads)))
+        if out_features is not None:
+            out_features = check_size(owner, "d_out", out_features)
         learned = isinstance(temperature, str)
         if learned and temperature != "learned":
             raise ValueError(f"{type(self).__name__}: temperature must be a number > 0, a tensor, "
@@ -78,8 +80,10 @@ class TokenAttention(ProjectedAttention):
 
     def __init__(self, d_model, *, d_k=None, d_v=None, heads=1, causal=False, out_proj=True,
                  temperature=None, device=None, dtype=None, name="attn"):
-        if d_k is None and isinstance(heads, int) and heads > 0 and d_model % heads:
-            raise ValueError(f"{type(self).__name__}: d_model={d_model} is not divisible by "
+        owner = type(self).__name__
+        d_model, heads = check_size(owner, "d_model", d_model), check_size(owner, "heads", heads)
+        if d_k is None and d_model % heads:
+            raise ValueError(f"{owner}: d_model={d_model} is not divisible by "
                              f"heads={heads}; give d_k (the per-head size) explicitly")
         d_k = d_model // heads if d_k is None else d_k
         d_v = d_k if d_v is None else d_v
@@ -88,6 +92,7 @@ class TokenAttention(ProjectedAttention):
         self.d_model, self.causal = d_model, causal
 
     def tokens(self, x):
+        self.check_inputs(x=x)
         return nodes("x", x, features=self.d_model)
 
     def example_inputs(self, n=5, batch=1):

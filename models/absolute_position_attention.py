@@ -5,10 +5,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from structattn._validation import check_size
 from structattn.potentials import sinusoidal
 from structattn.priors import Uniform
 
-from ._catalogue import Entry, randn64
+from ._catalogue import TOKEN_SIZES, Entry, randn64
 from ._projections import TokenAttention
 
 
@@ -22,7 +23,7 @@ class AbsolutePositionAttention(TokenAttention):
     def __init__(self, d_model, *, max_len=512, positions="learned", device=None, dtype=None,
                  **kwargs):
         super().__init__(d_model, device=device, dtype=dtype, **kwargs)
-        self.max_len = max_len
+        self.max_len = max_len = check_size(type(self).__name__, "max_len", max_len)
         if positions == "learned":
             self.positions = nn.Parameter(0.02 * torch.randn(max_len, d_model, device=device,
                                                              dtype=dtype))
@@ -57,4 +58,5 @@ def _case():
 
 #: the catalogue's statement (models/_catalogue.py)
 ENTRY = Entry(absolute_position_attention, AbsolutePositionAttention, case=_case,
-              example=dict(d_model=8, max_len=16, heads=2, causal=True))
+              example=dict(d_model=8, max_len=16, heads=2, causal=True),
+              sizes={**TOKEN_SIZES, "max_len": 1})

@@ -7,7 +7,7 @@ import torch
 from structattn.priors import ALiBi
 from structattn.priors.relative import alibi_slopes
 
-from ._catalogue import Entry, randn64
+from ._catalogue import TOKEN_SIZES, Entry, randn64
 from ._projections import TokenAttention
 
 
@@ -41,4 +41,5 @@ def _case():
 
 #: the catalogue's statement (models/_catalogue.py)
 ENTRY = Entry(alibi_attention, ALiBiAttention, case=_case,
-              example=dict(d_model=8, heads=2))
+              example=dict(d_model=8, heads=2),
+              sizes=TOKEN_SIZES)

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import structattn as sa
+from structattn._validation import check_size
 
 from ._catalogue import Entry, randn64
 from .slot_attention import SlotAttention
@@ -85,11 +86,11 @@ class BlockSlotAttention(SlotAttention):
     def __init__(self, num_slots, dim, *, num_blocks, num_prototypes, iters=3, eps=1e-8,
                  hidden_dim=128, recipe="original", temperature=None, memory_temperature=None,
                  grad="unroll", device=None, dtype=None):
-        for what, val, least in (("num_blocks", num_blocks, 1), ("num_prototypes", num_prototypes, 0)):
-            if not isinstance(val, int) or isinstance(val, bool) or val < least:
-                raise ValueError(f"BlockSlotAttention: {what} must be an int ≥ {least}; got "
-                                 f"{val!r}")
-        if not isinstance(dim, int) or dim % num_blocks:
+        owner = type(self).__name__
+        dim = check_size(owner, "dim", dim)
+        num_blocks = check_size(owner, "num_blocks", num_blocks)
+        num_prototypes = check_size(owner, "num_prototypes", num_prototypes, 0)
+        if dim % num_blocks:
             raise ValueError(f"BlockSlotAttention: dim={dim!r} must be divisible by "
                              f"num_blocks={num_blocks}")
         if recipe == "collapsed" and num_prototypes == 0:
@@ -165,4 +166,6 @@ def _case():
 
 #: the catalogue's statement (models/_catalogue.py)
 ENTRY = Entry(block_slot_attention, BlockSlotAttention, case=_case,
-              example=dict(num_slots=3, dim=8, num_blocks=2, num_prototypes=3, iters=3, hidden_dim=16))
+              example=dict(num_slots=3, dim=8, num_blocks=2, num_prototypes=3, iters=3, hidden_dim=16),
+              sizes=dict(num_slots=1, dim=1, num_blocks=1, num_prototypes=0, iters=0,
+                         hidden_dim=1))

@@ -7,6 +7,7 @@ import math
 import torch
 from torch import nn
 
+from structattn._validation import check_size
 from structattn.compiler import compile as compile_model
 from structattn.declaration import Declaration
 from structattn.family import edges, potential
@@ -31,6 +32,8 @@ class Classification(Declaration):
 
     def __init__(self, d, num_classes, *, temperature=1.0, device=None, dtype=None):
         super().__init__()
+        d, num_classes = check_size("Classification", "d", d), check_size(
+            "Classification", "num_classes", num_classes)
         self.d, self.num_classes = d, num_classes
         self.class_embeddings = nn.Parameter(torch.randn(num_classes, d, device=device,
                                                          dtype=dtype) / math.sqrt(d))
@@ -45,6 +48,7 @@ class Classification(Declaration):
         return self._temperature if self.log_temperature is None else self.log_temperature.exp()
 
     def model(self, features):
+        self.check_inputs(features=features)
         outputs = nodes("outputs", features, features=self.d)
         y = self.class_embeddings.expand(*features.shape[:-2], self.num_classes, self.d)
         classes = nodes("classes", y)
@@ -72,4 +76,5 @@ def _case():
 
 #: the catalogue's statement (models/_catalogue.py)
 ENTRY = Entry(classification, Classification, case=_case,
-              example=dict(d=8, num_classes=4))
+              example=dict(d=8, num_classes=4),
+              sizes=dict(d=1, num_classes=1))

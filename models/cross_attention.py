@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from structattn._validation import check_size
 from structattn.nodes import nodes
 from structattn.priors import Uniform
 
@@ -26,17 +27,23 @@ class CrossAttention(ProjectedAttention):
 
     def __init__(self, d_query, d_key=None, *, d_k=None, d_v=None, heads=1, out_proj=True,
                  d_out=None, temperature=None, device=None, dtype=None, name="attn"):
-        d_key = d_query if d_key is None else d_key
-        if d_k is None and isinstance(heads, int) and heads > 0 and d_query % heads:
-            raise ValueError(f"{type(self).__name__}: d_query={d_query} is not divisible by "
+        owner = type(self).__name__
+        d_query = check_size(owner, "d_query", d_query)
+        d_key = d_query if d_key is None else check_size(owner, "d_key", d_key)
+        heads = check_size(owner, "heads", heads)
+        if d_k is None and d_query % heads:
+            raise ValueError(f"{owner}: d_query={d_query} is not divisible by "
                              f"heads={heads}; give d_k (the per-head size) explicitly")
         d_k = d_query // heads if d_k is None else d_k
         d_v = d_k if d_v is None else d_v
+        if d_out is not None:
+            d_out = check_size(owner, "d_out", d_out)
         out = (d_out or d_query) if out_proj else None
         super().__init__(d_query, d_key, d_k, d_v, heads, out, temperature, device, dtype, name)
         self.d_query, self.d_key = d_query, d_key
 
     def model(self, queries, keys):
+        self.check_inputs(queries=queries, keys=keys)
         q = nodes("queries", queries, features=self.d_query)
         k = nodes("keys", keys, features=self.d_key)
         return self.attend(self.family_name, q, k, Uniform())
@@ -57,4 +64,5 @@ def _case():
 
 #: the catalogue's statement (models/_catalogue.py)
 ENTRY = Entry(cross_attention, CrossAttention, case=_case,
-              example=dict(d_query=8, heads=2))
+              example=dict(d_query=8, heads=2),
+              sizes=dict(d_query=1, d_key=1, heads=1, d_k=1, d_v=1, d_out=1))

@@ -10,12 +10,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from structattn._validation import check_size
 from structattn.nodes import nodes
 from structattn.priors import BetaGeometric
 from structattn.priors.beta_geometric import _positive
 from structattn.windows import MeanFieldWindows
 
-from ._catalogue import Entry, randn64
+from ._catalogue import TOKEN_SIZES, Entry, randn64
 from ._projections import TokenAttention
 
 VARIANTS = ("exact", "mean_field")
@@ -64,6 +65,11 @@ class ExpandingAttention(TokenAttention):
                  window_rule="predictive", initial_window=None, block_size=32,
                  converge_tol=1e-3, **kwargs):
         super().__init__(d_model, heads=heads, causal=True, **kwargs)
+        owner = type(self).__name__
+        for what, v in (("max_iters", max_iters), ("block_size", block_size),
+                        ("max_window", max_window), ("initial_window", initial_window)):
+            if v is not None:
+                check_size(owner, what, v)
         if variant not in VARIANTS:
             raise ValueError(f"ExpandingAttention: variant must be one of {VARIANTS}; "
                              f"got {variant!r}")
@@ -154,4 +160,6 @@ def _case(**kwargs):
 #: approximation of the exact posterior; the generic tests also run the exact variant
 ENTRY = Entry(expanding_attention, ExpandingAttention, case=_case,
               example=dict(d_model=8, heads=2, a=2.0, b=2.0), exact=False,
-              variants={"exact": functools.partial(_case, variant="exact")})
+              variants={"exact": functools.partial(_case, variant="exact")},
+              sizes={**TOKEN_SIZES, "max_iters": 1, "max_window": 1, "initial_window": 1,
+                     "block_size": 1})

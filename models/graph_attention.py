@@ -6,7 +6,7 @@ import torch
 
 from structattn.priors import Uniform
 
-from ._catalogue import Entry, randn64
+from ._catalogue import TOKEN_SIZES, Entry, randn64
 from ._projections import TokenAttention
 
 
@@ -93,4 +93,5 @@ def _case():
 
 #: the catalogue's statement (models/_catalogue.py)
 ENTRY = Entry(graph_attention, GraphAttention, case=_case,
-              example=dict(d_model=8, heads=2))
+              example=dict(d_model=8, heads=2),
+              sizes=TOKEN_SIZES)

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 import structattn as sa
+from structattn._validation import check_size
 
 from ._catalogue import Entry, randn64
 
@@ -21,6 +22,8 @@ class Hopfield(sa.Declaration):
     ξ₀ = W_Q r; the output is W_O concat_h(Vᵀ softmax(β K ξ_T)), V = W_V Y — the
     semantics of hopfield-layers' ``Hopfield(update_steps_max=T)`` without
     normalisation or biases. ``update_steps=0`` is cross attention (one softmax).
+    The inverse temperature is ``beta`` = β (default 1/√d_k) or, as every attention model takes
+    it, ``temperature`` = τ = 1/β (the posterior's, ψ/τ); give one (both only if β·τ = 1).
 
     queries r: ``(*batch, M, d_query)``, keys Y: ``(*batch, N, d_key)`` →
     ``(*batch, M, d_out or heads·d_v)``. Parameters ``W_q (heads·d_k, d_query)``,
@@ -38,30 +41,27 @@ class Hopfield(sa.Declaration):
     """
 
     def __init__(self, d_query, d_key=None, *, heads=1, d_k=None, d_v=None, d_out=None,
-                 beta=None, update_steps=0, tol=None, grad="unroll", out_proj=True,
-                 projections=True, name="retrieve", device=None, dtype=None):
+                 beta=None, temperature=None, update_steps=0, tol=None, grad="unroll",
+                 out_proj=True, projections=True, name="retrieve", device=None, dtype=None):
         super().__init__()
-        d_key = d_query if d_key is None else d_key
+        d_query, heads = check_size("Hopfield", "d_query", d_query), check_size(
+            "Hopfield", "heads", heads)
+        d_key = d_query if d_key is None else check_size("Hopfield", "d_key", d_key)
+        if d_out is not None:
+            d_out = check_size("Hopfield", "d_out", d_out)
         if not projections:
             if d_key != d_query or d_query % heads:
                 raise ValueError(f"Hopfield: projections=False needs d_key == d_query divisible "
                                  f"by heads; got d_query={d_query}, d_key={d_key}, heads={heads}")
             d_k = d_v = d_query // heads
-        if d_k is None and isinstance(heads, int) and heads > 0 and d_query % heads:
+        if d_k is None and d_query % heads:
             raise ValueError(f"Hopfield: d_query={d_query} is not divisible by heads={heads}; "
                              f"give d_k (the per-head size) explicitly")
         d_k = d_query // heads if d_k is None else d_k
         d_v = d_k if d_v is None else d_v
-        for what, val in (("d_query", d_query), ("d_key", d_key), ("heads", heads), ("d_k", d_k),
-                          ("d_v", d_v)):
-            if not isinstance(val, int) or isinstance(val, bool) or val < 1:
-                raise ValueError(f"Hopfield: {what} must be a positive int; got {val!r}")
-        if not isinstance(update_steps, int) or isinstance(update_steps, bool) or update_steps < 0:
-            raise ValueError(f"Hopfield: update_steps must be an int ≥ 0; got {update_steps!r}")
-        beta = 1.0 / math.sqrt(d_k) if beta is None else beta
-        if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not (
-                math.isfinite(beta) and beta > 0):
-            raise ValueError(f"Hopfield: beta must be a finite number > 0; got {beta!r}")
+        d_k, d_v = check_size("Hopfield", "d_k", d_k), check_size("Hopfield", "d_v", d_v)
+        update_steps = check_size("Hopfield", "update_steps", update_steps, 0)
+        beta = _inverse_temperature(beta, temperature, d_k)
         sa.IterationOptions(steps=update_steps, tol=tol, grad=grad)  # check them now
         kw = {"device": device, "dtype": dtype}
         self.d_query, self.d_key, self.heads, self.d_k, self.d_v = d_query, d_key, heads, d_k, d_v
@@ -79,7 +79,13 @@ class Hopfield(sa.Declaration):
             if p is not None:
                 nn.init.xavier_uniform_(p)
 
+    @property
+    def temperature(self) -> float:
+        """τ = 1/β, the temperature of the tempered posterior (as every attention model's)."""
+        return 1.0 / self.beta
+
     def model(self, queries, keys):
+        self.check_inputs(queries=queries, keys=keys)
         stored = sa.nodes("stored", keys, features=self.d_key, memory=True)
         sa.nodes("queries", queries, features=self.d_query)  # the observed cue r
         init = queries if self.W_q is None else queries @ self.W_q.T
@@ -112,6 +118,22 @@ class Hopfield(sa.Declaration):
         return (self._randn(batch, 3, self.d_query), self._randn(batch, n, self.d_key))
 
 
+def _inverse_temperature(beta, temperature, d_k) -> float:
+    """β from ``beta`` or ``temperature`` τ = 1/β (default β = 1/√d_k); both given must agree."""
+    for what, v in (("beta", beta), ("temperature", temperature)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
+                              or not (math.isfinite(v) and v > 0)):
+            raise ValueError(f"Hopfield: {what} must be a finite number > 0 (or None); got {v!r}")
+    if beta is not None and temperature is not None and not math.isclose(
+            beta * temperature, 1.0, rel_tol=1e-9):
+        raise ValueError(f"Hopfield: beta and temperature are one setting, β = 1/τ; got beta={beta!r} "
+                         f"and temperature={temperature!r} (1/τ = {1 / temperature:.6g}): give one "
+                         f"of them")
+    if beta is None:
+        beta = 1.0 / (math.sqrt(d_k) if temperature is None else temperature)
+    return float(beta)
+
+
 def hopfield(d_query, d_key=None, **kwargs) -> Hopfield:
     """The modern Hopfield layer; see :class:`Hopfield`."""
     return Hopfield(d_query, d_key, **kwargs)
@@ -124,4 +146,5 @@ def _case():
 
 #: the catalogue's statement (models/_catalogue.py)
 ENTRY = Entry(hopfield, Hopfield, case=_case,
-              example=dict(d_query=8, heads=2, update_steps=3))
+              example=dict(d_query=8, heads=2, update_steps=3),
+              sizes=dict(d_query=1, d_key=1, heads=1, d_k=1, d_v=1, d_out=1, update_steps=0))

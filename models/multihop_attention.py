@@ -7,7 +7,7 @@ import torch
 from structattn.priors import Uniform
 from structattn.values import Hops
 
-from ._catalogue import Entry, randn64
+from ._catalogue import TOKEN_SIZES, Entry, randn64
 from ._projections import TokenAttention
 
 
@@ -45,4 +45,5 @@ def _case():
 
 #: the catalogue's statement (models/_catalogue.py)
 ENTRY = Entry(multihop_attention, MultihopAttention, case=_case,
-              example=dict(d_model=8, heads=2, causal=True))
+              example=dict(d_model=8, heads=2, causal=True),
+              sizes=TOKEN_SIZES)

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 import structattn as sa
+from structattn._validation import check_size
 from structattn.potentials.prediction_error import ACTIVATIONS
 
 from ._catalogue import Entry, randn64
@@ -51,10 +52,12 @@ class PredictiveCoding(sa.Declaration):
                  dtype=None):
         super().__init__()
         sizes = list(layer_sizes) if isinstance(layer_sizes, (list, tuple)) else None
-        if not sizes or len(sizes) < 2 or not all(
-                isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in sizes):
+        if not sizes or len(sizes) < 2:
             raise ValueError(f"PredictiveCoding: layer_sizes must be a list of ≥ 2 positive ints "
                              f"(input first); got {layer_sizes!r}")
+        sizes = [check_size("PredictiveCoding", f"layer_sizes[{l}]", n)
+                 for l, n in enumerate(sizes)]
+        steps = check_size("PredictiveCoding", "steps", steps, 0)
         if activation not in ACTIVATIONS:
             raise ValueError(f"PredictiveCoding: activation must be one of {list(ACTIVATIONS)}; "
                              f"got {activation!r}")
@@ -79,9 +82,11 @@ class PredictiveCoding(sa.Declaration):
         if not attention:
             raise ValueError("PredictiveCoding: blocks are nodes that compete for a child, an "
                              "attention=True setting; the standard network connects whole layers")
-        ok = isinstance(blocks, (list, tuple)) and len(blocks) == len(sizes) and all(
-            isinstance(B, int) and not isinstance(B, bool) and B >= 1 and n % B == 0
-            for B, n in zip(blocks, sizes, strict=False))
+        ok = isinstance(blocks, (list, tuple)) and len(blocks) == len(sizes)
+        if ok:
+            blocks = [check_size("PredictiveCoding", f"blocks[{l}]", B)
+                      for l, B in enumerate(blocks)]
+            ok = all(n % B == 0 for B, n in zip(blocks, sizes, strict=True))
         if not ok:
             raise ValueError(f"PredictiveCoding: blocks must give, for each of the "
                              f"{len(sizes)} layers {sizes}, a positive number of equal blocks "
@@ -113,6 +118,7 @@ class PredictiveCoding(sa.Declaration):
 
     def model(self, x, y=None):
         L = len(self.layer_sizes) - 1
+        self.check_inputs(x=x, y=y)
         self._check(x, y)
         below = sa.nodes("layer0", self._nodes(0, x))
         state, latents = x, []
@@ -174,4 +180,5 @@ def _case():
 
 #: the catalogue's statement (models/_catalogue.py)
 ENTRY = Entry(predictive_coding, PredictiveCoding, case=_case,
-              example=dict(layer_sizes=[6, 4, 3], steps=10))
+              example=dict(layer_sizes=[6, 4, 3], steps=10),
+              sizes=dict(layer_sizes=1, steps=0))

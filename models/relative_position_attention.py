@@ -5,9 +5,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from structattn._validation import check_size
 from structattn.priors import RelativePosition
 
-from ._catalogue import Entry, randn64
+from ._catalogue import TOKEN_SIZES, Entry, randn64
 from ._projections import TokenAttention
 
 
@@ -20,9 +21,7 @@ class RelativePositionAttention(TokenAttention):
 
     def __init__(self, d_model, *, max_distance=16, heads=1, device=None, dtype=None, **kwargs):
         super().__init__(d_model, heads=heads, device=device, dtype=dtype, **kwargs)
-        if not isinstance(max_distance, int) or max_distance < 0:
-            raise ValueError(f"RelativePositionAttention: max_distance must be an int ≥ 0; "
-                             f"got {max_distance!r}")
+        max_distance = check_size(type(self).__name__, "max_distance", max_distance, 0)
         self.max_distance = max_distance
         self.position_logits = nn.Parameter(torch.zeros(heads, 2 * max_distance + 1,
                                                         device=device, dtype=dtype))
@@ -48,4 +47,5 @@ def _case():
 
 #: the catalogue's statement (models/_catalogue.py)
 ENTRY = Entry(relative_position_attention, RelativePositionAttention, case=_case,
-              example=dict(d_model=8, max_distance=2, heads=2, causal=True))
+              example=dict(d_model=8, max_distance=2, heads=2, causal=True),
+              sizes={**TOKEN_SIZES, "max_distance": 0})

@@ -6,7 +6,7 @@ import torch
 
 from structattn.priors import Uniform
 
-from ._catalogue import Entry, randn64
+from ._catalogue import TOKEN_SIZES, Entry, randn64
 from ._projections import TokenAttention
 
 
@@ -41,4 +41,5 @@ def _case():
 
 #: the catalogue's statement (models/_catalogue.py)
 ENTRY = Entry(self_attention, SelfAttention, case=_case,
-              example=dict(d_model=8, heads=2, causal=True))
+              example=dict(d_model=8, heads=2, causal=True),
+              sizes=TOKEN_SIZES)

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 import structattn as sa
+from structattn._validation import check_size
 
 from ._catalogue import Entry, randn64
 
@@ -50,9 +51,10 @@ class SlotAttention(sa.Declaration):
     def __init__(self, num_slots, dim, *, iters=3, eps=1e-8, hidden_dim=128, recipe="original",
                  temperature=None, grad="unroll", device=None, dtype=None):
         super().__init__()
-        for what, val in (("num_slots", num_slots), ("dim", dim), ("hidden_dim", hidden_dim)):
-            if not isinstance(val, int) or isinstance(val, bool) or val < 1:
-                raise ValueError(f"SlotAttention: {what} must be a positive int; got {val!r}")
+        owner = type(self).__name__
+        num_slots, dim, hidden_dim = (check_size(owner, n, v) for n, v in (
+            ("num_slots", num_slots), ("dim", dim), ("hidden_dim", hidden_dim)))
+        iters = check_size(owner, "iters", iters, 0)
         if recipe not in RECIPES:
             raise ValueError(f"SlotAttention: recipe must be one of {RECIPES}; got {recipe!r}")
         if not (isinstance(eps, (int, float)) and eps >= 0 and math.isfinite(eps)):
@@ -81,6 +83,7 @@ class SlotAttention(sa.Declaration):
 
     # -- the declaration ---------------------------------------------------------------
     def model(self, inputs, slots=None, num_slots=None):
+        self.check_inputs(inputs=inputs, slots=slots)
         init = self.initial_slots(inputs, slots, num_slots)
         x = self.norm_input(inputs)
         if self.recipe == "original":
@@ -138,9 +141,8 @@ class SlotAttention(sa.Declaration):
             got = tuple(inputs.shape) if isinstance(inputs, torch.Tensor) else type(inputs).__name__
             raise ValueError(f"SlotAttention: inputs must have shape (batch, n, {self.dim}); "
                              f"got {got}")
-        if num_slots is not None and (not isinstance(num_slots, int) or isinstance(num_slots, bool)
-                                      or num_slots < 1):
-            raise ValueError(f"SlotAttention: num_slots must be a positive int; got {num_slots!r}")
+        if num_slots is not None:
+            num_slots = check_size(type(self).__name__, "num_slots", num_slots)
         b = inputs.shape[0]
         if slots is not None:
             if not isinstance(slots, torch.Tensor):
@@ -173,4 +175,5 @@ def _case():
 
 #: the catalogue's statement (models/_catalogue.py)
 ENTRY = Entry(slot_attention, SlotAttention, case=_case,
-              example=dict(num_slots=3, dim=8, iters=3, hidden_dim=16))
+              example=dict(num_slots=3, dim=8, iters=3, hidden_dim=16),
+              sizes=dict(num_slots=1, dim=1, iters=0, hidden_dim=1))

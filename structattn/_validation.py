@@ -9,9 +9,12 @@ convention: on by default, off with ``structattn.set_validation(False)``.
 from __future__ import annotations
 
 import contextlib
+import numbers
 import threading
 
 import torch
+
+from ._direct import direct_readers
 
 _DEFAULT = True  # the process-wide default (set_validation)
 _local = threading.local()  # per-thread overrides (the validation() context manager)
@@ -59,12 +62,61 @@ def check_finite(what: str, tensor: torch.Tensor) -> None:
     bad = ~torch.isfinite(tensor)
     first = first_true(bad)
     if first is not None:
+        blame_parameters(what)  # a diverged parameter, not the input, when one is non-finite
         raise ValueError(
             f"{what} contains non-finite values (NaN or inf): {int(bad.sum())} of "
             f"{tensor.numel()} entries, the first at index {first}. structattn refuses to "
             f"propagate them into a posterior; clean the input or call "
             f"structattn.set_validation(False) to skip this check."
         )
+
+
+def blame_parameters(what: str) -> None:
+    """Raise a ValueError naming the first non-finite parameter (or buffer) of the declaration
+    being read, when ``what`` — states computed from the inputs and the parameters — turned out
+    non-finite and such a parameter exists; return otherwise. Reads the parameters only on this
+    failure path (the compiled reading tells which declaration it reads: ``reader.declaration``)."""
+    module = next((r.declaration for r in reversed(direct_readers())
+                   if getattr(r, "declaration", None) is not None), None)
+    if module is None:
+        return
+    for name, t in (*module.named_parameters(), *module.named_buffers()):
+        if not t.is_floating_point() or bool(torch.isfinite(t).all()):
+            continue
+        bad = ~torch.isfinite(t.detach())
+        raise ValueError(
+            f"parameter {name!r} of {type(module).__name__} contains non-finite values (NaN or "
+            f"inf): {int(bad.sum())} of {t.numel()} entries, the first at index "
+            f"{first_true(bad)}; {what}, computed from it, is non-finite. A parameter is not an "
+            f"input to clean: it diverged in training (lower the learning rate, clip the "
+            f"gradients) or was loaded so — restore it from a checkpoint or re-initialise it.")
+
+
+def check_size(owner: str, name: str, value, least: int = 1) -> int:
+    """A size argument (heads, widths, counts, steps): an int ≥ ``least`` (numpy integers
+    accepted; bools, floats and strings refused), returned as an int; otherwise a ValueError
+    ``"<owner>: <name> must be a positive int; got <value>"`` (or ``an int ≥ <least>``)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
+        want = "a positive int" if least == 1 else f"an int ≥ {least}"
+        raise ValueError(f"{owner}: {name} must be {want}; got {value!r}")
+    return int(value)
+
+
+def check_like(what: str, states: torch.Tensor, reference: torch.Tensor, reference_name: str
+               ) -> None:
+    """States must have the dtype of a parameter they meet (``reference``, described as
+    ``reference_name``, e.g. "potential W_q") and sit on its device: a ValueError naming both,
+    with the actual and the expected dtype (device) and what to do, otherwise. Free: no pass over
+    the data. Integer states are refused here too (states are floating point)."""
+    if states.dtype != reference.dtype:
+        fix = (f"convert one of them (e.g. layer.to({states.dtype}))" if states.is_floating_point()
+               else f"states are floating point: convert the input (e.g. .to({reference.dtype}))")
+        raise ValueError(f"{what} has dtype {states.dtype} but {reference_name} has dtype "
+                         f"{reference.dtype}; {fix}")
+    if not same_device(states.device, reference.device):
+        raise ValueError(f"{what} is on {states.device} but {reference_name} is on "
+                         f"{reference.device}; move one of them "
+                         f"(e.g. layer.to({str(states.device)!r}))")
 
 
 def shape_str(shape) -> str:

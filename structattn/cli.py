@@ -14,6 +14,18 @@ import argparse
 import sys
 
 
+def _positive_int(text: str) -> int:
+    """An argparse type for sizes (--inputs, --heads, --top-k, --max-nodes): an int ≥ 1, or a
+    clean usage error (no traceback) naming the option."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive int; got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive int; got {value}")
+    return value
+
+
 def _build(name: str, heads: int | None):
     import structattn as sa
 
@@ -50,13 +62,14 @@ def main(argv=None) -> int:
     r = sub.add_parser("render", help="draw a catalogue model's declared or inferred structure")
     r.add_argument("model", help="a name from structattn.models.REGISTRY (see: structattn list)")
     r.add_argument("--out", required=True, help="output file: .svg, .png, .pdf or .dot")
-    r.add_argument("--inputs", type=int, metavar="N",
+    r.add_argument("--inputs", type=_positive_int, metavar="N",
                    help="draw the posterior on example inputs of N nodes (default: the prior)")
-    r.add_argument("--heads", type=int, help="number of heads (catalogue example: 2)")
-    r.add_argument("--top-k", type=int, help="keep each child's k most probable parents")
+    r.add_argument("--heads", type=_positive_int, help="number of heads (catalogue example: 2)")
+    r.add_argument("--top-k", type=_positive_int,
+                   help="keep each child's k most probable parents")
     r.add_argument("--threshold", type=float, default=0.0, help="drop lighter edges")
     r.add_argument("--labels", action="store_true", help="print probabilities on MAP edges")
-    r.add_argument("--max-nodes", type=int, help="refuse families with more nodes")
+    r.add_argument("--max-nodes", type=_positive_int, help="refuse families with more nodes")
     r.add_argument("--scale", type=float, default=3.0,
                    help="scale of the random example inputs (sharper posteriors)")
     r.add_argument("--seed", type=int, default=0)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ._validation import check_like
+
 
 class Declaration(nn.Module):
     """Base class of structattn declarations.
@@ -35,6 +37,34 @@ class Declaration(nn.Module):
             f"{self.display_name} has no example_inputs(); pass inputs explicitly, e.g. "
             f"structattn.render(model, x) or structattn.model_graph(model, x)"
         )
+
+    def check_inputs(self, **inputs) -> None:
+        """Check the model's tensor inputs (``name=tensor``; None is skipped) against its
+        parameters before anything is computed from them: each must be a floating-point tensor
+        with the dtype of the declaration's first floating-point parameter, on its device — a
+        ValueError otherwise, naming the argument, the parameter, the actual and the expected
+        dtype (device), as the potentials and values check the node sets they meet. Free (no
+        pass over the data); catalogue models call it first in ``model``."""
+        owner = type(self).__name__
+        reference = self._reference_parameter()
+        for arg, x in inputs.items():
+            if x is None:
+                continue
+            if not isinstance(x, torch.Tensor):
+                raise ValueError(f"{owner}: {arg} must be a torch.Tensor; got {type(x).__name__}")
+            if reference is not None:
+                check_like(f"{owner}: {arg}", x, reference[1], f"parameter {reference[0]}")
+            elif not x.is_floating_point():
+                raise ValueError(f"{owner}: {arg} must be floating point (float32, float64, "
+                                 f"bfloat16 or float16); got dtype {x.dtype}")
+
+    def _reference_parameter(self) -> tuple[str, torch.Tensor] | None:
+        """``(name, tensor)`` of the first floating-point parameter (else buffer), or None."""
+        for named in (self.named_parameters(), self.named_buffers()):
+            for name, t in named:
+                if t.is_floating_point():
+                    return name, t
+        return None
 
     def _param_like(self) -> dict:
         p = next(self.parameters(), None)

@@ -26,21 +26,52 @@ def test_too_few_dims():
         sa.compile(_m())(_x(7))
 
 
+def _own(device=None):
+    """A declaration of one's own (the self attention of ``_m``, as a function): its node set and
+    its potential check the input, not a catalogue model's ``check_inputs``."""
+    W_q, W_k, W_v = (torch.randn(6, 7, dtype=torch.float64, device=device) for _ in range(3))
+
+    def program(x):
+        n = sa.nodes("x", x)
+        phi = sa.edges("attn", n, n, sa.priors.Uniform(), heads=2)
+        sa.potential(phi, sa.potentials.Bilinear(W_q, W_k, heads=2))
+        return sa.merge_heads(sa.value(phi, sa.values.Linear(W_v, heads=2)))
+    return program
+
+
 def test_integer_states():
     with pytest.raises(ValueError, match=r"node set 'x'.*floating point.*torch.int64"):
-        sa.compile(_m())(torch.ones(2, 5, 7, dtype=torch.long))
+        sa.compile(_own())(torch.ones(2, 5, 7, dtype=torch.long))
 
 
 def test_dtype_mismatch_names_family_and_node_set():
     with pytest.raises(ValueError, match=r"edge family 'attn'.*'x' has dtype torch.float32.*"
                                          r"W_q has dtype torch.float64"):
-        sa.compile(_m())(_x(2, 5, 7, dtype=torch.float32))
+        sa.compile(_own())(_x(2, 5, 7, dtype=torch.float32))
 
 
 def test_device_mismatch_names_family():
-    m = sa.models.self_attention(7, d_k=3, heads=2, device="meta")
     with pytest.raises(ValueError, match=r"edge family 'attn'.*'x' is on cpu.*W_q is on meta"):
+        sa.compile(_own(device="meta"))(_x(2, 5, 7))
+
+
+def test_catalogue_models_check_inputs_against_their_parameters():
+    """A catalogue model checks its inputs first (``Declaration.check_inputs``): the argument,
+    the parameter, the actual and the expected dtype (device), before any projection."""
+    with pytest.raises(ValueError, match=r"^SelfAttention: x has dtype torch.int64 but parameter "
+                                         r"W_q has dtype torch.float64; states are floating "
+                                         r"point: convert the input"):
+        sa.compile(_m())(torch.ones(2, 5, 7, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"^SelfAttention: x has dtype torch.float32 but parameter "
+                                         r"W_q has dtype torch.float64; convert one of them "
+                                         r"\(e.g. layer.to\(torch.float32\)\)"):
+        sa.compile(_m())(_x(2, 5, 7, dtype=torch.float32))
+    m = sa.models.self_attention(7, d_k=3, heads=2, device="meta")
+    with pytest.raises(ValueError, match=r"^SelfAttention: x is on cpu but parameter W_q is on "
+                                         r"meta; move one of them"):
         sa.compile(m)(torch.randn(2, 5, 7))
+    with pytest.raises(ValueError, match=r"^SelfAttention: x must be a torch.Tensor; got list"):
+        sa.compile(_m())([[0.0] * 7])
 
 
 def test_cross_attention_batch_mismatch():

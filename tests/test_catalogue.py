@@ -125,6 +125,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from structattn._validation import check_size
 from structattn.declaration import Declaration
 from structattn.family import edges, potential, value
 from structattn.nodes import nodes
@@ -140,10 +141,11 @@ class ToyAttention(Declaration):
 
     def __init__(self, d=3, dtype=None):
         super().__init__()
-        self.d = d
+        self.d = check_size("ToyAttention", "d", d)
         self.W = nn.Parameter(torch.randn(d, d, dtype=dtype))
 
     def model(self, x):
+        self.check_inputs(x=x)
         tokens = nodes("x", x, features=self.d)
         phi = edges("attn", tokens, tokens, Uniform())
         potential(phi, Bilinear(self.W, self.W))
@@ -162,7 +164,7 @@ def _case():
     return toy_attention(dtype=torch.float64), (randn64(2, 4, 3),)
 
 
-ENTRY = Entry(toy_attention, ToyAttention, case=_case, example=dict(d=3))
+ENTRY = Entry(toy_attention, ToyAttention, case=_case, example=dict(d=3), sizes=dict(d=1))
 '''
 
 #: the plugin a test session loads to register the toy, as models/__init__.py's line would
@@ -222,5 +224,6 @@ def test_a_new_model_is_one_file_and_one_line(tmp_path, monkeypatch):
         cwd=root, env=env, capture_output=True, text=True, timeout=600)
     out = proc.stdout + proc.stderr
     # registration check 1; catalogue checks 5 (entry, Pyro, gradcheck, NaN, docs); the edge
-    # matrix's 6 cells; 2 drawings
-    assert proc.returncode == 0 and re.search(r"^14 passed", out, re.M), out
+    # matrix's 6 cells and its 6 rows (dtype, device, sizes, sizes stated, NaN input, NaN
+    # parameter); 2 drawings
+    assert proc.returncode == 0 and re.search(r"^20 passed", out, re.M), out

@@ -1,5 +1,7 @@
 """``structattn render MODEL`` / ``structattn list`` (structattn/cli.py)."""
 
+import re
+
 import pytest
 
 import structattn as sa
@@ -22,3 +24,32 @@ def test_command_line_renders_catalogue_models(tmp_path, capsys):
         main(["render", "nope", "--out", str(out)])
     assert main(["render", "self_attention", "--inputs", "100", "--out", str(out)]) == 2
     assert "max_nodes" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("option, value, shown", [("--heads", "0", "0"), ("--inputs", "-3", "-3"),
+                                                  ("--top-k", "two", "'two'"),
+                                                  ("--max-nodes", "0", "0")])
+def test_command_line_sizes_are_checked_by_argparse(tmp_path, capsys, option, value, shown):
+    """A zero, negative or non-int size is a usage error naming the option (exit status 2, no
+    traceback), before anything is built."""
+    from structattn.cli import main
+
+    argv = ["render", "multihop_attention", "--inputs", "6", "--out", str(tmp_path / "m.png")]
+    with pytest.raises(SystemExit) as stop:
+        main([*argv, option, value])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert re.search(rf"structattn render: error: argument {option}: must be a positive int; "
+                     rf"got {re.escape(shown)}\n$", err), err
+    assert "Traceback" not in err
+
+
+def test_command_line_reports_a_model_that_refuses_its_sizes(tmp_path, capsys):
+    """Sizes that are ints but that the model refuses (3 heads of an 8-wide model): the model's
+    own message, exit status 2."""
+    from structattn.cli import main
+
+    assert main(["render", "multihop_attention", "--heads", "3", "--out",
+                 str(tmp_path / "m.dot")]) == 2
+    assert re.search(r"structattn render: MultihopAttention: d_model=8 is not divisible by "
+                     r"heads=3", capsys.readouterr().err)

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from .._validation import same_device, shape_str
+from .._validation import check_like, shape_str
 from ..heads import gather_parents, merge_heads, split_heads
 from .base import Potential
 from .temperature import check_temperature, check_temperature_value, describe_temperature, inverse, per_head
@@ -105,18 +105,8 @@ class Bilinear(Potential):
                     f"(*batch, n, {W.shape[1]}) to match potential {wname} {shape_str(W.shape)}; "
                     f"got {shape_str(x.shape)}"
                 )
-            if x.dtype != W.dtype:
-                raise ValueError(
-                    f"edge family {family!r}: {role} node set {nodes.name!r} has dtype {x.dtype} "
-                    f"but potential {wname} has dtype {W.dtype}; convert one of them "
-                    f"(e.g. layer.to({x.dtype}))"
-                )
-            if not same_device(x.device, W.device):
-                raise ValueError(
-                    f"edge family {family!r}: {role} node set {nodes.name!r} is on {x.device} "
-                    f"but potential {wname} is on {W.device}; move one of them "
-                    f"(e.g. layer.to({str(x.device)!r}))"
-                )
+            check_like(f"edge family {family!r}: {role} node set {nodes.name!r}", x, W,
+                       f"potential {wname}")
         check_temperature_value(self.temperature, family, self.heads)
 
     def describe(self) -> str:

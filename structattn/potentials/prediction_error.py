@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .._validation import shape_str
+from .._validation import check_like, shape_str
 from ..heads import gather_parents
 from .base import Potential
 from .temperature import check_temperature, check_temperature_value
@@ -143,9 +143,8 @@ class PredictionError(Potential):
                     f"edge family {family!r}: a PredictionError potential with W "
                     f"{shape_str(self.W.shape)} needs {role} {ns.name!r} of shape (*batch, {n}, "
                     f"{d}); got {shape_str(ns.states.shape)}")
-            if ns.states.dtype != self.W.dtype:
-                raise ValueError(f"edge family {family!r}: {role} {ns.name!r} has dtype "
-                                 f"{ns.states.dtype} but W has dtype {self.W.dtype}")
+            check_like(f"edge family {family!r}: {role} node set {ns.name!r}", ns.states, self.W,
+                       "potential W")
 
     def describe(self) -> str:
         return f"PredictionError(k, f={self.activation or 'identity'})"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .._validation import same_device, shape_str
+from .._validation import check_like, shape_str
 from ..heads import split_heads
 from .base import Value
 
@@ -33,16 +33,8 @@ class Linear(Value):
                 f"(*batch, n, {self.W_v.shape[1]}) to match value W_v {shape_str(self.W_v.shape)}; "
                 f"got {shape_str(x.shape)}"
             )
-        if x.dtype != self.W_v.dtype:
-            raise ValueError(
-                f"edge family {family!r}: parents node set {parents.name!r} has dtype {x.dtype} "
-                f"but value W_v has dtype {self.W_v.dtype}"
-            )
-        if not same_device(x.device, self.W_v.device):
-            raise ValueError(
-                f"edge family {family!r}: parents node set {parents.name!r} is on {x.device} "
-                f"but value W_v is on {self.W_v.device}"
-            )
+        check_like(f"edge family {family!r}: parents node set {parents.name!r}", x, self.W_v,
+                   "value W_v")
 
     def describe(self) -> str:
         return f"Linear(heads={self.heads}, d_v={self.d_v})"

@@ -3,6 +3,7 @@ et al.'s update, their energy, Pyro's TraceEnum_ELBO loss (the free energy at a 
 Pyro's MAP (the fixed point)."""
 
 import math
+import re
 
 import pytest
 import torch
@@ -137,3 +138,24 @@ def test_hopfield_without_projections_is_the_classical_network():
     assert torch.allclose(per_query.sum(-1), m.energy(trace.states["state"][-1], Y))
     with pytest.raises(ValueError, match="projections=False"):
         sa.models.hopfield(6, 4, projections=False)
+
+
+def test_temperature_is_the_inverse_of_beta():
+    """``temperature=τ`` (as every attention model takes it) is ``beta=1/τ``: the hand-written
+    loop at β = 1/τ; both given must agree, else a clear error."""
+    torch.manual_seed(0)
+    m = sa.models.hopfield(6, heads=2, temperature=0.4, update_steps=2, dtype=f64)
+    assert m.beta == 2.5 and m.temperature == pytest.approx(0.4)
+    r, Y = torch.randn(2, 3, 6, dtype=f64), torch.randn(2, 8, 6, dtype=f64)
+    want, _ = hopfield_loop(m, r, Y, 2)  # reads m.beta
+    assert (sa.compile(m)(r, Y) - want).abs().max() < 1e-12
+    assert sa.models.hopfield(6, beta=2.5, temperature=0.4).beta == 2.5  # the same setting
+    assert sa.models.hopfield(6, d_k=4).temperature == pytest.approx(2.0)  # default τ = √d_k
+    with pytest.raises(ValueError, match=r"^Hopfield: beta and temperature are one setting, "
+                                         r"β = 1/τ; got beta=2.0 and temperature=0.3 "
+                                         r"\(1/τ = 3.33333\): give one of them"):
+        sa.models.hopfield(6, beta=2.0, temperature=0.3)
+    for bad in (0.0, -1.0, math.inf, "learned", True):
+        with pytest.raises(ValueError, match=rf"^Hopfield: temperature must be a finite number > "
+                                             rf"0 \(or None\); got {re.escape(repr(bad))}"):
+            sa.models.hopfield(6, temperature=bad)

@@ -264,3 +264,13 @@ def test_blocks_are_the_nodes_of_the_drawing():
     weights = sorted(d["posterior"] for *_, d in out)
     assert torch.allclose(torch.tensor(weights, dtype=f64),
                           post["predict2"][0, 0, 0].sort().values, atol=1e-6)
+
+
+@pytest.mark.parametrize("blocks, bad", [([2, 0], "blocks\\[1\\] must be a positive int; got 0"),
+                                         ([2, 1.5], "blocks\\[1\\] must be a positive int; got 1.5"),
+                                         ([-2, 2], "blocks\\[0\\] must be a positive int; got -2")])
+def test_each_block_count_is_a_size(blocks, bad):
+    """Block counts are sizes, each checked and named by its layer (ENTRY.sizes covers the
+    layer sizes; the block counts, relative to them, are checked here)."""
+    with pytest.raises(ValueError, match=rf"^PredictiveCoding: {bad}$"):
+        sa.models.predictive_coding([6, 4], blocks=blocks)
