@@ -39,7 +39,8 @@ class CompiledModule(nn.Module):
     def forward(self, *inputs, return_posterior: bool = False, return_trace: bool = False,
                 trace_posteriors: bool = False, **kwargs):
         with Marginalise(record_posterior=return_posterior, record_trace=return_trace,
-                         record_trace_posteriors=trace_posteriors).direct() as reader:
+                         record_trace_posteriors=trace_posteriors,
+                         declaration=self.declaration).direct() as reader:
             out = self.declaration.model(*inputs, **kwargs)
         result = (out,)
         if return_posterior:
@@ -60,7 +61,8 @@ class CompiledModule(nn.Module):
         nothing latent, e.g. every layer clamped, needs none). Its
         gradient with respect to the parameters at fixed states is predictive coding's local
         learning rule: ``layer.free_energy(x, latents=final).sum().backward()``."""
-        with Marginalise(latent_values=latents, record_trace=latents is None).direct() as reader:
+        with Marginalise(latent_values=latents, record_trace=latents is None,
+                         declaration=self.declaration).direct() as reader:
             self.declaration.model(*inputs, **kwargs)
         if latents is None and reader.trace is not None and reader.trace.free_energy is not None:
             return reader.trace.free_energy[-1]

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from .._validation import is_validating
-from .base import Intersection, Operator, Support, grid
+from .base import Intersection, Operator, Support, grid, keep_nonfinite_rows
 
 
 class AllParents(Support):
@@ -157,6 +157,7 @@ class DenseOperator(Operator):
         mask, is_causal = self._const("sdpa", lambda: f.tables.sdpa_inputs(xc.dtype))
         out = F.scaled_dot_product_attention(a, b, u, attn_mask=mask, is_causal=is_causal,
                                              scale=scale)
+        out = keep_nonfinite_rows(out, a, b)
         keep = self.keep()
         return out if keep is None else out * keep
 

@@ -28,7 +28,7 @@ import math
 
 import torch
 
-from .._validation import is_validating
+from .._validation import blame_parameters, is_validating
 from ..beta import beta_quantile, log_beta
 from ..kinds.window import Window
 from .base import Prior
@@ -48,6 +48,8 @@ def _positive(name, value):
                              f"{tuple(value.shape)}")
         checking = is_validating() and not torch.compiler.is_compiling()
         if checking and not bool(((value > 0) & value.isfinite()).all()):
+            if not bool(value.isfinite().all()):  # computed from a parameter that diverged?
+                blame_parameters(f"BetaGeometric prior: {name}")
             raise ValueError(f"BetaGeometric prior: {name} must be finite and > 0 (a Beta "
                              f"parameter); got {value.detach().cpu().tolist()}")
         return value

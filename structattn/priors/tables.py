@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from .._validation import first_true, is_validating, same_device, shape_str
+from .._validation import blame_parameters, first_true, is_validating, same_device, shape_str
 
 
 class PriorTables:
@@ -229,6 +229,7 @@ def _check_table(family, what, t, target, device) -> None:
 def _check_log_weights(family, table, where) -> None:
     first = first_true(table.isnan() | table.isposinf())
     if first is not None:
+        blame_parameters(f"edge family {family!r}: the prior log weights")  # learned logits?
         raise ValueError(
             f"edge family {family!r}: prior log weights contain non-finite values (NaN "
             f"or +inf) {where} {first}; only −inf (a parent outside the support) is "

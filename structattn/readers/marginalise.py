@@ -39,11 +39,17 @@ class Marginalise(Messenger):
     by ``structattn.infer`` or by the first value of a family touching a latent) iterates
     every pending latent against the families declared so far (``structattn.iterate``) and
     keeps the ``Trace`` in ``self.trace``. ``latent_values`` fixes latents to given states
-    instead (no iteration): the reading of a model at a point, e.g. Pyro's MAP."""
+    instead (no iteration): the reading of a model at a point, e.g. Pyro's MAP. ``declaration``
+    (optional): the declaration read, whose parameters an error names when states computed from
+    them are non-finite."""
 
     def __init__(self, *, record_posterior: bool = False, record_trace: bool = False,
-                 record_trace_posteriors: bool = False, latent_values: dict | None = None):
+                 record_trace_posteriors: bool = False, latent_values: dict | None = None,
+                 declaration=None):
         super().__init__()
+        #: the declaration read (its parameters are named when states computed from them are
+        #: non-finite: structattn._validation.blame_parameters)
+        self.declaration = declaration
         self.record_posterior = record_posterior
         self.record_trace = record_trace or record_trace_posteriors
         self.record_trace_posteriors = record_trace_posteriors
