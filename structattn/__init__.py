@@ -18,6 +18,7 @@ from ._validation import validation as validation
 from .compiler import CompiledModule as CompiledModule
 from .compiler import compile as compile
 from .declaration import Declaration as Declaration
+from .divergence import DivergenceWarning as DivergenceWarning
 from .drawing import RenderError as RenderError
 from .drawing import model_graph as model_graph
 from .drawing import render as render

@@ -14,7 +14,8 @@ and its gradient is the expectation, under the edge posterior, of the ordinary o
   H = 1/scale² + E[−∂²ψ/∂μ²] and its minimiser is μ_t − ∇F(μ_t)/H: the CCCP fixed point
   for bilinear potentials (Hopfield: ξ ← Kᵀ softmax(βKξ)) and the EM M-step for Gaussian
   ones (a posterior-weighted mean). F never increases.
-- ``"gradient"``: μ ← μ − η ∇F(μ).
+- ``"gradient"``: μ ← μ − η ∇F(μ). Too large an η makes F rise: while validating, a
+  ``DivergenceWarning`` names ``step_size`` and the step (``structattn.divergence``).
 - a callable ``update(state, step) -> state`` (e.g. slot attention's GRU + MLP), given a
   ``Step``: the operators of the latent's families at the current states.
 
@@ -29,6 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .divergence import DivergenceWatch
 from .kinds.base import Operator
 from .latent import LatentNodeSet
 from .lowering import operator_for
@@ -291,6 +293,9 @@ class Engine:
                     posts.setdefault(name, []).append(op.dense_posterior())
 
         remember()
+        watch = DivergenceWatch(self)  # update="gradient": warn when F ends above its start
+        if budget:
+            watch.start(energies[0] if energies else None)
         t = 0
         free_steps = budget - 1 if last_only else budget
         no_grad = torch.no_grad() if last_only else contextlib.nullcontext()
@@ -313,6 +318,7 @@ class Engine:
             t += 1
             remember()
         trace.steps = t
+        watch.finish(t, energies if record else None)
         if record:
             trace.states = {k: torch.stack(v) for k, v in history.items()}
             trace.free_energy = torch.stack(energies)
