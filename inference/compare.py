@@ -22,6 +22,7 @@ level α (default 0.01) an entry passes when |z| ≤ Φ⁻¹(1 − α/(2m)).
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 
 import torch
@@ -180,7 +181,9 @@ def compare(model, *inputs, method: str = "exact", atol: float | None = None,
     atol: the exact checks' absolute tolerance (default 1e-6 for float64 inputs, 1e-4 for
     float32, 1e-2 otherwise). ``fixed_point=False`` skips the MAP search of latent models
     (the conditional checks remain). ``fit_options``: keyword arguments for the fitter of
-    "svi"/"mcmc" (e.g. ``{"num_steps": 500}``, ``{"warmup_steps": 100, "num_chains": 2}``);
+    "svi"/"mcmc" (e.g. ``{"num_steps": 500}``, ``{"warmup_steps": 100, "num_chains": 2}``) or,
+    for a latent model read exactly, of Pyro's MAP search (``map_estimate``: ``max_iter``,
+    ``gtol``, ``init``, ``progress``);
     other keyword arguments go to the model. ``samples=S`` (with ``method="exact"``) adds the sampled checks
     of ``method="samples"`` with S draws; ``num_samples``: draws for "samples"/"mcmc" (and
     SVI's edge marginals). The exact ``output`` is the program at the exact E[v], so it
@@ -207,7 +210,8 @@ def compare(model, *inputs, method: str = "exact", atol: float | None = None,
             raise ValueError("sampled edge checks are for models without latent node sets; for "
                              "latent models use method='exact', 'svi' or 'mcmc'")
         return _compare_latent(layer, *inputs, structure=structure, atol=atol,
-                               map_atol=map_atol, fixed_point=fixed_point, **kwargs)
+                               map_atol=map_atol, fixed_point=fixed_point,
+                               map_options=_map_options(fit_options), **kwargs)
     report = _compare_exact(layer, *inputs, atol=atol, **kwargs)
     if method == "samples" or samples:
         _add_sampled(report, layer, *inputs, S=samples or num_samples, alpha=alpha, **kwargs)
@@ -277,8 +281,41 @@ def _agreement(out, truth, posteriors, fast, **fields) -> Comparison:
     return report
 
 
+MAP_OPTIONS = ("max_iter", "gtol", "init", "progress")
+
+
+def _map_options(fit_options) -> dict:
+    """``fit_options`` for the MAP search of ``method="exact"`` on a latent model, checked."""
+    options = dict(fit_options or {})
+    unknown = sorted(set(options) - set(MAP_OPTIONS))
+    if unknown:
+        raise ValueError(f"fit_options {unknown} are not options of the MAP search "
+                         f"(structattn.inference.map_estimate) that method='exact' runs on a "
+                         f"latent model; it takes {list(MAP_OPTIONS)}")
+    return options
+
+
+def _map_note(found, options) -> str:
+    """What to do when Pyro's MAP search stopped above its tolerance and a fixed-point check
+    failed: it ran out of rounds (give it more), or it stopped making progress (it is as
+    precise as it gets: a gap that small is its own, a larger one the compiled iteration's)."""
+    defaults = inspect.signature(map_estimate).parameters
+    gtol = options.get("gtol", defaults["gtol"].default)
+    max_iter = options.get("max_iter", defaults["max_iter"].default)
+    head = (f"Pyro's MAP search stopped at max |∇F| = {found.gradient:.2g}, above its tolerance "
+            f"gtol = {gtol:g}")
+    if len(found.losses) >= max(1, max_iter // 20):  # its whole budget: it may get closer
+        return (f"{head}, at its budget of {max_iter} L-BFGS iterations: the MAP itself may be "
+                f"inexact, which could explain the failed fixed-point check. Give it more, "
+                f"compare(..., fit_options={{'max_iter': {4 * max_iter}}}), and compare again")
+    return (f"{head}, where its loss stopped decreasing: the MAP is no more precise than that in "
+            f"this dtype, so a fixed-point gap of the order of |∇F| / curvature is the MAP's own — "
+            f"loosen map_atol to it; a larger gap is the compiled iteration's (run it longer, "
+            f"structattn.iteration(steps=…, tol=…), or it found another local optimum)")
+
+
 def _compare_latent(layer, *inputs, structure, atol, map_atol, fixed_point=True,
-                    **kwargs) -> Comparison:
+                    map_options=None, **kwargs) -> Comparison:
     """Latent models: the compiled reading at its final state against Pyro's exact reading
     at that state (posteriors, values, output, free energy), and the final state against
     Pyro's MAP (when every update is a descent rule on the declared free energy)."""
@@ -301,7 +338,7 @@ def _compare_latent(layer, *inputs, structure, atol, map_atol, fixed_point=True,
         report.notes.append(f"no MAP comparison: latents {callables} use a user update rule, "
                             f"which is not a descent rule on the declared free energy")
         return report
-    found = map_estimate(layer.declaration, *inputs, **kwargs)
+    found = map_estimate(layer.declaration, *inputs, **(map_options or {}), **kwargs)
     report.fixed_point = {k: _maxdiff(final[k], v) for k, v in found.latents.items()}
     report.fixed_point_free_energy = F - found.free_energy
     if trace.converged:
@@ -315,9 +352,9 @@ def _compare_latent(layer, *inputs, structure, atol, map_atol, fixed_point=True,
     if report.fixed_point_free_energy < -1e-9:
         report.notes.append("the compiled iteration found a lower free energy than the MAP "
                             "search: they sit in different local optima")
-    if not found.converged:
-        report.notes.append(f"Pyro's MAP search stopped at max |∇F| = {found.gradient:.2g}, "
-                            f"above its tolerance")
+    if not found.converged and any(not c.passed for c in report.checks
+                                   if c.name.startswith("fixed point")):
+        report.notes.append(_map_note(found, map_options or {}))
     return report
 
 

@@ -1,5 +1,7 @@
 """Comparisons with a verdict: exact and sampled checks, a non-affine program caught."""
 
+import re
+
 import pytest
 import torch
 from scipy import stats
@@ -74,3 +76,36 @@ def test_compare_with_samples_catches_a_non_affine_program():
     report = sa.inference.compare(program, _x(1, 4, 5), samples=400)
     assert report.max_abs_diff < 1e-6  # at E[v] everything agrees …
     assert report.sampled_z > 5  # … but E[output] does not
+
+
+def _hopfield():
+    torch.manual_seed(0)
+    m = sa.models.hopfield(6, heads=2, update_steps=500, tol=1e-13, beta=0.5, dtype=f64)
+    return m, torch.randn(1, 3, 6, dtype=f64), torch.randn(1, 7, 6, dtype=f64)
+
+
+def test_compare_notes_the_map_search_only_when_it_could_explain_a_failure():
+    """A MAP search that stops above its gradient tolerance is not worth a note on a passing
+    report; on a failed fixed-point check the note says which case it is and what to do."""
+    m, q, Y = _hopfield()
+    # one L-BFGS round of 20 iterations stops near |∇F| = 3e-6, far above gtol = 1e-10, yet the
+    # states agree within map_atol = 1e-4: a passing report, no note
+    assert not sa.inference.map_estimate(m, q, Y, max_iter=20).converged
+    passing = sa.inference.compare(m, q, Y, fit_options={"max_iter": 20})
+    assert passing.passed and "MAP search" not in str(passing)
+    # out of rounds: give it more
+    short = sa.inference.compare(m, q, Y, fit_options={"max_iter": 20}, map_atol=1e-9)
+    assert not short.passed
+    assert re.search(r"note: Pyro's MAP search stopped at max \|∇F\| = \S+, above its tolerance "
+                     r"gtol = 1e-10, at its budget of 20 L-BFGS iterations: the MAP itself may "
+                     r"be inexact, which could explain the failed fixed-point check\. Give it "
+                     r"more, compare\(\.\.\., fit_options=\{'max_iter': 80\}\)", str(short))
+    # no progress left: a gap that small is the MAP's own
+    tight = sa.inference.compare(m, q, Y, map_atol=1e-14)
+    assert not tight.passed
+    assert re.search(r"where its loss stopped decreasing: the MAP is no more precise than that "
+                     r"in this dtype, .* loosen map_atol", str(tight))
+    with pytest.raises(ValueError, match=r"fit_options \['num_steps'\] are not options of the "
+                                         r"MAP search .* it takes \['max_iter', 'gtol', 'init', "
+                                         r"'progress'\]"):
+        sa.inference.compare(m, q, Y, fit_options={"num_steps": 5})
