@@ -3,9 +3,11 @@ block bound to a prototype from a learned memory."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import structattn as sa
@@ -57,22 +59,55 @@ class BlockLinear(nn.Module):
         return (torch.einsum("...mi,moi->...mo", xb, self.weight) + self.bias).flatten(-2)
 
 
+class BlockLayerNorm(nn.Module):
+    """LayerNorm of each block on its own, without affine parameters: ``(…, M·d) → (…, M·d)``,
+    block m of x standardised as (x_m − mean(x_m)) / √(var(x_m) + eps) (SysBinder's
+    ``BlockLayerNorm``)."""
+
+    def __init__(self, num_blocks, eps=1e-5):
+        super().__init__()
+        self.num_blocks, self.eps = num_blocks, eps
+
+    def forward(self, x):
+        xb = x.unflatten(-1, (self.num_blocks, -1))
+        return F.layer_norm(xb, xb.shape[-1:], eps=self.eps).flatten(-2)
+
+
+RECIPES = ("original", "blockwise", "collapsed")
+
+
 class BlockSlotAttention(SlotAttention):
     """z_s ~ N(μ, σ²) (latent slots of M blocks); each input j picks a slot, φ_j ~ Uniform(slots)
     (softmax over slots); each block m of each slot picks a prototype, ω_sm ~ Uniform(memory),
     with ψ(C_mk, z_s) on block m — two edge families, ``"assign"`` and ``"bind"`` (heads = blocks).
 
-    - ``recipe="original"`` (the block-slot recipe): slot attention's step with a block-wise
-      GRU and MLP (``BlockGRUCell``, ``BlockLinear``), then each block reads the memory:
-      z_sm ← Σ_k p(ω_sm = k | z) C_mk, ψ = ⟨z_sm, C_mk⟩/√d. ``num_prototypes=0`` drops the
-      memory (one family); with one block it is then slot attention exactly.
+    - ``recipe="original"``: SysBinder (Singh et al. 2023, ``sysbinder.py``), step for step.
+      Slot attention's step (ψ = to_k(x̂_j)ᵀ to_q(LN(z_s)) / √dim, the ε-renormalised
+      posterior-weighted mean of to_v(x̂)), a block-wise GRU (``BlockGRUCell``), then
+      z ← z + MLP(BlockLN(z)) with a block-wise MLP (``BlockLinear``) after a per-block
+      LayerNorm without affine parameters (``BlockLayerNorm``), then each block reads the
+      memory with its block-normalised state as the query:
+      z_sm ← Σ_k p(ω_sm = k | z) C_mk, ψ(C_mk, z_s) = ⟨BlockLN(z_s)_m, C_mk⟩/√d. The memory is
+      SysBinder's: learned prototypes P_mk (``prototypes``) through a 4-layer MLP shared by
+      the blocks (``memory_mlp``: d → 4d → 4d → 4d → d) and block-normalised,
+      C_mk = LN(MLP(P_mk)). SysBinder's weights load with ``load_sysbinder_state_dict``.
+    - ``recipe="blockwise"``: slot attention's original step made block-wise, reading raw
+      prototypes: the same GRU and MLP per block, but one LayerNorm over the whole slot (with
+      affine) before the MLP, and the raw slot blocks query the raw prototypes,
+      ψ = ⟨z_sm, P_mk⟩/√d, C = P. With one block and ``num_prototypes=0`` it is slot attention
+      exactly (``load_state_dict`` of a slot attention's weights, GRU and MLP unsqueezed).
     - ``recipe="collapsed"``: both families Gaussian, ψ = −‖z_s − k_j‖²/2τ and
-      −‖z_sm − C_mk‖²/2τ_mem; the CCCP/EM update pulls each block towards the inputs the slot
+      −‖z_sm − P_mk‖²/2τ_mem; the CCCP/EM update pulls each block towards the inputs the slot
       explains *and* the prototypes the block binds to (a posterior-weighted mean of both);
       the free energy never increases.
 
+    ``num_prototypes=0`` drops the memory (one family, no read). The attention returned
+    (``return_posterior=True``) is p(φ | x, z_T), at the final slots; SysBinder returns the
+    last iteration's attention computed before that iteration's update, p(φ | x, z_{T−1}):
+    ``trace.posteriors["assign"][-2]`` with ``return_trace=True, trace_posteriors=True``.
+
     inputs ``(B, N, dim)``, slots ``(B, S, dim)`` (optional) → slots ``(B, S, dim)``; the
-    memory ``prototypes`` is ``(num_blocks, num_prototypes, dim / num_blocks)``.
+    prototypes are ``(num_blocks, num_prototypes, dim / num_blocks)``.
 
     ::
 
@@ -86,6 +121,9 @@ class BlockSlotAttention(SlotAttention):
     def __init__(self, num_slots, dim, *, num_blocks, num_prototypes, iters=3, eps=1e-8,
                  hidden_dim=128, recipe="original", temperature=None, memory_temperature=None,
                  grad="unroll", device=None, dtype=None):
+        if recipe not in RECIPES:
+            raise ValueError(f"BlockSlotAttention: recipe must be one of {RECIPES}; got "
+                             f"{recipe!r}")
         owner = type(self).__name__
         dim = check_size(owner, "dim", dim)
         num_blocks = check_size(owner, "num_blocks", num_blocks)
@@ -96,8 +134,9 @@ class BlockSlotAttention(SlotAttention):
         if recipe == "collapsed" and num_prototypes == 0:
             raise ValueError("BlockSlotAttention: recipe='collapsed' needs num_prototypes ≥ 1")
         super().__init__(num_slots, dim, iters=iters, eps=eps, hidden_dim=hidden_dim,
-                         recipe=recipe, temperature=temperature, grad=grad, device=device,
-                         dtype=dtype)
+                         recipe="collapsed" if recipe == "collapsed" else "original",
+                         temperature=temperature, grad=grad, device=device, dtype=dtype)
+        self.recipe = recipe
         kw = {"device": device, "dtype": dtype}
         M, d = num_blocks, dim // num_blocks
         self.num_blocks, self.block_size, self.num_prototypes = M, d, num_prototypes
@@ -106,26 +145,49 @@ class BlockSlotAttention(SlotAttention):
         self.memory_temperature = memory_temperature
         self.prototypes = (nn.Parameter(torch.randn(M, num_prototypes, d, **kw))
                            if num_prototypes else None)
+        if recipe == "collapsed":
+            return
+        del self.gru, self.mlp
+        self.gru = BlockGRUCell(M, d, **kw)
+        hidden = max(dim, hidden_dim) // M
+        self.mlp = nn.Sequential(BlockLinear(M, d, hidden, **kw), nn.ReLU(inplace=True),
+                                 BlockLinear(M, hidden, d, **kw))
         if recipe == "original":
-            del self.gru, self.mlp
-            self.gru = BlockGRUCell(M, d, **kw)
-            hidden = max(dim, hidden_dim) // M
-            self.mlp = nn.Sequential(BlockLinear(M, d, hidden, **kw), nn.ReLU(inplace=True),
-                                     BlockLinear(M, hidden, d, **kw))
+            del self.norm_pre_ff
+            self.norm_pre_ff = BlockLayerNorm(M)
+            self.norm_query = BlockLayerNorm(M)  # the slots' blocks, before they query
+            if num_prototypes:
+                with torch.no_grad():  # SysBinder's initialisation of its memory
+                    nn.init.trunc_normal_(self.prototypes)
+                layers = [nn.Linear(a, b, **kw) for a, b in ((d, 4 * d), (4 * d, 4 * d),
+                                                               (4 * d, 4 * d), (4 * d, d))]
+                for lin in layers:
+                    nn.init.xavier_uniform_(lin.weight)
+                    nn.init.zeros_(lin.bias)
+                self.memory_mlp = nn.Sequential(layers[0], nn.ReLU(), layers[1], nn.ReLU(),
+                                                layers[2], nn.ReLU(), layers[3])
 
     def memory(self, batch_shape) -> torch.Tensor:
-        """The prototypes as memory nodes: ``(*batch, K, M·d)``, block m of node k = C_mk."""
-        C = self.prototypes.transpose(0, 1).flatten(-2)  # (K, M·d)
+        """The memory nodes C: ``(*batch, K, M·d)``, block m of node k = C_mk — the raw
+        prototypes P_mk, or (original recipe) LN(MLP(P_mk))."""
+        C = self.prototypes  # (M, K, d)
+        if self.recipe == "original":
+            C = F.layer_norm(self.memory_mlp(C), C.shape[-1:])
+        C = C.transpose(0, 1).flatten(-2)  # (K, M·d)
         return C.expand(*batch_shape, *C.shape)
 
     def _bind(self, slots, batch_shape, gaussian):
         memory = sa.nodes("memory", self.memory(batch_shape), features=self.dim,
                           memory=True)
         omega = sa.edges("bind", slots, memory, sa.priors.Uniform(), heads=self.num_blocks)
-        psi = (sa.potentials.SquaredDistance(temperature=self.memory_temperature,
-                                             heads=self.num_blocks) if gaussian else
-               sa.potentials.DotProduct(temperature=self.memory_temperature,
-                                        heads=self.num_blocks))
+        if gaussian:
+            psi = sa.potentials.SquaredDistance(temperature=self.memory_temperature,
+                                                heads=self.num_blocks)
+        else:
+            psi = sa.potentials.DotProduct(temperature=self.memory_temperature,
+                                           heads=self.num_blocks)
+            if self.recipe == "original":  # SysBinder queries with block-normalised slots
+                psi = sa.potentials.Mapped(psi, children=self.norm_query)
         sa.potential(omega, psi)
         return memory
 
@@ -151,6 +213,55 @@ class BlockSlotAttention(SlotAttention):
     def _more_families(self, slots, x):  # the collapsed recipe: both families Gaussian
         self._bind(slots, x.shape[:-2], gaussian=True)
 
+    def load_sysbinder_state_dict(self, state: dict) -> None:
+        """Load the weights of SysBinder's ``SysBinder`` module (``sysbinder.py``; its
+        ``state_dict()``) into this original-recipe model of the same sizes. SysBinder's
+        projections have no bias (ours are set to zero); its block GRU is a masked
+        ``GRUCell`` (``gru.gru.*``), its block linears hold ``w (M, d_in, d_out)``, ``b (1,
+        M·d_out)``, its memory ``prototype_memory.mem_params (1, K, M, d)`` and
+        ``prototype_memory.mem_proj.{0,2,4,6}``."""
+        if self.recipe != "original" or self.prototypes is None:
+            raise ValueError(f"BlockSlotAttention.load_sysbinder_state_dict: needs "
+                             f"recipe='original' with num_prototypes ≥ 1; this model has "
+                             f"recipe={self.recipe!r}, num_prototypes={self.num_prototypes}")
+        M, d = self.num_blocks, self.block_size
+        s = state
+
+        def blocks_of(w):  # a block-diagonal (3·M·d, M·d) GRU matrix → (M, 3d, d)
+            w = w.reshape(3, M, d, M * d)
+            return torch.stack([w[:, m, :, m * d:(m + 1) * d].reshape(3 * d, d)
+                                for m in range(M)])
+
+        new = {
+            "slots_mu": s["slot_mu"], "slots_logsigma": s["slot_log_sigma"],
+            "norm_input.weight": s["norm_inputs.weight"], "norm_input.bias": s["norm_inputs.bias"],
+            "norm_slots.weight": s["norm_slots.weight"], "norm_slots.bias": s["norm_slots.bias"],
+            "to_q.weight": s["project_q.weight"], "to_k.weight": s["project_k.weight"],
+            "to_v.weight": s["project_v.weight"],
+            "to_q.bias": torch.zeros_like(self.to_q.bias),
+            "to_k.bias": torch.zeros_like(self.to_k.bias),
+            "to_v.bias": torch.zeros_like(self.to_v.bias),
+            "gru.weight_ih": blocks_of(s["gru.gru.weight_ih"]),
+            "gru.weight_hh": blocks_of(s["gru.gru.weight_hh"]),
+            "gru.bias_ih": s["gru.gru.bias_ih"].reshape(3, M, d).transpose(0, 1).reshape(M, 3 * d),
+            "gru.bias_hh": s["gru.gru.bias_hh"].reshape(3, M, d).transpose(0, 1).reshape(M, 3 * d),
+            "prototypes": s["prototype_memory.mem_params"][0].transpose(0, 1),
+        }
+        for i in (0, 2):
+            new[f"mlp.{i}.weight"] = s[f"mlp.{i}.w"].transpose(-1, -2)
+            new[f"mlp.{i}.bias"] = s[f"mlp.{i}.b"].reshape(M, -1)
+        for i in (0, 2, 4, 6):
+            for p in ("weight", "bias"):
+                new[f"memory_mlp.{i}.{p}"] = s[f"prototype_memory.mem_proj.{i}.{p}"]
+        mine = self.state_dict()
+        for k, v in new.items():
+            if tuple(v.shape) != tuple(mine[k].shape):
+                raise ValueError(f"BlockSlotAttention.load_sysbinder_state_dict: {k} needs "
+                                 f"shape {tuple(mine[k].shape)}; SysBinder's gives "
+                                 f"{tuple(v.shape)} (sizes differ: num_slots, dim, num_blocks, "
+                                 f"num_prototypes, hidden_dim = SysBinder's mlp_hidden_size)")
+        self.load_state_dict(new)
+
 
 def block_slot_attention(num_slots, dim, *, num_blocks, num_prototypes, **kwargs):
     """Block-slot attention; see :class:`BlockSlotAttention`."""
@@ -158,9 +269,9 @@ def block_slot_attention(num_slots, dim, *, num_blocks, num_prototypes, **kwargs
                               **kwargs)
 
 
-def _case():
+def _case(recipe="original"):
     m = block_slot_attention(3, 6, num_blocks=2, num_prototypes=4, iters=2, hidden_dim=8,
-                             dtype=torch.float64)
+                             recipe=recipe, dtype=torch.float64)
     return m, (randn64(2, 7, 6), randn64(2, 3, 6))
 
 
@@ -168,4 +279,5 @@ def _case():
 ENTRY = Entry(block_slot_attention, BlockSlotAttention, case=_case,
               example=dict(num_slots=3, dim=8, num_blocks=2, num_prototypes=3, iters=3, hidden_dim=16),
               sizes=dict(num_slots=1, dim=1, num_blocks=1, num_prototypes=0, iters=0,
-                         hidden_dim=1))
+                         hidden_dim=1),
+              variants={"blockwise": functools.partial(_case, recipe="blockwise")})

@@ -86,9 +86,9 @@ class SlotAttention(sa.Declaration):
         self.check_inputs(inputs=inputs, slots=slots)
         init = self.initial_slots(inputs, slots, num_slots)
         x = self.norm_input(inputs)
-        if self.recipe == "original":
-            return self._original(x, init)
-        return self._collapsed(x, init)
+        if self.recipe == "collapsed":
+            return self._collapsed(x, init)
+        return self._original(x, init)
 
     def _original(self, x, init):
         inputs = sa.nodes("inputs", x, features=self.dim)
