@@ -18,9 +18,11 @@ This complements ``render`` (the implied adjacency, one panel per family and hea
 from __future__ import annotations
 
 import graphviz
+import torch
 
 from ..declaration import as_declaration, example_inputs
 from ..readers import trace_structure
+from ..readers.structure import TraceStructure
 from .graphviz import _COLOURS  # one palette: a family has the same colour in both views
 
 
@@ -52,32 +54,48 @@ def model_graph(model, *inputs, unrolled: bool = False) -> graphviz.Digraph:
         "nodesep": "0.6", "ranksep": "0.9"},
         node_attr={"fontname": "Helvetica", "fontsize": "10"},
         edge_attr={"fontname": "Helvetica", "fontsize": "9"})
-    ids = {}
+    ids = {ns.name: f"ns{k}" for k, ns in enumerate(s.node_sets.values())}
+    colours = {name: _COLOURS[f_i % len(_COLOURS)] for f_i, name in enumerate(s.families)}
+    sources = _initial_sources(decl, inputs) if s.latents else {}
     for k, ns in enumerate(s.node_sets.values()):
-        ids[ns.name] = f"ns{k}"
         with dot.subgraph(name=f"cluster_{k}") as c:
-            c.attr(label=_esc(f"{ns.name}: i = 1..{ns.size}"), style="rounded",
-                   color="#555555", fontsize="10", labeljust="r")
+            c.attr(style="rounded", color="#555555")
+            # the plate's label is a node beside x_i: edges are routed around nodes, never
+            # across them (a cluster label is not an obstacle to the router)
+            with c.subgraph() as row:
+                row.attr(rank="same")
+                row.node(f"ns{k}_plate", _esc(f"{ns.name}: i = 1..{ns.size}"),
+                         shape="plaintext", fontsize="10", fontcolor="#555555")
+                row.node(f"ns{k}")
+                row.edge(f"ns{k}", f"ns{k}_plate", style="invis")
             style = ({"style": "filled", "fillcolor": "#d9d9d9"} if ns.observed
                      else {"style": "dashed", "penwidth": "1.6"})
             shape = "ellipse"
             if getattr(ns, "memory", False):  # stored patterns / prototypes
                 style, shape = {"style": "filled,rounded", "fillcolor": "#fff2cc"}, "box"
-            c.node(f"ns{k}", _esc(_node_label(ns)), shape=shape, **style)
-    for f_i, (name, fam) in enumerate(s.families.items()):
-        colour = _COLOURS[f_i % len(_COLOURS)]
+            label = _node_label(ns)
+            if sources.get(ns.name):
+                label += "\nstarts from " + ", ".join(sources[ns.name])
+            c.node(f"ns{k}", _esc(label), shape=shape, **style)
+            for f_i, (name, fam) in enumerate(s.families.items()):
+                hyper = fam.prior.hyper_prior()
+                if hyper is None or fam.children is not ns:
+                    continue
+                # e.g. q_i ~ Beta(a, b): one per child i, so inside the children's plate,
+                # an open node feeding the family
+                colour = colours[name]
+                c.node(f"hyper{f_i}", _esc(hyper), shape="ellipse", style="dashed",
+                       color=colour, fontcolor=colour)
+                c.edge(f"hyper{f_i}", f"ns{k}", style="dashed", color=colour,
+                       arrowhead="odot")
+    for name, fam in s.families.items():
+        colour = colours[name]
         pots = ", ".join(p.describe() for p in fam.potentials) or "none"
         value = fam.value.describe() if fam.value is not None else "none"
         label = (f"φ '{name}' ~ {fam.prior.describe()}\nψ: {pots}\nv: {value}"
                  + (f"\nheads: {fam.heads}" if fam.heads > 1 else ""))
         src, dst = ids[fam.parents.name], ids[fam.children.name]
         dot.edge(src, dst, label=_esc(label), color=colour, fontcolor=colour, penwidth="1.6")
-        hyper = fam.prior.hyper_prior()
-        if hyper is not None:  # e.g. q_i ~ Beta(a, b): an open node feeding the family
-            hid = f"hyper{f_i}"
-            dot.node(hid, _esc(hyper), shape="ellipse", style="dashed", color=colour,
-                     fontcolor=colour)
-            dot.edge(hid, dst, style="dashed", color=colour, arrowhead="odot")
     for e_i, (name, term) in enumerate((s.energies or {}).items()):
         eid = f"energy{e_i}"
         dot.node(eid, _esc(f"energy '{name}'"), shape="box", style="rounded")
@@ -87,16 +105,42 @@ def model_graph(model, *inputs, unrolled: bool = False) -> graphviz.Digraph:
              "shaded: observed · open, dashed: latent · arrows: parents → children of an edge "
              "family"]
     if unrolled and s.latents:
-        _unroll(dot, s, ids)
+        _unroll(dot, s, ids, sources)
         title.append("below: the compiled iteration unrolled, one column per step")
     dot.attr(label=_esc("\n".join(title)))
     return dot
 
 
-def _unroll(dot, s, ids) -> None:
-    """z⁰ → z¹ → … → z^T per latent (at most the first three steps and the last), each step
-    reading the families that touch it: observed parents (grey, dotted) and the other
-    latents' previous iterates (coloured, dashed)."""
+def _initial_sources(decl, inputs) -> dict:
+    """``{latent: [observed node sets its initial state is computed from]}`` (Hopfield's
+    state⁰ = W_Q·queries), read from autograd's graph: the declaration is run once with
+    floating inputs that require gradients, and a node set is a source of z⁰ when z⁰ is
+    computed from its states (connected in the graph, whatever the values)."""
+    traced = tuple(x.detach().requires_grad_() if torch.is_tensor(x) and x.is_floating_point()
+                   else x for x in inputs)
+    with torch.enable_grad(), TraceStructure(None) as reader:
+        decl.model(*traced)
+    node_sets = reader.node_sets.values()
+    sources = {}
+    for z in (ns for ns in node_sets if not ns.observed):
+        found = []
+        for ns in (ns for ns in node_sets if ns.observed):
+            if z.init is ns.states:
+                found.append(ns.name)
+            elif z.init.requires_grad and ns.states.requires_grad:
+                g, = torch.autograd.grad(z.init, ns.states, torch.ones_like(z.init),
+                                         retain_graph=True, allow_unused=True)
+                if g is not None:
+                    found.append(ns.name)
+        sources[z.name] = found
+    return sources
+
+
+def _unroll(dot, s, ids, sources) -> None:
+    """z⁰ → z¹ → … → z^T per latent (at most the first three steps and the last), z⁰ fed by
+    the observed node sets it is computed from, each step reading the families that touch
+    it: observed parents (grey, dotted) and the other latents' previous iterates (coloured,
+    dashed)."""
     shown = {}
     for name, z in s.latents.items():
         T = z.options.steps
@@ -106,16 +150,23 @@ def _unroll(dot, s, ids) -> None:
         touching = [f for f, fam in s.families.items() if z is fam.children or z is fam.parents]
         update = z.options.update if isinstance(z.options.update, str) else "a callable update"
         with dot.subgraph(name=f"cluster_unrolled_{name}") as c:
-            c.attr(label=_esc(f"{name} unrolled: {T} steps of {update}"),
-                   style="rounded,dashed", color="#888888", fontsize="10")
+            c.attr(style="rounded,dashed", color="#888888")
             for t in steps:
                 c.node(f"{ids[name]}_t{t}", _esc(f"{name}^({t})"), shape="ellipse",
                        style="dashed")
+            with c.subgraph() as row:  # the box's label: a node, which edges go around
+                row.attr(rank="same")
+                row.node(f"{ids[name]}_unrolled", _esc(f"{name} unrolled:\n{T} steps of {update}"),
+                         shape="plaintext", fontsize="10", fontcolor="#555555")
+                row.edge(f"{ids[name]}_t0", f"{ids[name]}_unrolled", style="invis")
             for a, b in zip(steps, steps[1:], strict=False):
                 label = " + ".join(f"E_φ'{f}'" for f in touching) or "prior"
                 c.edge(f"{ids[name]}_t{a}", f"{ids[name]}_t{b}",
                        label=_esc(label if b == a + 1 else f"… {b - a} steps …"),
                        style="solid" if b == a + 1 else "dotted")
+        for src in sources.get(name, ()):  # where z⁰ comes from (e.g. W_Q·queries)
+            dot.edge(ids[src], f"{ids[name]}_t0", label="initial state", color="#555555",
+                     fontcolor="#555555", style="solid", arrowsize="0.6")
         for f_i, (f, fam) in enumerate(s.families.items()):
             if f not in touching:
                 continue
