@@ -21,6 +21,7 @@ from .declaration import Declaration as Declaration
 from .divergence import DivergenceWarning as DivergenceWarning
 from .drawing import RenderError as RenderError
 from .drawing import model_graph as model_graph
+from .drawing import plot_attention as plot_attention
 from .drawing import render as render
 from .drawing import save as save
 from .drawing import to_networkx as to_networkx

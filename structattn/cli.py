@@ -4,7 +4,7 @@
 
     structattn render self_attention --out sa.svg                 # the declared prior
     structattn render hopfield --inputs 6 --out hopfield.png      # inferred on example inputs
-    structattn render expanding_attention --inputs 300 --top-k 2 --out windows.svg
+    structattn render expanding_attention --inputs 2000 --out w.png  # plotted, not a graph
     structattn list                                               # the catalogue
 """
 
@@ -51,9 +51,23 @@ def render(args) -> str:
     if args.inputs is not None:
         inputs = tuple(x * args.scale if x.is_floating_point() else x
                        for x in model.example_inputs(n=args.inputs))
+    if inputs and args.out.lower().endswith((".png", ".svg", ".pdf")) and _too_big(
+            model, inputs, args.max_nodes):  # a graph would show nothing: plot what it says
+        print(f"structattn render: more than {args.max_nodes} nodes in a family; plotting the "
+              f"attention (distance per head, MAP parents, windows) instead of a graph",
+              file=sys.stderr)
+        sa.plot_attention(model, *inputs, filename=args.out)
+        return args.out
     dot = sa.render(model, *inputs, top_k=args.top_k, threshold=args.threshold,
                     labels=args.labels, max_nodes=args.max_nodes)
     return sa.save(dot, args.out)
+
+
+def _too_big(model, inputs, max_nodes: int) -> bool:
+    import structattn as sa
+
+    families = sa.trace_structure(model.model, *inputs).families.values()
+    return any(f.children.size + f.parents.size > max_nodes for f in families)
 
 
 def main(argv=None) -> int:
@@ -69,7 +83,9 @@ def main(argv=None) -> int:
                    help="keep each child's k most probable parents")
     r.add_argument("--threshold", type=float, default=0.0, help="drop lighter edges")
     r.add_argument("--labels", action="store_true", help="print probabilities on MAP edges")
-    r.add_argument("--max-nodes", type=_positive_int, help="refuse families with more nodes")
+    r.add_argument("--max-nodes", type=_positive_int, default=64,
+                   help="families with more nodes (parents + children) are plotted as "
+                        "statistics (an image --out) or refused (default 64)")
     r.add_argument("--scale", type=float, default=3.0,
                    help="scale of the random example inputs (sharper posteriors)")
     r.add_argument("--seed", type=int, default=0)

@@ -53,3 +53,12 @@ def test_command_line_reports_a_model_that_refuses_its_sizes(tmp_path, capsys):
                  str(tmp_path / "m.dot")]) == 2
     assert re.search(r"structattn render: MultihopAttention: d_model=8 is not divisible by "
                      r"heads=3", capsys.readouterr().err)
+
+
+def test_command_line_plots_long_sequences_instead_of_drawing_a_graph(tmp_path, capsys):
+    from structattn.cli import main
+
+    out = tmp_path / "big.png"
+    assert main(["render", "self_attention", "--inputs", "300", "--out", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "more than 64 nodes in a family; plotting the attention" in capsys.readouterr().err

@@ -31,6 +31,20 @@ def _edge_style(weight: float, colour: str) -> dict:
             "arrowsize": "0.5"}
 
 
+def _power(k: int) -> str:
+    return str(k).translate(str.maketrans("0123456789", "⁰¹²³⁴⁵⁶⁷⁸⁹"))
+
+
+def _heads_note(heads: int, drawn: list[int]) -> str:
+    """``heads=4``, or ``heads=4, drawn: 0, 1 (2, 3 left out)`` when only some are drawn."""
+    shown = [h for h in drawn if h < heads]
+    if len(shown) == heads:
+        return f"heads={heads}"
+    left = [h for h in range(heads) if h not in shown]
+    return (f"heads={heads}, drawn: {', '.join(map(str, shown))} "
+            f"({', '.join(map(str, left))} left out)")
+
+
 def graph_to_dot(G: nx.MultiDiGraph, *, heads=None, threshold: float = 0.0,
                  labels: bool = False, max_nodes: int | None = 64,
                  columns: int | None = None) -> graphviz.Digraph:
@@ -39,12 +53,14 @@ def graph_to_dot(G: nx.MultiDiGraph, *, heads=None, threshold: float = 0.0,
     Positions are pinned (engine ``neato``): one panel per family and head, parents in a
     row above children, both in index order, so the picture reads like the matrix. Panels
     form a grid (``columns``; default ⌈√panels⌉), so many heads make a square sheet, not a
-    strip. Each family has its own colour; edge width and opacity are the weight; inferred
-    MAP edges (each child's most probable parent) are drawn solid and bold, with ``labels``
-    their probability at the child's end (one label per child: none pile up where edges
-    cross). Panels of more than 40 nodes in a row put the nodes as points on a circle
-    (clockwise from the top; one circle when children and parents are one node set) and the
-    edges as chords, so a local pattern (a window, a band) reads at a glance.
+    strip; the title says which heads are drawn when ``heads`` leaves some out. A walk along
+    the edges (multihop attention) gets a panel per later hop, the node reached in k steps
+    (P^k). Each family has its own colour; edge width and opacity are the weight; inferred
+    MAP edges (each child's most probable parent) are drawn solid and bold. ``labels`` writes
+    under each child the probability of its MAP edge (declared: of its most probable parent
+    under the prior), one number per child in the panel's own font size, clear of every
+    arrowhead. Rows are for graphs a reader can follow (``max_nodes`` per family): a long
+    sequence's attention is plotted by ``plot_attention``.
     """
     inferred = G.graph.get("inferred", False)
     weight_key = "posterior" if inferred else "prior"
@@ -59,51 +75,53 @@ def graph_to_dot(G: nx.MultiDiGraph, *, heads=None, threshold: float = 0.0,
     counter = iter(range(10**9))
     families = G.graph["families"]
     max_heads = max((f["heads"] for f in families.values()), default=1)
-    wanted = range(max_heads) if heads is None else (
+    wanted = list(range(max_heads)) if heads is None else (
         [heads] if isinstance(heads, int) else list(heads))
     for h in wanted:
-        if not isinstance(h, int) or not 0 <= h < max_heads:
+        if not isinstance(h, int) or isinstance(h, bool) or not 0 <= h < max_heads:
             raise ValueError(f"head must be an int in [0, {max_heads}); got {h!r}")
     panels = []  # (family index, family, info, head, rows)
     for f_i, (fname, info) in enumerate(families.items()):
-        title.append(f"φ '{fname}': {info['parents']} → {info['children']}, prior {info['prior']}, "
-                     f"heads={info['heads']}")
+        note = _heads_note(info["heads"], wanted)
+        if "hop" in info:
+            title.append(f"'{fname}': the node reached in {info['hop']} steps of the walk along "
+                         f"φ '{info['walk_of']}' (P{_power(info['hop'])}), {note}")
+        else:
+            title.append(f"φ '{fname}': {info['parents']} → {info['children']}, prior "
+                         f"{info['prior']}, {note}")
         nodes_of = {ns: sorted((n for n, d in G.nodes(data=True) if d["node_set"] == ns),
                                key=lambda n: G.nodes[n]["index"])
                     for ns in (info["parents"], info["children"])}
         drawn = len(nodes_of[info["parents"]]) + len(nodes_of[info["children"]])
         if max_nodes is not None and drawn > max_nodes:
             raise ValueError(
-                f"family {fname!r} has {drawn} nodes to draw, more than max_nodes={max_nodes}; "
-                f"draw fewer nodes, prune edges (top_k=…, threshold=…) or raise max_nodes"
+                f"family {fname!r} has {drawn} nodes to draw, more than max_nodes={max_nodes}: "
+                f"a graph of that many nodes shows no structure; plot it with "
+                f"structattn.plot_attention(model, *inputs), draw fewer nodes, or raise "
+                f"max_nodes"
             )
         panels += [(f_i, fname, info, h, nodes_of) for h in wanted if h < info["heads"]]
     columns = columns or max(1, math.ceil(math.sqrt(len(panels))))
     # one cell size for every panel, so the grid lines up
     sizes = [max(len(v) for v in rows.values()) for *_, rows in panels] or [1]
     longest = max((len(n) for *_, rows in panels for v in rows.values() for n in v), default=1)
-    big = max(sizes) > 40  # large panels: points on a circle, edges as chords
     step = max(0.9, 0.09 * longest + 0.3)
-    radius = 2.5 + 0.004 * max(sizes)
-    cell_w, cell_h = ((2 * radius + 1.6, 2 * radius + 1.6) if big
-                      else (max(sizes) * step + 0.8, 3.6))
+    cell_w, cell_h = max(sizes) * step + 0.8, 4.1 if labels else 3.6
     for k, (f_i, fname, info, h, nodes_of) in enumerate(panels):
         x0, y0 = (k % columns) * cell_w, -(k // columns) * cell_h
         colour = _COLOURS[f_i % len(_COLOURS)]
         width = max(len(v) for v in nodes_of.values())
-        centre = (x0 + radius, y0 + radius) if big else None
-        title_pos = (f"{x0 + radius:.2f},{y0 + 2 * radius + 0.6:.2f}!" if big
-                     else f"{x0 + (width - 1) * step / 2:.2f},{y0 + 2.75:.2f}!")
-        dot.node(f"n{next(counter)}", graphviz.escape(f"{fname} · head {h}"), shape="plaintext",
-                 pos=title_pos, fontsize="11", fontcolor=colour)
+        name = f"{fname} · head {h}"
+        if "hop" in info:
+            name = f"{info['walk_of']} · head {h} · hop {info['hop']}: P{_power(info['hop'])}"
+        elif any(i.get("walk_of") == fname for i in families.values()):
+            name += " · hop 1: P"
+        dot.node(f"n{next(counter)}", graphviz.escape(name), shape="plaintext",
+                 pos=f"{x0 + (width - 1) * step / 2:.2f},{y0 + 2.75:.2f}!", fontsize="11",
+                 fontcolor=colour)
         ids = {}
-        same = info["parents"] == info["children"]
         for role, y in (("parents", 1.9), ("children", 0.0)):
-            count = len(nodes_of[info[role]])
             for i, n in enumerate(nodes_of[info[role]]):
-                if big and same and role == "children":
-                    ids[role, n] = ids["parents", n]  # one circle: a node is parent and child
-                    continue
                 ids[role, n] = f"n{next(counter)}"
                 observed = G.nodes[n].get("observed", True)  # shaded: observed; open: latent
                 style = {"style": "filled" if observed else "filled,dashed",
@@ -111,43 +129,33 @@ def graph_to_dot(G: nx.MultiDiGraph, *, heads=None, threshold: float = 0.0,
                          "penwidth": "1.0" if observed else "1.6"}
                 if G.nodes[n].get("memory"):  # stored patterns / prototypes: boxes
                     style.update(shape="box", style="filled,rounded", fillcolor="#fff2cc")
-                if big:  # clockwise from the top; parents outside, children inside
-                    r = radius if (same or role == "parents") else 0.8 * radius
-                    angle = math.pi / 2 - 2 * math.pi * i / count
-                    pos = (f"{centre[0] + r * math.cos(angle):.2f},"
-                           f"{centre[1] + r * math.sin(angle):.2f}!")
-                    style.update(shape="point", width="0.025", color="#888888",
-                                 fillcolor="#888888")
-                else:
-                    pos = f"{x0 + i * step:.2f},{y0 + y:.2f}!"
-                dot.node(ids[role, n], "" if big else graphviz.escape(n), pos=pos, **style)
-        if big:
-            first = nodes_of[info["parents"]][0]
-            dot.node(f"n{next(counter)}", graphviz.escape(f"{first} ↻"), shape="plaintext",
-                     fontsize="8", pos=f"{centre[0]:.2f},{centre[1] + radius + 0.2:.2f}!")
+                dot.node(ids[role, n], graphviz.escape(n), pos=f"{x0 + i * step:.2f},{y0 + y:.2f}!",
+                         **style)
+        best = {}  # child → the weight of its MAP edge (declared: its most probable parent)
         for u, v, d in G.edges(data=True):
             if d["family"] != fname or d["head"] != h:
                 continue
             w = d[weight_key]
+            if inferred and d.get("map") or not inferred and w > best.get(v, -1.0):
+                best[v] = w
             if w < threshold:
                 continue
             attrs = _edge_style(w, colour)
-            if big:
-                attrs["penwidth"] = f"{0.2 + 1.5 * w:.2f}"
-                attrs["arrowsize"] = "0.2"
-            if d.get("map") and big:
-                attrs.update(color=colour)
-            elif d.get("map"):
+            if d.get("map"):
                 attrs.update(style="bold", color=colour)
-                if labels:
-                    attrs.update(headlabel=f"{w:.2f}", labelfontsize="7",
-                                 labelfontcolor=colour, labeldistance="1.6")
-            elif labels and not inferred:
-                attrs.update(headlabel=f"{w:.2f}", labelfontsize="7", labeldistance="1.6")
             dot.edge(ids["parents", u], ids["children", v], **attrs)
+        if labels:  # one number per child, under it: never under an arrowhead
+            for i, n in enumerate(nodes_of[info["children"]]):
+                if n in best:
+                    dot.node(f"n{next(counter)}", f"{best[n]:.2f}", shape="plaintext",
+                             fontsize="10", fontcolor=colour,
+                             pos=f"{x0 + i * step:.2f},{y0 - 0.42:.2f}!")
     if inferred:
         title.append("bold: each child's most probable parent (MAP); width and opacity: "
                      "p(φ_i = j | x)")
+    if labels:
+        title.append("number under a child: p(φ_i = MAP parent | x)" if inferred else
+                     "number under a child: the prior of its most probable parent")
     if not all(d.get("observed", True) for _, d in G.nodes(data=True)):
         title.append("shaded: observed nodes · open, dashed: latent nodes (inferred states)")
     if any(d.get("memory") for _, d in G.nodes(data=True)):
@@ -160,7 +168,7 @@ def graph_to_dot(G: nx.MultiDiGraph, *, heads=None, threshold: float = 0.0,
 
 
 def render(model, *inputs, heads=None, threshold: float = 0.0, top_k: int | None = None,
-           labels: bool = False, batch_index: int = 0, max_nodes: int | None = None,
+           labels: bool = False, batch_index: int = 0, max_nodes: int | None = 64,
            columns: int | None = None, filename: str | os.PathLike | None = None
            ) -> graphviz.Digraph:
     """Draw ``model``'s adjacency: declared (no inputs) or inferred (with inputs).
@@ -170,14 +178,14 @@ def render(model, *inputs, heads=None, threshold: float = 0.0, top_k: int | None
     the graphviz ``dot`` binary is missing, the DOT source is written beside it (``.dot``)
     and ``RenderError`` explains how to install graphviz.
 
-    Large graphs: ``top_k`` (each child's k most probable parents) and ``threshold`` (drop
-    lighter edges) prune before anything is drawn; ``max_nodes`` (default 64 per family
-    without pruning, unlimited with it) guards against unreadable pictures.
+    ``top_k`` (each child's k most probable parents) and ``threshold`` (drop lighter edges)
+    prune edges. A family of more than ``max_nodes`` nodes (parents + children; default 64)
+    is refused before any O(C·P) work: a graph that large shows no structure, and
+    ``plot_attention`` plots what it says (attention distance per head, MAP parents, windows
+    per token). ``max_nodes=None`` draws any size.
     """
     if not inputs:  # drawn at the declaration's example inputs: say so if it has none
         require_example_inputs(as_declaration(model), "render")
-    if max_nodes is None and top_k is None and threshold == 0.0:
-        max_nodes = 64
     G = to_networkx(model, *inputs, batch_index=batch_index, max_nodes=max_nodes, top_k=top_k,
                     threshold=threshold)
     dot = graph_to_dot(G, heads=heads, threshold=threshold, labels=labels, max_nodes=max_nodes,

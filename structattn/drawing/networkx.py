@@ -36,7 +36,9 @@ def to_networkx(model, *inputs, batch_index: int = 0, max_nodes: int | None = No
 
     Large graphs: ``top_k`` keeps each child's k heaviest edges per head and ``threshold``
     drops edges lighter than it (weights: the posterior when inferred, else the prior), so
-    only those become networkx edges (O(C·k), not O(C·P)). Inferred graphs mark each child's
+    only those become networkx edges (O(C·k), not O(C·P)). A walk along the edges (multihop
+    attention's ``Hops`` value) adds the node reached after k hops as family ``"name.hopk"``
+    (posterior P^k, prior p^k; ``hop`` and ``walk_of`` in its description). Inferred graphs mark each child's
     most probable parent per head with ``map=True`` (the MAP edge); for models that iterate,
     the graph's ``steps`` (per latent) and each edge's ``step`` say which iterate is drawn.
     """
@@ -47,41 +49,26 @@ def to_networkx(model, *inputs, batch_index: int = 0, max_nodes: int | None = No
         raise ValueError(f"threshold must be a probability in [0, 1]; got {threshold!r}")
     decl = as_declaration(model)
     inputs, inferred = _inputs_or_examples(decl, inputs)
-    structure = trace_structure(decl.model, *inputs)
-    if inferred and structure.latents:  # latent node sets: drawn at their inferred states
-        from ..compiler import compile as compile_model
-
-        with torch.no_grad():
-            _, trace = compile_model(decl)(*inputs, return_trace=True)
-        final = {name: states[-1] for name, states in trace.states.items()}
-        structure = trace_structure(decl.model, *inputs, latent_values=final)
+    structure, steps = read_structure(decl, inputs, inferred)
     for name, fam in structure.families.items():
         drawn = fam.children.size + fam.parents.size
         if max_nodes is not None and drawn > max_nodes:
             raise ValueError(
                 f"family {name!r} has {drawn} nodes to draw ({fam.parents.size} parents + "
-                f"{fam.children.size} children), more than max_nodes={max_nodes}; draw fewer "
-                f"nodes, prune edges (top_k=…, threshold=…) or raise max_nodes"
+                f"{fam.children.size} children), more than max_nodes={max_nodes}: a graph of "
+                f"that many nodes shows no structure. Plot what it says instead, "
+                f"structattn.plot_attention(model, *inputs) (attention distance per head, each "
+                f"child's MAP parent, the window of each token), draw fewer nodes, or raise "
+                f"max_nodes"
             )
-    steps = None
-    if inferred and structure.latents:
-        steps = {name: int(trace.steps) for name in structure.latents}
     G = nx.MultiDiGraph(inferred=inferred, model=decl.display_name, families={},
                         steps=steps)
     for ns in structure.node_sets.values():
         for i in range(ns.size):
             G.add_node(node_id(ns.name, i), node_set=ns.name, index=i, observed=ns.observed,
                        memory=getattr(ns, "memory", False))
-    for name, fam in structure.families.items():
-        G.graph["families"][name] = {
-            "children": fam.children.name, "parents": fam.parents.name, "heads": fam.heads,
-            "prior": fam.prior.describe(),
-            "potentials": [p.describe() for p in fam.potentials],
-            "value": fam.value.describe() if fam.value is not None else None,
-        }
-        with torch.no_grad():
-            prior = _select(structure.log_prior(name).exp(), batch_index)  # (H, C, P)
-            post = _select(structure.posterior(name), batch_index) if inferred else None
+    for name, info, prior, post in family_tables(structure, batch_index, inferred):
+        G.graph["families"][name] = info
         weight = post if post is not None else prior  # (H, C, P)
         keep = prior > 0  # the support (and whatever an approximate posterior reaches)
         if post is not None:
@@ -101,9 +88,52 @@ def to_networkx(model, *inputs, batch_index: int = 0, max_nodes: int | None = No
                 attrs["map"] = bool(best[h, i] == j)
                 if steps:
                     attrs["step"] = max(steps.values())  # drawn at the final iterate
-            G.add_edge(node_id(fam.parents.name, j), node_id(fam.children.name, i),
+            G.add_edge(node_id(info["parents"], j), node_id(info["children"], i),
                        key=f"{name}/{h}", **attrs)
     return G
+
+
+def read_structure(decl, inputs, inferred):
+    """The declaration's structure on ``inputs``; models that iterate at their compiled final
+    states. Returns ``(structure, steps)``, ``steps`` the iterations per latent (or None)."""
+    structure = trace_structure(decl.model, *inputs)
+    if not (inferred and structure.latents):
+        return structure, None
+    from ..compiler import compile as compile_model
+
+    with torch.no_grad():
+        _, trace = compile_model(decl)(*inputs, return_trace=True)
+    final = {name: states[-1] for name, states in trace.states.items()}
+    structure = trace_structure(decl.model, *inputs, latent_values=final)
+    return structure, {name: int(trace.steps) for name in structure.latents}
+
+
+def family_tables(structure, batch_index, inferred):
+    """Each edge family's prior and posterior as ``(H, C, P)`` float64 tables of batch element
+    ``batch_index`` (posterior None without inputs), with its description: yields ``(name,
+    info, prior, posterior)``. A walk along a family's edges (a ``Hops`` value, multihop
+    attention) adds its later hops as ``"name.hopk"``: the node reached in k steps, P^k (and
+    the prior's p^k) — Pyro's ``exact(...).marginals["name.hopk"]``."""
+    for name, fam in structure.families.items():
+        info = {"children": fam.children.name, "parents": fam.parents.name, "heads": fam.heads,
+                "prior": fam.prior.describe(),
+                "potentials": [p.describe() for p in fam.potentials],
+                "value": fam.value.describe() if fam.value is not None else None}
+        with torch.no_grad():
+            prior = _select(structure.log_prior(name).exp(), batch_index)  # (H, C, P)
+            post = _select(structure.posterior(name), batch_index) if inferred else None
+        yield name, info, prior, post
+        weights = getattr(fam.value, "weights", None) if fam.value is not None else None
+        if not weights or fam.children is not fam.parents:
+            continue
+        prior_k, post_k = prior, post
+        for k in range(2, len(weights)):
+            prior_k = prior_k @ prior
+            post_k = None if post is None else post_k @ post
+            if weights[k]:
+                yield f"{name}.hop{k}", dict(
+                    info, prior=f"walk of {k} steps along φ '{name}' (P^{k})", potentials=[],
+                    value=None, hop=k, walk_of=name), prior_k, post_k
 
 
 def _select(t: torch.Tensor, batch_index: int) -> torch.Tensor:

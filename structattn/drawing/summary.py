@@ -1,0 +1,183 @@
+"""A long sequence's attention plotted as what a researcher reads, not as a graph.
+
+``plot_attention(model, *inputs)`` → a matplotlib ``Figure``, one row per edge family and
+head (and per later hop of a walk, as ``render`` draws them), three panels:
+
+1. **MAP parents**: each child i against its most probable parent j, coloured by
+   p(φ_i = j | x) — a band along the diagonal is local attention, a horizontal line a sink;
+2. **attention distance**: the posterior mass at each distance i − j, averaged over the
+   children (log scale), beside the prior's — how far the heads look, and how far the prior
+   expected them to;
+3. **where each token looks**: per child, the distances holding the central 90% of its
+   posterior (band), its median and its MAP; with a mean-field window (expanding attention)
+   each token's final window W_i.
+
+Families between two node sets (cross attention, memories) have no distance: panel 2 shows
+the attention each parent receives, panel 3 the parents each child reads.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..declaration import as_declaration
+from .graphviz import _COLOURS, _heads_note
+from .networkx import _inputs_or_examples, family_tables, read_structure
+
+
+def _mean_field_windows(decl, inputs, structure, batch_index):
+    """``{family: (H, C) final windows}`` for families whose prior iterates on its own
+    (mean field): read from the compiled module's trace."""
+    names = [n for n, f in structure.families.items()
+             if getattr(f.prior, "inference", "exact") != "exact"]
+    if not names:
+        return {}
+    from ..compiler import compile as compile_model
+
+    with torch.no_grad():
+        _, trace = compile_model(decl)(*inputs, return_trace=True)
+    windows = getattr(trace, "windows", None)
+    if windows is None:
+        return {}
+    w = windows[-1]  # (*batch, H, C)
+    w = w.reshape(-1, *w.shape[-2:])[batch_index].double().cpu()
+    return {n: w for n in names}
+
+
+def _quantiles(post: torch.Tensor, qs) -> torch.Tensor:
+    """Quantiles of the parent index j under each row of ``post`` ``(C, P)``: ``(len(qs), C)``
+    (rows without mass: NaN)."""
+    cdf = post.cumsum(-1)
+    total = cdf[:, -1:]
+    q = torch.tensor(qs, dtype=post.dtype)[:, None, None] * total  # (Q, C, 1)
+    idx = torch.searchsorted(cdf.expand(len(qs), -1, -1).contiguous(), q.contiguous()).squeeze(-1)
+    idx = idx.clamp(max=post.shape[-1] - 1).to(post.dtype)
+    return idx.masked_fill(total.squeeze(-1)[None] <= 0, float("nan"))
+
+
+def _distance_density(table: torch.Tensor):
+    """Mass of ``table`` ``(C, P)`` per distance d = i − j, summed over children, in bins
+    that widen geometrically away from 0 (exact near 0, smooth in the tail): ``(centres,
+    mass per unit distance)`` over the distances that carry mass."""
+    C, P = table.shape
+    d = (torch.arange(C)[:, None] - torch.arange(P)[None, :]).flatten()
+    lo = int(d.min())
+    mass = torch.bincount(d - lo, weights=table.flatten().double())
+    dist = torch.arange(lo, lo + len(mass))
+    far = max(abs(int(dist[mass > 0].min())), abs(int(dist[mass > 0].max())), 1) \
+        if bool((mass > 0).any()) else 1
+    pos = torch.unique(torch.cat([torch.arange(0, min(far, 8) + 1).double(),
+                                  torch.logspace(0, torch.log10(torch.tensor(far + 1.0)), 40)
+                                  .round()]))
+    edges = torch.unique(torch.cat([-pos.flip(0) - 0.5, pos + 0.5]))  # bins around integers
+    which = torch.bucketize(dist.double(), edges) - 1
+    ok = (which >= 0) & (which < len(edges) - 1)
+    per_bin = torch.zeros(len(edges) - 1, dtype=torch.float64).index_add_(0, which[ok], mass[ok])
+    width = edges[1:] - edges[:-1]
+    centres = (edges[1:] + edges[:-1]) / 2
+    keep = per_bin > 0
+    return centres[keep], per_bin[keep] / width[keep]
+
+
+def plot_attention(model, *inputs, heads=None, batch_index: int = 0,
+                   filename: str | os.PathLike | None = None, dpi: int = 110):
+    """Plot the inferred attention of ``model`` on ``inputs`` (module docstring): a matplotlib
+    ``Figure``, saved to ``filename`` (any format matplotlib writes) when given. ``heads``:
+    an int or a list of heads to plot (default all; the title says which are left out).
+    Without inputs the declaration's ``example_inputs()`` are used and the prior is plotted.
+    Costs one dense posterior per family, (H, C, P) — fine for sequences of a few thousand."""
+    import matplotlib.pyplot as plt
+
+    decl = as_declaration(model)
+    inputs, inferred = _inputs_or_examples(decl, inputs)
+    structure, _ = read_structure(decl, inputs, inferred)
+    tables = list(family_tables(structure, batch_index, inferred))
+    max_heads = max((info["heads"] for _, info, *_ in tables), default=1)
+    wanted = list(range(max_heads)) if heads is None else (
+        [heads] if isinstance(heads, int) else list(heads))
+    for h in wanted:
+        if not isinstance(h, int) or isinstance(h, bool) or not 0 <= h < max_heads:
+            raise ValueError(f"plot_attention: head must be an int in [0, {max_heads}); "
+                             f"got {h!r}")
+    windows = _mean_field_windows(decl, inputs, structure, batch_index) if inferred else {}
+    rows = [(f_i, name, info, prior, post, h) for f_i, (name, info, prior, post)
+            in enumerate(tables) for h in wanted if h < info["heads"]]
+    fig, axes = plt.subplots(len(rows), 3, figsize=(15, 3.4 * len(rows) + 0.9), squeeze=False)
+    for r, (f_i, name, info, prior, post, h) in enumerate(rows):
+        colour = _COLOURS[f_i % len(_COLOURS)]
+        p = (post if post is not None else prior)[h]  # (C, P)
+        q = prior[h]
+        C, P = p.shape
+        same = info["children"] == info["parents"]
+        label = f"{name} · head {h}"
+        has = p.sum(-1) > 0  # children with a parent (token 0 of a causal window has none)
+        i = torch.arange(C)[has]
+        best = p.argmax(-1)[has]
+        ax = axes[r, 0]
+        sc = ax.scatter(i.numpy(), best.numpy(), c=p[i, best].numpy(),
+                        s=max(1.0, min(30.0, 6000.0 / C)), cmap="viridis", vmin=0, vmax=1,
+                        linewidths=0)
+        if same:
+            ax.plot([0, C - 1], [0, C - 1], color="#999999", lw=0.6, ls="--")
+        ax.set(xlabel=f"child i ({info['children']})", ylabel=f"MAP parent j ({info['parents']})",
+               xlim=(-0.5, C - 0.5), ylim=(-0.5, P - 0.5))
+        ax.set_title(f"{label}: each child's MAP parent", fontsize=10, color=colour)
+        fig.colorbar(sc, ax=ax, fraction=0.046, label="p(φ_i = MAP | x)")
+        ax = axes[r, 1]
+        if same:  # mass per distance d = i − j, averaged over children with a parent
+            n = max(int(has.sum()), 1)
+            for table, style, what in ((p, "-", "posterior" if post is not None else "prior"),
+                                       (q, "--", "prior")):
+                if table is q and post is None:
+                    continue
+                centres, density = _distance_density(table)
+                ax.step(centres.numpy(), (density / n).numpy(), where="mid", ls=style,
+                        color=colour if style == "-" else "#555555", lw=1.2, label=what)
+            ax.set_xscale("symlog", linthresh=1.0)
+            ax.set_yscale("log")
+            ax.set(xlabel="distance i − j (symmetric log scale)",
+                   ylabel="mass per unit distance\n(mean over children)")
+            ax.set_title(f"{label}: how far attention reaches", fontsize=10, color=colour)
+        else:
+            ax.bar(range(P), (p.sum(0) / C).numpy(), color=colour, width=1.0,
+                   label="posterior" if post is not None else "prior")
+            if post is not None:
+                ax.step(range(P), (q.sum(0) / C).numpy(), where="mid", ls="--", color="#555555",
+                        lw=1.0, label="prior")
+            ax.set(xlabel=f"parent j ({info['parents']})", ylabel="mean attention received")
+            ax.set_title(f"{label}: attention each parent receives", fontsize=10, color=colour)
+        ax.legend(fontsize=8)
+        ax = axes[r, 2]
+        lo5, hi95 = _quantiles(p, (0.05, 0.95))
+        child = torch.arange(C)
+        if same:  # in distances: parent j ↦ i − j (a later j is a shorter distance)
+            lo5, hi95 = child - hi95, child - lo5
+            map_y, ylabel = child[has] - best, "distance i − j"
+        else:
+            map_y, ylabel = best, f"parent j ({info['parents']})"
+        ax.fill_between(child.numpy(), lo5.numpy(), hi95.numpy(), color=colour, alpha=0.45, lw=0, step="mid",
+                        label="central 90% of p(φ_i | x)" if post is not None else
+                        "central 90% of the prior")
+        dots = max(0.5, min(12.0, 3000.0 / C))
+        ax.scatter(child[has].numpy(), map_y.numpy(), s=dots, color="black", linewidths=0, label="MAP")
+        if name in windows:
+            ax.scatter(child.numpy(), windows[name][h].numpy(), s=dots, color="#d62728", marker="_",
+                       linewidths=0.8, label="window W_i (mean field)")
+        if same:
+            ax.set_yscale("symlog", linthresh=1.0)
+        ax.set(xlabel=f"child i ({info['children']})", ylabel=ylabel, xlim=(-0.5, C - 0.5))
+        ax.set_title(f"{label}: where each child looks", fontsize=10, color=colour)
+        ax.legend(fontsize=8, loc="best", framealpha=0.8)
+    kind = "inferred p(φ | x)" if inferred else "declared prior p(φ)"
+    title = [f"{decl.display_name} — {kind}, batch element {batch_index}"]
+    for name, info, *_ in tables:
+        title.append(f"'{name}': {info['parents']} → {info['children']} "
+                     f"({structure.node_sets[info['children']].size} children), "
+                     f"{_heads_note(info['heads'], wanted)}")
+    fig.suptitle("\n".join(title), fontsize=11)
+    fig.tight_layout()
+    if filename is not None:
+        fig.savefig(os.fspath(filename), dpi=dpi)
+    return fig
