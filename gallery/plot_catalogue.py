@@ -44,7 +44,7 @@ def heatmap(model, inputs, path, title):
             structure = sa.trace_structure(model.model, *inputs, latent_values=final)
     families = list(structure.families)
     heads = max(structure.families[f].heads for f in families)
-    fig, axes = plt.subplots(len(families), heads, figsize=(2.6 * heads, 2.4 * len(families)),
+    fig, axes = plt.subplots(len(families), heads, figsize=(max(2.6 * heads, 5.2), 2.4 * len(families)),
                              squeeze=False)
     for r, fam in enumerate(families):
         post = structure.posterior(fam).reshape(-1, *structure.posterior(fam).shape[-3:])[0]

@@ -5,7 +5,8 @@
 2. compile both to plain ``nn.Module`` layers;
 3. check each layer against Pyro's exact enumeration of the same declaration;
 4. draw the declared structure (prior over edges) and the inferred one
-   (posterior over edges), and plot posterior heat maps beside Pyro's.
+   (posterior over edges), and plot posterior heat maps beside Pyro's;
+5. plot a long sequence's attention (2,000 tokens) as statistics, not as a graph.
 
 Writes its pictures to ``--out`` (default ``gallery/output/quickstart``).
 Run: ``python gallery/plot_quickstart.py [--out DIR] [--quick]``
@@ -115,6 +116,16 @@ def main(argv=None):
     assert report2.max_abs_diff < 1e-6
     written.append(sa.save(sa.render(mine, xs, mem, labels=True),
                            os.path.join(args.out, "local_window_inferred.png")))
+
+    # 5. a long sequence is plotted, not drawn as a graph: ALiBi's two heads (slopes 1/16 and
+    # 1/256) on 2,000 random tokens — each token's MAP parent, attention per distance against
+    # the prior's, and where each token looks
+    n_long = 300 if args.quick else 2000
+    alibi = sa.models.alibi_attention(16, heads=2)
+    long_x = torch.randn(1, n_long, 16) * 2
+    path = os.path.join(args.out, "long_sequence_attention.png")
+    sa.plot_attention(alibi, long_x, filename=path)
+    written.append(path)
     print("\nwrote:\n  " + "\n  ".join(written))
     return written
 

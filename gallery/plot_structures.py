@@ -2,11 +2,13 @@
 (``sa.model_graph``, the iteration unrolled where it iterates) beside the adjacency it infers
 on example inputs (``sa.render``: one panel per family and head, edge width = p(φ_i = j | x),
 MAP edges bold), plus a sheet of structure that moves: expanding attention's windows per
-mean-field iteration, slot attention's assignments per iteration, multihop's hop paths.
+mean-field iteration, slot attention's assignments per iteration, multihop's hop paths, and
+a long sequence's attention as statistics.
 
 Writes (``gallery/output/structures/``): ``<model>_declared.svg/png``,
 ``<model>_inferred.svg/png`` for each model, ``structures_sheet.png`` (all of them) and
-``structures_dynamics.png``. Reads ``structattn.models.REGISTRY`` and ``EXAMPLES``, so a new
+``structures_dynamics.png``, ``long_sequence_expanding.png`` (2,000 tokens, plotted by
+``sa.plot_attention``). Reads ``structattn.models.REGISTRY`` and ``EXAMPLES``, so a new
 model appears without editing this file.
 Run: ``python gallery/plot_structures.py [--out DIR] [--quick]`` (``--quick``: four models).
 """
@@ -65,14 +67,10 @@ def sheet(names, out):
     return save(fig, os.path.join(out, "structures_sheet.png"), dpi=80)
 
 
-def dynamics(out, quick):
-    """Windows per mean-field iteration, slot assignments per iteration, multihop paths."""
-    fig = plt.figure(figsize=(15, 8.5))
-    grid = fig.add_gridspec(2, 4)
-    # expanding attention: each token's window per iteration, on a sequence whose token i
-    # copies the key of token i − 2 or i − 7 (the prior's first window, 7, just reaches 7)
-    torch.manual_seed(1)
-    n, d = (80, 16) if quick else (160, 32)
+def planted_expanding(n, d, seed=1):
+    """Expanding attention on a sequence whose token i copies the key of token i − 2 or i − 7
+    (the prior's first window, 7, just reaches 7): the model and its input ``(1, n, d)``."""
+    torch.manual_seed(seed)
     keys = torch.nn.functional.normalize(torch.randn(n, d // 2), dim=-1)
     back = torch.where(torch.rand(n) < 0.5, 2, 7)
     target = (torch.arange(n) - back).clamp(min=0)
@@ -81,6 +79,27 @@ def dynamics(out, quick):
     with torch.no_grad():
         m.W_q.zero_()[: d // 2, d // 2:] = torch.eye(d // 2) * 10
         m.W_k.zero_()[: d // 2, : d // 2] = torch.eye(d // 2)
+    return m, x
+
+
+def long_sequence(out, quick):
+    """A long sequence plotted, not drawn as a graph (``sa.plot_attention``): the planted
+    copy task on 2,000 tokens — MAP parents 2 and 7 back (two lines under the diagonal), the
+    mass per distance (peaks at 2 and 7), each token's mean-field window."""
+    m, x = planted_expanding(400 if quick else 2000, 32)
+    path = os.path.join(out, "long_sequence_expanding.png")
+    sa.plot_attention(m, x, filename=path)
+    return path
+
+
+def dynamics(out, quick):
+    """Windows per mean-field iteration, slot assignments per iteration, multihop paths."""
+    fig = plt.figure(figsize=(15, 8.5))
+    grid = fig.add_gridspec(2, 4)
+    # expanding attention: each token's window per iteration, on a sequence whose token i
+    # copies the key of token i − 2 or i − 7 (the prior's first window, 7, just reaches 7)
+    m, x = planted_expanding(*((80, 16) if quick else (160, 32)))
+    with torch.no_grad():
         _, post, trace = sa.compile(m)(x, return_posterior=True, return_trace=True)
         trace = trace.mean_field["attn"]  # the mean-field windows' history
     ax = fig.add_subplot(grid[0, :2])
@@ -148,6 +167,7 @@ def main(argv=None):
         written += draw_model(name, args.out)
     written.append(sheet(names, args.out))
     written.append(dynamics(args.out, args.quick))
+    written.append(long_sequence(args.out, args.quick))
     for w in written:
         print(w)
     return written

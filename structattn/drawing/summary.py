@@ -128,15 +128,19 @@ def plot_attention(model, *inputs, heads=None, batch_index: int = 0,
         ax = axes[r, 1]
         if same:  # mass per distance d = i − j, averaged over children with a parent
             n = max(int(has.sum()), 1)
+            top = 0.0
             for table, style, what in ((p, "-", "posterior" if post is not None else "prior"),
                                        (q, "--", "prior")):
                 if table is q and post is None:
                     continue
                 centres, density = _distance_density(table)
+                top = max(top, float(density.max()) / n) if len(density) else top
                 ax.step(centres.numpy(), (density / n).numpy(), where="mid", ls=style,
                         color=colour if style == "-" else "#555555", lw=1.2, label=what)
             ax.set_xscale("symlog", linthresh=1.0)
             ax.set_yscale("log")
+            if top > 0:  # seven decades: the tail that matters, not underflow
+                ax.set_ylim(bottom=top * 1e-7, top=top * 2)
             ax.set(xlabel="distance i − j (symmetric log scale)",
                    ylabel="mass per unit distance\n(mean over children)")
             ax.set_title(f"{label}: how far attention reaches", fontsize=10, color=colour)
