@@ -116,8 +116,8 @@ def _initial_sources(decl, inputs) -> dict:
     state⁰ = W_Q·queries), read from autograd's graph: the declaration is run once with
     floating inputs that require gradients, and a node set is a source of z⁰ when z⁰ is
     computed from its states (connected in the graph, whatever the values)."""
-    traced = tuple(x.detach().requires_grad_() if torch.is_tensor(x) and x.is_floating_point()
-                   else x for x in inputs)
+    traced = tuple(x.detach().requires_grad_().clone()  # not a leaf: in-place ops stay legal
+                   if torch.is_tensor(x) and x.is_floating_point() else x for x in inputs)
     with torch.enable_grad(), TraceStructure(None) as reader:
         decl.model(*traced)
     node_sets = reader.node_sets.values()
