@@ -225,5 +225,5 @@ def test_a_new_model_is_one_file_and_one_line(tmp_path, monkeypatch):
     out = proc.stdout + proc.stderr
     # registration check 1; catalogue checks 5 (entry, Pyro, gradcheck, NaN, docs); the edge
     # matrix's 6 cells and its 6 rows (dtype, device, sizes, sizes stated, NaN input, NaN
-    # parameter); 2 drawings
-    assert proc.returncode == 0 and re.search(r"^20 passed", out, re.M), out
+    # parameter); 3 drawings (networkx, plate notation, no arrow across a plate label)
+    assert proc.returncode == 0 and re.search(r"^21 passed", out, re.M), out
