@@ -28,22 +28,19 @@ from .networkx import _inputs_or_examples, family_tables, read_structure
 
 
 def _mean_field_windows(decl, inputs, structure, batch_index):
-    """``{family: (H, C) final windows}`` for families whose prior iterates on its own
-    (mean field): read from the compiled module's trace."""
-    names = [n for n, f in structure.families.items()
-             if getattr(f.prior, "inference", "exact") != "exact"]
-    if not names:
+    """``{family: (H, C) final windows}`` for families read by mean-field windows (an
+    inference scheme): from the compiled module's ``trace.mean_field``."""
+    if not any(f.inference is not None for f in structure.families.values()):
         return {}
     from ..compiler import compile as compile_model
 
     with torch.no_grad():
         _, trace = compile_model(decl)(*inputs, return_trace=True)
-    windows = getattr(trace, "windows", None)
-    if windows is None:
-        return {}
-    w = windows[-1]  # (*batch, H, C)
-    w = w.reshape(-1, *w.shape[-2:])[batch_index].double().cpu()
-    return {n: w for n in names}
+    out = {}
+    for name, history in trace.mean_field.items():
+        w = history.windows[-1]  # (*batch, H, C)
+        out[name] = w.reshape(-1, *w.shape[-2:])[batch_index].double().cpu()
+    return out
 
 
 def _quantiles(post: torch.Tensor, qs) -> torch.Tensor:

@@ -68,7 +68,7 @@ def test_mean_field_windows_and_cross_attention():
     fig = sa.plot_attention(e, x)
     _, trace = sa.compile(e)(x, return_trace=True)
     w = _collection(_panels(fig)[-1], "window W_i (mean field)").get_offsets().data[:, 1]
-    assert w.tolist() == trace.windows[-1][0, 0].double().tolist()
+    assert w.tolist() == trace.mean_field["attn"].windows[-1][0, 0].double().tolist()
     c = sa.models.cross_attention(8, 8, heads=1, dtype=f64)
     q, k = torch.randn(1, 40, 8, dtype=f64) * 3, torch.randn(1, 30, 8, dtype=f64) * 3
     fig = sa.plot_attention(c, q, k)
