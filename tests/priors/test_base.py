@@ -5,22 +5,11 @@ import torch
 
 import structattn as sa
 
+from ..programs import one_family_program
+
 
 def _x(*shape):
     return torch.randn(*shape, dtype=torch.float64)
-
-
-def _program(prior_fn, heads=1, d=4, value=None):
-    g = torch.Generator().manual_seed(7)
-    W = [torch.randn(heads * 2, d, generator=g, dtype=torch.float64) for _ in range(3)]
-
-    def program(x, *extra):
-        n = sa.nodes("x", x)
-        phi = sa.edges("attn", n, n, prior_fn(*extra), heads=heads)
-        sa.potential(phi, sa.potentials.Bilinear(W[0], W[1], heads=heads))
-        v = sa.values.Linear(W[2], heads=heads) if value is None else value(W[2], heads)
-        return sa.value(phi, v)
-    return program, W
 
 
 @pytest.mark.parametrize("case", ["mask3d-heads1", "alibi-heads", "relative-heads", "cat-batch"])
@@ -32,7 +21,7 @@ def test_prior_tables_must_broadcast_to_batch_heads(case):
         "relative-heads": lambda: sa.priors.RelativePosition(torch.randn(3, 5, dtype=torch.float64)),
         "cat-batch": lambda: sa.priors.Categorical(torch.randn(3, 5, 5, dtype=torch.float64)),
     }[case]
-    program, _ = _program(prior, heads=heads)
+    program, _ = one_family_program(prior, heads=heads)
     with pytest.raises(ValueError, match=r"edge family 'attn': prior (support mask|log weights) "
                                          r"must broadcast to \(\*batch, heads, children, parents\)"):
         sa.compile(program)(_x(2, 5, 4))

@@ -5,6 +5,7 @@ import torch
 
 import structattn as sa
 
+from ..programs import one_family_program
 from ..reference import softmax_attention
 
 TOL = 1e-6
@@ -14,24 +15,11 @@ def _x(*shape):
     return torch.randn(*shape, dtype=torch.float64)
 
 
-def _program(prior_fn, heads=1, d=4, value=None):
-    g = torch.Generator().manual_seed(7)
-    W = [torch.randn(heads * 2, d, generator=g, dtype=torch.float64) for _ in range(3)]
-
-    def program(x, *extra):
-        n = sa.nodes("x", x)
-        phi = sa.edges("attn", n, n, prior_fn(*extra), heads=heads)
-        sa.potential(phi, sa.potentials.Bilinear(W[0], W[1], heads=heads))
-        v = sa.values.Linear(W[2], heads=heads) if value is None else value(W[2], heads)
-        return sa.value(phi, v)
-    return program, W
-
-
 def test_neg_inf_logits_exclude_parents_under_torch_compile():
     logits = torch.randn(6, 6, dtype=torch.float64)
     logits[:, 0] = float("-inf")
     logits[0, 0] = 0.0  # child 0 keeps parent 0
-    program, W = _program(lambda: sa.priors.Categorical(logits))
+    program, W = one_family_program(lambda: sa.priors.Categorical(logits))
     layer = sa.compile(program)
     x = _x(2, 6, 4)
     allowed = ~logits.isneginf()

@@ -6,24 +6,12 @@ import torch
 
 import structattn as sa
 
+from ..programs import one_family_program
 from ..reference import softmax_attention
 
 
 def _x(*shape):
     return torch.randn(*shape, dtype=torch.float64)
-
-
-def _program(prior_fn, heads=1, d=4, value=None):
-    g = torch.Generator().manual_seed(7)
-    W = [torch.randn(heads * 2, d, generator=g, dtype=torch.float64) for _ in range(3)]
-
-    def program(x, *extra):
-        n = sa.nodes("x", x)
-        phi = sa.edges("attn", n, n, prior_fn(*extra), heads=heads)
-        sa.potential(phi, sa.potentials.Bilinear(W[0], W[1], heads=heads))
-        v = sa.values.Linear(W[2], heads=heads) if value is None else value(W[2], heads)
-        return sa.value(phi, v)
-    return program, W
 
 
 @pytest.mark.parametrize("prior", [
@@ -33,7 +21,7 @@ def _program(prior_fn, heads=1, d=4, value=None):
     lambda: sa.priors.ALiBi(1, slopes=torch.tensor([float("inf")])),
 ])
 def test_relative_priors_refuse_empty_supports_and_nan(prior):
-    program, _ = _program(prior)
+    program, _ = one_family_program(prior)
     with pytest.raises(ValueError, match=r"(edge family 'attn': (child 0 .*empty support|prior log "
                                          r"weights .*non-finite)|ALiBi prior: slopes .* finite)"):
         sa.compile(program)(_x(1, 5, 4))
@@ -44,7 +32,7 @@ TOL = 1e-6
 
 def test_relative_prior_neg_inf_excludes_offsets_like_a_mask():
     lg = torch.tensor([0.3, float("-inf"), 0.0, -0.2, 0.5], dtype=torch.float64)  # i − j = −1 out
-    program, W = _program(lambda: sa.priors.RelativePosition(lg))
+    program, W = one_family_program(lambda: sa.priors.RelativePosition(lg))
     x = _x(2, 5, 4)
     off = torch.arange(5)[:, None] - torch.arange(5)[None, :]
     bias = lg[off.clamp(-2, 2) + 2]
@@ -64,7 +52,7 @@ def test_prior_table_is_built_once_per_forward_and_fresh_each_forward():
 
     logits = torch.nn.Parameter(torch.randn(2, 5, dtype=torch.float64))
     prior = CountingRelative(logits, causal=True)  # one object reused across steps
-    program, _ = _program(lambda: prior, heads=2)
+    program, _ = one_family_program(lambda: prior, heads=2)
     layer = sa.compile(program)
     opt = torch.optim.SGD([logits], lr=0.5)
     x = _x(2, 6, 4)

@@ -10,6 +10,7 @@ import structattn.lowering
 from structattn.kinds import DenseOperator as FamilyOperator
 from structattn.potentials.base import Potential
 
+from ..programs import one_family_program
 from ..reference import heads_of, random_graph, softmax_attention
 
 TOL = 1e-6
@@ -125,23 +126,10 @@ def test_multihop_walks_an_edge_list():
     assert sa.inference.compare(program, x, edge_index).max_abs_diff < TOL
 
 
-def _one_family_program(prior_fn, heads=1, d=4, value=None):
-    g = torch.Generator().manual_seed(7)
-    W = [torch.randn(heads * 2, d, generator=g, dtype=torch.float64) for _ in range(3)]
-
-    def program(x, *extra):
-        n = sa.nodes("x", x)
-        phi = sa.edges("attn", n, n, prior_fn(*extra), heads=heads)
-        sa.potential(phi, sa.potentials.Bilinear(W[0], W[1], heads=heads))
-        v = sa.values.Linear(W[2], heads=heads) if value is None else value(W[2], heads)
-        return sa.value(phi, v)
-    return program, W
-
-
 def test_hops_refuse_empty_zero():
     mask = torch.ones(5, 5, dtype=torch.bool)
     mask[2] = False
-    program, _ = _one_family_program(lambda m: sa.priors.Uniform(support=m, empty="zero"),
+    program, _ = one_family_program(lambda m: sa.priors.Uniform(support=m, empty="zero"),
                                      value=lambda W, h: sa.values.Hops(W, (0, 1, 1), heads=h))
     with pytest.raises(ValueError, match=r"edge family 'attn': empty='zero' .* Hops value walks"):
         sa.compile(program)(_x(1, 5, 4), mask)
