@@ -39,15 +39,13 @@ def posterior(family: EdgeFamily) -> torch.Tensor:
     return operator_for(family).dense_posterior()
 
 
-def expectation(family: EdgeFamily, *, want_posterior: bool = False,
-                operator: Operator | None = None):
-    """``(E[v], posterior or None)`` through the family's operator (``operator``: one already
-    built, e.g. the iteration's at the final states).
+def expectation(family: EdgeFamily, operator: Operator, *, want_posterior: bool = False):
+    """``(E[v], posterior or None)`` of a complete family (``check_complete``) through its
+    ``operator`` (``operator_for``, or the iteration's at the final states).
 
     The posterior is in the operator's layout: dense ``(*batch, H, C, P)``, or per edge
     ``(*batch, H, E)`` for an edge list.
     """
-    family.check_complete()
-    op = operator_for(family) if operator is None else operator
-    out = family.value.expectation(op.attend, family.children.states, family.parents.states)
-    return out, (op.posterior() if want_posterior else None)
+    out = family.value.expectation(operator.attend, family.children.states,
+                                   family.parents.states)
+    return out, (operator.posterior() if want_posterior else None)

@@ -144,12 +144,11 @@ class Marginalise(Messenger):
     def expectation(self, family: EdgeFamily):
         # a family the iteration used: its operator at the inferred states (prior tables, the
         # observed side's factor, the posterior if already built) serves the value too
+        family.check_complete()
         op = self._final_ops.get(family.name)
         if op is None:
-            family.check_complete()
             op = lowering.operator_for(family, record=self.record_trace)
-        out, post = lowering.expectation(family, want_posterior=self.record_posterior,
-                                         operator=op)
+        out, post = lowering.expectation(family, op, want_posterior=self.record_posterior)
         if post is not None:
             self.posteriors[family.name] = post
         if op.history is not None:  # an inference scheme iterated: its field of the trace
