@@ -123,19 +123,18 @@ class BetaGeometric(Prior):
         return log_beta(a + window, b) - log_beta(a, b)
 
     def window(self, num_parents: int) -> int | None:
-        """The exact reading's window: the smallest W with P(φ > W) < ``tol`` (over heads),
-        capped by ``max_window`` and the sequence, or None (no truncation: all of the past)."""
-        tol = self.tol
-        if tol is None and self.max_window is None:
+        """The prior's window: the smallest W with P(φ > W) < ``tol`` (over heads), capped by
+        ``max_window`` and the sequence, or None (no truncation: all of the past)."""
+        if self.tol is None and self.max_window is None:
             return None
         cap = max(1, num_parents - 1)
         if self.max_window is not None:
             cap = min(cap, self.max_window)
-        if tol is None:
+        if self.tol is None:
             return cap
         with torch.no_grad():
             a, b = self.params("cpu", torch.float64)
-            w = beta_quantile(a.detach().cpu(), b.detach().cpu(), tol, cap)
+            w = beta_quantile(a.detach().cpu(), b.detach().cpu(), self.tol, cap)
         return int(w.max())
 
     def discarded_mass(self, num_parents: int) -> torch.Tensor:
