@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from structattn._validation import check_size
@@ -71,7 +72,7 @@ class ProjectedAttention(Declaration):
         potential(phi, psi)
         value = Linear(self.W_v, heads=self.heads) if value is None else value
         y = merge_heads(expect(phi, value))
-        return y if self.W_o is None else y @ self.W_o.T
+        return y if self.W_o is None else F.linear(y, self.W_o)
 
 
 class TokenAttention(ProjectedAttention):

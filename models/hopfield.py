@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import structattn as sa
@@ -88,7 +89,7 @@ class Hopfield(sa.Declaration):
         self.check_inputs(queries=queries, keys=keys)
         stored = sa.nodes("stored", keys, features=self.d_key, memory=True)
         sa.nodes("queries", queries, features=self.d_query)  # the observed cue r
-        init = queries if self.W_q is None else queries @ self.W_q.T
+        init = queries if self.W_q is None else F.linear(queries, self.W_q)
         state = sa.latent("state", init, scale=self.beta ** -0.5, steps=self.update_steps,
                           tol=self.tol, grad=self.grad)
         phi = sa.edges(self.family_name, state, stored, sa.priors.Uniform(), heads=self.heads)
@@ -101,14 +102,14 @@ class Hopfield(sa.Declaration):
             value = sa.values.Identity(heads=self.heads)
         sa.potential(phi, psi)
         y = sa.merge_heads(sa.value(phi, value))
-        return y if self.W_o is None else y @ self.W_o.T
+        return y if self.W_o is None else F.linear(y, self.W_o)
 
     def energy(self, state: torch.Tensor, keys: torch.Tensor, *, per_query: bool = False
                ) -> torch.Tensor:
         """Ramsauer et al.'s energy E(ξ) = Σ_{i,h} [−(1/β)·lse_j(β k_jᵀξ_i) + ½‖ξ_i‖²] of states
         ``(*batch, M, heads·d_k)`` (e.g. ``trace.states["state"][t]``): ``(*batch,)``, or
         ``(*batch, M)`` per query with ``per_query=True``."""
-        K = sa.split_heads(keys if self.W_k is None else keys @ self.W_k.T, self.heads)
+        K = sa.split_heads(keys if self.W_k is None else F.linear(keys, self.W_k), self.heads)
         xi = sa.split_heads(state, self.heads)  # (*batch, H, M, d_k)
         lse = torch.logsumexp(self.beta * xi @ K.transpose(-1, -2), -1)
         e = (-lse / self.beta + 0.5 * (xi * xi).sum(-1)).sum(-2)  # heads: (*batch, M)

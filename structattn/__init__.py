@@ -26,6 +26,7 @@ from .drawing import render as render
 from .drawing import save as save
 from .drawing import to_networkx as to_networkx
 from .energy import energy as energy
+from .export import export as export
 from .family import EdgeFamily as EdgeFamily
 from .family import edges as edges
 from .family import potential as potential

@@ -9,6 +9,7 @@ convention: on by default, off with ``structattn.set_validation(False)``.
 from __future__ import annotations
 
 import contextlib
+import math
 import numbers
 import threading
 
@@ -25,6 +26,15 @@ def set_validation(enabled: bool) -> None:
     global _DEFAULT
     _DEFAULT = bool(enabled)
     _local.__dict__.pop("override", None)
+
+
+def checks_on() -> bool:
+    """Whether value checks run: validating, and not traced by ``torch.compile`` (where a
+    check would break the graph) — unless a plan is recorded or a program exported, where
+    checks become flags (``passes``)."""
+    if not is_validating():
+        return False
+    return not torch.compiler.is_compiling() or getattr(_local, "flags", None) is not None
 
 
 def is_validating() -> bool:
@@ -44,20 +54,62 @@ def validation(enabled: bool):
         _local.override = old
 
 
+@contextlib.contextmanager
+def recording(flags: list, *, exporting: bool = False):
+    """While a plan is recorded (``structattn.replay``) or a program exported
+    (``structattn.export``): value checks append their verdicts (boolean tensors, or sums that
+    must be finite) to ``flags`` instead of reading them."""
+    old = getattr(_local, "flags", None), getattr(_local, "exporting", False)
+    _local.flags, _local.exporting = flags, exporting
+    try:
+        yield
+    finally:
+        _local.flags, _local.exporting = old
+
+
+def is_exporting() -> bool:
+    """Whether ``structattn.export`` is reading the declaration in this thread."""
+    return getattr(_local, "exporting", False)
+
+
+def is_recording() -> bool:
+    """Whether a plan is being recorded in this thread (``structattn.replay``)."""
+    return getattr(_local, "flags", None) is not None
+
+
+def passes(ok: torch.Tensor) -> bool:
+    """A value check's verdict ``bool(ok)`` (one host sync); while a plan is recorded, True
+    after noting ``ok``: the replay fuses every noted verdict into one flag, and a call whose
+    flag fails is read again, check by check, to raise the message. A floating-point ``ok``
+    passes when it is finite (a sum: finite iff every summand is, unless it overflows)."""
+    flags = getattr(_local, "flags", None)
+    if flags is None:
+        return math.isfinite(float(ok)) if ok.is_floating_point() else bool(ok)
+    flags.append(ok)
+    return True
+
+
+def may_hold(flag: torch.Tensor) -> bool:
+    """``bool(flag)`` for a shortcut that skips a check when it cannot fail (e.g. no −∞ in a
+    table: no empty row); True while a plan is recorded, so that the full check is recorded."""
+    return True if getattr(_local, "flags", None) is not None else bool(flag)
+
+
 def first_true(flags: torch.Tensor) -> tuple[int, ...] | None:
-    """The index of the first True in a boolean tensor, or None when there is none."""
-    if not bool(flags.any()):
+    """The index of the first True in a boolean tensor, or None when there is none (a value
+    check: while a plan is recorded, None after noting that there must be none)."""
+    if passes(~flags.any()):
         return None
     return tuple(int(i) for i in flags.nonzero()[0])
 
 
 def check_finite(what: str, tensor: torch.Tensor) -> None:
     """Raise a ValueError naming ``what`` when ``tensor`` holds NaN or ±inf."""
-    if not is_validating() or torch.compiler.is_compiling():
+    if not checks_on():
         return
     # A finite sum means every entry is finite (NaN or ±inf anywhere poisons it), and the
     # sum allocates nothing the size of the tensor; scan elementwise only when it is not.
-    if bool(torch.isfinite(tensor.sum())):
+    if passes((tensor.detach() if tensor.requires_grad else tensor).sum()):
         return
     bad = ~torch.isfinite(tensor)
     first = first_true(bad)
@@ -78,8 +130,13 @@ def blame_parameters(what: str) -> None:
     failure path (the compiled reading tells which declaration it reads: ``reader.declaration``)."""
     module = next((r.declaration for r in reversed(direct_readers())
                    if getattr(r, "declaration", None) is not None), None)
-    if module is None:
-        return
+    if module is not None:
+        check_parameters(module, f"; {what}, computed from it, is non-finite")
+
+
+def check_parameters(module, because: str = "") -> None:
+    """A ValueError naming the first non-finite parameter (or buffer) of ``module``, if any
+    (``because``: what it made non-finite, appended to the message)."""
     for name, t in (*module.named_parameters(), *module.named_buffers()):
         if not t.is_floating_point() or bool(torch.isfinite(t).all()):
             continue
@@ -87,7 +144,7 @@ def blame_parameters(what: str) -> None:
         raise ValueError(
             f"parameter {name!r} of {type(module).__name__} contains non-finite values (NaN or "
             f"inf): {int(bad.sum())} of {t.numel()} entries, the first at index "
-            f"{first_true(bad)}; {what}, computed from it, is non-finite. A parameter is not an "
+            f"{first_true(bad)}{because}. A parameter is not an "
             f"input to clean: it diverged in training (lower the learning rate, clip the "
             f"gradients) or was loaded so — restore it from a checkpoint or re-initialise it.")
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from .declaration import Declaration, as_declaration
 from .iterate import Engine
 from .readers.marginalise import Marginalise
+from .replay import Plans
 
 
 class CompiledModule(nn.Module):
@@ -22,6 +24,11 @@ class CompiledModule(nn.Module):
     values (true of every catalogue model); ``structattn.inference.compare``
     checks it against Pyro.
 
+    Compiled once per input signature (``structattn.replay``): the first call with given
+    shapes, dtypes, devices and options reads the declaration; the second records what that
+    reading does to tensors as a graph; later calls replay only the graph (``plans``: the
+    ``Plan`` per signature; ``reset()`` drops them; ``replay=False`` reads every call).
+
     Models with latent node sets (``structattn.latent``) iterate: the latents move to the
     (approximate) fixed point of their collapsed free energy before any value is read.
     Families declared with an inference scheme (``structattn.scheme``, e.g. expanding
@@ -32,12 +39,31 @@ class CompiledModule(nn.Module):
     the order (output, posterior, trace).
     """
 
-    def __init__(self, declaration: Declaration):
+    def __init__(self, declaration: Declaration, *, replay: bool = True):
         super().__init__()
         self.declaration = declaration
+        self._plans = Plans(replay)
 
-    def forward(self, *inputs, return_posterior: bool = False, return_trace: bool = False,
-                trace_posteriors: bool = False, **kwargs):
+    @property
+    def plans(self) -> dict:
+        """The recorded ``Plan`` per signature (a plan with ``graph`` None says, in ``reason``,
+        why its signature is read every call)."""
+        return dict(self._plans.plans)
+
+    def reset(self) -> None:
+        """Forget every plan: the next calls read the declaration again (needed only after
+        changing a plain attribute of a sub-module that is not a Declaration)."""
+        self._plans.clear()
+
+    def forward(self, *inputs, **kwargs):
+        if self._plans.enabled and not torch.compiler.is_compiling():
+            return self._plans(self, inputs, kwargs)
+        return self.interpret(*inputs, **kwargs)
+
+    def interpret(self, *inputs, return_posterior: bool = False, return_trace: bool = False,
+                  trace_posteriors: bool = False, **kwargs):
+        """One reading of the declaration under ``Marginalise``: what ``forward`` does on a
+        signature's first call (and ``torch.compile`` / ``torch.export`` trace)."""
         with Marginalise(record_posterior=return_posterior, record_trace=return_trace,
                          record_trace_posteriors=trace_posteriors,
                          declaration=self.declaration).direct() as reader:
@@ -77,6 +103,7 @@ class CompiledModule(nn.Module):
         return f"compiled from {type(self.declaration).__name__}"
 
 
-def compile(model) -> CompiledModule:  # noqa: A001 - the public name DESIGN.md asks for
-    """Compile a declaration (or a plain Pyro program using structattn primitives)."""
-    return CompiledModule(as_declaration(model))
+def compile(model, *, replay: bool = True) -> CompiledModule:  # noqa: A001 - DESIGN.md's name
+    """Compile a declaration (or a plain Pyro program using structattn primitives).
+    ``replay=False``: read the declaration on every call (no plans)."""
+    return CompiledModule(as_declaration(model), replay=replay)

@@ -21,6 +21,14 @@ class Declaration(nn.Module):
     structure without data.
     """
 
+    #: bumped by every attribute assignment: compiled modules re-read the declaration then
+    #: (their plans, ``structattn.replay``, are recorded at one structure)
+    structure_version: int = 0
+
+    def __setattr__(self, name, value):
+        super().__setattr__(name, value)
+        object.__setattr__(self, "structure_version", self.structure_version + 1)
+
     def model(self, *inputs, **kwargs):
         raise NotImplementedError(f"{type(self).__name__} must define model(*inputs)")
 

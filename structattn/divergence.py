@@ -17,7 +17,7 @@ import warnings
 
 import torch
 
-from ._validation import first_true, is_validating
+from ._validation import checks_on, first_true, is_exporting, passes
 
 
 class DivergenceWarning(RuntimeWarning):
@@ -31,7 +31,8 @@ class DivergenceWatch:
     def __init__(self, engine):
         self.engine = engine
         self.watched = [z for z in engine.latents if z.options.update == "gradient"]
-        self.active = bool(self.watched) and is_validating() and not torch.compiler.is_compiling()
+        # (a warning, not an error: a replay re-reads the call to warn; a program has no warning)
+        self.active = bool(self.watched) and checks_on() and not is_exporting()
         self.start_states: dict = {}
         self.f0: torch.Tensor | None = None
 
@@ -55,7 +56,7 @@ class DivergenceWatch:
         if self.f0 is None or steps == 0:
             return
         f_end = (energies[-1] if energies else self.engine.free_energy()).detach()
-        if not bool(self.rose(f_end).any()):
+        if passes(~self.rose(f_end).any()):
             return
         if energies:
             found = next(((t, f.detach()) for t, f in enumerate(energies[1:], 1)

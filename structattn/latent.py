@@ -36,7 +36,7 @@ from pyro.distributions import constraints
 from pyro.poutine.runtime import effectful
 
 from ._direct import direct_readers
-from ._validation import shape_str
+from ._validation import is_recording, passes, shape_str
 from .nodes import NodeSet, _make_node_set
 
 UPDATES = ("cccp", "gradient")
@@ -173,7 +173,8 @@ def _check_prior_param(name, what, value, init):
         except RuntimeError:
             raise ValueError(f"latent node set {name!r}: {what} must broadcast to the states "
                              f"{shape_str(init.shape)}; got {shape_str(value.shape)}") from None
-        if what == "scale" and not torch.compiler.is_compiling() and bool((value <= 0).any()):
+        if what == "scale" and (not torch.compiler.is_compiling() or is_recording()) \
+                and not passes(~(value <= 0).any()):  # NaN: named as a parameter elsewhere
             raise ValueError(f"latent node set {name!r}: scale must be > 0 everywhere")
         return value
     try:

@@ -31,7 +31,7 @@ import math
 
 import torch
 
-from ._validation import is_validating, same_device, shape_str
+from ._validation import checks_on, is_exporting, is_recording, passes, same_device, shape_str
 
 __all__ = ["segment_attention", "segment_attention_naive"]
 
@@ -60,9 +60,10 @@ def _check_values(src, dst, num_parents: int, num_children: int, empty: str, who
     zero output whatever ``empty`` says. A child whose edges all have bias −∞ counts
     as childless. ``bias``: ``(G, E)``.
     """
-    if not is_validating() or torch.compiler.is_compiling():
+    if not checks_on():
         return
-    if src.numel() > 0:
+    if src.numel() > 0 and not passes(((src >= 0) & (src < num_parents)).all()
+                                      & ((dst >= 0) & (dst < num_children)).all()):
         lo_s, hi_s, lo_d, hi_d = torch.stack([src.min(), src.max(), dst.min(), dst.max()]).tolist()
         for name, lo, hi, n, what in (("src", lo_s, hi_s, num_parents, "parents P"),
                                       ("dst", lo_d, hi_d, num_children, "children C")):
@@ -72,7 +73,7 @@ def _check_values(src, dst, num_parents: int, num_children: int, empty: str, who
                     f"{who}: {name} must hold indices in [0, {n}) ({what} = {n}); got a value {bad} "
                     f"(min {lo}, max {hi})"
                 )
-    if bias is not None and bool((bias.isnan() | bias.isposinf()).any()):
+    if bias is not None and not passes(~(bias.isnan() | bias.isposinf()).any()):
         raise ValueError(f"{who}: bias must hold finite values or -inf (an edge outside the "
                          f"support); got NaN or +inf")
     if empty == "error" and num_children > 0:
@@ -83,8 +84,8 @@ def _check_values(src, dst, num_parents: int, num_children: int, empty: str, who
             finite = (~bias.isneginf()).to(torch.int32)
             counts = finite.new_zeros(finite.shape[0], num_children).index_add_(1, dst, finite)
             missing = counts == 0
-        n_missing = int(missing.sum())
-        if n_missing:
+        if not passes(~missing.any()):
+            n_missing = int(missing.sum())
             first = int(missing.nonzero()[0, -1])
             raise ValueError(
                 f"{who}: child {first} has no incoming edge{' of finite bias' if bias is not None else ''} "
@@ -348,6 +349,11 @@ def segment_attention(a, b, v, src, dst, num_children, scale=1.0, *, chunk_size=
     skipped under ``torch.compile``, with ``structattn.set_validation(False)`` and with
     ``checked=True``.
     """
+    if is_exporting():  # a program of torch operators only: the twin computes the same
+        return segment_attention_naive(a, b, v, src, dst, num_children, scale,
+                                       chunk_size=chunk_size, empty=empty,
+                                       return_posterior=return_posterior, bias=bias,
+                                       checked=checked)
     who = "segment_attention"
     a, b, v, bias, src, dst, scale, lead = _prepare(a, b, v, src, dst, num_children, scale, chunk_size,
                                                     empty, who, bias, checked)
@@ -355,6 +361,9 @@ def segment_attention(a, b, v, src, dst, num_children, scale=1.0, *, chunk_size=
         a, scale = a * scale.to(a.dtype), 1.0
     if chunk_size is None:
         chunk_size = _auto_chunk(a.shape[0], a.shape[-1], v.shape[-1], a.dtype)
+    if is_recording():  # make_fx would trace the forward and lose the backward written here
+        raise NotImplementedError("segment_attention is a custom autograd.Function: a plan "
+                                  "(structattn.replay) cannot record it; read every call")
     out, p = _SegmentAttention.apply(a, b, v, bias, src, dst, float(scale), chunk_size)
     out = out.reshape(*lead, *out.shape[-2:])
     if return_posterior:

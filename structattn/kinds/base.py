@@ -40,22 +40,25 @@ def keep_nonfinite_rows(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> 
     """NaN where a fused kernel's output ``out`` ``(…, C, d_v)`` may have turned non-finite
     scores into zeros. The CPU's fused SDPA kernels read a row whose scores are all NaN as a row
     without parents and return 0 there, a plausible number; with the value checks off
-    (``structattn.validation(False)``) a NaN must come out as NaN. Such a row has a non-finite
+    (``structattn.validation(False)``) a NaN must come out as NaN. (With them on, the inputs
+    were checked and so were the parameters, once per change: ``structattn.replay``.) Such a
+    row has a non-finite
     child factor ``a`` ``(…, C, d_k)`` — that row becomes NaN — or reads only parents with a
     non-finite factor ``b`` ``(…, P, d_k)`` — then every row of that batch element and head
     becomes NaN (rows reading a finite parent too are NaN from the kernel already; rows reading
     no bad parent, e.g. before it under a causal support, are NaN too: a cheap bound).
 
-    No check and no host sync: ``out + 0·Σ_k a_ik + 0·Σ_jk b_jk``, two sums (accumulated in
-    float32 for half precision, so that no finite sum overflows) and one add, in place when no
-    gradient flows — O(C·d_k + P·d_k + C·d_v) beside the kernel's O(C·P·d), nothing in the
+    No check and no host sync: ``out + 0·(Σ_k a_ik + Σ_jk b_jk)``, two sums (accumulated in
+    float32 for half precision, so that no finite sum overflows) and two adds, in place when
+    no gradient flows — O(C·d_k + P·d_k + C·d_v) beside the kernel's O(C·P·d), nothing in the
     backward."""
     acc = torch.float32 if a.dtype in (torch.float16, torch.bfloat16) else a.dtype
     rows = a.detach().sum(-1, keepdim=True, dtype=acc)
-    heads = b.detach().sum((-2, -1), keepdim=True, dtype=acc)
-    nan = ((rows + heads) * 0).to(out.dtype)
+    rows = rows + b.detach().sum((-2, -1), keepdim=True, dtype=acc)
+    if rows.dtype != out.dtype:  # half precision: 0 (or NaN) before the cast, which could overflow
+        rows = (rows * 0).to(out.dtype)
     # in place where no backward will read the kernel's output (inference): no new C×d_v tensor
-    return out + nan if out.requires_grad else out.add_(nan)
+    return out.add(rows, alpha=0) if out.requires_grad else out.add_(rows, alpha=0)
 
 
 class Support:

@@ -14,7 +14,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .._validation import is_validating
+from .._validation import checks_on
 from .base import Intersection, Operator, Support, grid, keep_nonfinite_rows
 
 
@@ -139,7 +139,7 @@ class DenseOperator(Operator):
         if self._post is None:
             table, dim = self._table()
             post, keep = torch.softmax(table, dim), self.keep()
-            if keep is None and self.family.prior.empty == "error" and not is_validating():
+            if keep is None and self.family.prior.empty == "error" and not checks_on():
                 # unchecked rows without support: zero, as the fused kernel gives, not NaN
                 post = post.masked_fill(torch.isneginf(table).all(dim, keepdim=True), 0.0)
             post = post.to(self.family.children.states.dtype)
@@ -157,7 +157,8 @@ class DenseOperator(Operator):
         mask, is_causal = self._const("sdpa", lambda: f.tables.sdpa_inputs(xc.dtype))
         out = F.scaled_dot_product_attention(a, b, u, attn_mask=mask, is_causal=is_causal,
                                              scale=scale)
-        out = keep_nonfinite_rows(out, a, b)
+        if not checks_on():  # nothing was checked: a NaN must stay a NaN
+            out = keep_nonfinite_rows(out, a, b)
         keep = self.keep()
         return out if keep is None else out * keep
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
 from .._validation import check_like, shape_str
 from ..heads import gather_parents, merge_heads, split_heads
@@ -54,11 +55,11 @@ class Bilinear(Potential):
         self.temperature = check_temperature(temperature, "Bilinear potential", heads)
 
     def child_factor(self, children):
-        q = children if self.W_q is None else children @ self.W_q.T
+        q = children if self.W_q is None else F.linear(children, self.W_q)
         return split_heads(q, self.heads)  # (*batch, H, C, d_k)
 
     def parent_factor(self, parents):
-        k = parents if self.W_k is None else parents @ self.W_k.T
+        k = parents if self.W_k is None else F.linear(parents, self.W_k)
         return split_heads(k, self.heads)  # (*batch, H, P, d_k)
 
     def factor_scale(self):

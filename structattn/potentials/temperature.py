@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from .._validation import is_validating, shape_str
+from .._validation import checks_on, passes, shape_str
 
 
 def check_temperature(temperature, where: str, heads: int | None = None):
@@ -54,7 +54,7 @@ def check_temperature_value(t, family: str, heads: int = 1) -> None:
     if not isinstance(t, torch.Tensor):
         return
     check_temperature_shape(t, heads, f"edge family {family!r}")
-    if is_validating() and not torch.compiler.is_compiling() and not bool((t > 0).all()):
+    if checks_on() and not passes((t > 0).all()):
         got = t.detach().reshape(-1).tolist()
         got = f"{got[0]:g}" if len(got) == 1 else "[" + ", ".join(f"{v:g}" for v in got) + "]"
         raise ValueError(f"edge family {family!r}: temperature must be > 0; got {got}")

@@ -28,7 +28,7 @@ import math
 
 import torch
 
-from .._validation import blame_parameters, is_validating
+from .._validation import blame_parameters, checks_on, passes
 from ..beta import beta_quantile, log_beta
 from ..kinds.window import Window
 from .base import Prior
@@ -46,8 +46,8 @@ def _positive(name, value):
             raise ValueError(f"BetaGeometric prior: {name} must be a float or a floating-point "
                              f"tensor () or (heads,); got {value.dtype} of shape "
                              f"{tuple(value.shape)}")
-        checking = is_validating() and not torch.compiler.is_compiling()
-        if checking and not bool(((value > 0) & value.isfinite()).all()):
+        checking = checks_on()
+        if checking and not passes(((value > 0) & value.isfinite()).all()):
             if not bool(value.isfinite().all()):  # computed from a parameter that diverged?
                 blame_parameters(f"BetaGeometric prior: {name}")
             raise ValueError(f"BetaGeometric prior: {name} must be finite and > 0 (a Beta "
@@ -151,11 +151,12 @@ class BetaGeometric(Prior):
         """Fewer children than parents: the children must be the parents' last C tokens (the
         distance is read from there); a value check, on while validation is."""
         c, p = children.size, parents.size
-        if c >= p or not is_validating() or torch.compiler.is_compiling():
+        if c >= p or not checks_on():
             return  # c > p: the tables' own check says so
         xc, xp = children.states, parents.states
-        if xc.shape[-1] != xp.shape[-1] or not torch.equal(
-                xc, xp.expand(*xc.shape[:-2], p, xp.shape[-1])[..., p - c:, :]):
+        if xc.shape[-1] != xp.shape[-1] or xc.shape[:-2] != torch.broadcast_shapes(
+                xc.shape[:-2], xp.shape[:-2]) or not passes(
+                (xc == xp.expand(*xc.shape[:-2], p, xp.shape[-1])[..., p - c:, :]).all()):
             raise ValueError(f"edge family {family!r}: with fewer children ({c}) than parents "
                              f"({p}), a BetaGeometric prior reads the children as the parents' "
                              f"last {c} tokens, but node set {children.name!r} is not "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .._validation import is_validating, shape_str
+from .._validation import checks_on, passes, shape_str
 from .base import Prior
 from .uniform import dense_support
 
@@ -55,8 +55,8 @@ class ALiBi(Prior):
 
     def __init__(self, heads: int = 1, *, slopes: torch.Tensor | None = None, causal: bool = False):
         slopes = alibi_slopes(heads) if slopes is None else torch.as_tensor(slopes)
-        checking = is_validating() and not torch.compiler.is_compiling()
-        if slopes.dim() != 1 or (checking and not bool(((slopes >= 0) & slopes.isfinite()).all())):
+        checking = checks_on()
+        if slopes.dim() != 1 or (checking and not passes(((slopes >= 0) & slopes.isfinite()).all())):
             raise ValueError(f"ALiBi prior: slopes must be a 1-D tensor of finite m ≥ 0; got {slopes}")
         self.slopes, self.causal = slopes, bool(causal)
 

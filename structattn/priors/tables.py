@@ -20,7 +20,15 @@ from __future__ import annotations
 
 import torch
 
-from .._validation import blame_parameters, first_true, is_validating, same_device, shape_str
+from .._validation import (
+    blame_parameters,
+    checks_on,
+    first_true,
+    may_hold,
+    passes,
+    same_device,
+    shape_str,
+)
 
 
 class PriorTables:
@@ -161,7 +169,7 @@ class PriorTables:
             table = self.table()
             if table is not None:
                 _check_table(family, "log weights", table, target, self.device)
-            if not is_validating() or torch.compiler.is_compiling():
+            if not checks_on():
                 return
             if table is not None:
                 _check_log_weights(family, self.edge_bias(), "at edge")
@@ -172,16 +180,16 @@ class PriorTables:
         for what, t in (("support mask", explicit), ("log weights", table)):
             if t is not None:
                 _check_table(family, what, t, target, self.device)
-        if not is_validating() or torch.compiler.is_compiling():
+        if not checks_on():
             return
         if table is not None:  # −∞ excludes a parent; NaN and +∞ are errors
             _check_log_weights(family, table, "at index")
         if prior.empty == "zero":
             return
         if self.support.is_causal() and self.num_parents and (
-                table is None or not bool(torch.isneginf(table).any())):
+                table is None or not may_hold(torch.isneginf(table).any())):
             return  # j ≤ i alone: column 0 is always allowed, no row is empty
-        if explicit is None and (table is None or not bool(torch.isneginf(table).any())):
+        if explicit is None and (table is None or not may_hold(torch.isneginf(table).any())):
             return  # every parent
         empty = ~self.full_mask().any(-1)
         where = first_true(empty)
@@ -259,19 +267,19 @@ def check_edge_index(family: str, edge_index: torch.Tensor, num_children: int,
             f"edge family {family!r}: edge_index must have shape (2, E) — row 0 parents, row 1 "
             f"children; got {shape_str(edge_index.shape)}"
         )
-    if not is_validating() or torch.compiler.is_compiling():
+    if not checks_on():
         return
     src, dst = edge_index
     for what, idx, n in (("parent (row 0)", src, num_parents), ("child (row 1)", dst, num_children)):
-        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= n):
+        if idx.numel() and not passes(((idx >= 0) & (idx < n)).all()):
             bad = int(idx[(idx < 0) | (idx >= n)][0])
             raise ValueError(
                 f"edge family {family!r}: edge_index {what} indices must be in [0, {n}); got {bad}"
             )
     # a support is a set: an edge listed twice would count twice in a softmax over edges
-    keys = dst * num_parents + src
-    unique, counts = torch.unique(keys, return_counts=True)
-    if bool((counts > 1).any()):
+    keys = (dst * num_parents + src).sort().values
+    if keys.numel() > 1 and not passes((keys[1:] != keys[:-1]).all()):
+        unique, counts = torch.unique(keys, return_counts=True)
         k = int(unique[counts > 1][0])
         raise ValueError(
             f"edge family {family!r}: edge_index lists the edge {k % num_parents} → "

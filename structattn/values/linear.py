@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from .._validation import check_like, shape_str
 from ..heads import split_heads
@@ -23,7 +24,7 @@ class Linear(Value):
         self.d_v = W_v.shape[0] // heads
 
     def parent_values(self, parents):
-        return split_heads(parents @ self.W_v.T, self.heads)  # (*batch, H, P, d_v)
+        return split_heads(F.linear(parents, self.W_v), self.heads)  # (*batch, H, P, d_v)
 
     def validate(self, family, children, parents):
         x = parents.states

@@ -1,0 +1,96 @@
+"""``export``: a compiled declaration as a ``torch.export.ExportedProgram``.
+
+The program holds only PyTorch operators: it is saved with ``torch.export.save`` and runs
+where ``torch`` is installed and neither structattn nor Pyro is. ``torch.export`` reads the
+declaration once, non-strictly (as Python, on fake tensors), the way a plan is recorded
+(``structattn.replay``); the value checks the reading makes become one fused
+``torch._assert_async`` per kind in the program (off when exported under
+``structattn.validation(False)``), so a NaN input still fails where the program runs —
+with the message "structattn value check failed", not the reading's own (run the model
+under structattn for that).
+
+What cannot be exported is refused with the reason: a reading that branches on tensor values
+(expanding attention's mean-field windows, whose sizes depend on the data; a tolerance loop),
+and iterative models are exported at their fixed step count.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from . import _validation
+from .compiler import CompiledModule, compile
+
+__all__ = ["export"]
+
+_MESSAGE = ("structattn value check failed: an input holds NaN/inf or a support is empty "
+            "(run the model under structattn for the check's own message)")
+
+
+class _Program(nn.Module):
+    """What is exported: one reading of the layer with the given options, checks fused."""
+
+    def __init__(self, layer: CompiledModule, options: dict):
+        super().__init__()
+        self.layer, self.options = layer, options
+
+    def forward(self, *inputs):
+        flags: list = []
+        with _validation.recording(flags, exporting=True):
+            out = self.layer.interpret(*inputs, **self.options)
+        sums = [f for f in flags if f.is_floating_point()]
+        verdicts = [f for f in flags if not f.is_floating_point()]
+        if sums:
+            torch._assert_async(torch.isfinite(torch.stack([s.to(torch.float64) for s in sums])
+                                               .sum()), _MESSAGE)
+        if verdicts:
+            torch._assert_async(torch.stack(verdicts).all(), _MESSAGE)
+        return out
+
+
+def _dynamic_shapes(dynamic, inputs: tuple):
+    if dynamic is None or dynamic is False:
+        return None
+    if dynamic is True:  # every dimension may vary; export keeps static what the model fixes
+        dynamic = tuple({i: torch.export.Dim.AUTO for i in range(x.dim())}
+                        if isinstance(x, torch.Tensor) else None for x in inputs)
+    return (tuple(dynamic),)  # the program's forward takes *inputs: one entry for them all
+
+
+def export(model, *example_inputs, dynamic=None, return_posterior: bool = False,
+           **kwargs) -> torch.export.ExportedProgram:
+    """``torch.export.export`` of the compiled ``model`` (a declaration, a Pyro program or a
+    ``CompiledModule``) at ``example_inputs``.
+
+    ``dynamic``: None (every shape as in the examples), True (every input dimension may vary:
+    ``torch.export.Dim.AUTO``, kept static where the model needs it), or ``torch.export``'s
+    own ``dynamic_shapes`` for the inputs. ``return_posterior``: the program also returns the
+    edge posteriors (as ``CompiledModule.forward``); further keyword arguments are passed to
+    the model. Traces return no ``Trace`` (a structattn class): export without
+    ``return_trace``.
+
+    Save it with ``torch.export.save(program, path)``; load it with ``torch.export.load(path)``
+    and call ``.module()(*inputs)`` — no structattn needed there."""
+    if kwargs.get("return_trace") or kwargs.get("trace_posteriors"):
+        raise ValueError("structattn.export: return_trace returns a structattn Trace, which a "
+                         "program loaded without structattn could not rebuild; export the "
+                         "output (and return_posterior=True) instead")
+    layer = model if isinstance(model, CompiledModule) else compile(model)
+    program = _Program(layer, {"return_posterior": return_posterior, **kwargs})
+    try:
+        return torch.export.export(program, tuple(example_inputs),
+                                   dynamic_shapes=_dynamic_shapes(dynamic, example_inputs),
+                                   strict=False)
+    except Exception as err:
+        from .replay import _where
+
+        name = layer.declaration.display_name
+        text = str(err)
+        hint = (". A reading that branches on tensor values (a tolerance loop, data-dependent "
+                "window sizes) has no single program: export a fixed-step or exact "
+                "configuration") if "data-dependent" in text or "DataDependent" in repr(
+                    type(err)) else ""
+        raise ValueError(
+            f"structattn.export: {name} could not be exported: its reading {_where(err)}"
+            f"{type(err).__name__}: {text.splitlines()[0][:300]}{hint}") from err

@@ -1,0 +1,355 @@
+"""Compile once per input signature: read the declaration once, replay only its tensor work.
+
+``CompiledModule.forward`` reads a declaration under the ``Marginalise`` reading: node-set
+checks, supports, prior tables, the operator per family, the loop structure — Python work
+that does not depend on the data, only on the *signature* of the call: the inputs' shapes,
+dtypes, devices and ``requires_grad``; the parameters' identity and layout; the grad and
+validation modes; the options passed. A ``Plan`` records, once per signature, what that
+reading does to tensors — with ``make_fx`` (``torch.fx``), at PyTorch's pre-dispatch level,
+so composite operators (``linear``, ``scaled_dot_product_attention``) stay whole and autograd,
+grad-mode switches and random draws replay as they ran — and later calls run only that graph.
+
+- **When**: the first call with a signature is read as before (so a shape seen once costs
+  nothing more); the second records the plan; later calls replay it. ``torch.compile`` and
+  ``torch.export`` trace the reading themselves and bypass plans.
+- **Validation**: every value check the reading makes (``_validation.passes``) becomes a
+  boolean in the graph; the replay fuses them into one flag and reads it once per call
+  (one host sync). A failed flag re-reads the call — which raises the check's own message.
+- **What cannot be replayed**: a reading that branches on tensor *values* (a tolerance loop,
+  data-dependent window sizes, a value pulled into Python) makes ``make_fx`` refuse; the
+  signature is then read every call, as before, and ``Plan.reason`` says why.
+- **Invalidation**: a new signature records anew; so does assigning an attribute of the
+  declaration (``Declaration.__setattr__`` bumps its ``structure_version``). Parameter values
+  are inputs of the graph, so training never re-records. ``CompiledModule.reset()`` drops
+  every plan (e.g. after changing an attribute of a plain sub-module).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils import _pytree as pytree
+
+from . import _validation, kernels
+from .iterate import Trace
+from .latent import iteration_overrides
+from .windows.history import MeanFieldHistory
+
+# what a reading returns beside tensors: flattened so that their tensors are graph outputs
+for _cls in (Trace, MeanFieldHistory):
+    pytree.register_dataclass(_cls)
+
+#: how many signatures one module records before it reads new ones every call (like
+#: dynamo's cache size limit: a stream of ever-new shapes should not fill memory with graphs)
+MAX_PLANS = 32
+
+@dataclass
+class Plan:
+    """What one signature's calls replay: ``graph`` (``torch.fx.GraphModule``, flat tensors
+    in: parameters, buffers, then the tensor inputs; flat tensors out, then the fused check
+    flag), the output's ``spec`` and non-tensor leaves; or, when the reading could not be
+    recorded, ``graph`` None and ``reason``."""
+
+    graph: torch.fx.GraphModule | None = None
+    spec: object = None
+    constants: dict = field(default_factory=dict)  # output leaf position → non-tensor value
+    n_tensors: int = 0
+    flags: tuple = ()  # the fused checks' kinds, the graph's last outputs: "finite", "true"
+    reason: str | None = None
+    calls: int = 0  # replays served
+    single: bool = False  # the output is one tensor
+
+
+def _tensor_key(t: torch.Tensor) -> tuple:
+    return (t.shape, t.dtype, t.device, t.requires_grad, t.layout)
+
+
+def _leaf_key(x):
+    if isinstance(x, torch.Tensor):
+        return _tensor_key(x)
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return (type(x), x)
+    if isinstance(x, (tuple, list)):
+        return (type(x), tuple(_leaf_key(v) for v in x))
+    hash(x)  # an unhashable argument: no plan (TypeError, caught by the caller)
+    return (type(x), x)
+
+
+class Plans:
+    """A compiled module's plans by signature (not state: excluded from ``state_dict``; copies
+    and pickles start empty). ``record_after``: how many times a signature is read before its
+    plan is recorded (recording costs tens of milliseconds: a shape seen once should not pay
+    it)."""
+
+    def __init__(self, enabled: bool = True, record_after: int = 1):
+        self.enabled, self.record_after = enabled, record_after
+        self.plans: dict = {}
+        self.reads: dict = {}  # signature → readings so far
+        self._modules = None  # (structure version, [(prefix, module)])
+        self._checked = None  # the parameter versions last found finite
+
+    def __deepcopy__(self, memo):
+        return Plans(self.enabled, self.record_after)
+
+    def __getstate__(self):
+        return {**Plans(self.enabled, self.record_after).__dict__}
+
+    def clear(self) -> None:
+        self.plans.clear()
+        self.reads.clear()
+        self._modules = self._checked = None
+
+    # -- the signature -------------------------------------------------------------------
+    def state(self, module: torch.nn.Module) -> list:
+        """The declaration's parameters and buffers, in a fixed order. The module tree is
+        walked again when the declaration's ``structure_version`` moves; the tensors are read
+        from it every call (a parameter replaced in a sub-module is seen)."""
+        version = getattr(module, "structure_version", 0)
+        if self._modules is None or self._modules[0] != version:
+            mods = [m for _, m in module.named_modules(remove_duplicate=True)]
+            self._modules = (version, [m._parameters for m in mods] + [m._buffers for m in mods])
+        tensors = [t for d in self._modules[1] for t in d.values() if t is not None]
+        return tensors if len(set(map(id, tensors))) == len(tensors) else list(
+            {id(t): t for t in tensors}.values())
+
+    def names(self, module: torch.nn.Module) -> list:
+        """The dotted names of ``state(module)``'s tensors, in its order."""
+        version = getattr(module, "structure_version", 0)
+        named = [(f"{p}.{n}" if p else n, t) for p, m in module.named_modules(remove_duplicate=True)
+                 for n, t in m._parameters.items() if t is not None]
+        named += [(f"{p}.{n}" if p else n, t) for p, m in module.named_modules(remove_duplicate=True)
+                  for n, t in m._buffers.items() if t is not None]
+        assert version == getattr(module, "structure_version", 0)
+        first = {}
+        for n, t in named:
+            first.setdefault(id(t), n)
+        return [first[id(t)] for t in self.state(module)]
+
+    def signature(self, layer, inputs: tuple, kwargs: dict, state: list) -> tuple | None:
+        """The call's signature, or None when an argument is not hashable (no plan)."""
+        key = [getattr(layer.declaration, "structure_version", 0), torch.is_grad_enabled(),
+               torch.is_inference_mode_enabled(), torch.is_autocast_enabled(),
+               _validation.is_validating(), kernels._enabled()]
+        try:
+            for x in inputs:
+                key.append((x.shape, x.dtype, x.device, x.requires_grad, x.layout)
+                           if type(x) is torch.Tensor else _leaf_key(x))
+            for t in state:
+                key.append((id(t), t.shape, t.dtype, t.device, t.requires_grad))
+            if kwargs:
+                key.append(tuple((k, _leaf_key(v)) for k, v in sorted(kwargs.items())))
+            over = iteration_overrides()
+            if over:
+                key.append(tuple(sorted(over.items())))
+            hash(key[-1])
+        except TypeError:
+            return None
+        return tuple(key)
+
+    def check_parameters(self, layer, state: list) -> None:
+        """While validating: the parameters are finite — checked when they changed since the
+        last check (``Tensor._version``: an optimizer step, a load), one fused pass over them
+        all; a ValueError naming the first non-finite one otherwise. (An input is checked
+        every call; a parameter only when it moved.)"""
+        versions = [t._version for t in state]  # (which tensors: the signature's ids)
+        if versions == self._checked:
+            return
+        floats = [t.detach() for t in state
+                  if t.is_floating_point() and t.numel() and t.device.type != "meta"]
+        if floats and not math.isfinite(float(torch.stack(
+                [n.to(torch.float64) for n in torch._foreach_norm(floats)]).sum())):
+            _validation.check_parameters(layer.declaration)
+        self._checked = versions
+
+    # -- one call ------------------------------------------------------------------------
+    def __call__(self, layer, inputs: tuple, kwargs: dict):
+        state = self.state(layer.declaration)
+        if _validation.is_validating():
+            self.check_parameters(layer, state)
+        key = self.signature(layer, inputs, kwargs, state) if self.enabled else None
+        if key is None:
+            return layer.interpret(*inputs, **kwargs)
+        plan = self.plans.get(key)
+        if plan is None:
+            reads = self.reads.get(key, 0)
+            if reads < self.record_after or len(self.plans) >= MAX_PLANS:
+                self.reads[key] = reads + 1
+                return layer.interpret(*inputs, **kwargs)
+            self.reads.pop(key, None)
+            plan = self.plans[key] = record(layer, self.names(layer.declaration), state,
+                                            inputs, kwargs)
+        if plan.graph is None:
+            return layer.interpret(*inputs, **kwargs)
+        out = replay(plan, state, inputs)
+        return layer.interpret(*inputs, **kwargs) if out is _FAILED else out
+
+
+_FAILED = object()
+
+
+def _split(inputs: tuple):
+    """The tensors among ``inputs`` (flattened), and a function putting new ones in their place."""
+    if all(type(x) is torch.Tensor for x in inputs):
+        return inputs, tuple
+    leaves, spec = pytree.tree_flatten(inputs)
+    where = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+
+    def rebuild(tensors):
+        new = list(leaves)
+        for i, t in zip(where, tensors, strict=True):
+            new[i] = t
+        return pytree.tree_unflatten(new, spec)
+    return [leaves[i] for i in where], rebuild
+
+
+def record(layer, names: list, state: list, inputs: tuple, kwargs: dict) -> Plan:
+    """Trace one reading of ``layer`` at this signature into a ``Plan``."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    tensors, rebuild = _split(inputs)
+    k = len(state)
+    plan = Plan()
+
+    def reading(*flat):
+        flags: list = []
+        with _reparametrize_module(layer.declaration, dict(zip(names, flat[:k], strict=True))), \
+                _validation.recording(flags):
+            out = layer.interpret(*rebuild(flat[k:]), **kwargs)
+        leaves, plan.spec = pytree.tree_flatten(out)
+        plan.constants = {i: v for i, v in enumerate(leaves) if not isinstance(v, torch.Tensor)}
+        result = [v for v in leaves if isinstance(v, torch.Tensor)]
+        plan.n_tensors = len(result)
+        plan.single = isinstance(out, torch.Tensor)
+        sums = [f for f in flags if f.is_floating_point()]  # finite iff the data were
+        verdicts = [f for f in flags if not f.is_floating_point()]  # True iff they pass
+        kinds = []
+        if sums:
+            total = sums[0]
+            for f in sums[1:]:
+                total = total + f
+            result.append(total)
+            kinds.append("finite")
+        if verdicts:
+            ok = verdicts[0]
+            for f in verdicts[1:]:
+                ok = ok & f
+            result.append(ok)
+            kinds.append("true")
+        plan.flags = tuple(kinds)
+        return result
+
+    # tracing runs the reading on the real tensors: its random draws must not advance the
+    # generators the replay (which serves this call) draws from
+    devices = sorted({t.device.index or 0 for t in (*state, *tensors) if t.is_cuda})
+    try:
+        with torch.random.fork_rng(devices=devices):
+            graph = make_fx(reading, pre_dispatch=True)(*state, *tensors)
+    except Exception as err:  # the reading reads tensor values (or cannot be traced)
+        plan.reason = f"{_where(err)}{type(err).__name__}: {str(err).splitlines()[0][:200]}"
+        return plan
+    graph.graph.eliminate_dead_code(is_impure_node=_impure)
+    graph.recompile()
+    with torch.random.fork_rng(devices=devices):
+        _bind_to_torch(graph, (*state, *tensors))
+    graph.recompile()
+    plan.graph = graph
+    return plan
+
+
+def _where(err: BaseException) -> str:
+    """``"file:line (function): "`` of the innermost frame outside torch where ``err`` arose."""
+    import traceback
+
+    frames = [f for f in traceback.extract_tb(err.__traceback__)
+              if "/torch/" not in f.filename and "/pyro/" not in f.filename]
+    if not frames:
+        return ""
+    f = frames[-1]
+    return f"{'/'.join(f.filename.split('/')[-3:])}:{f.lineno} ({f.name}): "
+
+
+def _binding(op):
+    """The public torch binding an aten overload was called through (``torch.transpose``,
+    ``torch._C._nn.linear``, ``Tensor.add_``), or None. The binding resolves the same
+    arguments to the same overload, as it did when the reading called it, and costs a few
+    microseconds less per call than the overload object (no Python frame of its own)."""
+    if not isinstance(op, torch._ops.OpOverload) or op.namespace != "aten":
+        return None
+    name = op.overloadpacket.__name__
+    for home in (torch, torch._C._nn, torch._C._linalg, torch._C._special, torch._C._fft):
+        fn = getattr(home, name, None)
+        if fn is not None and type(fn).__name__ == "builtin_function_or_method":
+            return fn
+    method = getattr(torch.Tensor, name, None)
+    return method if type(method).__name__ == "method_descriptor" else None
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return (isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
+                and a.stride() == b.stride() and a.requires_grad == b.requires_grad
+                and torch.equal(a, b))
+    if isinstance(a, (tuple, list)):
+        return (isinstance(b, (tuple, list)) and len(a) == len(b)
+                and all(_same(x, y) for x, y in zip(a, b, strict=True)))
+    return type(a) is type(b) and a == b
+
+
+def _bind_to_torch(graph: torch.fx.GraphModule, args: tuple) -> None:
+    """Call each aten overload of ``graph`` through its torch binding where that binding,
+    given the node's own arguments at this signature, returns the same thing (checked here,
+    node by node, on the recording's inputs: the graph is straight-line, so every node runs).
+    Overloads that mutate or draw at random keep their overload object."""
+    bound = {}
+
+    class Check(torch.fx.Interpreter):
+        def run_node(self, n):
+            out = super().run_node(n)
+            fn = _binding(n.target) if n.op == "call_function" else None
+            if fn is None or n.target._schema.is_mutable \
+                    or torch.Tag.nondeterministic_seeded in n.target.tags:
+                return out
+            a, kw = self.fetch_args_kwargs_from_env(n)
+            try:
+                alt = fn(*a, **kw)
+            except Exception:  # the binding parses these arguments differently
+                return out
+            if _same(out, alt):
+                bound[n] = fn
+            return out
+
+    Check(graph).run(*args)
+    for node, fn in bound.items():
+        node.target = fn
+
+
+def _impure(node) -> bool:
+    """Random draws stay (they advance the generator as the reading did) besides fx's own rule."""
+    target = node.target
+    tags = getattr(target, "tags", ())
+    return torch.Tag.nondeterministic_seeded in tags or node.is_impure()
+
+
+def replay(plan: Plan, state: list, inputs: tuple):
+    """Run the plan's graph on the current parameters and these inputs; ``_FAILED`` when a
+    value check failed (the caller re-reads the call, which raises its message)."""
+    tensors, _ = _split(inputs)
+    result = plan.graph.forward(*state, *tensors)
+    if plan.flags:
+        n = len(plan.flags)
+        for kind, flag in zip(plan.flags, result[-n:], strict=True):
+            if not (math.isfinite(float(flag)) if kind == "finite" else bool(flag)):
+                return _FAILED
+        result = result[:-n]
+    plan.calls += 1
+    if plan.single:
+        return result[0]
+    if not plan.constants:
+        return pytree.tree_unflatten(list(result), plan.spec)
+    leaves, it = [], iter(result)
+    for i in range(plan.n_tensors + len(plan.constants)):
+        leaves.append(plan.constants[i] if i in plan.constants else next(it))
+    return pytree.tree_unflatten(leaves, plan.spec)

@@ -1,0 +1,183 @@
+"""Compile once per input signature (structattn/replay.py): the replayed graph is the reading.
+
+The first call with a signature reads the declaration, the second records a plan, later calls
+replay it. Every catalogue model must replay bit for bit what a reading computes — outputs,
+posteriors, traces, gradients, random draws — and re-read when the signature changes.
+"""
+
+import pytest
+import torch
+from torch.utils import _pytree as pytree
+
+import structattn as sa
+
+from .registry import CASES
+
+#: what cannot be a plan, and why: its reading branches on tensor values
+NOT_REPLAYED = {
+    "expanding_attention": "windows/loop.py",  # mean-field windows: data-dependent sizes
+    "graph_attention": "segment.py",  # its kernel is a custom autograd.Function
+}
+
+
+def _leaves_equal(a, b) -> bool:
+    la, lb = pytree.tree_leaves(a), pytree.tree_leaves(b)
+    return len(la) == len(lb) and all(
+        torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y for x, y in zip(la, lb, strict=True))
+
+
+def _options(layer, inputs):
+    """The option sets the case supports: plain, with the posterior, with the trace."""
+    out = [{}, {"return_posterior": True}]
+    try:
+        layer.interpret(*inputs, return_trace=True)
+        out.append({"return_trace": True})
+    except ValueError:  # no iteration to trace
+        pass
+    return out
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_replay_equals_the_reading_bit_for_bit(case):
+    model, inputs = CASES[case]()
+    layer = sa.compile(model)
+    for opts in _options(layer, inputs):
+        results = []
+        for _ in range(3):  # read, record, replay
+            torch.manual_seed(1)  # a model drawing at random (slot init) draws the same
+            results.append(layer(*inputs, **opts))
+        torch.manual_seed(1)
+        read = layer.interpret(*inputs, **opts)
+        for got in results:
+            assert _leaves_equal(got, read), (case, opts)
+    plans = list(layer.plans.values())
+    assert len(plans) == len(_options(layer, inputs))
+    if CASES[case].model in NOT_REPLAYED and case == CASES[case].model:
+        where = NOT_REPLAYED[case]
+        assert all(p.graph is None and where in p.reason for p in plans), plans
+    else:
+        assert all(p.graph is not None for p in plans), [p.reason for p in plans]
+        assert all(p.calls >= 2 for p in plans)  # the recording call and the third
+
+
+@pytest.mark.parametrize("case", ["self_attention", "hopfield", "slot_attention",
+                                  "predictive_coding", "block_slot_attention"])
+def test_replay_gradients_equal_the_reading(case):
+    model, inputs = CASES[case]()
+    layer = sa.compile(model)
+    params = [p for p in layer.parameters() if p.requires_grad]
+    grads = []
+    for _ in range(3):
+        torch.manual_seed(1)
+        out = layer(*inputs)
+        grads.append(torch.autograd.grad(pytree.tree_leaves(out)[0].sum(), params,
+                                         allow_unused=True))
+    assert next(iter(layer.plans.values())).graph is not None
+    for g in grads[1:]:
+        assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(g, grads[0], strict=True))
+
+
+def test_a_new_signature_is_read_then_recorded():
+    m = sa.models.self_attention(8, d_k=4, heads=2, causal=True, dtype=torch.float64)
+    layer = sa.compile(m)
+    x5, x6 = torch.randn(2, 5, 8, dtype=torch.float64), torch.randn(2, 6, 8, dtype=torch.float64)
+    layer(x5)
+    assert layer.plans == {}  # a shape seen once costs nothing more than a reading
+    layer(x5)
+    assert len(layer.plans) == 1
+    layer(x6)
+    layer(x6)
+    assert len(layer.plans) == 2
+    torch.testing.assert_close(layer(x6), layer.interpret(x6), rtol=0, atol=0)
+    with torch.no_grad():  # grad mode is part of the signature
+        layer(x6)
+        layer(x6)
+    with sa.validation(False):  # so is the validation mode
+        layer(x6)
+        layer(x6)
+    assert len(layer.plans) == 4
+
+
+def test_parameter_values_are_inputs_of_the_plan():
+    m = sa.models.self_attention(8, d_k=4, heads=2, dtype=torch.float64)
+    layer = sa.compile(m)
+    x = torch.randn(1, 5, 8, dtype=torch.float64)
+    layer(x), layer(x)
+    with torch.no_grad():
+        m.W_v.mul_(2.0)
+    torch.testing.assert_close(layer(x), layer.interpret(x), rtol=0, atol=0)
+    m.load_state_dict({k: torch.randn_like(v) for k, v in m.state_dict().items()})
+    torch.testing.assert_close(layer(x), layer.interpret(x), rtol=0, atol=0)
+    assert len(layer.plans) == 1  # values changed, the plan did not
+
+
+def test_an_attribute_change_re_reads():
+    m = sa.models.self_attention(8, d_k=4, heads=2, causal=False, dtype=torch.float64)
+    layer = sa.compile(m)
+    x = torch.randn(1, 5, 8, dtype=torch.float64)
+    layer(x), layer(x)
+    m.causal = True
+    torch.testing.assert_close(layer(x), layer.interpret(x), rtol=0, atol=0)
+    layer(x)
+    assert len(layer.plans) == 2
+    m.to(torch.float32)  # a new dtype of the parameters: a new signature
+    x32 = x.float()
+    layer(x32), layer(x32)
+    torch.testing.assert_close(layer(x32), layer.interpret(x32), rtol=0, atol=0)
+
+
+def test_value_checks_fire_on_a_replayed_call():
+    m = sa.models.self_attention(8, d_k=4, heads=2, dtype=torch.float64)
+    layer = sa.compile(m)
+    x = torch.randn(1, 5, 8, dtype=torch.float64)
+    layer(x), layer(x), layer(x)
+    assert next(iter(layer.plans.values())).flags == ("finite",)
+    bad = x.clone()
+    bad[0, 3, 1] = float("nan")
+    with pytest.raises(ValueError, match=r"node set 'x' contains non-finite values .* index "
+                                         r"\(0, 3, 1\)"):
+        layer(bad)
+    with sa.validation(False):
+        layer(x), layer(x)
+    off = [p for k, p in layer.plans.items() if p.graph is not None and not p.flags]
+    assert off, "with validation off a plan holds no check"
+
+
+def test_edge_index_checks_fire_on_a_repeated_call():
+    model, (x, edge_index) = CASES["graph_attention"]()
+    layer = sa.compile(model)
+    layer(x, edge_index), layer(x, edge_index), layer(x, edge_index)
+    bad = edge_index.clone()
+    bad[0, 0] = x.shape[-2] + 3
+    with pytest.raises(ValueError, match="must be in"):
+        layer(x, bad)
+
+
+def test_a_reading_that_reads_values_says_why_it_is_not_replayed():
+    model, inputs = CASES["expanding_attention"]()
+    layer = sa.compile(model)
+    layer(*inputs), layer(*inputs)
+    (plan,) = layer.plans.values()
+    assert plan.graph is None and "windows/loop.py" in plan.reason
+    torch.testing.assert_close(layer(*inputs), layer.interpret(*inputs), rtol=0, atol=0)
+
+
+def test_replay_off_reads_every_call():
+    layer = sa.compile(sa.models.self_attention(8, d_k=4, heads=2), replay=False)
+    x = torch.randn(1, 5, 8)
+    layer(x), layer(x), layer(x)
+    assert layer.plans == {}
+
+
+def test_plans_are_not_state():
+    import copy
+    import pickle
+
+    layer = sa.compile(sa.models.self_attention(8, d_k=4, heads=2))
+    x = torch.randn(1, 5, 8)
+    layer(x), layer(x)
+    assert set(layer.state_dict()) == {f"declaration.{k}" for k in layer.declaration.state_dict()}
+    assert copy.deepcopy(layer).plans == {}
+    assert pickle.loads(pickle.dumps(layer)).plans == {}
+    layer.reset()
+    assert layer.plans == {}
