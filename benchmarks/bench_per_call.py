@@ -158,7 +158,7 @@ def section_attention(cfg, log):
         small = B * N * d <= 4096
         targets = {"structattn": 1.15 if small else 1.02, "structattn, validation off": 1.05}
         for backward in (False, True):
-            fns = {"baseline": ((lambda: hand(x)), params),
+            fns = {"baseline": ((lambda hand=hand, x=x: hand(x)), params),
                    **_layer_variants(layer, (x,), params=params)}
             res = time_calls(fns, backward=backward, rounds=cfg["rounds"],
                              block=cfg["block"] if small else max(1, cfg["block"] // 20))

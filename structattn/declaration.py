@@ -29,6 +29,12 @@ class Declaration(nn.Module):
         super().__setattr__(name, value)
         object.__setattr__(self, "structure_version", self.structure_version + 1)
 
+    def _apply(self, fn, recurse=True):
+        # .to(), .float(), .cuda() …: new dtypes or devices of the parameters, a new structure
+        out = super()._apply(fn, recurse)
+        object.__setattr__(self, "structure_version", self.structure_version + 1)
+        return out
+
     def model(self, *inputs, **kwargs):
         raise NotImplementedError(f"{type(self).__name__} must define model(*inputs)")
 
