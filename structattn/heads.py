@@ -6,13 +6,17 @@ import torch
 
 
 def split_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
-    """``(*batch, n, heads*d) -> (*batch, heads, n, d)``."""
+    """``(*batch, n, heads*d) -> (*batch, heads, n, d)`` (one head: a view, one operation)."""
+    if heads == 1:
+        return t.unsqueeze(-3)
     return t.unflatten(-1, (heads, t.shape[-1] // heads)).transpose(-3, -2)
 
 
 def merge_heads(t: torch.Tensor) -> torch.Tensor:
     """``(*batch, heads, n, d) -> (*batch, n, heads*d)``; also works on Pyro's enumerated
     values, whose size-1 dims broadcast."""
+    if t.shape[-3] == 1:  # one head: the same values, one operation
+        return t.squeeze(-3)
     return t.transpose(-3, -2).flatten(-2)
 
 

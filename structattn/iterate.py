@@ -116,15 +116,17 @@ class Step:
         """The families with this latent at one end."""
         return [f for f in self.engine.families.values() if sides(f, self.latent)]
 
-    def expected_gradient(self) -> torch.Tensor:
-        """Σ_families E_{p(φ|x,μ)}[∂ψ/∂μ] (the gradient of Σ log_partition), like the state."""
+    def expected_gradient(self, weight=1.0) -> torch.Tensor:
+        """``weight`` · Σ_families E_{p(φ|x,μ)}[∂ψ/∂μ] (the gradient of Σ log_partition), like
+        the state (the weight is folded into each potential's scale where it can be)."""
         terms = []
         for fam in self.families():
             op = self.operator(fam.name)
-            closed = [psi.expected_gradient(side, op) for side in sides(fam, self.latent)
-                      for psi in fam.potentials]
+            closed = [psi.expected_gradient(side, op, weight=weight)
+                      for side in sides(fam, self.latent) for psi in fam.potentials]
             if any(g is None for g in closed):
-                terms.append(self._autograd_gradient(fam))
+                g = self._autograd_gradient(fam)
+                terms.append(g if isinstance(weight, float) and weight == 1.0 else weight * g)
             else:
                 terms.extend(closed)
         if not terms:
@@ -189,7 +191,8 @@ class Step:
         if h is not None and z.scale is not None and isinstance(h, float) \
                 and h == z.prior_precision():
             # every potential is linear in μ: the update is loc + scale²·E[∂ψ/∂μ] (CCCP)
-            new = z.scale ** 2 * self.expected_gradient()
+            new = (self.expected_gradient(weight=z.scale ** 2) if isinstance(z.scale, float)
+                   else z.scale ** 2 * self.expected_gradient())
             return new if isinstance(z.loc, float) and z.loc == 0.0 else new + z.loc
         if h is None:
             raise ValueError(

@@ -64,8 +64,10 @@ class Potential:
             return self.child_factor(children), self.parent_factor(parents), self.factor_scale()
         return None
 
-    def expected_gradient(self, side: str, op) -> torch.Tensor | None:
-        """E_{p(φ|x)}[∂ψ/∂x_side] per node of ``side``, shaped like its states; None: unknown."""
+    def expected_gradient(self, side: str, op, weight=1.0) -> torch.Tensor | None:
+        """``weight`` · E_{p(φ|x)}[∂ψ/∂x_side] per node of ``side``, shaped like its states;
+        None: unknown. (The weight — a CCCP update's prior variance — is folded into the
+        potential's own scale where it can: one multiplication, or none.)"""
         return None
 
     def expected_curvature(self, side: str, op):

@@ -10,7 +10,14 @@ import torch.nn.functional as F
 from .._validation import check_like, shape_str
 from ..heads import gather_parents, merge_heads, split_heads
 from .base import Potential
-from .temperature import check_temperature, check_temperature_value, describe_temperature, inverse, per_head
+from .temperature import (
+    check_temperature,
+    check_temperature_value,
+    describe_temperature,
+    inverse,
+    per_head,
+    weighted,
+)
 
 
 class Bilinear(Potential):
@@ -76,13 +83,13 @@ class Bilinear(Potential):
         psi = (q * gather_parents(k, index)).sum(-1)  # (…, H, C)
         return psi / per_head(self.temperature, psi, 1)
 
-    def expected_gradient(self, side, op):
+    def expected_gradient(self, side, op, weight=1.0):
         a, b, _ = op.factors(self)
         if side == "children":  # Σ_j p_ij ∂ψ_ij/∂x_i = W_Qᵀ (P b)_i / τ_h
             g, W = op.attend(b), self.W_q
         else:  # Σ_i p_ij ∂ψ_ij/∂x_j = W_Kᵀ (Pᵀ a)_j / τ_h
             g, W = op.adjoint(a), self.W_k
-        g = merge_heads(g / per_head(self.temperature, g, 2))
+        g = merge_heads(weighted(g, weight, self.temperature))
         return g if W is None else g @ W
 
     def expected_curvature(self, side, op):

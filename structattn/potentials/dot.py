@@ -7,7 +7,7 @@ import torch
 from .._validation import shape_str
 from ..heads import gather_parents, merge_heads, split_heads
 from .base import Potential
-from .temperature import check_temperature, check_temperature_value, inverse, per_head
+from .temperature import check_temperature, check_temperature_value, inverse, per_head, weighted
 
 
 class DotProduct(Potential):
@@ -40,10 +40,10 @@ class DotProduct(Potential):
         psi = (xc * gather_parents(xp, index)).sum(-1)  # (…, H, C)
         return psi / per_head(self.temperature, psi, 1)
 
-    def expected_gradient(self, side, op):
+    def expected_gradient(self, side, op, weight=1.0):
         a, b, _ = op.factors(self)
         g = op.attend(b) if side == "children" else op.adjoint(a)
-        return merge_heads(g / per_head(self.temperature, g, 2))
+        return merge_heads(weighted(g, weight, self.temperature))
 
     def expected_curvature(self, side, op):
         return 0.0

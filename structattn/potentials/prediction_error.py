@@ -112,7 +112,11 @@ class PredictionError(Potential):
             e = e - self._b
         return -0.5 * self.precision * (e ** 2).sum(-1)
 
-    def expected_gradient(self, side, op):
+    def expected_gradient(self, side, op, weight=1.0):
+        g = self._expected_gradient(side, op)
+        return g if isinstance(weight, float) and weight == 1.0 else weight * g
+
+    def _expected_gradient(self, side, op):
         post = op.dense_posterior()[..., 0, :, :]  # (*batch, C, P)
         xc, xp = op.family.children.states, op.family.parents.states
         k = self.precision

@@ -8,7 +8,14 @@ import torch
 from .._validation import shape_str
 from ..heads import gather_parents, merge_heads, split_heads
 from .base import Potential
-from .temperature import check_temperature, check_temperature_value, inverse, per_feature, per_head
+from .temperature import (
+    check_temperature,
+    check_temperature_value,
+    inverse,
+    per_feature,
+    per_head,
+    weighted,
+)
 
 
 class SquaredDistance(Potential):
@@ -51,14 +58,14 @@ class SquaredDistance(Potential):
         psi = -0.5 * (diff * diff).sum(-1)  # (…, H, C)
         return psi / per_head(self.temperature, psi, 1)
 
-    def expected_gradient(self, side, op):
+    def expected_gradient(self, side, op, weight=1.0):
         xc = split_heads(op.family.children.states, self.heads)
         xp = split_heads(op.family.parents.states, self.heads)
         if side == "children":
             g = op.attend(xp) - xc
         else:
             g = op.adjoint(xc) - op.mass() * xp
-        return merge_heads(g / per_head(self.temperature, g, 2))
+        return merge_heads(weighted(g, weight, self.temperature))
 
     def expected_curvature(self, side, op):
         if side == "children":  # each head's posterior row sums to one: 1/τ_h per feature

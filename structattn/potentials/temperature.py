@@ -72,6 +72,17 @@ def per_head(t, like: torch.Tensor, trailing: int):
     return t.reshape(t.shape[0], *([1] * trailing))
 
 
+def weighted(g: torch.Tensor, weight, t, trailing: int = 2) -> torch.Tensor:
+    """``weight · g / τ`` (τ per head, its heads dim ``trailing`` dims from the end), in one
+    multiplication when τ and the weight are numbers — none when ``weight / τ`` is one, up to
+    the rounding of computing it (e.g. a Hopfield state's prior variance 1/β over τ = 1/β)."""
+    if not isinstance(t, torch.Tensor) and not isinstance(weight, torch.Tensor):
+        c = weight / t
+        return g if math.isclose(c, 1.0, rel_tol=4e-16, abs_tol=0.0) else g * c
+    g = g / per_head(t, g, trailing)
+    return g if isinstance(weight, float) and weight == 1.0 else g * weight
+
+
 def inverse(t):
     """1/τ as a potential's ``factor_scale``: a float, a 0-dim tensor, or one per head as
     ``(H, 1, 1)`` (broadcasting against ``(*batch, H, C, k)`` factors and ``(*batch, H, C, P)``
