@@ -60,6 +60,11 @@ class Plan:
     reason: str | None = None
     calls: int = 0  # replays served
     single: bool = False  # the output is one tensor
+    #: what depends on the parameters alone, computed once per change of them (inference
+    #: plans): its graph, the parameters' versions it was computed at, and its values
+    constants_graph: torch.fx.GraphModule | None = None
+    constants_versions: list | None = None
+    constants_values: list = field(default_factory=list)
 
 
 def _tensor_key(t: torch.Tensor) -> tuple:
@@ -258,8 +263,72 @@ def record(layer, names: list, state: list, inputs: tuple, kwargs: dict) -> Plan
     with torch.random.fork_rng(devices=devices):
         _bind_to_torch(graph, (*state, *tensors))
     graph.recompile()
+    if not torch.is_grad_enabled() or not any(t.requires_grad for t in state):
+        plan.constants_graph = _split_constants(graph, k)  # nothing to differentiate: fold
     plan.graph = graph
     return plan
+
+
+def _split_constants(graph: torch.fx.GraphModule, k: int) -> torch.fx.GraphModule | None:
+    """Move what depends on the parameters alone (prior tables from learned logits, windows
+    from learned Beta parameters, the parameters' own checks) out of ``graph`` into a graph of
+    its own, ``(*state) -> values``, whose values ``graph`` then takes as further inputs; the
+    replay computes them once per parameter change. Only for plans through which nothing is
+    differentiated (inference): a cached value carries no autograd history. None when there
+    is nothing to move."""
+    g = graph.graph
+    placeholders = [n for n in g.nodes if n.op == "placeholder"]
+    const = set(placeholders[:k])
+    for n in g.nodes:
+        if n.op == "get_attr":
+            const.add(n)
+        elif n.op == "call_function" and _foldable(n) \
+                and all(a in const for a in n.all_input_nodes):
+            const.add(n)
+    for n in g.nodes:  # a value something mutates is computed every call, not cached
+        if n.op == "call_function" and _mutates(n):
+            const.difference_update(n.all_input_nodes)
+    frontier = [n for n in g.nodes if n in const and n.op != "placeholder"
+                and any(u not in const for u in n.users)]
+    if not frontier:
+        return None
+    # the constants' own graph: copy every constant node, return the frontier
+    cg, env = torch.fx.Graph(), {}
+    for n in placeholders[:k]:
+        env[n] = cg.placeholder(n.name)
+    for n in g.nodes:
+        if n in const and n.op != "placeholder":
+            env[n] = cg.node_copy(n, lambda a: env[a])
+    cg.output([env[n] for n in frontier])
+    constants = torch.fx.GraphModule(graph, cg)
+    # the replayed graph takes the frontier as inputs after its own (each new placeholder goes
+    # right after the last old one: inserted last to first, they end up first to last)
+    with g.inserting_after(placeholders[-1]):
+        for i, n in reversed(list(enumerate(frontier))):
+            n.replace_all_uses_with(g.placeholder(f"constant_{i}"))
+    g.eliminate_dead_code(is_impure_node=_impure)
+    graph.recompile()
+    return constants
+
+
+def _foldable(node) -> bool:
+    """A node that computes a value from its inputs alone: no random draw, no write into a
+    tensor, no grad-mode switch (``detach_``, which only drops autograd history, is one)."""
+    if node.target is torch.ops.aten.detach_.default:
+        return True
+    return not _impure(node) and not _mutates(node)
+
+
+def _mutates(node) -> bool:
+    """Whether a node writes into a tensor (``detach_`` only drops autograd history: no)."""
+    target = node.target
+    if target is torch.ops.aten.detach_.default:
+        return False
+    schema = getattr(target, "_schema", None)
+    if schema is not None:
+        return schema.is_mutable
+    name = getattr(target, "__name__", "")
+    return name.endswith("_") and not name.startswith("_")
 
 
 def _where(err: BaseException) -> str:
@@ -349,7 +418,14 @@ def replay(plan: Plan, state: list, inputs: tuple):
     """Run the plan's graph on the current parameters and these inputs; ``_FAILED`` when a
     value check failed (the caller re-reads the call, which raises its message)."""
     tensors, _ = _split(inputs)
-    result = plan.graph.forward(*state, *tensors)
+    if plan.constants_graph is not None:
+        versions = [t._version for t in state]
+        if versions != plan.constants_versions:
+            plan.constants_values = plan.constants_graph(*state)
+            plan.constants_versions = versions
+        result = plan.graph.forward(*state, *tensors, *plan.constants_values)
+    else:
+        result = plan.graph.forward(*state, *tensors)
     if plan.flags:
         n = len(plan.flags)
         for kind, flag in zip(plan.flags, result[-n:], strict=True):

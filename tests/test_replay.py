@@ -181,3 +181,34 @@ def test_plans_are_not_state():
     assert pickle.loads(pickle.dumps(layer)).plans == {}
     layer.reset()
     assert layer.plans == {}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_inference_replay_equals_the_reading_bit_for_bit(case):
+    """Without gradients what depends on the parameters alone is computed once per change of
+    them (Plan.constants_graph); the replay still equals the reading exactly."""
+    model, inputs = CASES[case]()
+    layer = sa.compile(model)
+    with torch.no_grad():
+        for opts in ({}, {"return_posterior": True}):
+            for _ in range(4):
+                torch.manual_seed(1)
+                got = layer(*inputs, **opts)
+            torch.manual_seed(1)
+            assert _leaves_equal(got, layer.interpret(*inputs, **opts)), (case, opts)
+
+
+def test_constants_follow_the_parameters():
+    m = sa.models.relative_position_attention(8, d_k=4, heads=2, max_distance=3,
+                                              dtype=torch.float64)
+    layer = sa.compile(m)
+    x = torch.randn(2, 6, 8, dtype=torch.float64)
+    with torch.no_grad():
+        for _ in range(3):
+            layer(x)
+        (plan,) = layer.plans.values()
+        assert plan.constants_graph is not None  # the bias table from the learned logits
+        m.position_logits.add_(torch.randn_like(m.position_logits))  # an optimizer step
+        torch.testing.assert_close(layer(x), layer.interpret(x), rtol=0, atol=0)
+        m.load_state_dict({k: torch.randn_like(v) for k, v in m.state_dict().items()})
+        torch.testing.assert_close(layer(x), layer.interpret(x), rtol=0, atol=0)
