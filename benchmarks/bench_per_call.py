@@ -136,6 +136,16 @@ def _report(log, title, res, targets):
             f"paired {r['paired']:6.3f}×{verdict}")
 
 
+def time_both(log, title: str, fns: dict, cfg, targets: dict, block: int, out: dict,
+              key: str) -> None:
+    """Forward (no grad) and forward+backward of ``fns``, reported; results in ``out``."""
+    for backward in (False, True):
+        res = time_calls(fns, backward=backward, rounds=cfg["rounds"], block=block)
+        what = "fwd+bwd" if backward else "forward"
+        _report(log, title.format(what=what), res, targets)
+        out[f"{key}_{what}"] = res
+
+
 def _layer_variants(layer, args, *, params):
     """The compiled layer replayed (checks on / off) and its first-call reading."""
     def off():
@@ -157,15 +167,11 @@ def section_attention(cfg, log):
         params = [x, *m.parameters()]
         small = B * N * d <= 4096
         targets = {"structattn": 1.15 if small else 1.02, "structattn, validation off": 1.05}
-        for backward in (False, True):
-            fns = {"baseline": ((lambda hand=hand, x=x: hand(x)), params),
-                   **_layer_variants(layer, (x,), params=params)}
-            res = time_calls(fns, backward=backward, rounds=cfg["rounds"],
-                             block=cfg["block"] if small else max(1, cfg["block"] // 20))
-            what = "fwd+bwd" if backward else "forward"
-            _report(log, f"self-attention B={B} N={N} d={d} H={H}, {what}, vs hand-written "
-                         f"nn.Linear + SDPA", res, targets)
-            out[f"B{B}_N{N}_d{d}_H{H}_{what}"] = res
+        fns = {"baseline": ((lambda hand=hand, x=x: hand(x)), params),
+               **_layer_variants(layer, (x,), params=params)}
+        time_both(log, f"self-attention B={B} N={N} d={d} H={H}, {{what}}, vs hand-written "
+                       f"nn.Linear + SDPA", fns, cfg, targets,
+                  cfg["block"] if small else max(1, cfg["block"] // 20), out, f"B{B}_N{N}_d{d}_H{H}")
     return out
 
 
@@ -182,12 +188,8 @@ def section_iterative(cfg, log):
         params = [r, Y, *m.parameters()]
         fns = {"baseline": ((lambda m=m: hopfield_by_hand(m, r, Y)), params),
                **_layer_variants(layer, (r, Y), params=params)}
-        for backward in (False, True):
-            res = time_calls(fns, backward=backward, rounds=cfg["rounds"], block=cfg["block"])
-            what = "fwd+bwd" if backward else "forward"
-            _report(log, f"Hopfield T={T}, B=1 M={M} N={N} d={d}, {what}, vs hand-written SDPA "
-                         f"loop", res, {"structattn": 1.15})
-            out[f"hopfield_T{T}_{what}"] = res
+        time_both(log, f"Hopfield T={T}, B=1 M={M} N={N} d={d}, {{what}}, vs hand-written SDPA "
+                       f"loop", fns, cfg, {"structattn": 1.15}, cfg["block"], out, f"hopfield_T{T}")
 
     S, D, n = cfg["slots"], cfg["slot_dim"], cfg["slot_N"]
     torch.manual_seed(0)
@@ -200,12 +202,9 @@ def section_iterative(cfg, log):
     params = [x, *m.parameters()]
     fns = {"baseline": ((lambda: collapsed_slots_by_hand(m, x, z0)), params),
            **_layer_variants(layer, (x, z0), params=params)}
-    for backward in (False, True):
-        res = time_calls(fns, backward=backward, rounds=cfg["rounds"], block=cfg["block"])
-        what = "fwd+bwd" if backward else "forward"
-        _report(log, f"collapsed slot attention, 3 iters, B=1 N={n} D={D} S={S}, {what}, vs "
-                     f"hand-written EM loop", res, {"structattn": 1.15})
-        out[f"collapsed_slots_{what}"] = res
+    time_both(log, f"collapsed slot attention, 3 iters, B=1 N={n} D={D} S={S}, {{what}}, vs "
+                   f"hand-written EM loop", fns, cfg, {"structattn": 1.15}, cfg["block"], out,
+              "collapsed_slots")
 
     from slot_attention import SlotAttention as Peer
 
@@ -224,13 +223,9 @@ def section_iterative(cfg, log):
         fns = {"baseline": ((lambda peer=peer, x=x: peer(x)), [x, *peer.parameters()]),
                **_layer_variants(layer, (x,), params=params)}
         small = B * n * D <= 4096
-        for backward in (False, True):
-            res = time_calls(fns, backward=backward, rounds=cfg["rounds"],
-                             block=cfg["block"] if small else 1)
-            what = "fwd+bwd" if backward else "forward"
-            _report(log, f"slot attention (original), 3 iters, B={B} N={n} D={D} S={S}, {what}, "
-                         f"vs slot-attention 1.5.2", res, {"structattn": 1.0})
-            out[f"slots_peer_B{B}_N{n}_{what}"] = res
+        time_both(log, f"slot attention (original), 3 iters, B={B} N={n} D={D} S={S}, {{what}}, "
+                       f"vs slot-attention 1.5.2", fns, cfg, {"structattn": 1.0},
+                  cfg["block"] if small else 1, out, f"slots_peer_B{B}_N{n}")
     return out
 
 
