@@ -13,8 +13,11 @@ grad-mode switches and random draws replay as they ran — and later calls run o
   nothing more); the second records the plan; later calls replay it. ``torch.compile`` and
   ``torch.export`` trace the reading themselves and bypass plans.
 - **Validation**: every value check the reading makes (``_validation.passes``) becomes a
-  boolean in the graph; the replay fuses them into one flag and reads it once per call
-  (one host sync). A failed flag re-reads the call — which raises the check's own message.
+  tensor in the graph; the replay fuses them into one finite sum and one boolean and reads
+  them once per call. A failed flag — or an error inside the graph — re-reads the call,
+  which raises the check's own message. Parameters are checked once per change of them.
+- **Constants**: in a plan nothing is differentiated through, what depends on the parameters
+  alone is computed once per change of them (``_split_constants``).
 - **What cannot be replayed**: a reading that branches on tensor *values* (a tolerance loop,
   data-dependent window sizes, a value pulled into Python) makes ``make_fx`` refuse; the
   signature is then read every call, as before, and ``Plan.reason`` says why.
@@ -45,16 +48,18 @@ for _cls in (Trace, MeanFieldHistory):
 #: dynamo's cache size limit: a stream of ever-new shapes should not fill memory with graphs)
 MAX_PLANS = 32
 
+
 @dataclass
 class Plan:
     """What one signature's calls replay: ``graph`` (``torch.fx.GraphModule``, flat tensors
-    in: parameters, buffers, then the tensor inputs; flat tensors out, then the fused check
-    flag), the output's ``spec`` and non-tensor leaves; or, when the reading could not be
-    recorded, ``graph`` None and ``reason``."""
+    in: parameters, buffers, the tensor inputs, then the folded constants' values; flat
+    tensors out, then the fused check flags), the output's ``spec`` and non-tensor leaves
+    (``literals``); or, when the reading could not be recorded, ``graph`` None and
+    ``reason``."""
 
     graph: torch.fx.GraphModule | None = None
     spec: object = None
-    constants: dict = field(default_factory=dict)  # output leaf position → non-tensor value
+    literals: dict = field(default_factory=dict)  # output leaf position → non-tensor value
     n_tensors: int = 0
     flags: tuple = ()  # the fused checks' kinds, the graph's last outputs: "finite", "true"
     reason: str | None = None
@@ -65,6 +70,7 @@ class Plan:
     constants_graph: torch.fx.GraphModule | None = None
     constants_versions: list | None = None
     constants_values: list = field(default_factory=list)
+    captured: list = field(default_factory=list)  # tensors the constants read besides the state
 
 
 def _tensor_key(t: torch.Tensor) -> tuple:
@@ -161,7 +167,7 @@ class Plans:
         last check (``Tensor._version``: an optimizer step, a load), one fused pass over them
         all; a ValueError naming the first non-finite one otherwise. (An input is checked
         every call; a parameter only when it moved.)"""
-        versions = [t._version for t in state]  # (which tensors: the signature's ids)
+        versions = [(id(t), t._version) for t in state]
         if versions == self._checked:
             return
         floats = [t.detach() for t in state
@@ -183,6 +189,8 @@ class Plans:
         if plan is None:
             reads = self.reads.get(key, 0)
             if reads < self.record_after or len(self.plans) >= MAX_PLANS:
+                if len(self.reads) >= 64 * MAX_PLANS:  # a stream of ever-new signatures
+                    self.reads.clear()
                 self.reads[key] = reads + 1
                 return layer.interpret(*inputs, **kwargs)
             self.reads.pop(key, None)
@@ -190,7 +198,10 @@ class Plans:
                                             inputs, kwargs)
         if plan.graph is None:
             return layer.interpret(*inputs, **kwargs)
-        out = replay(plan, state, inputs)
+        try:
+            out = replay(plan, state, inputs)
+        except Exception:  # e.g. an index out of range, which the checks (read after the
+            out = _FAILED  # graph) would have refused: the reading raises their message
         return layer.interpret(*inputs, **kwargs) if out is _FAILED else out
 
 
@@ -227,7 +238,7 @@ def record(layer, names: list, state: list, inputs: tuple, kwargs: dict) -> Plan
                 _validation.recording(flags):
             out = layer.interpret(*rebuild(flat[k:]), **kwargs)
         leaves, plan.spec = pytree.tree_flatten(out)
-        plan.constants = {i: v for i, v in enumerate(leaves) if not isinstance(v, torch.Tensor)}
+        plan.literals = {i: v for i, v in enumerate(leaves) if not isinstance(v, torch.Tensor)}
         result = [v for v in leaves if isinstance(v, torch.Tensor)]
         plan.n_tensors = len(result)
         plan.single = isinstance(out, torch.Tensor)
@@ -263,8 +274,13 @@ def record(layer, names: list, state: list, inputs: tuple, kwargs: dict) -> Plan
     with torch.random.fork_rng(devices=devices):
         _bind_to_torch(graph, (*state, *tensors))
     graph.recompile()
-    if not torch.is_grad_enabled() or not any(t.requires_grad for t in state):
+    captured = [getattr(graph, n.target) for n in graph.graph.nodes if n.op == "get_attr"]
+    if not torch.is_grad_enabled() or not any(
+            isinstance(t, torch.Tensor) and t.requires_grad for t in (*state, *captured)):
         plan.constants_graph = _split_constants(graph, k)  # nothing to differentiate: fold
+        if plan.constants_graph is not None:  # tensors the reading captured (a closure's)
+            plan.captured = [getattr(plan.constants_graph, n.target)
+                             for n in plan.constants_graph.graph.nodes if n.op == "get_attr"]
     plan.graph = graph
     return plan
 
@@ -288,6 +304,9 @@ def _split_constants(graph: torch.fx.GraphModule, k: int) -> torch.fx.GraphModul
     for n in g.nodes:  # a value something mutates is computed every call, not cached
         if n.op == "call_function" and _mutates(n):
             const.difference_update(n.all_input_nodes)
+    for n in g.nodes:  # … and so is what is computed from it
+        if n in const and any(a not in const for a in n.all_input_nodes):
+            const.discard(n)
     frontier = [n for n in g.nodes if n in const and n.op != "placeholder"
                 and any(u not in const for u in n.users)]
     if not frontier:
@@ -419,7 +438,7 @@ def replay(plan: Plan, state: list, inputs: tuple):
     value check failed (the caller re-reads the call, which raises its message)."""
     tensors, _ = _split(inputs)
     if plan.constants_graph is not None:
-        versions = [t._version for t in state]
+        versions = [t._version for t in (*state, *plan.captured)]
         if versions != plan.constants_versions:
             plan.constants_values = plan.constants_graph(*state)
             plan.constants_versions = versions
@@ -435,9 +454,9 @@ def replay(plan: Plan, state: list, inputs: tuple):
     plan.calls += 1
     if plan.single:
         return result[0]
-    if not plan.constants:
+    if not plan.literals:
         return pytree.tree_unflatten(list(result), plan.spec)
     leaves, it = [], iter(result)
-    for i in range(plan.n_tensors + len(plan.constants)):
-        leaves.append(plan.constants[i] if i in plan.constants else next(it))
+    for i in range(plan.n_tensors + len(plan.literals)):
+        leaves.append(plan.literals[i] if i in plan.literals else next(it))
     return pytree.tree_unflatten(leaves, plan.spec)

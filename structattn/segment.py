@@ -13,7 +13,7 @@ broadcastable to ``(*lead, E)``; out ``(*lead, C, d_v)``, posterior ``(*lead, E)
 
 Two forms that must agree whenever the fast one does not raise:
 
-- ``segment_attention``: a custom ``autograd.Function``, flash-attention style over
+- ``segment_attention``: one ``torch.library`` operator with its own backward, flash-attention style over
   segments: edges are processed in chunks of ``chunk_size``; the forward stores the
   posterior per edge, never the ``(E, k)`` gathers, and the backward re-gathers chunk
   by chunk;
@@ -31,7 +31,7 @@ import math
 
 import torch
 
-from ._validation import checks_on, is_exporting, is_recording, passes, same_device, shape_str
+from ._validation import checks_on, is_exporting, passes, same_device, shape_str
 
 __all__ = ["segment_attention", "segment_attention_naive"]
 
@@ -217,101 +217,121 @@ def _chunks(E: int, chunk_size: int):
         yield lo, min(lo + chunk_size, E)
 
 
-class _SegmentAttention(torch.autograd.Function):
-    """(a, b, v, bias) -> (out, p) over an edge list; bias (G, E) or None.
-
-    Internally node-major: a_r (C, G, k), b_r (P, G, k), v_r (P, G, d_v), p (E, G),
-    out_r (C, G, d_v). Saves a_r, b_r, v_r, src, dst, p, out_r: O(E·G + (C+P)·G·d).
-    """
-
-    @staticmethod
-    def forward(ctx, a, b, v, bias, src, dst, scale: float, chunk_size: int):
-        G, C, _ = a.shape
-        d_v = v.shape[-1]
-        E = src.numel()
-        acc = _acc_dtype(a.dtype)
-        dev = a.device
-        a_r, b_r, v_r = _rows(a), _rows(b), _rows(v)
-        bias_r = None if bias is None else bias.t().to(acc)  # (E, G)
-        # pass 1: scores s (E, G) and per-child max m (C, G)
-        p = torch.empty(E, G, dtype=acc, device=dev)
-        m = torch.full((C, G), float("-inf"), dtype=acc, device=dev)
-        for lo, hi in _chunks(E, chunk_size):
-            s_c, d_c = src[lo:hi], dst[lo:hi]
-            sc = _dot(a_r.index_select(0, d_c).to(acc), b_r.index_select(0, s_c).to(acc))
-            if scale != 1.0:
-                sc = sc * scale
-            if bias_r is not None:
-                sc = sc + bias_r[lo:hi]
-            p[lo:hi] = sc
-            m.scatter_reduce_(0, d_c[:, None].expand(-1, G), sc, reduce="amax", include_self=True)
-        # O(E) normalisation; children without edges keep m = -inf, Z = 0 and are never read
-        if bias_r is not None:  # children whose edges all have bias −∞: p = 0, a zero output
-            m.masked_fill_(torch.isneginf(m), 0.0)
-        p.sub_(m.index_select(0, dst)).exp_()
-        z = torch.zeros(C, G, dtype=acc, device=dev).index_add_(0, dst, p)
+def _forward(a, b, v, bias, src, dst, scale: float, chunk_size: int):
+    """(a, b, v, bias) -> (p, out_r) over an edge list, node-major and in the accumulation
+    dtype: p ``(E, G)``, out_r ``(C, G, d_v)``; bias ``(G, E)`` or None. Internally a_r
+    ``(C, G, k)``, b_r ``(P, G, k)``, v_r ``(P, G, d_v)``."""
+    G, C, _ = a.shape
+    d_v = v.shape[-1]
+    E = src.numel()
+    acc = _acc_dtype(a.dtype)
+    dev = a.device
+    a_r, b_r, v_r = _rows(a), _rows(b), _rows(v)
+    bias_r = None if bias is None else bias.t().to(acc)  # (E, G)
+    # pass 1: scores s (E, G) and per-child max m (C, G)
+    p = torch.empty(E, G, dtype=acc, device=dev)
+    m = torch.full((C, G), float("-inf"), dtype=acc, device=dev)
+    for lo, hi in _chunks(E, chunk_size):
+        s_c, d_c = src[lo:hi], dst[lo:hi]
+        sc = _dot(a_r.index_select(0, d_c).to(acc), b_r.index_select(0, s_c).to(acc))
+        if scale != 1.0:
+            sc = sc * scale
         if bias_r is not None:
-            z.masked_fill_(z == 0, 1.0)
-        p.div_(z.index_select(0, dst))
-        # pass 2: out_i = Σ_e p_e v[src_e]
-        out_r = torch.zeros(C, G, d_v, dtype=acc, device=dev)
-        for lo, hi in _chunks(E, chunk_size):
-            out_r.index_add_(0, dst[lo:hi], p[lo:hi, :, None] * v_r.index_select(0, src[lo:hi]).to(acc))
-        ctx.save_for_backward(a_r, b_r, v_r, src, dst, p, out_r)
-        ctx.scale, ctx.chunk_size, ctx.dtype = scale, chunk_size, a.dtype
-        ctx.set_materialize_grads(False)
-        return out_r.transpose(0, 1).to(a.dtype), p.t().to(a.dtype)
+            sc = sc + bias_r[lo:hi]
+        p[lo:hi] = sc
+        m.scatter_reduce_(0, d_c[:, None].expand(-1, G), sc, reduce="amax", include_self=True)
+    # O(E) normalisation; children without edges keep m = -inf, Z = 0 and are never read
+    if bias_r is not None:  # children whose edges all have bias −∞: p = 0, a zero output
+        m.masked_fill_(torch.isneginf(m), 0.0)
+    p.sub_(m.index_select(0, dst)).exp_()
+    z = torch.zeros(C, G, dtype=acc, device=dev).index_add_(0, dst, p)
+    if bias_r is not None:
+        z.masked_fill_(z == 0, 1.0)
+    p.div_(z.index_select(0, dst))
+    # pass 2: out_i = Σ_e p_e v[src_e]
+    out_r = torch.zeros(C, G, d_v, dtype=acc, device=dev)
+    for lo, hi in _chunks(E, chunk_size):
+        out_r.index_add_(0, dst[lo:hi], p[lo:hi, :, None] * v_r.index_select(0, src[lo:hi]).to(acc))
+    return p, out_r
 
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, gout, gp):
-        a_r, b_r, v_r, src, dst, p, out_r = ctx.saved_tensors
-        scale, chunk_size, dtype = ctx.scale, ctx.chunk_size, ctx.dtype
-        need_a, need_b, need_v, need_bias = ctx.needs_input_grad[:4]
-        E, G = p.shape
-        C = a_r.shape[0]
-        acc, dev = p.dtype, p.device
-        ga = torch.zeros(a_r.shape, dtype=acc, device=dev) if need_a else None
-        gb = torch.zeros(b_r.shape, dtype=acc, device=dev) if need_b else None
-        gv = torch.zeros(v_r.shape, dtype=acc, device=dev) if need_v else None
-        gbias = torch.zeros(E, G, dtype=acc, device=dev) if need_bias else None
 
-        def result():
-            return (*(None if g is None else g.transpose(0, 1).to(dtype) for g in (ga, gb, gv, gbias)),
-                    None, None, None, None)
+def _backward(ctx, gp, gout):
+    """Gradients of (a, b, v, bias) from those of (p, out_r), re-gathering chunk by chunk:
+    a_r, b_r, v_r are recomputed from the saved inputs (node-major copies, O((C+P)·G·d))."""
+    a, b, v, src, dst, p, out_r = ctx.saved_tensors
+    scale, chunk_size, dtype = ctx.scale, ctx.chunk_size, a.dtype
+    need_a, need_b, need_v, need_bias = ctx.needs_input_grad[:4]
+    a_r, b_r, v_r = _rows(a), _rows(b), _rows(v)
+    E, G = p.shape
+    C = a_r.shape[0]
+    acc, dev = p.dtype, p.device
+    ga = torch.zeros(a_r.shape, dtype=acc, device=dev) if need_a else None
+    gb = torch.zeros(b_r.shape, dtype=acc, device=dev) if need_b else None
+    gv = torch.zeros(v_r.shape, dtype=acc, device=dev) if need_v else None
+    gbias = torch.zeros(E, G, dtype=acc, device=dev) if need_bias else None
 
-        if (gout is None and gp is None) or not (need_a or need_b or need_v or need_bias):
-            return result()
-        gout = None if gout is None else _rows(gout.to(acc))  # (C, G, d_v)
-        gp = None if gp is None else gp.t().to(acc)  # (E, G)
-        need_s = need_a or need_b or need_bias
-        if need_s:
-            # D_i = Σ_{e ∈ in(i)} p_e dp_e = <gout_i, out_i> + Σ_{e ∈ in(i)} p_e gp_e
-            D = (gout * out_r).sum(-1) if gout is not None else torch.zeros(C, G, dtype=acc, device=dev)
-            if gp is not None:
-                D.index_add_(0, dst, p * gp)
-        for lo, hi in _chunks(E, chunk_size):
-            s_c, d_c = src[lo:hi], dst[lo:hi]
-            pc = p[lo:hi]  # (c, G)
-            go = gout.index_select(0, d_c) if gout is not None else None  # (c, G, d_v)
-            if need_v and go is not None:
-                gv.index_add_(0, s_c, pc[..., None] * go)
-            if not need_s:
-                continue
-            dp = _dot(go, v_r.index_select(0, s_c).to(acc)) if go is not None else 0.0
-            if gp is not None:
-                dp = dp + gp[lo:hi]
-            ds = pc * (dp - D.index_select(0, d_c))
-            if need_bias:
-                gbias[lo:hi] = ds
-            if scale != 1.0:
-                ds = ds * scale
-            ds = ds[..., None]
-            if need_a:
-                ga.index_add_(0, d_c, ds * b_r.index_select(0, s_c).to(acc))
-            if need_b:
-                gb.index_add_(0, s_c, ds * a_r.index_select(0, d_c).to(acc))
+    def result():
+        return (*(None if g is None else g.transpose(0, 1).to(dtype) for g in (ga, gb, gv, gbias)),
+                None, None, None, None)
+
+    if (gout is None and gp is None) or not (need_a or need_b or need_v or need_bias):
         return result()
+    gout = None if gout is None else gout.to(acc)  # (C, G, d_v)
+    gp = None if gp is None else gp.to(acc)  # (E, G)
+    need_s = need_a or need_b or need_bias
+    if need_s:
+        # D_i = Σ_{e ∈ in(i)} p_e dp_e = <gout_i, out_i> + Σ_{e ∈ in(i)} p_e gp_e
+        D = (gout * out_r).sum(-1) if gout is not None else torch.zeros(C, G, dtype=acc, device=dev)
+        if gp is not None:
+            D.index_add_(0, dst, p * gp)
+    for lo, hi in _chunks(E, chunk_size):
+        s_c, d_c = src[lo:hi], dst[lo:hi]
+        pc = p[lo:hi]  # (c, G)
+        go = gout.index_select(0, d_c) if gout is not None else None  # (c, G, d_v)
+        if need_v and go is not None:
+            gv.index_add_(0, s_c, pc[..., None] * go)
+        if not need_s:
+            continue
+        dp = _dot(go, v_r.index_select(0, s_c).to(acc)) if go is not None else 0.0
+        if gp is not None:
+            dp = dp + gp[lo:hi]
+        ds = pc * (dp - D.index_select(0, d_c))
+        if need_bias:
+            gbias[lo:hi] = ds
+        if scale != 1.0:
+            ds = ds * scale
+        ds = ds[..., None]
+        if need_a:
+            ga.index_add_(0, d_c, ds * b_r.index_select(0, s_c).to(acc))
+        if need_b:
+            gb.index_add_(0, s_c, ds * a_r.index_select(0, d_c).to(acc))
+    return result()
+
+
+# One operator of PyTorch's own (torch.library): the forward and its backward, written here,
+# are one node for make_fx (a compiled module's plan, structattn.replay) and torch.compile.
+# It saves the inputs and (p, out_r) — O(E·G + (C+P)·G·d) — never the (E, k) gathers.
+_segment_op = torch.library.custom_op(
+    "structattn::segment_attention", _forward, mutates_args=(),
+    schema="(Tensor a, Tensor b, Tensor v, Tensor? bias, Tensor src, Tensor dst, float scale, "
+           "int chunk_size) -> (Tensor, Tensor)")
+
+
+@_segment_op.register_fake
+def _(a, b, v, bias, src, dst, scale, chunk_size):
+    acc = _acc_dtype(a.dtype)
+    G, C = a.shape[0], a.shape[1]
+    return a.new_empty(src.shape[0], G, dtype=acc), a.new_empty(C, G, v.shape[-1], dtype=acc)
+
+
+def _setup(ctx, inputs, output):
+    a, b, v, bias, src, dst, scale, chunk_size = inputs
+    p, out_r = output
+    ctx.save_for_backward(a, b, v, src, dst, p, out_r)
+    ctx.scale, ctx.chunk_size = scale, chunk_size
+
+
+_segment_op.register_autograd(_backward, setup_context=_setup)
 
 
 def segment_attention(a, b, v, src, dst, num_children, scale=1.0, *, chunk_size=None, empty="error",
@@ -361,10 +381,8 @@ def segment_attention(a, b, v, src, dst, num_children, scale=1.0, *, chunk_size=
         a, scale = a * scale.to(a.dtype), 1.0
     if chunk_size is None:
         chunk_size = _auto_chunk(a.shape[0], a.shape[-1], v.shape[-1], a.dtype)
-    if is_recording():  # make_fx would trace the forward and lose the backward written here
-        raise NotImplementedError("segment_attention is a custom autograd.Function: a plan "
-                                  "(structattn.replay) cannot record it; read every call")
-    out, p = _SegmentAttention.apply(a, b, v, bias, src, dst, float(scale), chunk_size)
+    p, out_r = _segment_op(a, b, v, bias, src, dst, float(scale), int(chunk_size))
+    out, p = out_r.transpose(0, 1).to(a.dtype), p.t().to(a.dtype)
     out = out.reshape(*lead, *out.shape[-2:])
     if return_posterior:
         return out, p.reshape(*lead, p.shape[-1])

@@ -16,7 +16,6 @@ from .registry import CASES
 #: what cannot be a plan, and why: its reading branches on tensor values
 NOT_REPLAYED = {
     "expanding_attention": "windows/loop.py",  # mean-field windows: data-dependent sizes
-    "graph_attention": "segment.py",  # its kernel is a custom autograd.Function
 }
 
 
@@ -61,7 +60,7 @@ def test_replay_equals_the_reading_bit_for_bit(case):
 
 
 @pytest.mark.parametrize("case", ["self_attention", "hopfield", "slot_attention",
-                                  "predictive_coding", "block_slot_attention"])
+                                  "predictive_coding", "block_slot_attention", "graph_attention"])
 def test_replay_gradients_equal_the_reading(case):
     model, inputs = CASES[case]()
     layer = sa.compile(model)
@@ -211,4 +210,33 @@ def test_constants_follow_the_parameters():
         m.position_logits.add_(torch.randn_like(m.position_logits))  # an optimizer step
         torch.testing.assert_close(layer(x), layer.interpret(x), rtol=0, atol=0)
         m.load_state_dict({k: torch.randn_like(v) for k, v in m.state_dict().items()})
+        torch.testing.assert_close(layer(x), layer.interpret(x), rtol=0, atol=0)
+
+
+def test_a_program_closing_over_a_parameter_replays_it_live():
+    """A plain Pyro program's captured tensors are read through the plan, not copied: an
+    in-place update is seen (with and without gradients), and gradients reach them."""
+    logits = torch.nn.Parameter(torch.randn(6, 6, dtype=torch.float64))
+    W = torch.randn(4, 4, dtype=torch.float64)
+
+    def program(x):
+        n = sa.nodes("x", x)
+        phi = sa.edges("attn", n, n, sa.priors.Categorical(logits))
+        sa.potential(phi, sa.potentials.Bilinear(W, W))
+        return sa.value(phi, sa.values.Linear(W))
+
+    layer = sa.compile(program)
+    x = torch.randn(2, 6, 4, dtype=torch.float64)
+    for _ in range(3):  # read, record, replay: the last call's gradient
+        logits.grad = None
+        layer(x).sum().backward()
+    g = logits.grad.clone()
+    assert [p.graph is not None for p in layer.plans.values()] == [True]
+    logits.grad = None
+    layer.interpret(x).sum().backward()
+    torch.testing.assert_close(g, logits.grad, rtol=0, atol=0)
+    with torch.no_grad():
+        for _ in range(3):
+            layer(x)
+        logits.add_(1.5 * torch.randn_like(logits))  # in place: the folded tables follow
         torch.testing.assert_close(layer(x), layer.interpret(x), rtol=0, atol=0)
