@@ -31,9 +31,10 @@ def set_validation(enabled: bool) -> None:
 def checks_on() -> bool:
     """Whether value checks run: validating, and not traced by ``torch.compile`` (where a
     check would break the graph) — unless a plan is recorded or a program exported, where
-    checks become flags (``passes``)."""
+    checks become flags (``passes``). While a plan is recorded ``as_guards`` (checks off, on
+    the CPU), the checks are recorded too: there they guard the plan, not the call."""
     if not is_validating():
-        return False
+        return getattr(_local, "as_guards", False)
     return not torch.compiler.is_compiling() or getattr(_local, "flags", None) is not None
 
 
@@ -55,16 +56,19 @@ def validation(enabled: bool):
 
 
 @contextlib.contextmanager
-def recording(flags: list, *, exporting: bool = False):
+def recording(flags: list, *, exporting: bool = False, as_guards: bool = False):
     """While a plan is recorded (``structattn.replay``) or a program exported
     (``structattn.export``): value checks append their verdicts (boolean tensors, or sums that
-    must be finite) to ``flags`` instead of reading them."""
-    old = getattr(_local, "flags", None), getattr(_local, "exporting", False)
-    _local.flags, _local.exporting = flags, exporting
+    must be finite) to ``flags`` instead of reading them. ``as_guards``: with the checks off,
+    record them all the same, as the conditions under which the plan is valid (the replay
+    re-reads a call that fails one, and that reading, unchecked, carries NaN its own way)."""
+    old = (getattr(_local, "flags", None), getattr(_local, "exporting", False),
+           getattr(_local, "as_guards", False))
+    _local.flags, _local.exporting, _local.as_guards = flags, exporting, as_guards
     try:
         yield
     finally:
-        _local.flags, _local.exporting = old
+        _local.flags, _local.exporting, _local.as_guards = old
 
 
 def is_exporting() -> bool:

@@ -30,14 +30,16 @@ grad-mode switches and random draws replay as they ran — and later calls run o
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
+from math import isfinite
 
 import torch
 from torch.utils import _pytree as pytree
 
 from . import _validation, kernels
 from .iterate import Trace
-from .latent import iteration_overrides
+from .latent import _overrides, iteration_overrides
 from .windows.history import MeanFieldHistory
 
 # what a reading returns beside tensors: flattened so that their tensors are graph outputs
@@ -99,7 +101,8 @@ class Plans:
         self.plans: dict = {}
         self.reads: dict = {}  # signature → readings so far
         self._modules = None  # (structure version, [(prefix, module)])
-        self._checked = None  # the parameter versions last found finite
+        self._checked = None  # (the parameter versions last looked at, whether all were finite)
+        self._last = None  # the last plan replayed, with its guard (``_replay_last``)
 
     def __deepcopy__(self, memo):
         return Plans(self.enabled, self.record_after)
@@ -110,7 +113,7 @@ class Plans:
     def clear(self) -> None:
         self.plans.clear()
         self.reads.clear()
-        self._modules = self._checked = None
+        self._modules = self._checked = self._last = None
 
     # -- the signature -------------------------------------------------------------------
     def state(self, module: torch.nn.Module) -> list:
@@ -162,26 +165,39 @@ class Plans:
             return None
         return tuple(key)
 
-    def check_parameters(self, layer, state: list) -> None:
-        """While validating: the parameters are finite — checked when they changed since the
-        last check (``Tensor._version``: an optimizer step, a load), one fused pass over them
-        all; a ValueError naming the first non-finite one otherwise. (An input is checked
-        every call; a parameter only when it moved.)"""
+    def parameters_finite(self, state: list) -> bool:
+        """Whether the parameters and buffers are finite — found again only when one changed
+        since the last time (``Tensor._version``: an optimizer step, a load): one fused pass
+        over them all. (An input is checked every call; a parameter only when it moved.)"""
         versions = [(id(t), t._version) for t in state]
-        if versions == self._checked:
-            return
+        if self._checked is not None and versions == self._checked[0]:
+            return self._checked[1]
         floats = [t.detach() for t in state
                   if t.is_floating_point() and t.numel() and t.device.type != "meta"]
-        if floats and not math.isfinite(float(torch.stack(
-                [n.to(torch.float64) for n in torch._foreach_norm(floats)]).sum())):
+        finite = not floats or math.isfinite(float(torch.stack(
+            [n.to(torch.float64) for n in torch._foreach_norm(floats)]).sum()))
+        self._checked = (versions, finite)
+        return finite
+
+    def check_parameters(self, layer, state: list) -> None:
+        """While validating: a ValueError naming the first non-finite parameter, if any."""
+        if not self.parameters_finite(state):
             _validation.check_parameters(layer.declaration)
-        self._checked = versions
 
     # -- one call ------------------------------------------------------------------------
     def __call__(self, layer, inputs: tuple, kwargs: dict):
         state = self.state(layer.declaration)
         if _validation.is_validating():
             self.check_parameters(layer, state)
+        elif not self.parameters_finite(state):  # unchecked plans hold no carrier for them:
+            return layer.interpret(*inputs, **kwargs)  # the reading carries NaN its own way
+        last = self._last
+        if last is not None and not kwargs and last.holds(layer, inputs, state):
+            try:
+                out = replay(last.plan, state, inputs)
+            except Exception:
+                out = _FAILED
+            return layer.interpret(*inputs) if out is _FAILED else out
         key = self.signature(layer, inputs, kwargs, state) if self.enabled else None
         if key is None:
             return layer.interpret(*inputs, **kwargs)
@@ -202,10 +218,54 @@ class Plans:
             out = replay(plan, state, inputs)
         except Exception:  # e.g. an index out of range, which the checks (read after the
             out = _FAILED  # graph) would have refused: the reading raises their message
-        return layer.interpret(*inputs, **kwargs) if out is _FAILED else out
+        if out is _FAILED:
+            return layer.interpret(*inputs, **kwargs)
+        if not kwargs and all(type(x) is torch.Tensor for x in inputs):
+            self._last = _Last(layer, plan, inputs, state)
+        return out
 
 
 _FAILED = object()
+
+
+_environ = os.environ
+
+
+def _modes(declaration) -> tuple:
+    """The global part of a signature: what every reading depends on besides its arguments
+    (the same as ``Plans.signature``'s, read without function calls of our own: this runs on
+    every call)."""
+    return (declaration.__dict__.get("structure_version", 0), torch.is_grad_enabled(),
+            torch.is_inference_mode_enabled(), torch.is_autocast_enabled(),
+            _validation._local.__dict__.get("override"), _validation._DEFAULT,
+            _environ.get("STRUCTATTN_KERNELS"), kernels._off.__dict__.get("depth"),
+            _overrides.__dict__.get("options"))  # replaced, never changed in place
+
+
+class _Last:
+    """The plan a module replayed last, and what must hold for a call to replay it without
+    building its signature: the same modes, the same parameter tensors, and tensor inputs
+    (all of them tensors, no keyword options) that dynamo's C++ ``TensorGuards`` accepts —
+    the same type, dtype, device, shape and ``requires_grad``. A consecutive stream of calls
+    with one signature, the common case, costs one guard check."""
+
+    __slots__ = ("declaration", "plan", "modes", "ids", "guard")
+
+    def __init__(self, layer, plan, inputs, state):
+        from torch._C._dynamo.guards import TensorGuards
+
+        tensors = (*inputs, *state)
+        self.declaration = layer.declaration
+        self.plan, self.modes = plan, _modes(self.declaration)
+        self.ids = [id(t) for t in state]
+        self.guard = TensorGuards(*tensors, dynamic_dims_sizes=[list(t.shape) for t in tensors],
+                                  dynamic_dims_strides=[[None] * t.dim() for t in tensors])
+
+    def holds(self, layer, inputs: tuple, state: list) -> bool:
+        return (layer.declaration is self.declaration and _modes(self.declaration) == self.modes
+                and [id(t) for t in state] == self.ids
+                and all(type(x) is torch.Tensor for x in inputs)
+                and self.guard.check(*inputs, *state))
 
 
 def _split(inputs: tuple):
@@ -231,33 +291,26 @@ def record(layer, names: list, state: list, inputs: tuple, kwargs: dict) -> Plan
     tensors, rebuild = _split(inputs)
     k = len(state)
     plan = Plan()
+    # checks off, on the CPU: the checks are recorded as the plan's guards (a failed one
+    # re-reads the call, unchecked) — a flag read costs nothing on the CPU, and a NaN then
+    # needs no carrier in the graph at every attention call
+    as_guards = not _validation.is_validating() and all(
+        t.device.type == "cpu" for t in (*state, *tensors))
 
     def reading(*flat):
         flags: list = []
         with _reparametrize_module(layer.declaration, dict(zip(names, flat[:k], strict=True))), \
-                _validation.recording(flags):
+                _validation.recording(flags, as_guards=as_guards):
             out = layer.interpret(*rebuild(flat[k:]), **kwargs)
         leaves, plan.spec = pytree.tree_flatten(out)
         plan.literals = {i: v for i, v in enumerate(leaves) if not isinstance(v, torch.Tensor)}
         result = [v for v in leaves if isinstance(v, torch.Tensor)]
         plan.n_tensors = len(result)
         plan.single = isinstance(out, torch.Tensor)
-        sums = [f for f in flags if f.is_floating_point()]  # finite iff the data were
-        verdicts = [f for f in flags if not f.is_floating_point()]  # True iff they pass
-        kinds = []
-        if sums:
-            total = sums[0]
-            for f in sums[1:]:
-                total = total + f
-            result.append(total)
-            kinds.append("finite")
-        if verdicts:
-            ok = verdicts[0]
-            for f in verdicts[1:]:
-                ok = ok & f
-            result.append(ok)
-            kinds.append("true")
-        plan.flags = tuple(kinds)
+        # each check's verdict is an output, read by the replay (cheaper than combining
+        # them in the graph): a sum, finite iff the data were, or a boolean, True iff they pass
+        result.extend(flags)
+        plan.flags = tuple("finite" if f.is_floating_point() else "true" for f in flags)
         return result
 
     # tracing runs the reading on the real tensors: its random draws must not advance the
@@ -270,19 +323,130 @@ def record(layer, names: list, state: list, inputs: tuple, kwargs: dict) -> Plan
         plan.reason = f"{_where(err)}{type(err).__name__}: {str(err).splitlines()[0][:200]}"
         return plan
     graph.graph.eliminate_dead_code(is_impure_node=_impure)
+    captured = [getattr(graph, n.target) for n in graph.graph.nodes if n.op == "get_attr"]
+    differentiated = _differentiated(state, tensors, captured)
+    _simplify(graph.graph, merge=not differentiated)
     graph.recompile()
     with torch.random.fork_rng(devices=devices):
         _bind_to_torch(graph, (*state, *tensors))
     graph.recompile()
-    captured = [getattr(graph, n.target) for n in graph.graph.nodes if n.op == "get_attr"]
-    if not torch.is_grad_enabled() or not any(
-            isinstance(t, torch.Tensor) and t.requires_grad for t in (*state, *captured)):
+    if not _differentiated(state, captured):
         plan.constants_graph = _split_constants(graph, k)  # nothing to differentiate: fold
         if plan.constants_graph is not None:  # tensors the reading captured (a closure's)
             plan.captured = [getattr(plan.constants_graph, n.target)
                              for n in plan.constants_graph.graph.nodes if n.op == "get_attr"]
     plan.graph = graph
     return plan
+
+
+#: view operators whose chains may end where they began (``squeeze(unsqueeze(x))``,
+#: ``transpose(transpose(x))``, ``expand(x, x.shape)``, ``x.to(x.dtype)``)
+_RESHAPES = {torch.ops.aten.squeeze, torch.ops.aten.unsqueeze, torch.ops.aten.transpose,
+             torch.ops.aten.expand, torch.ops.aten.to, torch.ops.aten.view,
+             torch.ops.aten.permute, torch.ops.aten.slice, torch.ops.aten.t}
+
+
+def _differentiated(*groups) -> bool:
+    """Whether a gradient may flow through a recording of these tensors."""
+    return torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for ts in groups for t in ts)
+
+
+def _simplify(g: torch.fx.Graph, merge: bool = True) -> None:
+    """What a reading repeats because its pieces do not know of each other, removed from its
+    recorded graph: a chain of views that ends where it began (the same shape, strides,
+    offset and dtype as its start) is its start, and a pure operator called again on the same
+    arguments — in the same grad mode — is its first call (common subexpressions: a factor
+    each step recomputes, a sum taken twice). Both leave every value bit for bit as it was:
+    the same kernels run on the same tensors. Merging only where nothing is differentiated
+    (``merge``): a backward would add two uses' gradients in another order. Nothing is done
+    to a graph that writes into a tensor (an alias could then see the write)."""
+    nodes = list(g.nodes)
+    if any(n.op == "call_function" and (_mutates(n) or n.target is torch.ops.aten.detach_.default)
+           for n in nodes):
+        return
+    epoch, seen = 0, {}
+    for n in nodes:
+        if n.op != "call_function":
+            continue
+        if not isinstance(n.target, torch._ops.OpOverload):  # a grad-mode switch, …
+            epoch += 1
+            continue
+        if _impure(n):
+            continue
+        start = _view_start(n)
+        if start is None and merge and n.target is torch.ops.aten.detach.default \
+                and (_computed(n.args[0]) or _read_by_checks_only(n)):
+            start = n.args[0]  # where nothing is differentiated, a result has no history
+        if start is not None:
+            n.replace_all_uses_with(start)
+            continue
+        if not merge:
+            continue
+        try:
+            key = (epoch, n.target, _hashable(n.args), _hashable(n.kwargs))
+            hash(key)
+        except TypeError:
+            continue
+        first = seen.setdefault(key, n)
+        if first is not n:
+            n.replace_all_uses_with(first)
+    g.eliminate_dead_code(is_impure_node=_impure)
+
+
+def _computed(node) -> bool:
+    """A node whose value an operator computed afresh (not an input, nor a view of one)."""
+    target = node.target
+    return (node.op == "call_function" and isinstance(target, torch._ops.OpOverload)
+            and not target.is_view and not target._schema.is_mutable)
+
+
+def _read_by_checks_only(node) -> bool:
+    """A node only summed for a check's verdict (a graph output read as a number)."""
+    return all(u.op == "call_function" and u.target is torch.ops.aten.sum.default
+               and all(v.op == "output" for v in u.users) for u in node.users)
+
+
+def _hashable(x):
+    if isinstance(x, (list, tuple)):
+        return (type(x), tuple(_hashable(v) for v in x))
+    if isinstance(x, dict):
+        return tuple(sorted((k, _hashable(v)) for k, v in x.items()))
+    if isinstance(x, torch.fx.Node):
+        return ("node", x)
+    return (type(x), x)
+
+
+def _argument(node, name: str, default):
+    """Argument ``name`` of an aten call, positional or keyword."""
+    if name in node.kwargs:
+        return node.kwargs[name]
+    for i, a in enumerate(node.target._schema.arguments):
+        if a.name == name:
+            return node.args[i] if i < len(node.args) else default
+    return default
+
+
+def _view_start(n):
+    """The node a chain of reshaping views ending at ``n`` started from, when ``n`` is the
+    same view of it (``_RESHAPES``; no copy asked for), else None."""
+    def meta(node):
+        v = node.meta.get("val")
+        if not isinstance(v, torch.Tensor):
+            return None
+        return (v.shape, v.stride(), v.storage_offset(), v.dtype, v.device)
+
+    end = meta(n)
+    node = n
+    while (end is not None and node.op == "call_function"
+           and isinstance(node.target, torch._ops.OpOverload)
+           and node.target.overloadpacket in _RESHAPES and node.target.is_view
+           and not _argument(node, "copy", False)
+           and node.args and isinstance(node.args[0], torch.fx.Node)):
+        node = node.args[0]
+        if meta(node) == end:
+            return node
+    return None
 
 
 def _split_constants(graph: torch.fx.GraphModule, k: int) -> torch.fx.GraphModule | None:
@@ -448,7 +612,7 @@ def replay(plan: Plan, state: list, inputs: tuple):
     if plan.flags:
         n = len(plan.flags)
         for kind, flag in zip(plan.flags, result[-n:], strict=True):
-            if not (math.isfinite(float(flag)) if kind == "finite" else bool(flag)):
+            if not (isfinite(float(flag)) if kind == "finite" else flag):
                 return _FAILED
         result = result[:-n]
     plan.calls += 1

@@ -138,8 +138,16 @@ def test_value_checks_fire_on_a_replayed_call():
         layer(bad)
     with sa.validation(False):
         layer(x), layer(x)
-    off = [p for k, p in layer.plans.items() if p.graph is not None and not p.flags]
-    assert off, "with validation off a plan holds no check"
+        y = layer(x)
+        # on the CPU the checks are the unchecked plan's guards: no error, and a call that
+        # fails one is read again, unchecked — NaN carried exactly as the reading carries it
+        nan_out = layer(bad)
+        read = layer.interpret(bad)
+    off = [p for p in layer.plans.values() if p is not next(iter(layer.plans.values()))]
+    assert len(off) == 1 and off[0].graph is not None and off[0].flags == ("finite",)
+    assert off[0].calls >= 2 and torch.equal(y, layer.interpret(x))
+    assert torch.isnan(nan_out).any()
+    torch.testing.assert_close(nan_out, read, rtol=0, atol=0, equal_nan=True)
 
 
 def test_edge_index_checks_fire_on_a_repeated_call():
@@ -240,3 +248,107 @@ def test_a_program_closing_over_a_parameter_replays_it_live():
             layer(x)
         logits.add_(1.5 * torch.randn_like(logits))  # in place: the folded tables follow
         torch.testing.assert_close(layer(x), layer.interpret(x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_unchecked_replay_carries_nan_as_the_reading_does(case):
+    """Validation off: a replayed call with a NaN in its first floating input gives what an
+    unchecked reading gives (the plan's checks guard it and send that call back to a reading),
+    and a clean call still equals the reading bit for bit."""
+    model, inputs = CASES[case]()
+    layer = sa.compile(model)
+    first = next(i for i, x in enumerate(inputs)
+                 if isinstance(x, torch.Tensor) and x.is_floating_point())
+    bad = list(inputs)
+    bad[first] = inputs[first].clone()
+    bad[first].view(-1)[1] = float("nan")
+    with sa.validation(False):
+        for _ in range(3):
+            torch.manual_seed(1)
+            clean = layer(*inputs)
+        torch.manual_seed(1)
+        assert _leaves_equal(clean, layer.interpret(*inputs)), case
+        torch.manual_seed(1)
+        got = layer(*bad)
+        torch.manual_seed(1)
+        want = layer.interpret(*bad)
+    assert torch.isnan(got).any(), case
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+
+
+def _calls(graph):
+    return [n for n in graph.graph.nodes if n.op == "call_function"]
+
+
+def test_an_inference_plan_computes_nothing_twice():
+    """A recorded reading is simplified: a pure operator called again on the same arguments
+    (a factor each step recomputes) runs once, a chain of views that ends where it began is
+    gone, and — nothing being differentiated — no ``detach`` is left (bit for bit: the other
+    tests). With gradients, repeated operators stay: merging them would change the order in
+    which a backward adds their gradients."""
+    from structattn.replay import _RESHAPES
+
+    torch.manual_seed(0)
+    m = sa.models.slot_attention(4, 8, recipe="collapsed", iters=3, dtype=torch.float64)
+    layer, x = sa.compile(m), torch.randn(1, 12, 8, dtype=torch.float64)
+    with torch.no_grad():
+        for _ in range(3):
+            layer(x)
+    plan = next(iter(layer.plans.values()))
+    nodes = _calls(plan.graph)
+    keys = [(n.target, n.args, tuple(sorted(n.kwargs.items()))) for n in nodes
+            if "randn" not in str(n.target)]
+    assert len(keys) == len(set(map(str, keys))), "an operator ran twice on the same arguments"
+    assert not any("detach" in str(n.target) for n in nodes)
+    for n in nodes:  # no view whose result has its input's layout
+        v, a = n.meta.get("val"), n.args[0] if n.args else None
+        if isinstance(a, torch.fx.Node) and getattr(n.target, "overloadpacket", None) in _RESHAPES:
+            w = a.meta.get("val")
+            assert (v.shape, v.stride()) != (w.shape, w.stride()), n
+    trained = sa.compile(m)
+    for _ in range(3):
+        trained(x)
+    counts = len(_calls(next(iter(trained.plans.values())).graph))
+    assert counts > len(nodes)
+
+
+def test_a_graph_that_writes_into_a_tensor_is_not_simplified():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from structattn.replay import _simplify
+
+    def f(x):
+        a, b = x.exp(), x.exp()  # the same value twice, one of them then written into
+        a.add_(1)
+        return a + b
+
+    g = make_fx(f, pre_dispatch=True)(torch.randn(3))
+    before = len(_calls(g))
+    _simplify(g.graph)
+    g.recompile()
+    assert len(_calls(g)) == before
+    x = torch.randn(3)
+    torch.testing.assert_close(g(x), f(x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("case", ["self_attention", "hopfield"])
+def test_unchecked_replay_carries_a_nan_parameter_as_the_reading_does(case):
+    """Validation off: a parameter turned NaN after its plan was recorded (a diverged step)
+    sends the call back to the unchecked reading, which carries it — never zeros. (float32,
+    no grad and head size 8: where the CPU's fused SDPA kernel turns a row of NaN scores
+    into zeros.)"""
+    torch.manual_seed(0)
+    if case == "self_attention":
+        model, inputs = sa.models.self_attention(16, heads=2), (torch.randn(2, 5, 16),)
+    else:
+        model, inputs = sa.models.hopfield(16, 16, heads=2), (torch.randn(2, 3, 16),
+                                                              torch.randn(2, 6, 16))
+    layer = sa.compile(model)
+    with sa.validation(False), torch.no_grad():
+        for _ in range(3):
+            layer(*inputs)
+        model.W_k.view(-1)[0] = float("nan")
+        got = layer(*inputs)
+        want = layer.interpret(*inputs)
+    assert torch.isnan(got).any(), case
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
