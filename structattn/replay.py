@@ -326,6 +326,7 @@ def record(layer, names: list, state: list, inputs: tuple, kwargs: dict) -> Plan
     captured = [getattr(graph, n.target) for n in graph.graph.nodes if n.op == "get_attr"]
     differentiated = _differentiated(state, tensors, captured)
     _simplify(graph.graph, merge=not differentiated)
+    _drop_implied_checks(graph.graph, plan)
     graph.recompile()
     with torch.random.fork_rng(devices=devices):
         _bind_to_torch(graph, (*state, *tensors))
@@ -343,6 +344,7 @@ def record(layer, names: list, state: list, inputs: tuple, kwargs: dict) -> Plan
 #: ``transpose(transpose(x))``, ``expand(x, x.shape)``, ``x.to(x.dtype)``)
 _RESHAPES = {torch.ops.aten.squeeze, torch.ops.aten.unsqueeze, torch.ops.aten.transpose,
              torch.ops.aten.expand, torch.ops.aten.to, torch.ops.aten.view,
+             torch.ops.aten.reshape, torch.ops.aten.flatten, torch.ops.aten.unflatten,
              torch.ops.aten.permute, torch.ops.aten.slice, torch.ops.aten.t}
 
 
@@ -360,11 +362,20 @@ def _simplify(g: torch.fx.Graph, merge: bool = True) -> None:
     each step recomputes, a sum taken twice). Both leave every value bit for bit as it was:
     the same kernels run on the same tensors. Merging only where nothing is differentiated
     (``merge``): a backward would add two uses' gradients in another order. Nothing is done
-    to a graph that writes into a tensor (an alias could then see the write)."""
+    to a graph that writes into a tensor (an alias could then see the write), nor, where
+    gradients flow, to one that detaches a tensor in place."""
     nodes = list(g.nodes)
-    if any(n.op == "call_function" and (_mutates(n) or n.target is torch.ops.aten.detach_.default)
+    # ``detach_`` writes only autograd metadata: harmless where nothing is differentiated
+    if any(n.op == "call_function" and (
+            _mutates(n) or (not merge and n.target is torch.ops.aten.detach_.default))
            for n in nodes):
         return
+    switches = [n for n in nodes if n.target is torch._C._set_grad_enabled]
+    if merge and not torch.is_grad_enabled() and all(n.args == (False,) and not n.users
+                                                     for n in switches):
+        for n in switches:  # recorded without gradients, replayed so (the signature)
+            g.erase_node(n)
+        nodes = list(g.nodes)
     epoch, seen = 0, {}
     for n in nodes:
         if n.op != "call_function":
@@ -394,8 +405,50 @@ def _simplify(g: torch.fx.Graph, merge: bool = True) -> None:
     g.eliminate_dead_code(is_impure_node=_impure)
 
 
+def _root(node):
+    """The tensor a chain of views starts from."""
+    while node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) \
+            and node.target.is_view and node.args and isinstance(node.args[0], torch.fx.Node):
+        node = node.args[0]
+    return node
+
+
+def _drop_implied_checks(g: torch.fx.Graph, plan: Plan) -> None:
+    """Checks another check implies, gone from the plan's outputs: a finite sum over a view
+    of a tensor whose whole sum is checked, and ``(a == a).all()`` (false only at a NaN) of
+    such a view — e.g. the last tokens of an input checked as a whole."""
+    out = g.output_node()
+    values = list(out.args[0])
+    n = len(plan.flags)
+    flags = values[len(values) - n:] if n else []
+
+    def summed(f):
+        return (f.op == "call_function" and f.target is torch.ops.aten.sum.default
+                and isinstance(f.args[0], torch.fx.Node))
+    whole = {f.args[0] for f, kind in zip(flags, plan.flags, strict=True)
+             if kind == "finite" and summed(f)}
+    keep = []
+    for f, kind in zip(flags, plan.flags, strict=True):
+        implied = False
+        if kind == "finite" and summed(f):
+            implied = _root(f.args[0]) in whole and f.args[0] is not _root(f.args[0])
+        elif (kind == "true" and f.target is torch.ops.aten.all.default
+              and isinstance(f.args[0], torch.fx.Node)
+              and f.args[0].target is torch.ops.aten.eq.Tensor
+              and f.args[0].args[0] is f.args[0].args[1]):
+            implied = _root(f.args[0].args[0]) in whole
+        keep.append(not implied)
+    if all(keep):
+        return
+    out.args = (values[:len(values) - n] + [f for f, k in zip(flags, keep, strict=True) if k],)
+    plan.flags = tuple(kind for kind, k in zip(plan.flags, keep, strict=True) if k)
+    g.eliminate_dead_code(is_impure_node=_impure)
+
+
 def _computed(node) -> bool:
-    """A node whose value an operator computed afresh (not an input, nor a view of one)."""
+    """A node whose value an operator computed afresh, or a view of one (not an input, nor
+    a view of one)."""
+    node = _root(node)
     target = node.target
     return (node.op == "call_function" and isinstance(target, torch._ops.OpOverload)
             and not target.is_view and not target._schema.is_mutable)
@@ -591,8 +644,12 @@ def _bind_to_torch(graph: torch.fx.GraphModule, args: tuple) -> None:
 
 
 def _impure(node) -> bool:
-    """Random draws stay (they advance the generator as the reading did) besides fx's own rule."""
+    """Random draws stay (they advance the generator as the reading did) besides fx's own rule;
+    an unread ``detach_`` of a tensor nothing else reads (a constant made under no_grad whose
+    reader moved to the constants' graph) goes."""
     target = node.target
+    if target is torch.ops.aten.detach_.default and not node.users:
+        return any(u is not node for u in node.args[0].users)
     tags = getattr(target, "tags", ())
     return torch.Tag.nondeterministic_seeded in tags or node.is_impure()
 

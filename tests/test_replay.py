@@ -352,3 +352,25 @@ def test_unchecked_replay_carries_a_nan_parameter_as_the_reading_does(case):
         want = layer.interpret(*inputs)
     assert torch.isnan(got).any(), case
     torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+
+
+def test_checks_implied_by_others_leave_the_plan():
+    """Expanding attention's final token checks the input as a whole, its last tokens again
+    (a view of it) and that they equal themselves (false only at a NaN): the plan keeps the
+    first, which implies the others — and a NaN in the last token is still refused, with
+    the reading's message. No grad-mode switch and no ``detach`` is left in a no-grad plan."""
+    torch.manual_seed(0)
+    m = sa.models.expanding_attention(8, dtype=torch.float64)
+    layer, x = sa.compile(m), torch.randn(1, 20, 8, dtype=torch.float64)
+    with torch.no_grad():
+        for _ in range(3):
+            y = layer(x, last=1)
+        (plan,) = layer.plans.values()
+        assert plan.calls >= 2 and torch.equal(y, layer.interpret(x, last=1))
+        assert plan.flags.count("finite") == 1
+        names = [str(n.target) for n in _calls(plan.graph)]
+        assert not any("set_grad_enabled" in t or "detach" in t or t.endswith("eq") for t in names)
+        bad = x.clone()
+        bad[0, -1, 2] = float("nan")
+        with pytest.raises(ValueError, match=r"node set '\w+' contains non-finite values"):
+            layer(bad, last=1)
