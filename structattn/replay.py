@@ -186,18 +186,16 @@ class Plans:
 
     # -- one call ------------------------------------------------------------------------
     def __call__(self, layer, inputs: tuple, kwargs: dict):
+        last = self._last
+        if last is not None and not kwargs:
+            out = last.replay(self, layer, inputs)
+            if out is not _MISSED:
+                return out
         state = self.state(layer.declaration)
         if _validation.is_validating():
             self.check_parameters(layer, state)
         elif not self.parameters_finite(state):  # unchecked plans hold no carrier for them:
             return layer.interpret(*inputs, **kwargs)  # the reading carries NaN its own way
-        last = self._last
-        if last is not None and not kwargs and last.holds(layer, inputs, state):
-            try:
-                out = replay(last.plan, state, inputs)
-            except Exception:
-                out = _FAILED
-            return layer.interpret(*inputs) if out is _FAILED else out
         key = self.signature(layer, inputs, kwargs, state) if self.enabled else None
         if key is None:
             return layer.interpret(*inputs, **kwargs)
@@ -244,10 +242,10 @@ def _modes(declaration) -> tuple:
 
 class _Last:
     """The plan a module replayed last, and what must hold for a call to replay it without
-    building its signature: the same modes, the same parameter tensors, and tensor inputs
-    (all of them tensors, no keyword options) that dynamo's C++ ``TensorGuards`` accepts —
-    the same type, dtype, device, shape and ``requires_grad``. A consecutive stream of calls
-    with one signature, the common case, costs one guard check."""
+    building its signature: the same modes, the same parameter tensors, found finite, and
+    tensor inputs (no keyword options) that dynamo's C++ ``TensorGuards`` accepts — the same
+    type, dtype, device, shape and ``requires_grad``. A stream of calls with one signature,
+    the common case, costs this check and the graph."""
 
     __slots__ = ("declaration", "plan", "modes", "ids", "guard")
 
@@ -261,11 +259,33 @@ class _Last:
         self.guard = TensorGuards(*tensors, dynamic_dims_sizes=[list(t.shape) for t in tensors],
                                   dynamic_dims_strides=[[None] * t.dim() for t in tensors])
 
-    def holds(self, layer, inputs: tuple, state: list) -> bool:
-        return (layer.declaration is self.declaration and _modes(self.declaration) == self.modes
-                and [id(t) for t in state] == self.ids
-                and all(type(x) is torch.Tensor for x in inputs)
-                and self.guard.check(*inputs, *state))
+    def replay(self, plans, layer, inputs: tuple):
+        """The call replayed (or re-read, when a check fails), or ``_MISSED`` when it is not
+        this plan's: the caller then takes the long way."""
+        declaration = self.declaration
+        if layer.declaration is not declaration or _modes(declaration) != self.modes:
+            return _MISSED
+        state = plans.state(declaration)
+        versions = [(id(t), t._version) for t in state]
+        checked = plans._checked
+        if checked is None or versions != checked[0]:
+            if [v[0] for v in versions] != self.ids or not plans.parameters_finite(state):
+                return _MISSED
+        elif not checked[1]:
+            return _MISSED
+        try:
+            if not self.guard.check(*inputs, *state):
+                return _MISSED
+        except Exception:  # an input that is not a tensor
+            return _MISSED
+        try:
+            out = replay(self.plan, state, inputs, split=False)
+        except Exception:  # an error inside the graph: the reading raises the check's message
+            out = _FAILED
+        return layer.interpret(*inputs) if out is _FAILED else out
+
+
+_MISSED = object()
 
 
 def _split(inputs: tuple):
@@ -654,10 +674,11 @@ def _impure(node) -> bool:
     return torch.Tag.nondeterministic_seeded in tags or node.is_impure()
 
 
-def replay(plan: Plan, state: list, inputs: tuple):
-    """Run the plan's graph on the current parameters and these inputs; ``_FAILED`` when a
-    value check failed (the caller re-reads the call, which raises its message)."""
-    tensors, _ = _split(inputs)
+def replay(plan: Plan, state: list, inputs: tuple, split: bool = True):
+    """Run the plan's graph on the current parameters and these inputs (``split=False``:
+    known to be tensors); ``_FAILED`` when a value check failed (the caller re-reads the call,
+    which raises its message)."""
+    tensors = _split(inputs)[0] if split else inputs
     if plan.constants_graph is not None:
         versions = [t._version for t in (*state, *plan.captured)]
         if versions != plan.constants_versions:

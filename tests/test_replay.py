@@ -374,3 +374,42 @@ def test_checks_implied_by_others_leave_the_plan():
         bad[0, -1, 2] = float("nan")
         with pytest.raises(ValueError, match=r"node set '\w+' contains non-finite values"):
             layer(bad, last=1)
+
+
+def test_the_last_plan_is_replayed_only_when_its_guard_holds():
+    """The module keeps its last plan behind a guard (modes, parameter identities, input
+    layouts); a call that differs in any of them takes the long way and gets its own answer."""
+    torch.manual_seed(0)
+    m = sa.models.self_attention(8, d_k=4, heads=2, dtype=torch.float64)
+    layer, x = sa.compile(m), torch.randn(2, 5, 8, dtype=torch.float64)
+    for _ in range(3):
+        layer(x)
+    plan = layer._plans._last.plan
+    calls = plan.calls
+    layer(x)
+    assert plan.calls == calls + 1  # the guarded fast path
+    with torch.no_grad():  # another grad mode: another plan, read first
+        assert torch.equal(layer(x), layer.interpret(x))
+    assert plan.calls == calls + 1
+    x6 = torch.randn(2, 6, 8, dtype=torch.float64)  # another shape
+    assert torch.equal(layer(x6), layer.interpret(x6))
+    xg = x.clone().requires_grad_()  # requires_grad differs
+    assert torch.equal(layer(xg), layer.interpret(xg))
+    # a parameter replaced by another tensor of the same layout is read, not replayed stale
+    m.W_q = torch.nn.Parameter(torch.randn_like(m.W_q))
+    for _ in range(3):
+        assert torch.equal(layer(x), layer.interpret(x))
+    with sa.iteration(steps=2):  # an override is part of the modes
+        assert torch.equal(layer(x), layer.interpret(x))
+
+
+def test_a_parameter_replaced_inside_a_plain_sub_module_is_seen():
+    torch.manual_seed(0)
+    m = sa.models.slot_attention(3, 8, iters=2, dtype=torch.float64)
+    layer = sa.compile(m)
+    x, z = torch.randn(1, 6, 8, dtype=torch.float64), torch.randn(1, 3, 8, dtype=torch.float64)
+    for _ in range(3):
+        layer(x, z)
+    m.to_q.weight = torch.nn.Parameter(torch.randn_like(m.to_q.weight))  # no version bump
+    for _ in range(3):
+        assert torch.equal(layer(x, z), layer.interpret(x, z))
