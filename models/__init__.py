@@ -42,6 +42,7 @@ for _name in (
     "classification",
     "cross_attention",
     "expanding_attention",
+    "forgetting_attention",
     "graph_attention",
     "hopfield",
     "multihop_attention",

@@ -125,8 +125,8 @@ class EdgeFamily:
             raise ValueError(f"edge family {self.name!r}: the support {type(self.support).__name__} "
                              f"states no contains(child, parent); a support kind must state "
                              f"which parents each child may choose")
+        self.prior.check_nodes(self.name, self.children, self.parents)  # the prior's own words
         self.tables.validate(self.name, batch_shape=self.batch_shape, heads=self.heads)
-        self.prior.check_nodes(self.name, self.children, self.parents)
         if self.inference is not None:
             self.inference.check(self)
 

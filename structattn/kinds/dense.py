@@ -18,6 +18,24 @@ from .._validation import checks_on
 from .base import Intersection, Operator, Support, grid, keep_nonfinite_rows
 
 
+def with_parent_terms(a, b, u, h, scale: float):
+    """Factors whose scaled products are ``scale·⟨a_i, b_j⟩ + h_j`` — ``a`` gains a column
+    of ones, ``b`` the column ``h/scale`` (``h (…, P)`` broadcasts against ``b``'s leading
+    dims) — and the values ``u`` padded with zero columns to the same width, since the fused
+    CPU kernels (forward and backward) take queries, keys and values of one width only; the
+    caller keeps the output's first ``u.shape[-1]`` columns. O((C + P)·d) memory."""
+    lead = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2], u.shape[:-2], h.shape[:-1])
+    a, b = a.expand(*lead, *a.shape[-2:]), b.expand(*lead, *b.shape[-2:])
+    u = u.expand(*lead, *u.shape[-2:])
+    h = (h.to(b.dtype) / scale).expand(*lead, h.shape[-1]).unsqueeze(-1)
+    width = max(a.shape[-1] + 1, u.shape[-1])
+    qk_pad, u_pad = width - a.shape[-1] - 1, width - u.shape[-1]
+    a = torch.cat([a, torch.ones_like(a[..., :1]), a.new_zeros(*a.shape[:-1], qk_pad)], -1)
+    b = torch.cat([b, h, b.new_zeros(*b.shape[:-1], qk_pad)], -1)
+    u = torch.cat([u, u.new_zeros(*u.shape[:-1], u_pad)], -1) if u_pad else u
+    return a, b, u
+
+
 class AllParents(Support):
     """Φ_i = every parent."""
 
@@ -154,9 +172,17 @@ class DenseOperator(Operator):
             return self.dense_posterior() @ u
         f, xc = self.family, self.family.children.states
         a, b, scale = self.fused_factors()
-        mask, is_causal = self._const("sdpa", lambda: f.tables.sdpa_inputs(xc.dtype))
+        u_width = u.shape[-1]
+        h = self._const("parent_terms", lambda: f.tables.parent_terms(xc.dtype))
+        if h is None:
+            mask, is_causal = self._const("sdpa", lambda: f.tables.sdpa_inputs(xc.dtype))
+        else:  # log prior g_i + h_j: h rides in one more key dimension, g drops out
+            a, b, u = with_parent_terms(a, b, u, h, scale)
+            mask, is_causal = None, f.tables.support.is_causal()
         out = F.scaled_dot_product_attention(a, b, u, attn_mask=mask, is_causal=is_causal,
                                              scale=scale)
+        if h is not None:
+            out = out[..., :u_width]
         if not checks_on():  # nothing was checked: a NaN must stay a NaN
             out = keep_nonfinite_rows(out, a, b)
         keep = self.keep()

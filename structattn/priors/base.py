@@ -61,6 +61,16 @@ class Prior:
         w = self.log_weight(*grid(num_children, num_parents, device), (num_children, num_parents))
         return w if w is None or dtype is None else w.to(dtype)
 
+    def terms(self, num_children: int, num_parents: int, device):
+        """``(g, h)`` with ``log_weight(i, j) = g_i + h_j`` on the support — ``g (…, C)``,
+        ``h (…, P)`` — when the prior's log weights separate so (a difference of per-token
+        terms: ALiBi under j ≤ i, a forget gate's cumulative sum), else None. The dense
+        operator then lowers the prior as one extra query/key dimension carrying ``h`` (``g``
+        is constant along a child's row and drops out of its softmax): plain SDPA, never a
+        C×P bias. The prior tests check ``g_i + h_j`` against ``log_weight`` for every prior
+        that states it."""
+        return None
+
     def reading(self, support: Support) -> type:
         """The operator class that marginalises a family under this prior: the support's
         (``Support.operator``; the dense operator when it names none)."""

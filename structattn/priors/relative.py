@@ -68,5 +68,13 @@ class ALiBi(Prior):
         m = self.slopes.to(d.device).reshape(-1, *([1] * d.dim()))
         return -m * d.to(m.dtype)  # (H, *index)
 
+    def terms(self, num_children, num_parents, device):
+        """Under j ≤ i, −m|i − j| = −m·i + m·j: a difference of per-token terms."""
+        if not self.causal:
+            return None
+        m = self.slopes.to(device)[:, None]  # (H, 1)
+        return (-m * torch.arange(num_children, device=device, dtype=m.dtype),
+                m * torch.arange(num_parents, device=device, dtype=m.dtype))
+
     def describe(self) -> str:
         return f"ALiBi(heads={len(self.slopes)}, {self.short_support()})"

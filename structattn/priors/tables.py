@@ -104,6 +104,29 @@ class PriorTables:
         return self._once(("log_prob", dtype),
                           lambda: torch.log_softmax(self.log_weights(dtype), -1))
 
+    def parent_terms(self, dtype) -> torch.Tensor | None:
+        """The prior's per-parent term ``h (…, P)`` in ``dtype`` when it separates
+        (``Prior.terms``) over every parent or j ≤ i — the supports SDPA takes without a mask
+        — and no row can be empty; None otherwise (the table is the bias). Not in half
+        precision: ``h`` grows along the sequence (m·j, a cumulative sum), and a logit read as
+        ``scale·⟨a_i, b_j⟩ + h_j`` carries h_j's rounding, eps·|h_j| — 6e-8·|h_j| in float32,
+        but 4e-3·|h_j| in bfloat16."""
+        if dtype in (torch.float16, torch.bfloat16):
+            return None
+        terms = self.separable()
+        return None if terms is None else self._once(("parent_terms", dtype),
+                                                     lambda: terms[1].to(dtype))
+
+    def separable(self):
+        """The prior's ``(g, h)`` (``Prior.terms``) when it states them over every parent or
+        j ≤ i — the supports SDPA takes without a mask — and no row may be empty; else None."""
+        def build():
+            if self.prior.empty != "error" or (self.support.dense(1, 1, self.device) is not None
+                                               and not self.support.is_causal()):
+                return None
+            return self.prior.terms(self.num_children, self.num_parents, self.device)
+        return self._once("separable", build)
+
     def sdpa_inputs(self, dtype):
         """``(attn_mask, is_causal)`` for ``scaled_dot_product_attention``.
 
@@ -176,6 +199,10 @@ class PriorTables:
             if prior.empty == "error":
                 _check_no_empty_edge_child(family, self, _edge_counts(self))
             return
+        terms = self.separable()
+        if terms is not None:  # checked as they are lowered: O(C + P), never the C×P table
+            _check_terms(family, terms, batch_shape, heads, C, P)
+            return
         table, explicit = self.table(), self.support_dense()
         for what, t in (("support mask", explicit), ("log weights", table)):
             if t is not None:
@@ -232,6 +259,27 @@ def _check_table(family, what, t, target, device) -> None:
             f"edge family {family!r}: prior {what} are on {t.device} but the node states "
             f"are on {device}; move the declaration with .to({str(device)!r})"
         )
+
+
+def _check_terms(family, terms, batch_shape, heads, C, P) -> None:
+    """A separable prior's per-child and per-parent terms: shapes that broadcast to
+    ``(*batch, heads, C)`` and ``(*batch, heads, P)``; finite values while validating (a
+    −∞ term would make its difference NaN; j ≤ i leaves no row empty)."""
+    for what, t, n in (("per-child", terms[0], C), ("per-parent", terms[1], P)):
+        target = (*batch_shape, heads, n)
+        try:
+            ok = tuple(torch.broadcast_shapes(t.shape, target)) == target
+        except RuntimeError:
+            ok = False
+        if not ok:
+            raise ValueError(
+                f"edge family {family!r}: the prior's {what} log-weight terms must broadcast to "
+                f"(*batch, heads, {'children' if n == C else 'parents'})={shape_str(target)}; "
+                f"got {shape_str(t.shape)}")
+    if checks_on() and not passes(terms[0].isfinite().all() & terms[1].isfinite().all()):
+        blame_parameters(f"edge family {family!r}: the prior log weights")
+        raise ValueError(f"edge family {family!r}: prior log weights contain non-finite values "
+                         f"(NaN or ±inf) in their per-token terms")
 
 
 def _check_log_weights(family, table, where) -> None:

@@ -1,0 +1,55 @@
+"""Forgetting attention (FoX, Lin et al. ICLR 2025): causal self attention whose prior over
+the past is a data-dependent forget gate."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from structattn.priors.forgetting import ForgettingGate
+
+from ._catalogue import TOKEN_SIZES, Entry, randn64
+from ._projections import TokenAttention
+
+
+class ForgettingAttention(TokenAttention):
+    """φ_i ~ p(φ_i = j) ∝ Π_{l=j+1..i} f_{l,h} over j ≤ i, per head h, with forget gates
+    f_{l,h} = σ(w_hᵀ x_l + b_h) (``W_f: (heads, d_model)``, ``b_f: (heads,)``); ψ = x_iᵀW_QᵀW_K x_j
+    / τ; v = W_V x_j. The log prior is c_i − c_j (c = cumsum log f): lowered as plain SDPA with
+    one more key dimension, O(n) memory, backward included.
+
+    x: ``(*batch, n, d_model)`` → ``(*batch, n, d_model or heads·d_v)``.
+    ``gate_bias``: b_h's initial value (σ(3) ≈ 0.95: the gates start mostly open).
+    """
+
+    def __init__(self, d_model, *, heads=1, gate_bias=3.0, device=None, dtype=None, **kwargs):
+        super().__init__(d_model, heads=heads, causal=True, device=device, dtype=dtype, **kwargs)
+        kw = {"device": device, "dtype": dtype}
+        self.W_f = nn.Parameter(torch.empty(self.heads, d_model, **kw))
+        nn.init.xavier_uniform_(self.W_f)
+        self.b_f = nn.Parameter(torch.full((self.heads,), float(gate_bias), **kw))
+
+    def log_gates(self, x):
+        """log f ``(*batch, heads, n)``."""
+        return F.logsigmoid(F.linear(x, self.W_f, self.b_f)).movedim(-1, -2)
+
+    def model(self, x):
+        tokens = self.tokens(x)
+        return self.attend(self.family_name, tokens, tokens, ForgettingGate(self.log_gates(x)))
+
+
+def forgetting_attention(d_model, **kwargs) -> ForgettingAttention:
+    """Forgetting attention (FoX); see :class:`ForgettingAttention`."""
+    return ForgettingAttention(d_model, **kwargs)
+
+
+def _case():
+    m = forgetting_attention(7, d_k=3, heads=2, dtype=torch.float64)
+    return m, (randn64(2, 5, 7),)
+
+
+#: the catalogue's statement (models/_catalogue.py)
+ENTRY = Entry(forgetting_attention, ForgettingAttention, case=_case,
+              example=dict(d_model=8, heads=2),
+              sizes=TOKEN_SIZES)

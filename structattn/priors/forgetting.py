@@ -1,0 +1,59 @@
+"""A forget gate over the past (FoX, Lin et al. 2025): log p(φ_i = j) = Σ_{l=j+1..i} log f_l."""
+
+from __future__ import annotations
+
+import torch
+
+from .._validation import checks_on, passes, shape_str
+from .base import Prior
+from .uniform import dense_support
+
+
+class ForgettingGate(Prior):
+    """``p(φ_i = j) ∝ Π_{l=j+1..i} f_l`` over j ≤ i: each token l between a child and a parent
+    forgets with its own gate f_l ∈ (0, 1] (data-dependent: FoX's f_l = σ(wᵀx_l + b), one per
+    head). With c = cumsum(log f) the log weight is c_i − c_j — a difference of per-token terms
+    (``terms``), so the dense operator lowers it as plain SDPA with one more key dimension,
+    never an N×N bias. A constant gate f is ALiBi with slope m = −log f.
+
+    ``log_f``: ``(…, N)`` log gates (≤ 0), their leading dims (batch, heads) broadcasting
+    against ``(*batch, heads)``; N is the number of parents, children are its first C tokens.
+    """
+
+    def __init__(self, log_f: torch.Tensor):
+        if not isinstance(log_f, torch.Tensor) or log_f.dim() < 1 or not log_f.is_floating_point():
+            got = shape_str(log_f.shape) if isinstance(log_f, torch.Tensor) else type(log_f).__name__
+            raise ValueError(f"ForgettingGate prior: log_f must be a float tensor (…, N) of log "
+                             f"forget gates, one per token; got {got}")
+        if checks_on() and not passes(((log_f <= 0) & log_f.isfinite()).all()):
+            bad = log_f[(log_f > 0) | ~log_f.isfinite()]
+            raise ValueError(f"ForgettingGate prior: log_f must be finite and ≤ 0 (a gate "
+                             f"f = exp(log_f) in (0, 1]); got {bad.numel()} entries outside, e.g. "
+                             f"{float(bad[0])!r}. Use torch.nn.functional.logsigmoid(gate logits)")
+        self.log_f = log_f
+
+    def cumulative(self) -> torch.Tensor:
+        """c_k = Σ_{l ≤ k} log f_l, ``(…, N)`` (O(N); not kept: nothing is stored on a prior)."""
+        return torch.cumsum(self.log_f, -1)
+
+    def support(self, num_children, num_parents):
+        return dense_support(True, None)
+
+    def check_nodes(self, family, children, parents) -> None:
+        N = self.log_f.shape[-1]
+        if N != parents.size or children.size > N:
+            raise ValueError(f"edge family {family!r}: ForgettingGate has log_f for {N} tokens "
+                             f"(last dim of {shape_str(self.log_f.shape)}); it needs one per "
+                             f"parent ({parents.size}) and at most as many children "
+                             f"({children.size})")
+
+    def log_weight(self, child, parent, sizes):
+        c = self.cumulative()
+        return c[..., child] - c[..., parent]  # (…, *index)
+
+    def terms(self, num_children, num_parents, device):
+        c = self.cumulative().to(device)
+        return c[..., :num_children], -c[..., :num_parents]
+
+    def describe(self) -> str:
+        return f"ForgettingGate(N={self.log_f.shape[-1]}, {self.short_support()})"
