@@ -106,8 +106,10 @@ def test_float32_sdpa_path_matches_float64_at_two_thousand_tokens():
 
 
 @pytest.mark.parametrize("log_f, match", [
-    (torch.tensor([[-0.1, 0.2, -0.3]], dtype=f64), r"log_f must be finite and ≤ 0 .* 1 entries outside, e\.g\. 0\.2"),
-    (torch.tensor([[-0.1, math.nan, -0.3]], dtype=f64), r"log_f must be finite and ≤ 0 .* 1 entries outside, e\.g\. nan"),
+    (torch.tensor([[-0.1, 0.2, -0.3]], dtype=f64),
+     r"log_f must be finite and ≤ 0 .* 1 entries outside, e\.g\. 0\.2"),
+    (torch.tensor([[-0.1, math.nan, -0.3]], dtype=f64),
+     r"log_f must be finite and ≤ 0 .* 1 entries outside, e\.g\. nan"),
     (torch.tensor([[-0.1, -math.inf]], dtype=f64), r"finite and ≤ 0 .* e\.g\. -inf"),
     (torch.tensor([1, 2]), r"log_f must be a float tensor \(…, N\) .* got \(2,\)"),
     ("gates", r"log_f must be a float tensor .* got str"),
