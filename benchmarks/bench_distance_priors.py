@@ -1,0 +1,181 @@
+"""Distance priors at SDPA speed: FoX's forget gate and causal ALiBi, forward+backward, in one run.
+
+Both priors' log weights are a difference of per-token terms (c_i − c_j; −m·i + m·j), which
+structattn lowers as plain causal SDPA with one more key dimension (``Prior.terms``): no N×N
+bias. Compared, per N, with the same weights:
+
+- ``causal SDPA``: a hand-written causal self-attention layer without any bias — the baseline
+  (projections + ``scaled_dot_product_attention(is_causal=True)``);
+- ``FoX, structattn`` / ``ALiBi, structattn``: the compiled ``forgetting_attention`` /
+  ``alibi_attention`` (replayed plans);
+- ``FoX, dense bias`` / ``ALiBi, dense bias``: each paper's formulation in eager torch — the
+  log prior materialised as an ``(H, N, N)`` float bias and passed to SDPA as ``attn_mask``.
+
+B=1, H=4, d_model=256 (d=64 per head), float32, N = 1,024 and 4,096 (``--long``: 16,384 too,
+without the dense-bias variants, whose bias alone would take 4 GiB). Reported: median time
+of forward+backward over interleaved rounds, the median per-round ratio to causal SDPA
+(``paired``), and the peak of live tensor bytes during one forward+backward (the profiler's
+allocation events) relative to causal SDPA. Targets (issue 22): FoX and ALiBi ≤ 1.1× causal
+SDPA in time and peak memory. Run: ``python benchmarks/bench_distance_priors.py [--quick]
+[--long] [--json PATH]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import structattn as sa  # noqa: E402
+
+heads_of, merge = sa.split_heads, sa.merge_heads  # (…, n, H·d) ↔ (…, H, n, d)
+
+
+def _qkv(m, x):
+    H = m.heads
+    return (heads_of(F.linear(x, m.W_q), H), heads_of(F.linear(x, m.W_k), H),
+            heads_of(F.linear(x, m.W_v), H))
+
+
+def causal_sdpa(m, x):
+    """The baseline: projections and one causal SDPA call, no bias."""
+    q, k, v = _qkv(m, x)
+    return F.linear(merge(F.scaled_dot_product_attention(q, k, v, is_causal=True)), m.W_o)
+
+
+def fox_dense_bias(m, x):
+    """FoX as its paper writes it, in eager torch: D_ij = c_i − c_j (j ≤ i, −∞ above),
+    c = cumsum(log σ(W_f x + b_f)), added to the logits as an (H, N, N) bias."""
+    q, k, v = _qkv(m, x)
+    c = torch.cumsum(F.logsigmoid(F.linear(x, m.W_f, m.b_f)), -2).movedim(-1, -2)  # (B, H, N)
+    n = x.shape[-2]
+    bias = (c[..., :, None] - c[..., None, :]).masked_fill(
+        ~torch.ones(n, n, dtype=torch.bool, device=x.device).tril(), float("-inf"))
+    return F.linear(merge(F.scaled_dot_product_attention(q, k, v, attn_mask=bias)), m.W_o)
+
+
+def alibi_dense_bias(m, x):
+    """ALiBi as its paper writes it: −m_h (i − j) for j ≤ i, −∞ above, an (H, N, N) bias."""
+    q, k, v = _qkv(m, x)
+    n = x.shape[-2]
+    i = torch.arange(n, device=x.device)
+    dist = (i[:, None] - i[None, :]).to(x.dtype)
+    bias = (-m.slopes[:, None, None] * dist).masked_fill(dist < 0, float("-inf"))
+    return F.linear(merge(F.scaled_dot_product_attention(q, k, v, attn_mask=bias)), m.W_o)
+
+
+def _params(m):
+    return [p for p in m.parameters() if p.requires_grad]
+
+
+def _fwd_bwd(fn, x, params):
+    for p in (x, *params):
+        p.grad = None
+    fn().sum().backward()
+
+
+def peak_bytes(fn, x, params) -> int:
+    """Peak of live tensor bytes during one forward+backward (profiler allocation events)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    _fwd_bwd(fn, x, params)
+    gc.collect()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        _fwd_bwd(fn, x, params)
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    cur = peak = 0
+    for e in events:
+        cur += e.nbytes()
+        peak = max(peak, cur)
+    return peak
+
+
+def time_fwd_bwd(fns: dict, x, rounds: int) -> dict:
+    for fn, params in fns.values():
+        for _ in range(3):  # read, record, replay
+            _fwd_bwd(fn, x, params)
+    times = {k: [] for k in fns}
+    names = list(fns)
+    for r in range(rounds):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            fn, params = fns[name]
+            t = time.perf_counter()
+            _fwd_bwd(fn, x, params)
+            times[name].append(time.perf_counter() - t)
+    base = times["causal SDPA"]
+    return {k: {"median_s": statistics.median(v),
+                "paired": statistics.median(a / b for a, b in zip(v, base, strict=True))}
+            for k, v in times.items()}
+
+
+def run(n: int, cfg: dict, log) -> dict:
+    torch.manual_seed(0)
+    d, H = cfg["d_model"], cfg["heads"]
+    fox = sa.models.forgetting_attention(d, heads=H)
+    alibi = sa.models.alibi_attention(d, heads=H)
+    with torch.no_grad():
+        for name in ("W_q", "W_k", "W_v", "W_o"):
+            getattr(alibi, name).copy_(getattr(fox, name))
+    x = torch.randn(1, n, d, requires_grad=True)
+    fox_layer, alibi_layer = sa.compile(fox), sa.compile(alibi)
+    dense = n <= cfg["dense_up_to"]
+    if dense:  # the lowering computes what the papers' formulations compute
+        with torch.no_grad():
+            torch.testing.assert_close(fox_layer(x), fox_dense_bias(fox, x), rtol=1e-3, atol=1e-4)
+            torch.testing.assert_close(alibi_layer(x), alibi_dense_bias(alibi, x), rtol=1e-3,
+                                       atol=1e-4)
+    fns = {"causal SDPA": ((lambda: causal_sdpa(fox, x)), _params(fox)),
+           "FoX, structattn": ((lambda: fox_layer(x)), _params(fox)),
+           "ALiBi, structattn": ((lambda: alibi_layer(x)), _params(alibi))}
+    if dense:
+        fns["FoX, dense bias"] = ((lambda: fox_dense_bias(fox, x)), _params(fox))
+        fns["ALiBi, dense bias"] = ((lambda: alibi_dense_bias(alibi, x)), _params(alibi))
+    res = time_fwd_bwd(fns, x, cfg["rounds"])
+    mem = {k: peak_bytes(fn, x, params) for k, (fn, params) in fns.items()}
+    log(f"N={n}, B=1, H={H}, d={d // H} per head, forward+backward "
+        f"(causal SDPA {res['causal SDPA']['median_s'] * 1e3:.1f} ms, peak "
+        f"{mem['causal SDPA'] / 2**20:.1f} MiB):")
+    for k in fns:
+        target = " (target ≤ 1.1)" if "structattn" in k else ""
+        log(f"    {k:<20} {res[k]['median_s'] * 1e3:9.1f} ms  paired {res[k]['paired']:.3f}×  "
+            f"peak {mem[k] / 2**20:8.1f} MiB {mem[k] / mem['causal SDPA']:.3f}×{target}")
+        res[k]["peak_bytes"] = mem[k]
+    return res
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="tiny sizes, one round (smoke test)")
+    p.add_argument("--long", action="store_true", help="also N = 16,384")
+    p.add_argument("--json", metavar="PATH")
+    args = p.parse_args(argv)
+    cfg = dict(d_model=256, heads=4, sizes=[1024, 4096], rounds=7, dense_up_to=4096)
+    if args.long:
+        cfg["sizes"].append(16384)
+    if args.quick:
+        cfg.update(d_model=32, heads=2, sizes=[64], rounds=1)
+    lines = []
+
+    def log(s):
+        print(s, flush=True)
+        lines.append(s)
+
+    log(f"torch {torch.__version__}, {torch.get_num_threads()} threads, float32, CPU")
+    results = {"config": cfg, "runs": {n: run(n, cfg, log) for n in cfg["sizes"]}}
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(results, fh, indent=1, default=str)
+    return results
+
+
+if __name__ == "__main__":
+    main()
