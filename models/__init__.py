@@ -43,6 +43,7 @@ for _name in (
     "cross_attention",
     "expanding_attention",
     "forgetting_attention",
+    "generalised_gaussian_attention",
     "graph_attention",
     "hopfield",
     "multihop_attention",

@@ -4,6 +4,7 @@ from .base import Prior as Prior
 from .beta_geometric import BetaGeometric as BetaGeometric
 from .categorical import Categorical as Categorical
 from .forgetting import ForgettingGate as ForgettingGate
+from .generalised_gaussian import GeneralisedGaussian as GeneralisedGaussian
 from .relative import ALiBi as ALiBi
 from .relative import RelativePosition as RelativePosition
 from .uniform import Uniform as Uniform

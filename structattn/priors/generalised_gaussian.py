@@ -1,0 +1,56 @@
+"""A generalised Gaussian over the distance (BAM): log p(φ_i = j) = −|(i − j − μ)·e^s|^β + const."""
+
+from __future__ import annotations
+
+import torch
+
+from .._validation import checks_on, passes, shape_str
+from .base import Prior
+from .uniform import dense_support
+
+
+def _per_head(name: str, t) -> torch.Tensor:
+    t = torch.as_tensor(t)
+    if t.dim() > 1 or not t.is_floating_point():
+        raise ValueError(f"GeneralisedGaussian prior: {name} must be a float scalar or a 1-D "
+                         f"tensor (heads,); got {shape_str(t.shape)} {t.dtype}")
+    return t
+
+
+class GeneralisedGaussian(Prior):
+    """``p(φ_i = j) ∝ exp(−|(i − j − μ_h)·e^{s_h}|^{β_h})`` per head h: a learned location μ
+    (the preferred distance), log scale s and shape β > 0 — β = 1 is a Laplace prior (ALiBi's
+    −m|i − j| with μ = 0, e^s = m), β = 2 a Gaussian, β → ∞ a window. Not a difference of
+    per-token terms, so it lowers as an additive ``(heads, C, P)`` bias.
+
+    ``loc``, ``log_scale``, ``shape``: scalars or ``(heads,)``; ``causal``: j ≤ i.
+    """
+
+    def __init__(self, loc, log_scale, shape, *, causal: bool = True):
+        loc, log_scale, shape = (_per_head(n, t) for n, t in
+                                 (("loc", loc), ("log_scale", log_scale), ("shape", shape)))
+        if checks_on():
+            for name, t in (("loc", loc), ("log_scale", log_scale)):
+                if not passes(t.isfinite().all()):
+                    raise ValueError(f"GeneralisedGaussian prior: {name} must be finite; got "
+                                     f"{t.detach().tolist()}")
+            if not passes(((shape > 0) & shape.isfinite()).all()):
+                raise ValueError(f"GeneralisedGaussian prior: shape β must be finite and > 0 "
+                                 f"(1: Laplace, 2: Gaussian); got {shape.detach().tolist()}")
+        self.loc, self.log_scale, self.shape, self.causal = loc, log_scale, shape, bool(causal)
+
+    def support(self, num_children, num_parents):
+        return dense_support(self.causal, None)
+
+    def log_weight(self, child, parent, sizes):
+        d = (child - parent).to(self.loc.device)
+        lead = [1] * d.dim()
+        mu, s, beta = (t.reshape(*t.shape, *lead) for t in (self.loc, self.log_scale, self.shape))
+        z = ((d.to(mu.dtype) - mu) * s.exp()).abs()  # (H, *index)
+        # |z|^β with finite gradients at z = 0 (where β < 1 would give 0·∞)
+        zero = z == 0
+        return -torch.where(zero, torch.zeros_like(z), torch.where(zero, 1.0, z) ** beta)
+
+    def describe(self) -> str:
+        heads = self.loc.numel()
+        return f"GeneralisedGaussian(heads={heads}, {self.short_support()})"
