@@ -31,8 +31,10 @@ class ExpandingAttention(TokenAttention):
     q_i ~ Beta(a, b); ψ(x_j, x_i) = x_iᵀW_QᵀW_K x_j / τ; v = W_V x_j; y_i = W_O [E v_i]_heads.
 
     ``variant="exact"``: q integrated out, p(φ = d) = B(a + d − 1, b + 1)/B(a, b), one softmax
-    over the past (over the window where the prior's tail is below ``tol``, if given; at
-    most ``max_window``). ``variant="mean_field"``: the paper's scheme
+    over the past — with ``tol`` over the shortest window whose posterior mass beyond it is
+    certified ≤ tol for every token (``return_trace=True``: the bound per token, in
+    ``trace.truncation``); with ``prior_tol`` over the window where the *prior's* tail is below
+    it, whatever the scores (the support is cut); at most ``max_window``. ``variant="mean_field"``: the paper's scheme
     (``structattn.windows.MeanFieldWindows``, declared on the family), a window per token
     that grows while the posterior needs it; the cost follows the inferred context, not n.
     ``a``, ``b`` (per head) are learned when ``learn_prior`` (a = softplus(raw) > 0). Token
@@ -41,7 +43,9 @@ class ExpandingAttention(TokenAttention):
     ``converge_tol``, ``expectation`` ("digamma" | "plug_in"), ``update`` ("conjugate" |
     "accumulate", the authors' code), ``grad`` ("unroll" | "last": one step from the
     detached fixed point, O(N·W) memory for long sequences; ``structattn.iteration(grad=…)``
-    overrides it), ``window_rule`` ("predictive" | "edge" | "evidence", or a
+    overrides it), ``window_rule`` ("certified", the default: a window grows until the
+    posterior mass beyond it is certified ≤ tol | "predictive": until the posterior
+    predictive's tail is, whatever the scores | "edge" | "evidence", or a
     ``structattn.windows.WindowRule``: see ``structattn.windows.rules``) and
     ``initial_window``. ``block_size``: the band's block of tokens (both variants).
 
@@ -60,9 +64,9 @@ class ExpandingAttention(TokenAttention):
     """
 
     def __init__(self, d_model, *, heads=1, a=1.0, b=1.0, learn_prior=True,
-                 variant="mean_field", max_iters=50, tol=None, max_window=None,
+                 variant="mean_field", max_iters=50, tol=None, prior_tol=None, max_window=None,
                  expectation="digamma", update="conjugate", grad="unroll",
-                 window_rule="predictive", initial_window=None, block_size=32,
+                 window_rule="certified", initial_window=None, block_size=32,
                  converge_tol=1e-3, **kwargs):
         super().__init__(d_model, heads=heads, causal=True, **kwargs)
         owner = type(self).__name__
@@ -91,9 +95,14 @@ class ExpandingAttention(TokenAttention):
         # the prior's truncation (exact) or the scheme's options (mean field), checked now
         # (the prior is rebuilt each forward from the current a, b)
         if variant == "exact":
-            self._prior_options = dict(tol=tol, max_window=max_window, block_size=block_size)
+            self._prior_options = dict(tol=tol, prior_tol=prior_tol, max_window=max_window,
+                                       block_size=block_size)
             self.inference = None
         else:
+            if prior_tol is not None:
+                raise ValueError("ExpandingAttention: prior_tol (a cut of the prior's tail) is "
+                                 "an option of variant='exact'; the mean-field windows take "
+                                 "tol and window_rule")
             self._prior_options = dict(block_size=block_size)
             self.inference = MeanFieldWindows(
                 tol=0.05 if tol is None else tol, max_window=max_window, max_iters=max_iters,

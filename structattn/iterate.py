@@ -49,6 +49,10 @@ class Trace:
     ``MeanFieldHistory`` (windows, Beta parameters, expected distances per child and
     round). A model whose only iteration is mean-field windows has ``steps`` = its families'
     largest round count and ``converged`` = every window settled.
+
+    Certified truncation (a prior's ``tol``, e.g. ``BetaGeometric(tol=ε)`` read exactly):
+    ``truncation[family]``, a ``structattn.windows.Certified`` — the window read and the
+    certified bound on each token's posterior mass beyond it.
     """
 
     states: dict = field(default_factory=dict)
@@ -57,6 +61,7 @@ class Trace:
     steps: int = 0
     converged: bool | None = None
     mean_field: dict = field(default_factory=dict)
+    truncation: dict = field(default_factory=dict)
 
 
 def sides(family, latent) -> list[str]:

@@ -40,10 +40,11 @@ from torch.utils import _pytree as pytree
 from . import _validation, kernels
 from .iterate import Trace
 from .latent import _overrides, iteration_overrides
+from .windows.certified import Certified
 from .windows.history import MeanFieldHistory
 
 # what a reading returns beside tensors: flattened so that their tensors are graph outputs
-for _cls in (Trace, MeanFieldHistory):
+for _cls in (Trace, MeanFieldHistory, Certified):
     pytree.register_dataclass(_cls)
 
 #: how many signatures one module records before it reads new ones every call (like

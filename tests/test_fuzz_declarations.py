@@ -83,7 +83,8 @@ def declarations(draw):
                                                causal=draw(st.booleans()))
         elif kind == "beta-geometric":  # exact; all of the past, or a window (banded kernel)
             ab = torch.rand(2, heads, generator=g, dtype=f64) * 3 + 0.2
-            prior = sa.priors.BetaGeometric(ab[0], ab[1], tol=draw(st.sampled_from([None, 0.3])),
+            prior = sa.priors.BetaGeometric(ab[0], ab[1],
+                                            prior_tol=draw(st.sampled_from([None, 0.3])),
                                             block_size=draw(st.integers(1, 4)))
         else:
             prior = sa.priors.ALiBi(heads, causal=draw(st.booleans()))

@@ -9,7 +9,9 @@
 //
 //   solve:  (a (G, N, k), b (G, P, k), a0, b0 (G,), win0 (G, N), caps (P,)) → (child row q
 //           is position offset + q = P − N + q: the children may be the last N of P tokens)
-//           final windows, α, β, E[φ], steps and whether it settled, per child (and, when
+//           final windows, α, β, E[φ], steps, whether it settled and the certified bound on
+//           its posterior mass beyond its window (high, slack (G, N): each child's score
+//           ceiling and rounding slack, certified.score_ceiling), per child (and, when
 //           recording, the per-step history (max_iters, G, N) of each child's window, α, β,
 //           E[φ]).
 //   attend: out_i = Σ_{d ≤ W_i} softmax_d(ψ_{i,i−d} + d·e_i) u_{i−d}   (G, N, dv).
@@ -26,7 +28,7 @@
 
 namespace {
 
-enum Rule : int64_t { kPredictive = 0, kEdge = 1, kEvidence = 2 };
+enum Rule : int64_t { kPredictive = 0, kEdge = 1, kEvidence = 2, kCertified = 3 };
 
 template <typename T>
 T log_beta(T x, T y) {
@@ -159,9 +161,11 @@ void solve_impl(const at::Tensor& a, const at::Tensor& b, int64_t offset, double
                 const at::Tensor& a0,
                 const at::Tensor& b0, const at::Tensor& win0, const at::Tensor& caps,
                 double tol_d, double converge_tol_d, int64_t max_iters, int64_t cap,
-                bool digamma, bool conjugate, int64_t rule, bool record, at::Tensor& win_out,
+                bool digamma, bool conjugate, int64_t rule, bool record,
+                const at::Tensor& high, const at::Tensor& slack, at::Tensor& win_out,
                 at::Tensor& alpha_out, at::Tensor& beta_out, at::Tensor& m_out,
-                at::Tensor& steps_out, at::Tensor& settled_out, at::Tensor& h_win,
+                at::Tensor& steps_out, at::Tensor& settled_out, at::Tensor& bound_out,
+                at::Tensor& h_win,
                 at::Tensor& h_alpha, at::Tensor& h_beta, at::Tensor& h_m) {
   const int64_t G = a.size(0), N = a.size(1), P = b.size(1), k = a.size(2);
   const T scale = static_cast<T>(scale_d), tol = static_cast<T>(tol_d);
@@ -178,6 +182,9 @@ void solve_impl(const at::Tensor& a, const at::Tensor& b, int64_t offset, double
   T* Mout = m_out.data_ptr<T>();
   int64_t* Sout = steps_out.data_ptr<int64_t>();
   bool* Done = settled_out.data_ptr<bool>();
+  const T* High = high.data_ptr<T>();
+  const T* Slack = slack.data_ptr<T>();
+  T* Bound = bound_out.data_ptr<T>();
   int64_t* HW = record ? h_win.data_ptr<int64_t>() : nullptr;
   T* HA = record ? h_alpha.data_ptr<T>() : nullptr;
   T* HB = record ? h_beta.data_ptr<T>() : nullptr;
@@ -193,6 +200,7 @@ void solve_impl(const at::Tensor& a, const at::Tensor& b, int64_t offset, double
       T alpha = pa, beta = pb, m = 0;
       int64_t steps = 0;
       bool done = true;  // no past: nothing to iterate
+      T bound = 0;  // no past: nothing left out
       if (w >= 1) {
         const int64_t cap_i = C[i];
         const T* ai = A + c * k;
@@ -206,6 +214,9 @@ void solve_impl(const at::Tensor& a, const at::Tensor& b, int64_t offset, double
           T log_z, mean;
           posterior_moments(s, w, e, log_z, mean);
           m = mean;
+          // certified: every unseen parent of the whole past at the child's score ceiling,
+          // against the window's mass less the rounding slack
+          bound = beyond_mass(w, i, e, log_z - Slack[c], High[c]);
           const T new_alpha = (conjugate ? pa : alpha) + mean - T(1);
           const T new_beta = (conjugate ? pb : beta) + T(1);
           int64_t new_w = w;
@@ -216,6 +227,8 @@ void solve_impl(const at::Tensor& a, const at::Tensor& b, int64_t offset, double
             T outer;
             if (rule == kEdge) {
               outer = outer_evidence(s, w);
+            } else if (rule == kCertified) {
+              outer = bound;
             } else {
               if (typical_w != w) typical = typical_score(s, w), typical_w = w;  // per window
               outer = beyond_mass(w, cap_i, e, log_z, typical);
@@ -246,6 +259,7 @@ void solve_impl(const at::Tensor& a, const at::Tensor& b, int64_t offset, double
       Mout[c] = m;
       Sout[c] = steps;
       Done[c] = done;
+      Bound[c] = bound;
     }
   });
 }
@@ -255,7 +269,8 @@ std::vector<at::Tensor> solve(const at::Tensor& a, const at::Tensor& b, int64_t 
                               const at::Tensor& a0, const at::Tensor& b0,
                               const at::Tensor& win0, const at::Tensor& caps, double tol,
                               double converge_tol, int64_t max_iters, int64_t cap,
-                              bool digamma, bool conjugate, int64_t rule, bool record) {
+                              bool digamma, bool conjugate, int64_t rule, bool record,
+                              const at::Tensor& high, const at::Tensor& slack) {
   TORCH_CHECK(a.device().is_cpu() && a.dim() == 3 && b.dim() == 3 && b.size(0) == a.size(0) &&
                   b.size(2) == a.size(2) && offset >= 0 && offset + a.size(1) == b.size(1) &&
                   caps.size(0) == b.size(1),
@@ -266,6 +281,9 @@ std::vector<at::Tensor> solve(const at::Tensor& a, const at::Tensor& b, int64_t 
               "mean_field_windows.solve: a, b, a0, b0 must share one dtype");
   TORCH_CHECK(win0.scalar_type() == at::kLong && caps.scalar_type() == at::kLong,
               "mean_field_windows.solve: win0, caps must be int64");
+  TORCH_CHECK(high.scalar_type() == a.scalar_type() && slack.scalar_type() == a.scalar_type() &&
+                  high.numel() == a.size(0) * a.size(1) && slack.numel() == high.numel(),
+              "mean_field_windows.solve: high, slack (G, N) in a's dtype");
   const int64_t G = a.size(0), N = a.size(1);
   auto ac = a.contiguous(), bc = b.contiguous(), a0c = a0.contiguous(), b0c = b0.contiguous();
   auto w0 = win0.contiguous(), cp = caps.contiguous();
@@ -273,17 +291,18 @@ std::vector<at::Tensor> solve(const at::Tensor& a, const at::Tensor& b, int64_t 
   auto win_out = at::empty({G, N}, lopt), steps = at::empty({G, N}, lopt);
   auto settled = at::empty({G, N}, a.options().dtype(at::kBool));
   auto alpha = at::empty({G, N}, a.options()), beta = at::empty({G, N}, a.options());
-  auto m = at::empty({G, N}, a.options());
+  auto m = at::empty({G, N}, a.options()), bound = at::empty({G, N}, a.options());
+  auto hc = high.contiguous(), sc = slack.contiguous();
   const int64_t R = record ? max_iters : 0;
   auto h_win = at::empty({R, G, N}, lopt);
   auto h_alpha = at::empty({R, G, N}, a.options()), h_beta = at::empty({R, G, N}, a.options());
   auto h_m = at::empty({R, G, N}, a.options());
   AT_DISPATCH_FLOATING_TYPES(a.scalar_type(), "mean_field_windows.solve", [&] {
     solve_impl<scalar_t>(ac, bc, offset, scale, a0c, b0c, w0, cp, tol, converge_tol, max_iters, cap,
-                         digamma, conjugate, rule, record, win_out, alpha, beta, m, steps,
-                         settled, h_win, h_alpha, h_beta, h_m);
+                         digamma, conjugate, rule, record, hc, sc, win_out, alpha, beta, m,
+                         steps, settled, bound, h_win, h_alpha, h_beta, h_m);
   });
-  return {win_out, alpha, beta, m, steps, settled, h_win, h_alpha, h_beta, h_m};
+  return {win_out, alpha, beta, m, steps, settled, bound, h_win, h_alpha, h_beta, h_m};
 }
 
 template <typename T>
@@ -351,7 +370,7 @@ at::Tensor attend(const at::Tensor& a, const at::Tensor& b, const at::Tensor& u,
 TORCH_LIBRARY(structattn_mean_field, m) {
   m.def("solve(Tensor a, Tensor b, int offset, float scale, Tensor a0, Tensor b0, Tensor win0, "
         "Tensor caps, float tol, float converge_tol, int max_iters, int cap, bool digamma, "
-        "bool conjugate, int rule, bool record) -> Tensor[]",
+        "bool conjugate, int rule, bool record, Tensor high, Tensor slack) -> Tensor[]",
         &solve);
   m.def("attend(Tensor a, Tensor b, Tensor u, int offset, float scale, Tensor win, Tensor e) "
         "-> Tensor",

@@ -49,19 +49,45 @@ class WindowOperator(Operator):
     def __init__(self, family, cache=None):
         super().__init__(family, cache)
         self._band = None
+        self._width = False  # not chosen yet
+        #: certified truncation's choice (``structattn.windows.certified.Certified``) when the
+        #: prior asks for one (``tol``) and the band applies; the trace reports it
+        self.truncation = None
+
+    def _chosen_width(self) -> int | None:
+        """The window the band reads: the support's, or — when the prior states a certified
+        ``tol`` — the shortest one whose posterior tail is certified ≤ tol for every child
+        (then the support's is its cap); None: all of the past."""
+        if self._width is not False:
+            return self._width
+        f = self.family
+        width, eps = f.support.width, getattr(f.prior, "tol", None)
+        n = f.children.size
+        if eps is not None and self.is_fused() and f.support.offset == 0 \
+                and n == f.parents.size and n > 1:
+            from ..windows.certified import certify
+
+            a, b, scale = self.fused_factors()  # (*batch, H, N, k)
+            self.truncation = certify(a, b, scale, f.prior, eps, cap=width,
+                                      block=f.prior.block_size)
+            width = self.truncation.width
+        self._width = width
+        return width
 
     def _banded(self) -> bool:
         """Whether the band applies: one factorised potential, the children are all the
         parents (no offset) and the window is shorter than the past."""
-        f, w = self.family, self.family.support.width
+        f = self.family
         n = f.children.size
-        return (self.is_fused() and w is not None and f.support.offset == 0
-                and n == f.parents.size and w < n - 1)
+        if not (self.is_fused() and f.support.offset == 0 and n == f.parents.size):
+            return False
+        w = self._chosen_width()
+        return w is not None and w < n - 1
 
     def _setup(self):
         if self._band is None:
             f = self.family
-            n, window = f.children.size, f.support.width
+            n, window = f.children.size, self._chosen_width()
             a, b, scale = self.fused_factors()  # (*batch, H, N, k)
             xc = f.children.states
             keep = keep_from_position(n, a.device, xc.dtype)
@@ -97,7 +123,7 @@ class WindowOperator(Operator):
         s = self._setup()
         if s["p"] is not None:
             return band.apply(s["p"], u, s["layout"]) * s["keep"]
-        a, b, window = s["a"], s["b"], self.family.support.width
+        a, b, window = s["a"], s["b"], self._chosen_width()
         if a.is_cuda and _flex_available():
             table, H = s["table"], s["table"].shape[0]
 

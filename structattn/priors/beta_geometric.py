@@ -14,9 +14,13 @@ all-zero posterior row in every reading (``empty="zero"``, fixed). The children 
 last C of the P parent tokens (C < P: a decoding step, or a loss on the last tokens only):
 child i sits at position P − C + i.
 
-Read exactly, one softmax with the beta-geometric log prior, over all of the past, or over
-the ``window`` where the prior's tail mass beyond it is below ``tol`` (the discarded mass
-is ``discarded_mass()``), lowered through a banded kernel (``structattn.kinds.window``).
+Read exactly, one softmax with the beta-geometric log prior over all of the past. With
+``tol=ε`` the compiled reading reads a window outside which the *posterior* mass is
+certified ≤ ε for every child (``structattn.windows.certified``: the prior's tail, the
+largest possible score and the scores inside), through a banded kernel
+(``structattn.kinds.window``); the model stays the whole past, which Pyro reads. With
+``prior_tol=ε`` (the rule before certification) the support itself is cut where the
+*prior's* tail is below ε, whatever the scores say (``discarded_mass()``).
 The paper's mean-field reading — a window per child that grows while the posterior needs
 it — is an inference scheme declared on the family: ``structattn.edges(..., prior,
 inference=structattn.windows.MeanFieldWindows(...))``.
@@ -65,14 +69,18 @@ class BetaGeometric(Prior):
     child i; ``a``, ``b``: floats or tensors ``()`` / ``(heads,)`` (learnable: gradients flow
     through ``lgamma`` / ``digamma``). The child at position 0 has no parent: zero output.
 
-    ``tol`` ∈ (0, 1): the prior's tail mass left outside one window for all children;
-    ``max_window`` ≥ 1 caps it; ``block_size``: the banded kernel's block of children. Paper
-    §5.2, SPEC.md "Geometric–Beta prior".
+    ``tol`` ∈ (0, 1): the posterior mass the compiled reading may leave outside its window,
+    certified per child (the trace's ``truncation[family]`` reports the bound per token);
+    ``prior_tol`` ∈ (0, 1): instead cut the support where the prior's tail is below it (the
+    model changes: Pyro reads the cut support too); ``max_window`` ≥ 1 caps the support;
+    ``block_size``: the banded kernel's block of children. Paper §5.2, SPEC.md
+    "Geometric–Beta prior".
     """
 
     empty = "zero"  # the first token has no past
 
-    def __init__(self, a=1.0, b=1.0, *, tol: float | None = None, max_window: int | None = None,
+    def __init__(self, a=1.0, b=1.0, *, tol: float | None = None,
+                 prior_tol: float | None = None, max_window: int | None = None,
                  block_size: int = 32, **moved):
         if moved:
             known = sorted(set(moved) & set(_SCHEME_OPTIONS))
@@ -84,16 +92,23 @@ class BetaGeometric(Prior):
                              f"structattn.edges(..., prior, inference=structattn.windows."
                              f"MeanFieldWindows(...))")
         self.a, self.b = _positive("a", a), _positive("b", b)
-        if tol is not None and (isinstance(tol, bool) or not isinstance(tol, (int, float))
-                                or not 0 < tol < 1):
-            raise ValueError(f"BetaGeometric prior: tol (the tail mass left outside a window) "
-                             f"must be in (0, 1); got {tol!r}")
+        for name, val, what in (("tol", tol, "the posterior mass left outside a window"),
+                                ("prior_tol", prior_tol, "the prior's tail mass cut off")):
+            if val is not None and (isinstance(val, bool) or not isinstance(val, (int, float))
+                                    or not 0 < val < 1):
+                raise ValueError(f"BetaGeometric prior: {name} ({what}) must be in (0, 1); "
+                                 f"got {val!r}")
+        if tol is not None and prior_tol is not None:
+            raise ValueError(f"BetaGeometric prior: give tol (a certified posterior bound) or "
+                             f"prior_tol (a cut of the prior's tail), not both; got tol={tol!r}, "
+                             f"prior_tol={prior_tol!r}")
         for name, val in (("max_window", max_window), ("block_size", block_size)):
             if val is not None and (isinstance(val, bool) or not isinstance(val, int)
                                     or val < 1):
                 raise ValueError(f"BetaGeometric prior: {name} must be an int ≥ 1; "
                                  f"got {val!r}")
-        self.tol, self.max_window, self.block_size = tol, max_window, block_size
+        self.tol, self.prior_tol = tol, prior_tol
+        self.max_window, self.block_size = max_window, block_size
 
     # -- the prior's parameters, per head ---------------------------------------------------
     def params(self, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -123,26 +138,28 @@ class BetaGeometric(Prior):
         return log_beta(a + window, b) - log_beta(a, b)
 
     def window(self, num_parents: int) -> int | None:
-        """The prior's window: the smallest W with P(φ > W) < ``tol`` (over heads), capped by
-        ``max_window`` and the sequence, or None (no truncation: all of the past)."""
-        if self.tol is None and self.max_window is None:
+        """The support's window: the smallest W with P(φ > W) < ``prior_tol`` (over heads),
+        capped by ``max_window`` and the sequence, or None (all of the past). ``tol``'s
+        certified window depends on the scores: the compiled reading chooses it per call."""
+        if self.prior_tol is None and self.max_window is None:
             return None
         cap = max(1, num_parents - 1)
         if self.max_window is not None:
             cap = min(cap, self.max_window)
-        if self.tol is None:
+        if self.prior_tol is None:
             return cap
         with torch.no_grad():
             a, b = self.params("cpu", torch.float64)
-            w = beta_quantile(a.detach().cpu(), b.detach().cpu(), self.tol, cap)
+            w = beta_quantile(a.detach().cpu(), b.detach().cpu(), self.prior_tol, cap)
         return int(w.max())
 
     def discarded_mass(self, num_parents: int) -> torch.Tensor:
-        """The prior mass beyond the exact reading's window, ``(heads or 1,)`` (0 without
-        truncation): what the truncated softmax leaves out."""
+        """The *prior* mass the support's window cuts off for the children farther along than
+        it, ``(heads or 1,)``: 0 when the window holds the whole past (nothing is cut). Not a
+        bound on the posterior mass left out (``tol``'s certificate is)."""
         w = self.window(num_parents)
         a, _ = self.params("cpu", torch.float64)
-        if w is None:
+        if w is None or w >= num_parents - 1:
             return torch.zeros_like(a)
         return self.log_tail(w, "cpu", torch.float64).exp()
 
@@ -189,7 +206,7 @@ class BetaGeometric(Prior):
         return f"q_i ~ Beta({show(self.a)}, {show(self.b)})\np(φ_i = d | q_i) = (1 − q_i) q_i^(d−1)"
 
     def short_support(self) -> str:
-        w = "" if self.tol is None and self.max_window is None else ", windowed"
+        w = "" if self.prior_tol is None and self.max_window is None else ", windowed"
         return f"1 ≤ i − j{w}"
 
     def describe(self) -> str:

@@ -153,6 +153,11 @@ class Marginalise(Messenger):
             self.posteriors[family.name] = post
         if op.history is not None:  # an inference scheme iterated: its field of the trace
             self._scheme_history(family, op.history)
+        truncation = getattr(op, "truncation", None)
+        if truncation is not None and self.record_trace:  # a certified window was chosen
+            if self.trace is None:
+                self.trace = Trace()
+            self.trace.truncation[family.name] = truncation
         self.expectations[family.name] = out
         return out
 

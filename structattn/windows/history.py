@@ -15,7 +15,9 @@ class MeanFieldHistory:
     ``(T, *batch, H, N)`` (E_{p_t}[φ_i]) — a child that has settled keeps its final values;
     ``iterations`` T (rounds: the slowest child's iterations); ``child_iterations``
     ``(*batch, H, N)``: each child's own; ``converged``: every child settled within
-    ``max_iters``; ``discarded``: the final predictive tail mass beyond each window;
+    ``max_iters``; ``discarded``: the final predictive tail mass beyond each window (the
+    prior's side only); ``bound``: a certified upper bound on the final posterior's mass
+    beyond each window, over all of the child's past (whatever the rule);
     ``offset``: the first child's position (children are the last N of offset + N tokens,
     ``last=``). A child at position 0 (no past) has window 0 and no iterations. ``band``:
     the Python loop's band reach per round; the compiled kernel builds no band and reports
@@ -30,6 +32,7 @@ class MeanFieldHistory:
     converged: bool = False
     discarded: torch.Tensor | None = None
     child_iterations: torch.Tensor | None = None
+    bound: torch.Tensor | None = None
     offset: int = 0
 
     @property

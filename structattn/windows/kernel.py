@@ -16,6 +16,7 @@ import torch
 from .. import band
 from .._eager import eager
 from ..beta import log_q_expectations
+from .certified import score_ceiling
 from .history import MeanFieldHistory
 from .scores import BandScores, tail
 
@@ -41,12 +42,15 @@ class KernelProblem:
     conjugate: bool  # α ← a + E[φ] − 1 (else accumulate)
     rule: int  # WindowRule.code
     record: bool  # keep the per-round history
+    high: torch.Tensor  # (G, N): each child's score ceiling plus its rounding slack
+    slack: torch.Tensor  # (G, N): … and the slack (certified.score_ceiling)
 
 
 @dataclass(frozen=True)
 class KernelSolution:
     """Each child's fixed point ``(G, N)``: ``window`` (long), ``alpha``, ``beta``,
-    ``expected_distance``, ``steps`` (long: its own iterations) and ``settled`` (bool); with
+    ``expected_distance``, ``steps`` (long: its own iterations), ``settled`` (bool) and
+    ``bound`` (the certified bound on its posterior mass beyond its window); with
     ``record``, the per-round histories ``(max_iters, G, N)`` (a child's row t is its step
     t, rows past its last step unset), else None."""
 
@@ -56,16 +60,18 @@ class KernelSolution:
     expected_distance: torch.Tensor
     steps: torch.Tensor
     settled: torch.Tensor
+    bound: torch.Tensor
     history: tuple | None  # (windows, alpha, beta, expected_distance)
 
 
 def solve(ops, p: KernelProblem) -> KernelSolution:
     """Run the kernel's ``solve`` op on ``p``."""
     out = ops.solve(p.a, p.b, p.offset, p.scale, p.a0, p.b0, p.initial_window, p.caps, p.tol,
-                    p.converge_tol, p.max_iters, p.cap, p.digamma, p.conjugate, p.rule, p.record)
-    window, alpha, beta, m, steps, settled = out[:6]
-    return KernelSolution(window, alpha, beta, m, steps, settled,
-                          tuple(out[6:10]) if p.record else None)
+                    p.converge_tol, p.max_iters, p.cap, p.digamma, p.conjugate, p.rule, p.record,
+                    p.high, p.slack)
+    window, alpha, beta, m, steps, settled, bound = out[:7]
+    return KernelSolution(window, alpha, beta, m, steps, settled, bound,
+                          tuple(out[7:11]) if p.record else None)
 
 
 def _history(p: KernelProblem, s: KernelSolution, lead, expectation, dtype) -> MeanFieldHistory:
@@ -93,7 +99,8 @@ def _history(p: KernelProblem, s: KernelSolution, lead, expectation, dtype) -> M
                                                          device=h_m.device)),
             band=widest, iterations=rounds, converged=bool(s.settled.all()),
             discarded=tail(s.alpha, s.beta, s.window, expectation).reshape(*lead, n).to(dtype),
-            child_iterations=s.steps.reshape(*lead, n), offset=p.offset)
+            child_iterations=s.steps.reshape(*lead, n), offset=p.offset,
+            bound=s.bound.reshape(*lead, n).to(dtype))
 
 
 @eager
@@ -131,11 +138,13 @@ def mean_field_compiled(family, factors, scheme, grad: str, record: bool):
         a_rows = a.detach().to(work).reshape(-1, n, a.shape[-1])  # (G, N, k)
         b_rows = b.detach().to(work).reshape(-1, n_all, b.shape[-1])  # (G, P, k)
         G = a_rows.shape[0]
+        high, slack = score_ceiling(a_rows, b_rows, float(scale))  # (G, N)
         problem = KernelProblem(
             a_rows, b_rows, off, float(scale), a0.detach().expand(*lead).reshape(G),
             b0.detach().expand(*lead).reshape(G), win0.reshape(G, n), caps, float(scheme.tol),
             float(scheme.converge_tol), scheme.max_iters, cap, scheme.expectation == "digamma",
-            scheme.update == "conjugate", scheme.window_rule.code, record)
+            scheme.update == "conjugate", scheme.window_rule.code, record, high.to(work),
+            slack.to(work))
         fixed = solve(ops, problem)
     history = _history(problem, fixed, lead, scheme.expectation, xc.dtype) if record else None
     window = fixed.window.reshape(*lead, n)

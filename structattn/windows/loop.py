@@ -73,6 +73,7 @@ def mean_field(family, factors, scheme, grad: str, record: bool):
         alpha_prior, beta_prior = alpha, beta
     win = blocked(win0, lay)
     caps_b = blocked(caps.expand(*lead, n), lay)
+    past_b = blocked(torch.arange(n, device=a.device).expand(*lead, n), lay)  # (G, B)
     active = win >= 1  # children with a past (padding has window 0)
     previous_m = torch.full_like(win, float("nan"), dtype=work)  # E[φ] of the round before
     expected = torch.zeros_like(win, dtype=work)  # each child's latest E[φ]
@@ -109,7 +110,7 @@ def mean_field(family, factors, scheme, grad: str, record: bool):
                 new_alpha, new_beta = alpha_r + m - 1, beta_r + 1
             with torch.no_grad():
                 new_win = rule.grow(Round(scores, sel, w, e_ln_q, new_alpha, new_beta, caps_r,
-                                          scheme.tol, scheme.expectation, cap))
+                                          scheme.tol, scheme.expectation, cap, past_b[rows]))
                 m_before = previous_m[rows]
                 settled = ((m - m_before).abs() <= scheme.converge_tol * m.abs().clamp(min=1)) \
                     & (new_win == w)  # NaN before the first round: never settled at once
@@ -162,6 +163,8 @@ def mean_field(family, factors, scheme, grad: str, record: bool):
     if record:
         with torch.no_grad():
             discarded = unblocked(tail(alpha, beta, win, scheme.expectation), scores.layout)
+            e_final = log_q_expectations(alpha.detach(), beta.detach(), scheme.expectation)[0]
+            bound = unblocked(scores.certified_mass(None, win, e_final, past_b), scores.layout)
         empty = torch.zeros(0, *lead, n, device=a.device, dtype=xc.dtype)
 
         def stacked(key, like):
@@ -170,7 +173,7 @@ def mean_field(family, factors, scheme, grad: str, record: bool):
             windows=stacked("windows", empty.long()), alpha=stacked("alpha", empty),
             beta=stacked("beta", empty), expected_distance=stacked("m", empty),
             band=rec["band"], iterations=len(rec["band"]), converged=converged,
-            discarded=discarded[..., off:].to(xc.dtype),
+            discarded=discarded[..., off:].to(xc.dtype), bound=bound[..., off:].to(xc.dtype),
             child_iterations=unblocked(steps, scores.layout)[..., off:], offset=off)
     p_final = p_final.reshape(scores.shape)
     return p_final.to(xc.dtype), scores.layout, history

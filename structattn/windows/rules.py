@@ -11,6 +11,10 @@ updates (the Python loop), and ``code`` names the same rule in the compiled kern
 - ``Evidence()``: W_i ← 2 W_i while the posterior, extended beyond the window with the
   unseen parents' likelihood set to the window's typical one, puts more than tol beyond
   it (``BandScores.beyond_mass``).
+- ``Certified()`` (the default): W_i ← 2 W_i while a certified upper bound on the
+  φ-update's mass beyond the window, over all of the child's past, exceeds tol — the
+  unseen parents at the largest score they could have (``BandScores.certified_mass``), so
+  a strong match far back is never left out because the prior's tail is light.
 
 Every rule stops at the child's cap C_i (its past, or ``max_window``).
 """
@@ -44,6 +48,7 @@ class Round:
     tol: float
     expectation: str
     cap: int
+    past: torch.Tensor | None = None  # (k, B) long: each child's parents (None: ``caps``)
 
 
 class WindowRule:
@@ -109,8 +114,19 @@ class Evidence(WindowRule):
         return _doubled(r, r.scores.beyond_mass(r.rows, r.window, r.e_ln_q, r.caps))
 
 
+class Certified(WindowRule):
+    """Double while the certified bound on the posterior mass beyond the window, over the
+    child's whole past, exceeds tol (it stops at the cap, reporting the bound it reached)."""
+
+    code, name = 3, "certified"
+
+    def grow(self, r):
+        past = r.caps if r.past is None else r.past
+        return _doubled(r, r.scores.certified_mass(r.rows, r.window, r.e_ln_q, past))
+
+
 #: the built-in rules by name (``MeanFieldWindows(window_rule="edge")`` reads this)
-RULES = {rule.name: rule for rule in (Predictive(), Edge(), Evidence())}
+RULES = {rule.name: rule for rule in (Certified(), Predictive(), Edge(), Evidence())}
 
 
 def as_rule(rule) -> WindowRule:

@@ -58,12 +58,13 @@ class ScoreFactors(NamedTuple):
 class MeanFieldWindows(InferenceScheme):
     """The mean-field window scheme's options (module docstring):
 
-    tol ∈ (0, 1): the tail mass a window may leave out (the rules' threshold);
+    tol ∈ (0, 1): the posterior mass a window may leave out (the rules' threshold; under
+    the default rule, "certified", a proven bound per child, reported in the history);
     max_window ≥ 1: caps every window; max_iters ≥ 1: rounds at most; converge_tol > 0: a
     child settles when |ΔE[φ_i]| ≤ converge_tol·max(1, E[φ_i]) and its window stops growing;
     expectation: "digamma" (E[ln q]) or "plug_in" (ln E[q]); update: "conjugate" or
     "accumulate"; window_rule: a ``WindowRule`` or the name of a built-in one
-    ("predictive", "edge", "evidence"); initial_window (default: the prior's tail quantile
+    ("certified", "predictive", "edge", "evidence"); initial_window (default: the prior's tail quantile
     at tol); grad: "unroll" (back-propagate through every round) or "last" (one
     differentiable step from the detached fixed point) — ``structattn.iteration(grad=…)``
     overrides it, as it does every latent's.
@@ -75,7 +76,7 @@ class MeanFieldWindows(InferenceScheme):
     converge_tol: float = 1e-3
     expectation: str = "digamma"
     update: str = "conjugate"
-    window_rule: WindowRule | str = "predictive"
+    window_rule: WindowRule | str = "certified"
     initial_window: int | None = None
     grad: str = "unroll"
 

@@ -30,6 +30,8 @@ class BandScores:
         # Σ_l p_l·dist_l = (mB + r)·Σ_l p_l − Σ_l p_l·l: one matrix-vector product per step
         self.offset = (lay.reach + torch.arange(lay.block, device=a.device)).to(work)  # (B,)
         self.slot = torch.arange(lay.width, device=a.device).to(work)  # (L,)
+        self._factors = (a, b, scale)
+        self._ceiling = None
 
     def _window(self, rows, win):
         """The scores of blocks ``rows`` (None: all) and the mask of slots beyond each child's
@@ -68,12 +70,33 @@ class BandScores:
         mu = x.sum(-1) / count.clamp(min=1)
         var = torch.where(seen, (x - mu[..., None]) ** 2, 0.0).sum(-1) / (count - 1).clamp(min=1)
         typical = torch.where(count > 0, mu + var / 2, s.gather(-1, top)[..., 0])
-        # Σ_{W<d≤C} e^{d·e} = e^{(W+1)e} (1 − e^{(C−W)e}) / (1 − e^e) (the posterior's d·e
-        # convention); C = W: nothing unseen, mass 0
-        unseen = (caps.to(s.dtype) - w).clamp(min=0)
-        log_out = ((w + 1) * e_ln_q + torch.log(-torch.expm1(unseen * e_ln_q))
-                   - torch.log(-torch.expm1(e_ln_q)) + typical)
-        return torch.sigmoid(log_out - log_in)
+        return _beyond(log_in, win, e_ln_q, caps, typical)
+
+    def ceiling(self, rows):
+        """Each child's largest possible score plus its rounding slack, and the slack
+        (``certified.score_ceiling``), blocked ``(k, B)`` for the blocks ``rows``."""
+        if self._ceiling is None:
+            from .certified import score_ceiling
+
+            lay, work = self.layout, self.scores.dtype
+            high, slack = score_ceiling(*self._factors)  # (*batch, H, N)
+            self._ceiling = tuple(lay.children(t[..., None])[..., 0].reshape(-1, lay.block)
+                                  .to(work) for t in (high, slack))
+        high, slack = self._ceiling
+        return (high, slack) if rows is None else (high[rows], slack[rows])
+
+    def certified_mass(self, rows, win, e_ln_q, past):
+        """A certified upper bound on the mean-field posterior's mass beyond each child's
+        window among all of its ``past`` parents, ``(k, B)``: the φ-update at the current
+        E[ln q] puts p(φ_i = d) ∝ exp(ψ_{i,i−d} + d·E[ln q_i]), and every unseen ψ is at most
+        the child's ceiling S_i (Cauchy–Schwarz), so the unseen mass is at most
+        e^{S_i}·Σ_{W<d≤past} e^{d·E[ln q_i]} against the window's (computed, less the rounding
+        slack) — ``beyond_mass`` with the ceiling for the typical likelihood."""
+        scores, beyond = self._window(rows, win)
+        s = scores.masked_fill(beyond, float("-inf"))
+        high, slack = self.ceiling(rows)
+        log_in = torch.logsumexp(torch.addcmul(s, self.dist, e_ln_q[..., None]), -1) - slack
+        return _beyond(log_in, win, e_ln_q, past, high)
 
     def outer_evidence(self, rows, win):
         """The evidence alone — softmax of ψ over 1 ≤ d ≤ W_i, the prior left out — on the
@@ -82,6 +105,18 @@ class BandScores:
         scores, beyond = self._window(rows, win)
         lik = torch.softmax(scores.masked_fill(beyond, float("-inf")), -1)
         return (lik * (self.dist > (win // 2)[..., None].to(self.dist.dtype))).sum(-1)
+
+
+def _beyond(log_in, win, e_ln_q, caps, log_lik):
+    """σ(log O − log I): the posterior mass of the unseen parents W_i < d ≤ C_i, each at
+    likelihood ``log_lik``, against the window's log mass ``log_in``, ``(k, B)``."""
+    w = win.clamp(min=1).to(log_in.dtype)
+    # Σ_{W<d≤C} e^{d·e} = e^{(W+1)e} (1 − e^{(C−W)e}) / (1 − e^e) (the posterior's d·e
+    # convention); C = W: nothing unseen, mass 0
+    unseen = (caps.to(log_in.dtype) - w).clamp(min=0)
+    log_out = ((w + 1) * e_ln_q + torch.log(-torch.expm1(unseen * e_ln_q))
+               - torch.log(-torch.expm1(e_ln_q)) + log_lik)
+    return torch.sigmoid(log_out - log_in)
 
 
 def tail(alpha, beta, window, kind):

@@ -118,7 +118,7 @@ def _priors(C, P, g):
     if C <= P:
         out += [sa.priors.Uniform(causal=True), sa.priors.Categorical(logits, causal=True),
                 sa.priors.BetaGeometric(1.5, torch.tensor([1.0, 3.0], dtype=F64)),
-                sa.priors.BetaGeometric(2.0, 2.0, tol=0.3), sa.priors.BetaGeometric(max_window=2)]
+                sa.priors.BetaGeometric(2.0, 2.0, prior_tol=0.3), sa.priors.BetaGeometric(max_window=2)]
     return out
 
 

@@ -177,7 +177,7 @@ def test_dtypes_state_dict_and_torch_compile(tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention fast path needs CUDA")
 def test_flex_attention_path_on_cuda_matches_the_banded_cpu_path():
     torch.manual_seed(7)
-    m = sa.models.expanding_attention(64, heads=4, variant="exact", tol=0.01)
+    m = sa.models.expanding_attention(64, heads=4, variant="exact", prior_tol=0.01)
     x = torch.randn(2, 300, 64)
     y_cpu = sa.compile(m)(x)
     y_gpu = sa.compile(m.cuda())(x.cuda())

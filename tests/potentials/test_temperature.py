@@ -54,7 +54,7 @@ def _prior(kind, H, C, P, g):
         return sa.priors.Categorical(torch.randn(H, C, P, dtype=f64, generator=g))
     if kind == "window":  # the banded kernel: exact beta-geometric prior, windowed
         ab = torch.rand(2, H, generator=g, dtype=f64) * 2 + 0.5
-        return sa.priors.BetaGeometric(ab[0], ab[1], tol=0.3, block_size=2)
+        return sa.priors.BetaGeometric(ab[0], ab[1], prior_tol=0.3, block_size=2)
     raise AssertionError(kind)
 
 

@@ -110,11 +110,11 @@ def test_exact_posterior_equals_pyro_with_q_enumerated(n, heads, batch, a, b, sc
     assert float(y[..., 0, :].abs().max()) == 0.0  # token 0 has no past: zero output
 
 
-def test_truncated_exact_is_the_renormalised_window_and_reports_the_discarded_mass():
+def test_prior_tail_cut_is_the_renormalised_window_and_reports_the_discarded_mass():
     torch.manual_seed(1)
     x, W = torch.randn(2, 40, 4, dtype=f64), torch.randn(4, 4, dtype=f64)
     full = sa.priors.BetaGeometric(2.0, 3.0)
-    cut = sa.priors.BetaGeometric(2.0, 3.0, tol=0.02, block_size=8)
+    cut = sa.priors.BetaGeometric(2.0, 3.0, prior_tol=0.02, block_size=8)
     w = cut.window(40)
     assert 1 <= w < 39
     tail = 1 - full.log_pmf(torch.arange(1, w + 1))[0].exp().sum()
@@ -136,6 +136,8 @@ def test_truncated_exact_is_the_renormalised_window_and_reports_the_discarded_ma
     (dict(a=torch.tensor([1.0, -0.5])), "a must be finite and > 0"),
     (dict(b=float("nan")), "b must be finite"),
     (dict(tol=0.0), r"tol .* must be in \(0, 1\)"), (dict(tol=1.0), r"must be in \(0, 1\)"),
+    (dict(prior_tol=-0.1), r"prior_tol .* must be in \(0, 1\)"),
+    (dict(tol=0.1, prior_tol=0.1), "give tol .* or prior_tol .*, not both"),
     (dict(max_window=0), "max_window must be an int ≥ 1"),
     (dict(block_size=0), "block_size must be an int ≥ 1"),
     # the mean-field options belong to the family's inference scheme, and the prior says so

@@ -23,10 +23,12 @@ def _lbeta(x, y):
 
 def brute_mean_field(s, a, b, *, tol=0.05, max_window=None, max_iters=50, converge_tol=1e-3,
                      expectation="digamma", update="conjugate", window_rule="predictive",
-                     initial_window=None):
+                     initial_window=None, ceiling=None):
     """One head, one sequence, child by child (each has its own q_i, so each iterates alone
     until |ΔE[φ_i]| ≤ converge_tol·max(1, E[φ_i]) with its window no longer growing):
-    scores ``s`` (N, N) → (posterior (N, N), final windows, iterations per child)."""
+    scores ``s`` (N, N) → (posterior (N, N), final windows, iterations per child, and the
+    certified bound per child at its last step). ``ceiling``: per child (high, slack), the
+    largest score it can have plus rounding, and the rounding (the certified rule's)."""
     N = s.shape[0]
     cap = max(1, N - 1 if max_window is None else min(N - 1, max_window))
 
@@ -44,6 +46,15 @@ def brute_mean_field(s, a, b, *, tol=0.05, max_window=None, max_iters=50, conver
         return math.log(al / (al + be))
 
     P, windows, iterations = np.zeros((N, N)), [0] * N, [0] * N
+    bounds = [0.0] * N
+
+    def certified(i, win, e, lik, ds):
+        """Every unseen parent of the whole past at the ceiling, against the window's mass
+        less the rounding slack."""
+        high, slack = ceiling[0][i], ceiling[1][i]
+        inside = sum(math.exp(lik[k] + (ds[k] - 1) * e - slack) for k in range(win))
+        outside = math.exp(high) * sum(math.exp((d - 1) * e) for d in range(win + 1, i + 1))
+        return outside / (outside + inside)
     for i in range(1, N):
         start = quantile(a, b) if initial_window is None else min(initial_window, cap)
         alpha, beta, win, m_prev = a, b, min(start, i), None
@@ -56,6 +67,9 @@ def brute_mean_field(s, a, b, *, tol=0.05, max_window=None, max_iters=50, conver
             P[i] = 0.0
             P[i, i - ds] = p
             windows[i], iterations[i] = win, t + 1
+            if ceiling is not None:
+                bounds[i] = certified(i, win, log_q(alpha, beta),
+                                      [float(s[i, i - d]) for d in ds], ds)
             if update == "conjugate":
                 new_alpha, new_beta = a + m - 1, b + 1
             else:
@@ -80,22 +94,38 @@ def brute_mean_field(s, a, b, *, tol=0.05, max_window=None, max_iters=50, conver
                                         for d in range(win + 1, min(i, cap) + 1))
                 beyond = outside / (outside + inside)  # 0 when the window holds the past
                 new_win = min(2 * win, i, cap) if beyond > tol and win < min(i, cap) else win
+            elif window_rule == "certified":  # double while the certified bound is > tol
+                new_win = min(2 * win, i, cap) if bounds[i] > tol and win < min(i, cap) else win
             else:
                 new_win = max(win, min(quantile(new_alpha, new_beta), i))
             if m_prev is not None and abs(m - m_prev) <= converge_tol * max(1.0, abs(m)) \
                     and new_win == win:
                 break
             alpha, beta, win, m_prev = new_alpha, new_beta, new_win, m
-    return torch.tensor(P), windows, iterations
+    return torch.tensor(P), windows, iterations, bounds
 
 
 f64 = torch.float64
 
 
+def ceilings(x, W, heads):
+    """Per head and child (high, slack) of the Bilinear potential's factors z = W x / √d_k,
+    z: the largest score |scale|·‖z_i‖·max_j ‖z_j‖ plus the float64 dot product's rounding
+    γ_k times it (and that rounding)."""
+    z = (x @ W.T).unflatten(-1, (heads, -1)).transpose(-2, -3)  # (*batch, H, N, d_k)
+    k = z.shape[-1]
+    unit = torch.finfo(f64).eps / 2
+    gamma = k * unit / (1 - k * unit)
+    top = z.norm(dim=-1) * z.norm(dim=-1).amax(-1, keepdim=True) / math.sqrt(k)
+    slack = gamma * top + 4 * torch.finfo(f64).tiny
+    return top + slack, slack
+
+
 @pytest.mark.parametrize("expectation,update,rule", [
     ("digamma", "conjugate", "predictive"), ("plug_in", "conjugate", "predictive"),
     ("digamma", "accumulate", "predictive"), ("digamma", "conjugate", "edge"),
-    ("digamma", "conjugate", "evidence"), ("plug_in", "accumulate", "evidence")])
+    ("digamma", "conjugate", "evidence"), ("plug_in", "accumulate", "evidence"),
+    ("digamma", "conjugate", "certified"), ("plug_in", "accumulate", "certified")])
 @pytest.mark.parametrize("n,block", [(9, 4), (23, 64), (40, 8)])
 @pytest.mark.parametrize("path", ["loop", "kernel"])
 def test_mean_field_fixed_point_equals_the_brute_force(n, block, expectation, update, rule,
@@ -107,7 +137,7 @@ def test_mean_field_fixed_point_equals_the_brute_force(n, block, expectation, up
     x = torch.randn(2, n, d, generator=g, dtype=f64)
     W = torch.randn(d, d, generator=g, dtype=f64) * 1.5
     a, b = torch.tensor([0.7, 2.0], dtype=f64), torch.tensor([1.3, 0.9], dtype=f64)
-    start = 2 if rule in ("edge", "evidence") else None
+    start = 2 if rule in ("edge", "evidence", "certified") else None
     prior = sa.priors.BetaGeometric(a, b, block_size=block)
     scheme = sa.MeanFieldWindows(tol=0.1, expectation=expectation, update=update,
                                  window_rule=rule, initial_window=start)
@@ -118,14 +148,18 @@ def test_mean_field_fixed_point_equals_the_brute_force(n, block, expectation, up
                                              return_trace=True)
     trace = history(trace)
     s = scores_of(x, W, heads)
+    high, slack = ceilings(x, W, heads)
     for bi in range(2):
         for h in range(heads):
-            want, win, its = brute_mean_field(s[bi, h], float(a[h]), float(b[h]), tol=0.1,
-                                              expectation=expectation, update=update,
-                                              window_rule=rule, initial_window=start)
+            want, win, its, bounds = brute_mean_field(
+                s[bi, h], float(a[h]), float(b[h]), tol=0.1, expectation=expectation,
+                update=update, window_rule=rule, initial_window=start,
+                ceiling=(high[bi, h].tolist(), slack[bi, h].tolist()))
             torch.testing.assert_close(post[bi, h], want, atol=1e-10, rtol=0)
             assert trace.windows[-1][bi, h].tolist() == win
             assert trace.child_iterations[bi, h].tolist() == its
+            torch.testing.assert_close(trace.bound[bi, h], torch.tensor(bounds, dtype=f64),
+                                       atol=1e-10, rtol=1e-8)
     assert trace.iterations == int(trace.child_iterations.max())
     v = x.unflatten(-1, (heads, -1)).transpose(-2, -3)
     torch.testing.assert_close(y, post @ v, atol=1e-10, rtol=0)

@@ -1,0 +1,131 @@
+"""Certified truncation: a window outside which the *posterior* mass left out is provably at
+most ε — not only the prior's.
+
+Child i reads the parents at distances d = 1..i with a prior π(d) over d ≥ 1 (a distance
+prior stating ``log_by_distance`` and ``log_tail``, as ``BetaGeometric`` does) and scores
+s_id = scale·⟨a_i, b_{i−d}⟩. The posterior mass beyond a window W is
+
+    M_i(W) = O / (I + O),   I = Σ_{d ≤ W} π(d) e^{s_id},   O = Σ_{W < d ≤ i} π(d) e^{s_id}.
+
+With O ≤ P(φ > W)·e^{S_i} for any S_i ≥ max_{d > W} s_id — Cauchy–Schwarz gives
+S_i = |scale|·‖a_i‖·max_j ‖b_j‖ — and u ↦ u/(I + u) increasing,
+
+    M_i(W) ≤ B_i(W) = σ(log P(φ > W) + S_i − log I_i(W)),
+
+a bound from the prior's tail, the largest possible score and the scores inside the
+window, decreasing in W: a strong match far back is never hidden behind a light prior tail
+(the prior-tail rule, ``BetaGeometric(prior_tol=…)``, bounds only P(φ > W) whatever the
+scores say). ``certify`` doubles one window shared by every child (the banded kernel's)
+until every B_i ≤ ε or the window holds the longest past, scoring the band at each width:
+O(N·W·k) time, O(N·W) memory, about one more banded forward. The scores are computed in
+the factors' dtype and the dot products' rounding is charged to the bound (γ_k·S_i, the
+standard error bound of a k-term dot product), so the certificate holds in float32 too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .. import band
+
+
+@dataclass
+class Certified:
+    """What certified truncation chose for one family: ``width``, the window every child
+    reads (distances 1..width); per child ``(*batch, H, N)``: ``bound``, the certified upper
+    bound on its posterior mass beyond ``width`` (0 where the width holds its whole past),
+    and ``window``, the smallest width of the doubling sequence that certified it alone;
+    ``eps`` the bound asked for; ``skipped``: the fraction of the N(N − 1)/2 (child, past
+    parent) pairs outside ``width``; ``certified``: every bound ≤ eps (False only where a
+    ``max_window`` cap stopped the doubling first)."""
+
+    width: int
+    bound: torch.Tensor
+    window: torch.Tensor
+    eps: float
+    skipped: float
+    certified: bool
+
+
+def tail_bound(log_inside: torch.Tensor, log_tail: torch.Tensor,
+               max_score: torch.Tensor) -> torch.Tensor:
+    """B = σ(log P(φ > W) + S − log I): the certified bound on the posterior mass beyond a
+    window, from the log mass inside it (log I), the prior's log tail beyond it and an upper
+    bound S on the scores beyond it (all broadcast)."""
+    return torch.sigmoid(log_tail + max_score - log_inside)
+
+
+def skipped_pairs(n: int, width: int) -> float:
+    """The fraction of the N(N − 1)/2 (child, past parent) pairs farther back than ``width``."""
+    total = n * (n - 1) / 2
+    if total == 0:
+        return 0.0
+    w = min(width, n - 1)
+    read = w * (w + 1) / 2 + (n - 1 - w) * w  # Σ_i min(i, w)
+    return 1.0 - read / total
+
+
+def score_ceiling(a: torch.Tensor, b: torch.Tensor, scale: float):
+    """``(high, slack)``, each ``(*lead, N)`` float64: ``high`` ≥ every score child i can have,
+    S_i = |scale|·‖a_i‖·max_j ‖b_j‖, plus ``slack``, the most a score computed in the factors'
+    dtype can be off by (γ_k·S_i, γ_k = k·u/(1 − k·u), the error bound of a k-term dot
+    product): a computed log-sum minus the child's slack is a lower bound of the true one."""
+    with torch.no_grad():
+        k = a.shape[-1]
+        unit = torch.finfo(a.dtype).eps / 2
+        gamma = k * unit / (1 - k * unit)
+        ceiling = (abs(scale) * a.detach().to(torch.float64).norm(dim=-1)
+                   * b.detach().to(torch.float64).norm(dim=-1).amax(-1, keepdim=True))
+        slack = gamma * ceiling + 4 * torch.finfo(a.dtype).tiny
+        return ceiling + slack, slack
+
+
+def certify(a: torch.Tensor, b: torch.Tensor, scale: float, prior, eps: float, *,
+            start: int = 16, cap: int | None = None, block: int = 32) -> Certified:
+    """The shortest window of the sequence ``start``, 2·``start``, … (at most ``cap``, the
+    longest past by default) whose certified posterior tail is ≤ ``eps`` for every child.
+
+    ``a``: child factors ``(*batch, H, N, k)``, ``b``: parent factors of the same N tokens
+    (child i reads parents i − d, d ≥ 1); ``scale``: the scores' factor; ``prior``: states
+    ``log_by_distance(W, device, dtype)`` ``(H|1, W + 1)`` and ``log_tail(W, device,
+    dtype)`` ``(H|1,)``; ``block``: the band's block of children."""
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < 1:
+        raise ValueError(f"certify: eps (the posterior mass a window may leave out) must be in "
+                         f"(0, 1); got {eps!r}")
+    if a.shape[-2:] != b.shape[-2:]:
+        raise ValueError(f"certify: a and b must be (…, N, k) factors of the same N tokens; got "
+                         f"{tuple(a.shape)} and {tuple(b.shape)}")
+    n, dev = a.shape[-2], a.device
+    last = n - 1 if cap is None else max(1, min(cap, n - 1))
+    with torch.no_grad():
+        a, b = a.detach(), b.detach()
+        wide = torch.float64
+        high, slack = score_ceiling(a, b, scale)  # (*batch, H, N)
+        pos = torch.arange(n, device=dev)
+        lead = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+        window = torch.full((*lead, n), -1, dtype=torch.long, device=dev)
+        width = max(1, min(start, last))
+        while True:
+            lay = band.BandLayout.for_window(n, width, block)
+            s = band.scores(a, b, scale, lay).to(wide)  # (*lead, nb, B, L)
+            dist = lay.distance(dev)  # (B, L)
+            at = lay.child_positions(dev)[:, :, None]  # (nb, B, 1)
+            inside = (dist >= 1) & (dist <= width) & (dist <= at)  # (nb, B, L)
+            lp = prior.log_by_distance(width, dev, wide)  # (H|1, W + 1)
+            lp = lp[:, dist.clamp(0, width)][:, None]  # (H|1, 1, B, L)
+            logits = (s + lp).masked_fill(~inside, float("-inf"))
+            log_in = lay.unblock(torch.logsumexp(logits, -1)[..., None])[..., 0]  # (*lead, N)
+            log_in = log_in - slack  # a lower bound on log I: each score ≥ its float − slack
+            log_tail = prior.log_tail(width, dev, wide).reshape(-1, 1)  # (H|1, 1)
+            bound = tail_bound(log_in, log_tail, high)
+            bound = torch.where(pos <= width, torch.zeros_like(bound), bound)  # all read
+            window = torch.where((window < 0) & (bound <= eps), width, window)
+            if width >= last or bool((bound <= eps).all()):
+                break
+            width = min(2 * width, last)
+    window = torch.where(window < 0, width, window)
+    ok = bool((bound <= eps).all())
+    return Certified(width, bound, window, float(eps), skipped_pairs(n, width), ok)
+
