@@ -34,7 +34,8 @@ class ExpandingAttention(TokenAttention):
     over the past — with ``tol`` over the shortest window whose posterior mass beyond it is
     certified ≤ tol for every token (``return_trace=True``: the bound per token, in
     ``trace.truncation``); with ``prior_tol`` over the window where the *prior's* tail is below
-    it, whatever the scores (the support is cut); at most ``max_window``. ``variant="mean_field"``: the paper's scheme
+    it, whatever the scores (the support is cut); at most ``max_window``.
+    ``variant="mean_field"``: the paper's scheme
     (``structattn.windows.MeanFieldWindows``, declared on the family), a window per token
     that grows while the posterior needs it; the cost follows the inferred context, not n.
     ``a``, ``b`` (per head) are learned when ``learn_prior`` (a = softplus(raw) > 0). Token

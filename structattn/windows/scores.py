@@ -61,7 +61,6 @@ class BandScores:
         log_in = torch.logsumexp(torch.addcmul(s, self.dist, e_ln_q[..., None]), -1)
         top = s.argmax(-1, keepdim=True)
         rest = s.scatter(-1, top, float("-inf"))  # the window without its best match
-        w = win.clamp(min=1).to(s.dtype)
         # log E[e^ψ] of a Gaussian fit to the other scores, μ + σ²/2: the sample mean of e^ψ
         # over a few heavy-tailed draws falls far below it when the scores spread widely
         seen = torch.isfinite(rest)
