@@ -38,9 +38,9 @@ import torch
 from torch.utils import _pytree as pytree
 
 from . import _validation, kernels
+from .certified import Certified
 from .iterate import Trace
 from .latent import _overrides, iteration_overrides
-from .windows.certified import Certified
 from .windows.history import MeanFieldHistory
 
 # what a reading returns beside tensors: flattened so that their tensors are graph outputs

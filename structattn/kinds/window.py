@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from .. import band
+from ..certified import certify
 from .base import Operator, Support
 
 
@@ -50,7 +51,7 @@ class WindowOperator(Operator):
         super().__init__(family, cache)
         self._band = None
         self._width = False  # not chosen yet
-        #: certified truncation's choice (``structattn.windows.certified.Certified``) when the
+        #: certified truncation's choice (``structattn.certified.Certified``) when the
         #: prior asks for one (``tol``) and the band applies; the trace reports it
         self.truncation = None
 
@@ -65,8 +66,6 @@ class WindowOperator(Operator):
         n = f.children.size
         if eps is not None and self.is_fused() and f.support.offset == 0 \
                 and n == f.parents.size and n > 1:
-            from ..windows.certified import certify
-
             a, b, scale = self.fused_factors()  # (*batch, H, N, k)
             self.truncation = certify(a, b, scale, f.prior, eps, cap=width,
                                       block=f.prior.block_size)

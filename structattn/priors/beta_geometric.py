@@ -16,7 +16,7 @@ child i sits at position P − C + i.
 
 Read exactly, one softmax with the beta-geometric log prior over all of the past. With
 ``tol=ε`` the compiled reading reads a window outside which the *posterior* mass is
-certified ≤ ε for every child (``structattn.windows.certified``: the prior's tail, the
+certified ≤ ε for every child (``structattn.certified``: the prior's tail, the
 largest possible score and the scores inside), through a banded kernel
 (``structattn.kinds.window``); the model stays the whole past, which Pyro reads. With
 ``prior_tol=ε`` (the rule before certification) the support itself is cut where the

@@ -1,10 +1,14 @@
 """Mean-field windows: expanding attention's inference scheme (``scheme.py``), its window
 rules (``rules.py``), the band's scores (``scores.py``), the Python loop (``loop.py``) and
-the compiled kernel's typed interface (``kernel.py``)."""
+the compiled kernel's typed interface (``kernel.py``); certified truncation
+(``structattn/certified.py``: ``certify``, its result ``CertifiedWindow``)."""
 
+from ..certified import Certified as CertifiedWindow
+from ..certified import certify
 from .history import MeanFieldHistory
-from .rules import RULES, Edge, Evidence, Predictive, Round, WindowRule
+from .rules import RULES, Certified, Edge, Evidence, Predictive, Round, WindowRule
 from .scheme import MeanFieldOperator, MeanFieldWindows, ScoreFactors
 
 __all__ = ["MeanFieldHistory", "MeanFieldOperator", "MeanFieldWindows", "ScoreFactors", "RULES",
-           "WindowRule", "Round", "Predictive", "Edge", "Evidence"]
+           "WindowRule", "Round", "Certified", "Predictive", "Edge", "Evidence", "certify",
+           "CertifiedWindow"]

@@ -16,7 +16,7 @@ import torch
 from .. import band
 from .._eager import eager
 from ..beta import log_q_expectations
-from .certified import score_ceiling
+from ..certified import score_ceiling
 from .history import MeanFieldHistory
 from .scores import BandScores, tail
 

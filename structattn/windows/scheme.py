@@ -64,10 +64,11 @@ class MeanFieldWindows(InferenceScheme):
     child settles when |ΔE[φ_i]| ≤ converge_tol·max(1, E[φ_i]) and its window stops growing;
     expectation: "digamma" (E[ln q]) or "plug_in" (ln E[q]); update: "conjugate" or
     "accumulate"; window_rule: a ``WindowRule`` or the name of a built-in one
-    ("certified", "predictive", "edge", "evidence"); initial_window (default: the prior's tail quantile
-    at tol); grad: "unroll" (back-propagate through every round) or "last" (one
-    differentiable step from the detached fixed point) — ``structattn.iteration(grad=…)``
-    overrides it, as it does every latent's.
+    ("certified", "predictive", "edge", "evidence"); initial_window (default: the prior's tail
+    quantile at tol — at 1/2, its median, under the certified rule, which then doubles);
+    grad: "unroll" (back-propagate through every round) or "last" (one differentiable step
+    from the detached fixed point) — ``structattn.iteration(grad=…)`` overrides it, as it
+    does every latent's.
     """
 
     tol: float = 0.05
@@ -129,8 +130,9 @@ class MeanFieldWindows(InferenceScheme):
                 win0 = torch.full((*lead, n), self.initial_window, dtype=torch.long,
                                   device=a0.device).clamp(max=cap)
             else:
+                start = self.window_rule.start_tail or self.tol
                 win0 = quantile(a0[:, None].expand(*lead, n), b0[:, None].expand(*lead, n),
-                                self.tol, cap)
+                                start, cap)
             win0 = torch.minimum(win0, caps[offset:])
         return caps, win0
 

@@ -13,6 +13,7 @@ import torch
 
 from .. import band
 from ..beta import log_beta
+from ..certified import score_ceiling
 
 
 class BandScores:
@@ -75,8 +76,6 @@ class BandScores:
         """Each child's largest possible score plus its rounding slack, and the slack
         (``certified.score_ceiling``), blocked ``(k, B)`` for the blocks ``rows``."""
         if self._ceiling is None:
-            from .certified import score_ceiling
-
             lay, work = self.layout, self.scores.dtype
             high, slack = score_ceiling(*self._factors)  # (*batch, H, N)
             self._ceiling = tuple(lay.children(t[..., None])[..., 0].reshape(-1, lay.block)

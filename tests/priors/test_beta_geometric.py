@@ -167,8 +167,8 @@ def test_unknown_prior_argument_is_a_type_error():
     (dict(update="sum"), r"MeanFieldWindows: update must be one of \('conjugate', "
                          r"'accumulate'\); got 'sum'"),
     (dict(window_rule="tail"), r"MeanFieldWindows: window_rule must be a "
-                               r"structattn.windows.WindowRule or one of \('predictive', 'edge', "
-                               r"'evidence'\); got 'tail'"),
+                               r"structattn.windows.WindowRule or one of \('certified', "
+                               r"'predictive', 'edge', 'evidence'\); got 'tail'"),
     (dict(initial_window=0), "MeanFieldWindows: initial_window must be an int ≥ 1; got 0"),
     (dict(grad="implicit"), r"MeanFieldWindows: grad must be one of \('unroll', 'last'\); "
                             r"got 'implicit'"),

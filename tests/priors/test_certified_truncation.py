@@ -1,4 +1,4 @@
-"""Certified truncation (``structattn.windows.certified``; ``BetaGeometric(tol=ε)``): the
+"""Certified truncation (``structattn.certified``; ``BetaGeometric(tol=ε)``): the
 posterior mass left outside the window never exceeds the reported bound.
 
 The oracle is a dense float64 softmax written here: the beta-geometric log prior from
@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from scipy import special
 
 import structattn as sa
-from structattn.windows.certified import certify, skipped_pairs
+from structattn.certified import certify, skipped_pairs
 
 f64 = torch.float64
 

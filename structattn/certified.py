@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import band
+from . import band
 
 
 @dataclass
