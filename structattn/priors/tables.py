@@ -241,12 +241,16 @@ def _edge_counts(tables: PriorTables) -> torch.Tensor:
     return counts.index_add_(-1, dst, finite)
 
 
-def _check_table(family, what, t, target, device) -> None:
+def _broadcasts_to(shape, target: tuple) -> bool:
+    """Whether ``shape`` broadcasts to exactly ``target``."""
     try:
-        ok = tuple(torch.broadcast_shapes(t.shape, target)) == target
+        return tuple(torch.broadcast_shapes(shape, target)) == target
     except RuntimeError:
-        ok = False
-    if not ok:
+        return False
+
+
+def _check_table(family, what, t, target, device) -> None:
+    if not _broadcasts_to(t.shape, target):
         raise ValueError(
             f"edge family {family!r}: prior {what} must broadcast to (*batch, heads, "
             f"children, parents)={shape_str(target)}; got {shape_str(t.shape)}. A table with "
@@ -267,11 +271,7 @@ def _check_terms(family, terms, batch_shape, heads, C, P) -> None:
     −∞ term would make its difference NaN; j ≤ i leaves no row empty)."""
     for what, t, n in (("per-child", terms[0], C), ("per-parent", terms[1], P)):
         target = (*batch_shape, heads, n)
-        try:
-            ok = tuple(torch.broadcast_shapes(t.shape, target)) == target
-        except RuntimeError:
-            ok = False
-        if not ok:
+        if not _broadcasts_to(t.shape, target):
             raise ValueError(
                 f"edge family {family!r}: the prior's {what} log-weight terms must broadcast to "
                 f"(*batch, heads, {'children' if n == C else 'parents'})={shape_str(target)}; "
