@@ -51,6 +51,7 @@ for _name in (
     "relative_position_attention",
     "self_attention",
     "slot_attention",
+    "stick_breaking_attention",
 ):
     register(_name)
 del _name

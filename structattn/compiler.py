@@ -76,8 +76,9 @@ class CompiledModule(nn.Module):
             if reader.trace is None:
                 raise ValueError(f"{type(self.declaration).__name__} declares no latent node set "
                                  f"(structattn.latent), no family with an inference scheme "
-                                 f"(structattn.edges(..., inference=…)) and no certified "
-                                 f"truncation (a prior's tol=…): there is nothing to trace")
+                                 f"(structattn.edges(..., inference=…)), no certified "
+                                 f"truncation (a prior's tol=…) and no stick-breaking prior: "
+                                 f"there is nothing to trace")
             result += (reader.trace,)
         return result[0] if len(result) == 1 else result
 

@@ -61,8 +61,8 @@ class EdgeFamily:
     @property
     def outcomes(self) -> int:
         """How many values φ_i takes in Pyro's reading: the P parents, and "no parent" when the
-        prior lets a child have none (``empty="zero"``)."""
-        return self.parents.size + (self.prior.empty == "zero")
+        prior lets a child have none (``empty="zero"``, or ``leftover``: every child)."""
+        return self.parents.size + (self.prior.empty == "zero" or self.prior.leftover)
 
     @property
     def support(self):
@@ -152,6 +152,12 @@ class EdgeFamily:
                 f"potentials define"
             )
         self._check_heads("potential", potential)
+        most = self.prior.max_potentials
+        if most is not None and len(self.potentials) >= most:
+            raise ValueError(
+                f"edge family {self.name!r}: a {type(self.prior).__name__} prior takes at most "
+                f"{most} potential(s) ({type(self.prior).__name__}.max_potentials); got another, "
+                f"{type(potential).__name__}. Sum them into one potential")
         potential.validate(self.name, self.children, self.parents)
         self.potentials.append(potential)
 
@@ -189,16 +195,17 @@ class SampledEdge:
     potentials are 0 and its value is zero there."""
 
     def __init__(self, family: EdgeFamily, index: torch.Tensor, none: torch.Tensor | None = None):
-        self.family, self.none = family, none
-        # the parent index the potentials and the value read (clamped at "no parent")
+        self.family, self.none, self.chosen = family, none, index
+        # the parent index the value reads (clamped at "no parent")
         self.index = index if none is None else index.clamp(max=family.parents.size - 1)
 
     def add_potential(self, potential):
         fam = self.family
         fam.add_potential(potential)
-        psi = potential.at(fam.children.states, fam.parents.states, self.index)
-        if self.none is not None:
-            psi = psi.masked_fill(self.none, 0.0)
+        # the prior says how a potential enters (ψ at the chosen parent, or e.g. a scan's
+        # break decisions)
+        psi = fam.prior.edge_factor(potential, fam.children.states, fam.parents.states,
+                                    self.chosen, self.none)
         with fam.plates():
             pyro.factor(f"{fam.name}.potential{len(fam.potentials) - 1}", psi)
 
@@ -209,9 +216,11 @@ class SampledEdge:
 
 def _sample_edges(family: EdgeFamily) -> SampledEdge:
     """Default (Pyro) reading of an edge site: a ``Categorical`` over the declared prior."""
-    log_prior, has_parent = declared_log_prior(family)  # (…, C, P), (…, C)
+    # with a leftover, "no parent" is already an outcome of every child: (…, C, P + 1)
+    log_prior, has_parent = declared_log_prior(family, leftover=family.prior.leftover)
     none = family.outcomes > family.parents.size
-    if none:  # the "no parent" outcome: certain without a parent, impossible with one
+    if none and not family.prior.leftover:
+        # the "no parent" outcome: certain without a parent, impossible with one
         log_none = torch.where(has_parent, float("-inf"), 0.0).to(log_prior.dtype)
         log_prior = torch.cat([torch.where(has_parent[..., None], log_prior, float("-inf")),
                                log_none[..., None]], -1)

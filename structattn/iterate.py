@@ -53,6 +53,9 @@ class Trace:
     Certified truncation (a prior's ``tol``, e.g. ``BetaGeometric(tol=ε)`` read exactly):
     ``truncation[family]``, a ``structattn.windows.Certified`` — the window read and the
     certified bound on each token's posterior mass beyond it.
+
+    Stick-breaking (``structattn.priors.StickBreaking``): ``leftover[family]``, p(no parent |
+    x) per child ``(*batch, H, C)``, the stick left after the scan (its value is zero).
     """
 
     states: dict = field(default_factory=dict)
@@ -62,6 +65,7 @@ class Trace:
     converged: bool | None = None
     mean_field: dict = field(default_factory=dict)
     truncation: dict = field(default_factory=dict)
+    leftover: dict = field(default_factory=dict)
 
 
 def sides(family, latent) -> list[str]:

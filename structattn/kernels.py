@@ -1,15 +1,19 @@
 """Compiled CPU kernels, built on first use by torch's C++ extension loader and cached.
 
-One kernel today: ``csrc/mean_field_windows.cpp``, the mean-field iteration of expanding
-attention child by child (``structattn.windows``). A Python loop of small tensor operations
-pays a fixed cost per operation and per iteration that, at tens or hundreds of tokens, is
-far larger than the arithmetic; the kernel runs each child's whole iteration in one call.
+Two kernels, each one source file in ``csrc/``:
 
-The build needs a C++ compiler and ``ninja`` (a dependency); it takes about a minute once
-per machine (``scripts/setup.sh`` does it ahead of time) and is cached under
+- ``mean_field_windows.cpp``: the mean-field iteration of expanding attention child by child
+  (``structattn.windows``). A Python loop of small tensor operations pays a fixed cost per
+  operation and per iteration that, at tens or hundreds of tokens, is far larger than the
+  arithmetic; the kernel runs each child's whole iteration in one call.
+- ``stick_breaking.cpp``: stick-breaking attention's forward and backward
+  (``structattn.kinds.stick_breaking``), tile by tile, never the C×P posterior.
+
+The build needs a C++ compiler and ``ninja`` (a dependency); it takes about a minute per
+kernel once per machine (``scripts/setup.sh`` does it ahead of time) and is cached under
 ``TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``). Where it cannot be built,
-the library warns once and uses its Python loop, which computes the same thing (to rounding:
-in bfloat16 the kernel scores in float32, the loop in bfloat16).
+the library warns once per kernel and uses its Python reading, which computes the same thing
+(to rounding: in bfloat16 the kernels score in float32, the Python loop in bfloat16).
 ``STRUCTATTN_KERNELS=0`` in the environment, or ``with structattn.kernels.disabled():``,
 turns the kernels off (e.g. to compare against the Python loop).
 """
@@ -24,12 +28,19 @@ import warnings
 
 import torch
 
-__all__ = ["available", "disabled", "mean_field_windows", "build_error"]
+__all__ = ["available", "disabled", "mean_field_windows", "stick_breaking", "build_error"]
 
-_SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "mean_field_windows.cpp")
-_NAME = "structattn_mean_field"
+#: kernel → (its source in csrc/, the name of its extension and op namespace, what falls back)
+_KERNELS = {
+    "mean_field": ("mean_field_windows.cpp", "structattn_mean_field",
+                   "expanding attention uses its Python loop"),
+    "stick_breaking": ("stick_breaking.cpp", "structattn_stick_breaking",
+                       "stick-breaking attention uses its dense reading (C×P memory)"),
+}
 _lock = threading.Lock()
-_state: dict = {"ops": None, "error": None, "tried": False}
+_state: dict = {"ops": None, "error": None, "tried": False}  # the mean-field kernel's
+_states: dict = {"mean_field": _state, "stick_breaking": {"ops": None, "error": None,
+                                                          "tried": False}}
 _off = threading.local()
 log = logging.getLogger("structattn.kernels")
 
@@ -48,44 +59,59 @@ def disabled():
         _off.depth -= 1
 
 
-def _build():
+def _build(kernel: str = "mean_field"):
     from torch.utils.cpp_extension import load
 
-    log.info("structattn: building the mean-field kernel (once per machine, about a minute)")
+    source, name, _ = _KERNELS[kernel]
+    log.info("structattn: building the %s kernel (once per machine, about a minute)", kernel)
     with warnings.catch_warnings():  # the loader's own notes (compiler version, ABI)
         warnings.simplefilter("ignore")
-        # -fopenmp: at::parallel_for spreads the children over torch's intra-op threads
-        load(name=_NAME, sources=[_SOURCE], extra_cflags=["-O3", "-fopenmp"],
-             extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
-    return getattr(torch.ops, _NAME)
+        # -fopenmp: at::parallel_for spreads the work over torch's intra-op threads
+        load(name=name, sources=[os.path.join(os.path.dirname(__file__), "csrc", source)],
+             extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"],
+             is_python_module=False, verbose=False)
+    return getattr(torch.ops, name)
+
+
+def _ops(kernel: str):
+    """A kernel's ops, built on first use; None where kernels are off or the build failed."""
+    if not _enabled():
+        return None
+    state = _states[kernel]
+    if not state["tried"]:
+        with _lock:
+            if not state["tried"]:
+                try:
+                    state["ops"] = _build(kernel)
+                except Exception as err:  # no compiler, no ninja, a read-only cache …
+                    state["error"] = f"{type(err).__name__}: {err}"
+                    warnings.warn(f"structattn: the compiled {kernel.replace('_', '-')} kernel "
+                                  f"could not be built ({state['error'].splitlines()[0][:300]}); "
+                                  f"{_KERNELS[kernel][2]} (same results, slower). "
+                                  f"Set STRUCTATTN_KERNELS=0 to silence this.", RuntimeWarning,
+                                  stacklevel=4)
+                state["tried"] = True
+    return state["ops"]
 
 
 def mean_field_windows():
-    """The kernel's ops (``solve``, ``attend``), or None where kernels are off or the build
-    failed (then: one ``RuntimeWarning`` saying why, and the Python loop)."""
-    if not _enabled():
-        return None
-    if not _state["tried"]:
-        with _lock:
-            if not _state["tried"]:
-                try:
-                    _state["ops"] = _build()
-                except Exception as err:  # no compiler, no ninja, a read-only cache …
-                    _state["error"] = f"{type(err).__name__}: {err}"
-                    warnings.warn(f"structattn: the compiled mean-field kernel could not be "
-                                  f"built ({_state['error'].splitlines()[0][:300]}); expanding "
-                                  f"attention uses its Python loop (same results, slower). "
-                                  f"Set STRUCTATTN_KERNELS=0 to silence this.", RuntimeWarning,
-                                  stacklevel=3)
-                _state["tried"] = True
-    return _state["ops"]
+    """The mean-field kernel's ops (``solve``, ``attend``), or None where kernels are off or
+    the build failed (then: one ``RuntimeWarning`` saying why, and the Python loop)."""
+    return _ops("mean_field")
+
+
+def stick_breaking():
+    """The stick-breaking kernel's ops (``forward``, ``backward``), or None where kernels are
+    off or the build failed (then: one ``RuntimeWarning`` saying why, and the dense reading)."""
+    return _ops("stick_breaking")
 
 
 def available() -> bool:
     """Whether the compiled kernels are on and built (building them if need be)."""
-    return mean_field_windows() is not None
+    return mean_field_windows() is not None and stick_breaking() is not None
 
 
 def build_error() -> str | None:
-    """Why the build failed, or None."""
-    return _state["error"]
+    """Why a build failed, or None."""
+    errors = [s["error"] for s in _states.values() if s["error"]]
+    return "; ".join(errors) if errors else None

@@ -214,3 +214,8 @@ class Operator:
 
     def log_partition(self) -> torch.Tensor:
         return self.dense_twin().log_partition()
+
+    def reports(self) -> dict:
+        """What this operator reports in the trace (``Trace`` field → this family's entry),
+        e.g. certified truncation's window or a stick-breaking family's leftover mass."""
+        return {}

@@ -66,6 +66,19 @@ class Causal(Support):
         return "j ≤ i"
 
 
+class Before(Support):
+    """Φ_i = {j < i}: a child reads the parents strictly before it (the first child none)."""
+
+    def contains(self, child, parent):
+        return parent < child
+
+    def dense(self, num_children, num_parents, device):
+        return torch.ones(num_children, num_parents, dtype=torch.bool, device=device).tril(-1)
+
+    def describe(self):
+        return "j < i"
+
+
 class Mask(Support):
     """Φ_i = {j : mask[…, i, j]} for a boolean ``(…, C, P)`` mask (batch and heads dims
     broadcast)."""
@@ -208,4 +221,4 @@ class DenseOperator(Operator):
 
 Operator.dense_operator = DenseOperator
 
-__all__ = ["AllParents", "Causal", "Mask", "Intersection", "DenseOperator", "grid"]
+__all__ = ["AllParents", "Causal", "Before", "Mask", "Intersection", "DenseOperator", "grid"]

@@ -73,6 +73,9 @@ class WindowOperator(Operator):
         self._width = width
         return width
 
+    def reports(self) -> dict:
+        return {} if self.truncation is None else {"truncation": self.truncation}
+
     def _banded(self) -> bool:
         """Whether the band applies: one factorised potential, the children are all the
         parents (no offset) and the window is shorter than the past."""

@@ -7,4 +7,5 @@ from .forgetting import ForgettingGate as ForgettingGate
 from .generalised_gaussian import GeneralisedGaussian as GeneralisedGaussian
 from .relative import ALiBi as ALiBi
 from .relative import RelativePosition as RelativePosition
+from .stick_breaking import StickBreaking as StickBreaking
 from .uniform import Uniform as Uniform

@@ -34,6 +34,11 @@ class Prior:
 
     #: a child with no allowed parent: "error" (ValueError) or "zero" (zero value, zero posterior)
     empty: str = "error"
+    #: whether "no parent" is an outcome of every child (weighted like one more parent under
+    #: a uniform prior; its value is zero), not only of children without parents
+    leftover: bool = False
+    #: the most potentials a family under this prior takes (None: any number)
+    max_potentials: int | None = None
 
     # -- what a subclass states -------------------------------------------------
     def support(self, num_children: int, num_parents: int) -> Support:
@@ -52,6 +57,16 @@ class Prior:
 
     def describe(self) -> str:
         return type(self).__name__
+
+    def edge_factor(self, potential, children, parents, index, none):
+        """Pyro's reading of one potential at the chosen edges: the ``pyro.factor`` of the
+        family's site. ``index``: the chosen parents, broadcastable to ``(*batch, H, C)``
+        (enumeration dims first; with the "no parent" outcome, P means none and ``none``
+        is the boolean of where it was chosen, else None). Default: ψ at the chosen parent
+        (``potential.at``, from its own definition), 0 where there is none."""
+        psi = potential.at(children, parents,
+                           index if none is None else index.clamp(max=parents.shape[-2] - 1))
+        return psi if none is None else psi.masked_fill(none, 0.0)
 
     # -- what the compiled reading uses (derived; overriding is an optimisation) ----------
     def log_table(self, num_children: int, num_parents: int, device, dtype) -> torch.Tensor | None:

@@ -153,11 +153,12 @@ class Marginalise(Messenger):
             self.posteriors[family.name] = post
         if op.history is not None:  # an inference scheme iterated: its field of the trace
             self._scheme_history(family, op.history)
-        truncation = getattr(op, "truncation", None)
-        if truncation is not None and self.record_trace:  # a certified window was chosen
+        reports = op.reports() if self.record_trace else {}
+        if reports:  # e.g. a certified window chosen, a stick-breaking leftover
             if self.trace is None:
                 self.trace = Trace()
-            self.trace.truncation[family.name] = truncation
+            for field_name, entry in reports.items():
+                getattr(self.trace, field_name)[family.name] = entry
         self.expectations[family.name] = out
         return out
 

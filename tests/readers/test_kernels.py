@@ -136,7 +136,7 @@ def test_float32_and_bfloat16_agree_with_the_loop():
 def test_a_failed_build_warns_once_and_falls_back_to_the_loop(monkeypatch):
     saved = dict(kernels._state)
 
-    def broken():
+    def broken(kernel="mean_field"):
         raise RuntimeError("Ninja is required to load C++ extensions")
     monkeypatch.setattr(kernels, "_build", broken)
     kernels._state.update(ops=None, error=None, tried=False)
