@@ -1,14 +1,16 @@
 """Mean-field windows: expanding attention's inference scheme (``scheme.py``), its window
 rules (``rules.py``), the band's scores (``scores.py``), the Python loop (``loop.py``) and
 the compiled kernel's typed interface (``kernel.py``); certified truncation
-(``structattn/certified.py``: ``certify``, its result ``CertifiedWindow``)."""
+(``structattn/certified.py``: ``certify``, its result ``CertifiedWindow``); credible context
+lengths from the posterior over q (``structattn/credible.py``: ``credible_context``)."""
 
 from ..certified import Certified as CertifiedWindow
 from ..certified import certify
+from ..credible import CredibleContext, credible_context
 from .history import MeanFieldHistory
 from .rules import RULES, Certified, Edge, Evidence, Predictive, Round, WindowRule
 from .scheme import MeanFieldOperator, MeanFieldWindows, ScoreFactors
 
 __all__ = ["MeanFieldHistory", "MeanFieldOperator", "MeanFieldWindows", "ScoreFactors", "RULES",
            "WindowRule", "Round", "Certified", "Predictive", "Edge", "Evidence", "certify",
-           "CertifiedWindow"]
+           "CertifiedWindow", "CredibleContext", "credible_context"]

@@ -1,0 +1,138 @@
+"""Credible context lengths under the geometric–Beta prior: each token's posterior over q.
+
+Under ``BetaGeometric(a, b)`` each token's q_i ~ Beta(a, b) and its parent's distance
+φ_i | q_i ~ Geometric(q_i), p(d | q) = q^(d−1)(1 − q), d ≥ 1. Given the distance, q is
+conjugate: q_i | φ_i = d ~ Beta(a + d − 1, b + 1), so
+
+    p(q_i | x) = Σ_d p(φ_i = d | x) · Beta(q_i; a + d − 1, b + 1),
+
+a mixture whose weights are the exact reading's posterior over distances. Under the
+mean-field reading the q factor is Beta(α_i, β_i) itself (``MeanFieldHistory``'s last round).
+A central interval of q at level ℓ gives the token's credible *context length*, the expected
+distance E[d | q] = 1 / (1 − q), increasing in q. The first token has no past: its q is
+the prior's.
+
+The mixture's CDF is Σ_d w_d I_q(a + d − 1, b + 1) (``scipy.special.betainc``, the
+regularised incomplete beta); its quantiles are found by bisection on logit q, 60 steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class CredibleContext:
+    """Each token's central credible interval at ``level``: ``q_low``, ``q_high`` ``(*batch,
+    H, N)`` for its q, and ``length_low``, ``length_high``, the context lengths 1/(1 − q)
+    they imply."""
+
+    level: float
+    q_low: torch.Tensor
+    q_high: torch.Tensor
+
+    @property
+    def length_low(self) -> torch.Tensor:
+        return 1.0 / (1.0 - self.q_low)
+
+    @property
+    def length_high(self) -> torch.Tensor:
+        return 1.0 / (1.0 - self.q_high)
+
+
+def _check_level(level) -> float:
+    if isinstance(level, bool) or not isinstance(level, (int, float)) or not 0 < level < 1:
+        raise ValueError(f"credible_context: level must be a number in (0, 1), the interval's "
+                         f"probability; got {level!r}")
+    return float(level)
+
+
+def mixture_quantiles(weights, alpha, beta, probs, steps: int = 60) -> np.ndarray:
+    """Quantiles ``probs`` of Σ_k w_k Beta(α_k, β_k) per row: weights, alpha, beta ``(M, K)``
+    (weights summing to one per row) → ``(len(probs), M)``. Bisection on logit q."""
+    from scipy.special import betainc
+
+    w, al, be = (np.asarray(t, dtype=np.float64) for t in (weights, alpha, beta))
+    out = []
+    for p in probs:
+        lo, hi = np.full(w.shape[0], -40.0), np.full(w.shape[0], 40.0)
+        for _ in range(steps):
+            mid = 0.5 * (lo + hi)
+            q = 1.0 / (1.0 + np.exp(-mid))
+            cdf = (w * betainc(al, be, q[:, None])).sum(-1)
+            below = cdf < p
+            lo, hi = np.where(below, mid, lo), np.where(below, hi, mid)
+        out.append(1.0 / (1.0 + np.exp(-0.5 * (lo + hi))))
+    return np.stack(out)
+
+
+def credible_from_posterior(posterior: torch.Tensor, a, b, level: float = 0.9) -> CredibleContext:
+    """From the exact reading's posterior p(φ_i = j | x) ``(*batch, H, N, N)`` (children = the
+    parents, j < i) and the prior's ``a``, ``b`` (floats, or one per head ``(H,)``)."""
+    level = _check_level(level)
+    post = posterior.detach().to(torch.float64).cpu()
+    *lead, N, P = post.shape
+    if N != P or len(lead) < 1:
+        raise ValueError(f"credible_from_posterior: posterior must be (*batch, H, N, N) over a "
+                         f"sequence's own past; got {tuple(post.shape)}")
+    H = lead[-1]
+    a_h, b_h = (torch.as_tensor(v, dtype=torch.float64).detach().cpu().reshape(-1)
+                .expand(H) for v in (a, b))
+    i = torch.arange(N)[:, None]
+    d = torch.arange(N)[None, :]  # distance d = i − j; column d of row i is parent i − d
+    j = (i - d).clamp(min=0)
+    by_distance = post.gather(-1, j.expand(*lead, N, N)) * (d <= i).to(post.dtype)
+    by_distance[..., 0] = 0.0  # distance 0 is not a parent
+    first = torch.zeros(N, dtype=torch.bool)
+    first[0] = True  # no past: the prior
+    shape = (*lead, N, N)
+    a_e = a_h.reshape(H, 1, 1).expand(shape)
+    b_e = b_h.reshape(H, 1, 1).expand(shape)
+    alpha = a_e + d.to(torch.float64) - 1
+    beta = b_e + 1
+    weights = by_distance.clone()
+    weights[..., 0, :] = 0.0
+    weights[..., 0, 0] = 1.0
+    alpha = torch.where(first[:, None] & (d == 0), a_e, alpha.clamp(min=1e-12))
+    beta = torch.where(first[:, None] & (d == 0), b_e, beta)
+    tail = (1 - level) / 2
+    q = mixture_quantiles(weights.reshape(-1, N), alpha.reshape(-1, N), beta.reshape(-1, N),
+                          (tail, 1 - tail))
+    q = torch.as_tensor(q).reshape(2, *lead, N)
+    return CredibleContext(level, q[0], q[1])
+
+
+def credible_from_mean_field(history, level: float = 0.9) -> CredibleContext:
+    """From a mean-field reading's ``MeanFieldHistory``: q's factor Beta(α_i, β_i) at the last
+    round, ``(*batch, H, N)``."""
+    from scipy.special import betaincinv
+
+    level = _check_level(level)
+    tail = (1 - level) / 2
+    al = history.alpha[-1].detach().to(torch.float64).cpu().numpy()
+    be = history.beta[-1].detach().to(torch.float64).cpu().numpy()
+    lo, hi = betaincinv(al, be, tail), betaincinv(al, be, 1 - tail)
+    return CredibleContext(level, torch.as_tensor(lo), torch.as_tensor(hi))
+
+
+def credible_context(model, x: torch.Tensor, level: float = 0.9) -> CredibleContext:
+    """Each token's central credible interval of q and of its context length 1/(1 − q) at
+    ``level``, for an expanding-attention declaration ``model`` on input ``x``: from the
+    exact posterior over distances (``variant="exact"``) or the mean-field q factor."""
+    from .compiler import compile as compile_
+
+    level = _check_level(level)
+    layer = compile_(model)
+    with torch.no_grad():
+        if getattr(model, "variant", None) == "exact":
+            _, post = layer(x, return_posterior=True)
+            return credible_from_posterior(post, model.a, model.b, level)
+        _, trace = layer(x, return_trace=True)
+    if not trace.mean_field:
+        raise ValueError(f"credible_context: {type(model).__name__} has no geometric–Beta "
+                         f"family read by mean field nor variant='exact'")
+    (history,) = trace.mean_field.values()
+    return credible_from_mean_field(history, level)
