@@ -11,7 +11,7 @@ RUN_IN_TESTS = {"plot_quickstart.py": ["--quick"], "plot_multihop.py": ["--quick
                 "plot_slots.py": ["--quick"], "plot_predictive_coding.py": ["--quick"],
                 "plot_block_slots.py": ["--quick"], "plot_ground_truth.py": ["--quick"],
                 "plot_expfamily_dynamics.py": ["--quick"], "plot_expanding.py": ["--quick"],
-                "plot_structures.py": ["--quick"]}
+                "plot_structures.py": ["--quick"], "plot_distance_priors.py": ["--quick"]}
 
 
 def _load(path):
