@@ -22,6 +22,12 @@ Measured: forward+backward wall time (median of repeats, interleaved), the ratio
 causal SDPA, peak RSS growth of one forward+backward (``_memory.py``), how often the MAP
 parent is the true one, the mean and largest inferred window, iterations, and the authors'
 counted-operations metric. Run: ``python benchmarks/bench_expanding.py [--quick] [--json P]``.
+
+``--vs-banded``: the comparison issue 22 asks for instead — parents planted uniformly 1–32
+back, and a hand-written banded SDPA *told* the window w = 64 (blocks of 64 queries, keys
+from the block's start − w to its end, masked to distances 1..w; no structattn code) against
+expanding attention's mean field (certified windows, the default) with and without
+``grad='last'``, forward+backward and forward alone, at N = 4,096 and 16,384.
 """
 
 from __future__ import annotations
@@ -44,13 +50,16 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _memory import measure_peak_mib  # noqa: E402
 
 
-def make_data(n, d, mean_distance, seed):
+def make_data(n, d, mean_distance, seed, uniform_up_to=None):
+    """Parents Geometric(1/mean_distance) back, or uniform on 1..``uniform_up_to``."""
     g = torch.Generator().manual_seed(seed)
     half = d // 2
     keys = F.normalize(torch.randn(n, half, generator=g), dim=-1)
     p = 1.0 / mean_distance
     u = torch.rand(n, generator=g)
     back = (torch.log1p(-u) / torch.log1p(torch.tensor(-p))).floor().long() + 1  # Geometric ≥ 1
+    if uniform_up_to is not None:
+        back = (u * uniform_up_to).floor().long() + 1
     parent = torch.arange(n) - back
     has = parent >= 0
     x = torch.cat([keys, torch.where(has[:, None], keys[parent.clamp(min=0)], 0.0)], -1)
@@ -89,6 +98,67 @@ def sliding_window(m, x, window):
     bias = torch.zeros(inside.shape).masked_fill(~inside, float("-inf"))
     bias = torch.where(inside.any(-1, keepdim=True), bias, torch.zeros_like(bias))
     return band.attend(q, k, v, 1.0, bias, layout) @ m.W_o.T
+
+
+def banded_told(m, x, window, block=64):
+    """Banded SDPA told the window, written out: each block of ``block`` queries reads keys
+    from its start − window to its end, masked to distances 1..window (token 0 reads
+    nothing: zero). No structattn code."""
+    q, k, v = x @ m.W_q.T, x @ m.W_k.T, x @ m.W_v.T
+    n = x.shape[-2]
+    outs = []
+    for s in range(0, n, block):
+        e, lo = min(n, s + block), max(0, s - window)
+        i = torch.arange(s, e)[:, None]
+        j = torch.arange(lo, e)[None, :]
+        mask = ((j < i) & (j >= i - window)) | ((i == 0) & (j == 0))  # token 0: itself, zeroed
+        out = F.scaled_dot_product_attention(q[:, None, s:e], k[:, None, lo:e],
+                                             v[:, None, lo:e], attn_mask=mask, scale=1.0)
+        outs.append(out[:, 0] * (i > 0).to(out.dtype))
+    return torch.cat(outs, -2) @ m.W_o.T
+
+
+def measure_banded(args, n, results):
+    """Expanding attention (certified mean-field windows) vs banded SDPA told w = 64."""
+    x, parent, has = make_data(n, args.d, args.mean_distance, args.seed, uniform_up_to=32)
+    m = build(args.d, args.sharpness, args.a, args.b, "mean_field", args.tol)
+    m_last = build(args.d, args.sharpness, args.a, args.b, "mean_field", args.tol, "last")
+    layer, layer_last = sa.compile(m), sa.compile(m_last)
+    with torch.no_grad(), sa.validation(False):
+        trace = layer(x, return_trace=True)[1].mean_field["attn"]
+    variants = {"expanding (mean-field, certified)": lambda x: layer(x),
+                "expanding (mean-field, certified, grad='last')": lambda x: layer_last(x),
+                "banded SDPA told w=64": lambda x: banded_told(m, x, 64)}
+    params = list(m.parameters()) + list(m_last.parameters())
+    fwd = {k: [] for k in variants}
+    both = {k: [] for k in variants}
+    with sa.validation(False):
+        for fn in variants.values():
+            fwd_bwd(fn, params, x)
+        for r in range(args.repeats):
+            order = list(variants.items())
+            for name, fn in (order if r % 2 == 0 else order[::-1]):
+                t = time.perf_counter()
+                fwd_bwd(fn, params, x)
+                both[name].append(time.perf_counter() - t)
+                t = time.perf_counter()
+                with torch.no_grad():
+                    fn(x)
+                fwd[name].append(time.perf_counter() - t)
+    base_b = statistics.median(both["banded SDPA told w=64"])
+    base_f = statistics.median(fwd["banded SDPA told w=64"])
+    print(f"\nN = {n}, parents uniform 1–32 back: certified windows mean "
+          f"{trace.mean_window:.1f}, max {int(trace.windows[-1].max())}; {trace.iterations} "
+          f"iterations, converged {trace.converged}")
+    print(f"{'variant':48s} {'fwd+bwd s':>10s} {'× banded':>9s} {'fwd s':>9s} {'× banded':>9s}")
+    for name in variants:
+        b_, f_ = statistics.median(both[name]), statistics.median(fwd[name])
+        print(f"{name:48s} {b_:10.4f} {b_ / base_b:9.2f} {f_:9.4f} {f_ / base_f:9.2f}")
+        results["rows"].append({"n": n, "variant": name, "fwd_bwd_s": b_, "fwd_s": f_,
+                                "fwd_bwd_vs_banded": b_ / base_b, "fwd_vs_banded": f_ / base_f})
+    results["rows"].append({"n": n, "mean_window": trace.mean_window,
+                            "max_window": int(trace.windows[-1].max()),
+                            "iterations": trace.iterations})
 
 
 def loop(layer, x):
@@ -173,7 +243,7 @@ def run(args):
           f"{args.mean_distance}, prior a={args.a}, b={args.b}, tol {args.tol}, "
           f"{torch.get_num_threads()} threads, float32")
     for n in args.sizes:
-        measure(args, n, results)
+        (measure_banded if args.vs_banded else measure)(args, n, results)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
@@ -193,6 +263,8 @@ def main():
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--vs-banded", action="store_true",
+                    help="parents 1–32 back, against banded SDPA told w = 64")
     ap.add_argument("--json")
     args = ap.parse_args()
     if args.quick:
