@@ -134,7 +134,7 @@ def main(argv=None):
             cert = trace.truncation["attn"]
             ax.axvline(cert.width, color="C1", lw=1.2,
                        label=f"certified window (tol 1e-3): {cert.width}")
-            ctx = sa.windows.credible_context(m, x, level=0.8)
+            ctx = sa.windows.credible_context(layer, x, level=0.8)
             lo, hi = float(ctx.length_low[0, 0, -1]), float(ctx.length_high[0, 0, -1])
             ax.axvspan(lo, min(hi, n), color="C4", alpha=0.18,
                        label=f"80% credible context 1/(1−q): {lo:.1f}–{hi:.1f}")

@@ -118,14 +118,16 @@ def credible_from_mean_field(history, level: float = 0.9) -> CredibleContext:
     return CredibleContext(level, torch.as_tensor(lo), torch.as_tensor(hi))
 
 
-def credible_context(model, x: torch.Tensor, level: float = 0.9) -> CredibleContext:
+def credible_context(layer, x: torch.Tensor, level: float = 0.9) -> CredibleContext:
     """Each token's central credible interval of q and of its context length 1/(1 − q) at
-    ``level``, for an expanding-attention declaration ``model`` on input ``x``: from the
-    exact posterior over distances (``variant="exact"``) or the mean-field q factor."""
-    from .compiler import compile as compile_
-
+    ``level``, for a compiled expanding-attention layer (``sa.compile(expanding_attention(
+    …))``) on input ``x``: from the exact posterior over distances (``variant="exact"``) or
+    the mean-field q factor."""
     level = _check_level(level)
-    layer = compile_(model)
+    model = getattr(layer, "declaration", None)
+    if model is None:
+        raise ValueError(f"credible_context: layer must be a compiled layer (structattn."
+                         f"compile(model)); got {type(layer).__name__}")
     with torch.no_grad():
         if getattr(model, "variant", None) == "exact":
             _, post = layer(x, return_posterior=True)

@@ -47,7 +47,7 @@ def _posterior_cdf(m, x, i, qs):
 
 def test_interval_ends_are_the_posterior_quantiles_by_quadrature():
     m, x = _case()
-    ctx = sa.windows.credible_context(m, x, level=0.8)
+    ctx = sa.windows.credible_context(sa.compile(m), x, level=0.8)
     n = x.shape[1]
     for i in range(1, n):
         lo, hi = float(ctx.q_low[0, 0, i]), float(ctx.q_high[0, 0, i])
@@ -85,7 +85,7 @@ def test_nuts_on_the_model_with_q_explicit_covers_the_intervals():
                disable_progbar=True)
     run.run()
     draws = run.get_samples()["q"]  # (draws, n − 1)
-    ctx = sa.windows.credible_context(m, x, level=0.8)
+    ctx = sa.windows.credible_context(sa.compile(m), x, level=0.8)
     inside = ((draws >= ctx.q_low[0, 0, 1:]) & (draws <= ctx.q_high[0, 0, 1:])).to(f64)
     per_token = inside.mean(0)
     assert (per_token - 0.8).abs().max() < 0.1, per_token
@@ -96,7 +96,7 @@ def test_mean_field_gives_its_q_factors_interval():
     torch.manual_seed(1)
     m = sa.models.expanding_attention(4, heads=2, dtype=f64)
     x = torch.randn(2, 30, 4, dtype=f64)
-    ctx = sa.windows.credible_context(m, x, level=0.9)
+    ctx = sa.windows.credible_context(sa.compile(m), x, level=0.9)
     assert ctx.q_low.shape == (2, 2, 30)
     assert (ctx.q_low[..., 1:] < ctx.q_high[..., 1:]).all()
     assert (ctx.length_low >= 1).all()
@@ -106,4 +106,10 @@ def test_mean_field_gives_its_q_factors_interval():
 def test_a_bad_level_is_refused(level):
     m, x = _case()
     with pytest.raises(ValueError, match=r"level must be a number in \(0, 1\)"):
-        sa.windows.credible_context(m, x, level=level)
+        sa.windows.credible_context(sa.compile(m), x, level=level)
+
+
+def test_a_declaration_instead_of_a_layer_is_refused():
+    m, x = _case()
+    with pytest.raises(ValueError, match=r"layer must be a compiled layer .* got ExpandingAttention"):
+        sa.windows.credible_context(m, x)
