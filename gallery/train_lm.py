@@ -1,0 +1,491 @@
+"""A byte-level language model on the Python standard library's own source, with the attention
+of each layer any compiled structattn model chosen by name.
+
+**Corpus** (``stdlib_corpus``): the ``.py`` files under ``sysconfig.get_paths()["stdlib"]``
+(no site-packages, no caches), sorted by path; every 20th file (from the first) is held out
+for validation, so the split is by file. The bytes are concatenated with a 0 byte between
+files (it never occurs in source). A manifest lists each file's path, size and SHA-256 and
+one hash of them all: two runs on the same manifest hash saw the same text. ``--text FILE``
+trains on any text file instead (its last 5% validates).
+
+**Model** (``ByteLM``): byte embedding (256) → ``--layers`` pre-LayerNorm blocks, each
+``x ← x + attn(LN(x))``, ``x ← x + MLP(LN(x))`` (4× wide, GELU) → LayerNorm → a head tied to
+the embedding. No position embedding: every variant's order information is its own (its prior,
+or the causal mask). ``attn`` = ``sa.compile`` of (``ATTENTIONS``):
+
+- ``causal``: ``self_attention(causal=True)`` — the usual layer, the baseline;
+- ``sliding``: a uniform prior over the ``--window`` previous tokens, declared here in ten
+  lines (``SlidingWindow``: a window support, lowered as banded SDPA);
+- ``alibi``, ``relative`` (learned logits per clipped distance, ±``--window``), ``fox`` (the
+  forget gate), ``gaussian`` (BAM's generalised Gaussian), ``stick_breaking``;
+- ``expanding_exact`` (the beta-geometric posterior, certified windows at tol 1e-3) and
+  ``expanding_mf`` (mean-field windows, certified; ``grad="last"``).
+
+The projections are the same (W_Q, W_K, W_V, W_O per layer), so the variants differ in
+parameter count only by their priors' own parameters (reported).
+
+**Training**: AdamW (lr ``--lr``, linear warm-up over 5% of the steps, cosine decay), random
+windows of ``--context`` + 1 bytes from the training bytes (a seeded generator), a budget of
+``--steps`` steps or ``--minutes`` of training time, whichever comes first; validation bits
+per byte every ``--eval-every`` steps on fixed windows; a checkpoint (model, optimiser,
+generator, step, elapsed time, history) every ``--save-every`` steps and at the end, which
+``--resume`` continues from to the same numbers as an uninterrupted run (tested). Under
+``torchrun`` (gloo) every rank draws the same global batch and trains on its share; DDP
+averages the gradients.
+
+**Report** (``--out DIR``): ``DIR/<variant>/result.json`` per variant (validation curve
+against step and training time, tokens per second, peak RSS, parameter count, each head's
+mean attention distance on validation windows and, for the geometric–Beta prior, each head's
+learned prior: a, b, its mean and 90% quantile of distance), ``DIR/lm_results.md`` (one table)
+and two pictures: validation bits per byte against training time, and each expanding head's
+learned prior over distance beside where its attention mass falls.
+
+Run::
+
+    python gallery/train_lm.py --attention causal expanding_mf --context 512 --steps 2000
+    python gallery/train_lm.py --attention causal --context 512 --steps 4000 --resume
+    torchrun --nproc_per_node=2 gallery/train_lm.py --attention causal --steps 200
+    python gallery/train_lm.py --report-only --out DIR   # tables and pictures from DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import pathlib
+import resource
+import sysconfig
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import structattn as sa
+from structattn.kinds.window import Window
+from structattn.priors import Prior
+
+# -- the corpus -------------------------------------------------------------------------
+
+
+def stdlib_files(root: str | None = None) -> list[pathlib.Path]:
+    """The standard library's ``.py`` files, sorted (no site-packages, no caches)."""
+    base = pathlib.Path(root or sysconfig.get_paths()["stdlib"])
+    skip = {"site-packages", "dist-packages", "__pycache__"}
+    return sorted(p for p in base.rglob("*.py") if not skip & set(p.relative_to(base).parts))
+
+
+def stdlib_corpus(root: str | None = None, max_files: int | None = None):
+    """``(train, validation, manifest)``: uint8 tensors and the manifest (every 20th file
+    validates; ``max_files``: the first so many files only, for tiny runs)."""
+    base = pathlib.Path(root or sysconfig.get_paths()["stdlib"])
+    files = stdlib_files(str(base))[:max_files]
+    if not files:
+        raise FileNotFoundError(f"no .py files under {base}")
+    parts = {"train": [], "validation": []}
+    entries = []
+    for k, path in enumerate(files):
+        data = path.read_bytes()
+        split = "validation" if k % 20 == 0 else "train"
+        parts[split].append(data)
+        entries.append({"path": str(path.relative_to(base)), "bytes": len(data),
+                        "sha256": hashlib.sha256(data).hexdigest(), "split": split})
+    whole = hashlib.sha256("".join(e["sha256"] for e in entries).encode()).hexdigest()
+    manifest = {"root": str(base), "files": len(entries), "sha256": whole,
+                "train_bytes": sum(len(d) + 1 for d in parts["train"]),
+                "validation_bytes": sum(len(d) + 1 for d in parts["validation"]),
+                "entries": entries}
+    train, val = (torch.frombuffer(bytearray(b"\0".join(parts[s]) + b"\0"), dtype=torch.uint8)
+                  for s in ("train", "validation"))
+    return train, val, manifest
+
+
+def text_corpus(path: str):
+    data = pathlib.Path(path).read_bytes()
+    cut = int(len(data) * 0.95)
+    manifest = {"root": str(path), "files": 1, "sha256": hashlib.sha256(data).hexdigest(),
+                "train_bytes": cut, "validation_bytes": len(data) - cut}
+    whole = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return whole[:cut].clone(), whole[cut:].clone(), manifest
+
+
+# -- the attention variants ------------------------------------------------------------
+
+
+class SlidingWindow(Prior):
+    """p(φ_i = i − d) uniform over 1 ≤ d ≤ width (the first token: no past, zero value)."""
+
+    empty = "zero"
+    block_size = 64
+
+    def __init__(self, width: int):
+        self.width = width
+
+    def support(self, num_children, num_parents):
+        return Window(self.width, offset=num_parents - num_children)
+
+    def log_by_distance(self, window, device, dtype):
+        d = torch.arange(window + 1, device=device)
+        return torch.zeros(1, window + 1, device=device, dtype=dtype).masked_fill(
+            d == 0, float("-inf"))
+
+
+class SlidingWindowAttention(sa.models.SelfAttention):
+    """Each token reads one of its ``window`` predecessors, uniformly a priori."""
+
+    def __init__(self, d_model, *, window=64, **kwargs):
+        super().__init__(d_model, causal=True, **kwargs)
+        self.window = window
+
+    def model(self, x):
+        tokens = self.tokens(x)
+        return self.attend(self.family_name, tokens, tokens, SlidingWindow(self.window))
+
+
+def make_attention(name: str, d: int, heads: int, window: int, layer: int):
+    kw = dict(heads=heads, name=f"attn{layer}")
+    models = sa.models
+    table = {
+        "causal": lambda: models.self_attention(d, causal=True, **kw),
+        "sliding": lambda: SlidingWindowAttention(d, window=window, **kw),
+        "alibi": lambda: models.alibi_attention(d, **kw),
+        "relative": lambda: models.relative_position_attention(d, max_distance=window,
+                                                               causal=True, **kw),
+        "fox": lambda: models.forgetting_attention(d, **kw),
+        "gaussian": lambda: models.generalised_gaussian_attention(d, width=float(window), **kw),
+        "stick_breaking": lambda: models.stick_breaking_attention(d, **kw),
+        "expanding_exact": lambda: models.expanding_attention(d, variant="exact", tol=1e-3,
+                                                              a=4.0, b=1.0, **kw),
+        "expanding_mf": lambda: models.expanding_attention(d, variant="mean_field",
+                                                           grad="last", a=4.0, b=1.0, **kw),
+    }
+    if name not in table:
+        raise ValueError(f"--attention: unknown variant {name!r}; choose from {sorted(table)}")
+    return table[name]()
+
+
+ATTENTIONS = ["causal", "sliding", "alibi", "relative", "fox", "gaussian", "stick_breaking",
+              "expanding_exact", "expanding_mf"]
+
+
+# -- the model --------------------------------------------------------------------------
+
+
+class Block(nn.Module):
+    def __init__(self, d, heads, attention, window, layer):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.declaration = make_attention(attention, d, heads, window, layer)
+        self.attn = sa.compile(self.declaration)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class ByteLM(nn.Module):
+    """Bytes ``(B, T)`` long → next-byte logits ``(B, T, 256)``."""
+
+    def __init__(self, d=128, layers=2, heads=4, attention="causal", window=64):
+        super().__init__()
+        self.embed = nn.Embedding(256, d)
+        nn.init.normal_(self.embed.weight, std=0.02)
+        self.blocks = nn.ModuleList(Block(d, heads, attention, window, k) for k in range(layers))
+        self.ln = nn.LayerNorm(d)
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.ln(x) @ self.embed.weight.T
+
+
+# -- training ---------------------------------------------------------------------------
+
+
+def batch(data: torch.Tensor, size: int, context: int, gen: torch.Generator):
+    start = torch.randint(0, len(data) - context - 1, (size,), generator=gen)
+    idx = start[:, None] + torch.arange(context + 1)
+    chunk = data[idx].long()
+    return chunk[:, :-1], chunk[:, 1:]
+
+
+def validation_windows(data: torch.Tensor, count: int, context: int):
+    """Fixed windows spread evenly over the validation bytes."""
+    last = len(data) - context - 1
+    starts = torch.linspace(0, max(last, 0), count).long()
+    idx = starts[:, None] + torch.arange(context + 1)
+    chunk = data[idx].long()
+    return chunk[:, :-1], chunk[:, 1:]
+
+
+@torch.no_grad()
+def bits_per_byte(model, windows, batch_size=8) -> float:
+    x, y = windows
+    total = 0.0
+    for k in range(0, len(x), batch_size):
+        logits = model(x[k:k + batch_size])
+        total += F.cross_entropy(logits.flatten(0, 1), y[k:k + batch_size].flatten(),
+                                 reduction="sum").item()
+    return total / y.numel() / math.log(2)
+
+
+def learning_rate(step, steps, lr):
+    warm = max(1, steps // 20)
+    if step < warm:
+        return lr * (step + 1) / warm
+    return 0.5 * lr * (1 + math.cos(math.pi * (step - warm) / max(1, steps - warm)))
+
+
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def distributed():
+    """(rank, world) and the process group under torchrun, else (0, 1)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not torch.distributed.is_initialized():
+        torch.distributed.init_process_group("gloo")
+    return int(os.environ.get("RANK", "0")), world
+
+
+def train(args, variant: str, data, out_dir: pathlib.Path | None, log=print) -> dict:
+    """Train one variant; returns its result (also written to ``out_dir/result.json``)."""
+    rank, world = distributed()
+    train_bytes, val_bytes, manifest = data
+    torch.manual_seed(args.seed)
+    model = ByteLM(args.d_model, args.layers, args.heads, variant, args.window)
+    params = sum(p.numel() for p in model.parameters())
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    gen = torch.Generator().manual_seed(args.seed)
+    step, elapsed, history = 0, 0.0, []
+    ckpt = None if out_dir is None else out_dir / "checkpoint.pt"
+    if args.resume and ckpt is not None and ckpt.exists():
+        state = torch.load(ckpt, weights_only=True)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        gen.set_state(state["generator"])
+        step, elapsed, history = state["step"], state["elapsed"], state["history"]
+        log(f"[{variant}] resumed at step {step} ({elapsed:.0f} s trained)")
+    net = model
+    if world > 1:
+        net = nn.parallel.DistributedDataParallel(model)
+    windows = validation_windows(val_bytes, args.eval_windows, args.context)
+    share = args.batch // world
+    budget = args.minutes * 60 if args.minutes else math.inf
+    steps = args.steps
+    progress = _progress(steps, step, variant, rank)
+
+    def save():
+        if ckpt is None or rank != 0:
+            return
+        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(),
+                    "generator": gen.get_state(), "step": step, "elapsed": elapsed,
+                    "history": history}, ckpt)
+
+    stop = steps if args.stop_after is None else min(steps, args.stop_after)
+    while step < stop and elapsed < budget:
+        x, y = batch(train_bytes, args.batch, args.context, gen)
+        x, y = x[rank * share:(rank + 1) * share], y[rank * share:(rank + 1) * share]
+        for group in opt.param_groups:
+            group["lr"] = learning_rate(step, steps, args.lr)
+        t = time.perf_counter()
+        loss = F.cross_entropy(net(x).flatten(0, 1), y.flatten())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        elapsed += time.perf_counter() - t
+        step += 1
+        if not math.isfinite(loss.item()):
+            raise FloatingPointError(f"[{variant}] the training loss is {loss.item()} at step "
+                                     f"{step}")
+        if step % args.eval_every == 0 or step == steps:
+            history.append({"step": step, "seconds": elapsed, "train_loss": loss.item(),
+                            "val_bpb": bits_per_byte(model, windows)})
+            progress.set_postfix(val_bpb=f"{history[-1]['val_bpb']:.3f}")
+        if args.save_every and step % args.save_every == 0:
+            save()
+        progress.update(1)
+    progress.close()
+    save()
+    result = {"variant": variant, "context": args.context, "params": params,
+              "steps": step, "train_seconds": elapsed, "world_size": world,
+              "tokens_per_second": step * args.batch * args.context / max(elapsed, 1e-9),
+              "peak_rss_mib": peak_rss_mib(), "history": history,
+              "final_val_bpb": history[-1]["val_bpb"] if history else None,
+              "manifest_sha256": manifest["sha256"], "args": vars(args),
+              "heads": head_report(model, windows)}
+    if out_dir is not None and rank == 0:
+        (out_dir / "result.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
+def _progress(total, done, variant, rank):
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=done, desc=variant, disable=rank != 0 or total < 20,
+                leave=False)
+
+
+@torch.no_grad()
+def head_report(model: ByteLM, windows, count: int = 4) -> list:
+    """Per layer and head: the mean distance back at which attention mass falls on validation
+    windows, and for the geometric–Beta prior its learned a, b, mean and 90% distance."""
+    x = windows[0][:count]
+    h = model.embed(x)
+    report = []
+    for layer, block in enumerate(model.blocks):
+        z = block.ln1(h)
+        out = block.attn(z, return_posterior=True)
+        post = out[1]  # (B, H, T, T)
+        T = post.shape[-1]
+        dist = (torch.arange(T)[:, None] - torch.arange(T)[None, :]).clamp(min=0).to(post.dtype)
+        mass = post.sum(-1).clamp(min=1e-12)
+        mean_distance = ((post * dist).sum(-1) / mass).mean((0, 2))  # (H,)
+        entry = {"layer": layer, "mean_attention_distance": mean_distance.tolist()}
+        decl = block.declaration
+        if isinstance(decl, sa.models.ExpandingAttention):
+            prior = decl.prior()
+            tail = prior.log_tail(torch.arange(T)[:, None], None, torch.float64).exp()  # (T, H)
+            cdf = 1 - tail
+            entry.update(a=decl.a.tolist(), b=decl.b.tolist(),
+                         prior_mean_distance=decl.expected_distance(T).tolist(),
+                         prior_q90_distance=[int((cdf[:, k] < 0.9).sum()) for k in
+                                             range(cdf.shape[1])],
+                         prior_pmf=prior.log_pmf(torch.arange(1, T)).exp().tolist(),
+                         attention_by_distance=_mass_by_distance(post).tolist())
+        report.append(entry)
+        h = h + out[0]
+        h = h + block.mlp(block.ln2(h))
+    return report
+
+
+def _mass_by_distance(post):
+    """``(H, T)``: the share of attention mass at each distance, averaged over queries."""
+    T = post.shape[-1]
+    d = (torch.arange(T)[:, None] - torch.arange(T)[None, :])
+    out = torch.zeros(post.shape[1], T, dtype=post.dtype)
+    for k in range(T):
+        out[:, k] = (post * (d == k)).sum((-1, -2)).mean(0)
+    return out / out.sum(-1, keepdim=True).clamp(min=1e-12)
+
+
+# -- reporting --------------------------------------------------------------------------
+
+
+def report(out: pathlib.Path) -> list[str]:
+    """``lm_results.md`` and the two pictures from every ``*/result.json`` under ``out``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results = [json.loads(p.read_text()) for p in sorted(out.glob("*/result.json"))]
+    if not results:
+        return []
+    base = {r["context"]: r["tokens_per_second"] for r in results if r["variant"] == "causal"}
+    lines = ["| variant | context | params | steps | train s | val bits/byte | tokens/s | "
+             "vs causal | peak RSS MiB |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in sorted(results, key=lambda r: (r["context"], r["final_val_bpb"] or 9)):
+        rel = base.get(r["context"])
+        ratio = "" if rel is None else f"{r['tokens_per_second'] / rel:.2f}×"
+        lines.append(f"| {r['variant']} | {r['context']} | {r['params']:,} | {r['steps']} | "
+                     f"{r['train_seconds']:.0f} | {r['final_val_bpb']:.3f} | "
+                     f"{r['tokens_per_second']:.0f} | {ratio} | {r['peak_rss_mib']:.0f} |")
+    written = [out / "lm_results.md"]
+    written[0].write_text("\n".join(lines) + "\n")
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for r in results:
+        h = r["history"]
+        ax.plot([e["seconds"] for e in h], [e["val_bpb"] for e in h],
+                label=f"{r['variant']} (T={r['context']})")
+    ax.set_xlabel("training time (s)")
+    ax.set_ylabel("validation bits per byte")
+    ax.set_title("byte-level LM on the Python standard library")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    written.append(out / "lm_val_bpb.png")
+    fig.savefig(written[-1], dpi=110)
+    plt.close(fig)
+    expanding = [(r, e) for r in results for e in r["heads"] if "prior_pmf" in e]
+    if expanding:
+        heads = len(expanding[0][1]["a"])
+        fig, axes = plt.subplots(len(expanding), heads, figsize=(3.2 * heads, 2.6 * len(expanding)),
+                                 squeeze=False)
+        for row, (r, e) in enumerate(expanding):
+            for k in range(heads):
+                ax = axes[row, k]
+                pmf = e["prior_pmf"][k]
+                ax.semilogy(range(1, len(pmf) + 1), pmf, label="learned prior")
+                att = e["attention_by_distance"][k]
+                ax.semilogy(range(len(att)), [max(v, 1e-8) for v in att], label="attention mass")
+                ax.set_title(f"{r['variant']} T={r['context']} layer {e['layer']} head {k}\n"
+                             f"a={e['a'][k]:.2f} b={e['b'][k]:.2f} mean "
+                             f"{e['prior_mean_distance'][k]:.1f}", fontsize=8)
+                ax.set_xlabel("distance")
+        axes[0, 0].legend(fontsize=7)
+        fig.tight_layout()
+        written.append(out / "lm_expanding_priors.png")
+        fig.savefig(written[-1], dpi=100)
+        plt.close(fig)
+    return [str(p) for p in written]
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--attention", nargs="+", default=["causal"], choices=ATTENTIONS)
+    p.add_argument("--context", type=int, default=512)
+    p.add_argument("--d-model", type=int, default=128)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--window", type=int, default=64, help="sliding window, relative clip")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--minutes", type=float, default=None, help="training-time budget")
+    p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--eval-windows", type=int, default=32)
+    p.add_argument("--save-every", type=int, default=200)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--text", help="train on this text file instead of the standard library")
+    p.add_argument("--max-files", type=int, default=None, help="the first N files only")
+    p.add_argument("--resume", action="store_true", help="continue from DIR/<variant>/checkpoint.pt")
+    p.add_argument("--stop-after", type=int, default=None,
+                   help="stop after this many steps of the --steps schedule (then --resume)")
+    p.add_argument("--report-only", action="store_true")
+    p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "output", "lm"))
+    p.add_argument("--threads", type=int, default=None)
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.report_only:
+        return report(out)
+    data = text_corpus(args.text) if args.text else stdlib_corpus(max_files=args.max_files)
+    manifest = {k: v for k, v in data[2].items()}
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    print(f"corpus: {manifest['files']} files, {manifest['train_bytes']:,} train / "
+          f"{manifest['validation_bytes']:,} validation bytes, sha256 {manifest['sha256'][:16]}")
+    results = []
+    for variant in args.attention:
+        folder = out / f"{variant}_T{args.context}"
+        folder.mkdir(exist_ok=True)
+        r = train(args, variant, data, folder)
+        results.append(r)
+        print(f"[{variant}] T={args.context}: {r['steps']} steps, {r['train_seconds']:.1f} s, "
+              f"val {r['final_val_bpb']:.3f} bits/byte, {r['tokens_per_second']:.0f} tokens/s, "
+              f"peak RSS {r['peak_rss_mib']:.0f} MiB, {r['params']:,} parameters")
+    written = report(out)
+    for path in written:
+        print("wrote", path)
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+"""gallery/train_lm.py at a tiny size: the corpus is split by file with a manifest, every
+attention variant trains without NaN, a run stopped and resumed from its checkpoint equals an
+uninterrupted one, the report is written, and the sliding window declared there is what Pyro
+enumerates."""
+
+import importlib.util
+import json
+import pathlib
+
+import pytest
+import torch
+
+import structattn as sa
+
+GALLERY = pathlib.Path(__file__).resolve().parents[1] / "gallery"
+
+
+@pytest.fixture(scope="module")
+def lm():
+    spec = importlib.util.spec_from_file_location("train_lm", GALLERY / "train_lm.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+TINY = ["--context", "24", "--d-model", "16", "--layers", "1", "--heads", "2", "--batch", "2",
+        "--eval-every", "2", "--eval-windows", "2", "--max-files", "40", "--window", "8"]
+
+
+def test_the_corpus_is_split_by_file_with_a_manifest(lm):
+    train, val, manifest = lm.stdlib_corpus(max_files=40)
+    again = lm.stdlib_corpus(max_files=40)[2]
+    assert manifest["sha256"] == again["sha256"] and manifest["files"] == 40
+    splits = [e["split"] for e in manifest["entries"]]
+    assert splits[::20] == ["validation"] * 2 and splits.count("validation") == 2
+    assert len(train) == manifest["train_bytes"] and len(val) == manifest["validation_bytes"]
+    paths = [e["path"] for e in manifest["entries"]]
+    assert paths == sorted(paths) and all(p.endswith(".py") for p in paths)
+    assert train.dtype == torch.uint8 and int(train.max()) < 256
+
+
+def test_every_variant_trains_without_nan(lm, tmp_path):
+    results = lm.main([*TINY, "--steps", "2", "--attention", *lm.ATTENTIONS,
+                       "--out", str(tmp_path)])
+    assert [r["variant"] for r in results] == lm.ATTENTIONS
+    for r in results:
+        assert r["steps"] == 2 and all(torch.isfinite(torch.tensor(e["val_bpb"]))
+                                       for e in r["history"]), r
+        assert r["tokens_per_second"] > 0 and r["heads"][0]["mean_attention_distance"]
+    table = (tmp_path / "lm_results.md").read_text()
+    assert all(f"| {v} |" in table for v in lm.ATTENTIONS)
+    assert (tmp_path / "lm_val_bpb.png").read_bytes()[:4] == b"\x89PNG"
+    assert (tmp_path / "lm_expanding_priors.png").exists()
+    assert json.loads((tmp_path / "manifest.json").read_text())["files"] == 40
+
+
+@pytest.mark.parametrize("variant", ["causal", "expanding_mf"])
+def test_a_resumed_run_continues_as_an_uninterrupted_one(lm, tmp_path, variant):
+    common = [*TINY, "--steps", "6", "--attention", variant]
+    straight = lm.main([*common, "--out", str(tmp_path / "straight")])[0]
+    stopped = lm.main([*common, "--stop-after", "3", "--out", str(tmp_path / "split")])[0]
+    assert stopped["steps"] == 3
+    resumed = lm.main([*common, "--resume", "--out", str(tmp_path / "split")])[0]
+    assert resumed["steps"] == 6
+    def numbers(r):  # all but the wall time
+        return [(e["step"], e["train_loss"], e["val_bpb"]) for e in r["history"]]
+
+    assert numbers(resumed) == numbers(straight)  # the same numbers, bit for bit
+    saved = torch.load(tmp_path / "split" / f"{variant}_T24" / "checkpoint.pt",
+                       weights_only=True)
+    want = torch.load(tmp_path / "straight" / f"{variant}_T24" / "checkpoint.pt",
+                      weights_only=True)
+    for name, t in want["model"].items():
+        assert torch.equal(saved["model"][name], t), name
+
+
+def test_the_sliding_window_is_what_pyro_enumerates(lm):
+    torch.manual_seed(0)
+    m = lm.SlidingWindowAttention(6, window=3, heads=2, dtype=torch.float64)
+    x = torch.randn(1, 7, 6, dtype=torch.float64)
+    exact = sa.inference.exact(m, x)
+    y, post = sa.compile(m)(x, return_posterior=True)
+    torch.testing.assert_close(y, exact.output, rtol=0, atol=1e-10)
+    torch.testing.assert_close(post, exact.marginals["attn"], rtol=0, atol=1e-10)
+    i, j = torch.arange(7)[:, None], torch.arange(7)[None, :]
+    assert (post[0, :, (i - j < 1) | (i - j > 3)] == 0).all()
