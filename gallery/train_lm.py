@@ -51,6 +51,7 @@ Run::
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import json
 import math
@@ -241,7 +242,35 @@ def learning_rate(step, steps, lr):
     return 0.5 * lr * (1 + math.cos(math.pi * (step - warm) / max(1, steps - warm)))
 
 
+def reset_peak_rss() -> float:
+    """Reset the RSS high-water mark to the current RSS where Linux allows it (writing 5 to
+    /proc/self/clear_refs; freed heap returned first) and return the current RSS, MiB: a
+    variant's peak is the growth over it, not the process's (which holds earlier variants)."""
+    gc.collect()
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except (OSError, AttributeError):
+        pass
+    return _status("VmRSS")
+
+
 def peak_rss_mib() -> float:
+    """The RSS high-water mark (VmHWM, else ru_maxrss), MiB."""
+    return _status("VmHWM")
+
+
+def _status(key: str) -> float:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
@@ -257,6 +286,7 @@ def train(args, variant: str, data, out_dir: pathlib.Path | None, log=print) -> 
     """Train one variant; returns its result (also written to ``out_dir/result.json``)."""
     rank, world = distributed()
     train_bytes, val_bytes, manifest = data
+    rss_before = reset_peak_rss()
     torch.manual_seed(args.seed)
     model = ByteLM(args.d_model, args.layers, args.heads, variant, args.window)
     params = sum(p.numel() for p in model.parameters())
@@ -316,7 +346,7 @@ def train(args, variant: str, data, out_dir: pathlib.Path | None, log=print) -> 
     result = {"variant": variant, "context": args.context, "params": params,
               "steps": step, "train_seconds": elapsed, "world_size": world,
               "tokens_per_second": step * args.batch * args.context / max(elapsed, 1e-9),
-              "peak_rss_mib": peak_rss_mib(), "history": history,
+              "peak_rss_mib": peak_rss_mib() - rss_before, "history": history,
               "final_val_bpb": history[-1]["val_bpb"] if history else None,
               "manifest_sha256": manifest["sha256"], "args": vars(args),
               "heads": head_report(model, windows)}
@@ -389,13 +419,20 @@ def report(out: pathlib.Path) -> list[str]:
     if not results:
         return []
     base = {r["context"]: r["tokens_per_second"] for r in results if r["variant"] == "causal"}
-    lines = ["| variant | context | params | steps | train s | val bits/byte | tokens/s | "
-             "vs causal | peak RSS MiB |", "|---|---|---|---|---|---|---|---|---|"]
+    # the time budget: every run's training time is cut at the shortest run's (per context)
+    shortest = {}
+    for r in results:
+        shortest[r["context"]] = min(shortest.get(r["context"], math.inf), r["train_seconds"])
+    lines = ["| variant | context | params | steps | train s | val bits/byte (equal steps) | "
+             "val bits/byte at the shortest run's time | tokens/s | vs causal | peak RSS MiB |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(results, key=lambda r: (r["context"], r["final_val_bpb"] or 9)):
         rel = base.get(r["context"])
         ratio = "" if rel is None else f"{r['tokens_per_second'] / rel:.2f}×"
+        cut = [e for e in r["history"] if e["seconds"] <= shortest[r["context"]] * 1.001]
+        at_time = f"{cut[-1]['val_bpb']:.3f} (step {cut[-1]['step']})" if cut else "—"
         lines.append(f"| {r['variant']} | {r['context']} | {r['params']:,} | {r['steps']} | "
-                     f"{r['train_seconds']:.0f} | {r['final_val_bpb']:.3f} | "
+                     f"{r['train_seconds']:.0f} | {r['final_val_bpb']:.3f} | {at_time} | "
                      f"{r['tokens_per_second']:.0f} | {ratio} | {r['peak_rss_mib']:.0f} |")
     written = [out / "lm_results.md"]
     written[0].write_text("\n".join(lines) + "\n")
