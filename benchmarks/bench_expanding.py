@@ -118,6 +118,26 @@ def banded_told(m, x, window, block=64):
     return torch.cat(outs, -2) @ m.W_o.T
 
 
+def interleaved(variants: dict, params, x, repeats: int, forward_too: bool = False):
+    """``(fwd+bwd times, forward times or {})`` per variant: one warm-up each, then
+    ``repeats`` rounds, every other one in reverse order (drift hits all alike)."""
+    both, fwd = {k: [] for k in variants}, {k: [] for k in variants} if forward_too else {}
+    for fn in variants.values():
+        fwd_bwd(fn, params, x)
+    for r in range(repeats):
+        order = list(variants.items())
+        for name, fn in (order if r % 2 == 0 else order[::-1]):
+            t = time.perf_counter()
+            fwd_bwd(fn, params, x)
+            both[name].append(time.perf_counter() - t)
+            if forward_too:
+                t = time.perf_counter()
+                with torch.no_grad():
+                    fn(x)
+                fwd[name].append(time.perf_counter() - t)
+    return both, fwd
+
+
 def measure_banded(args, n, results):
     """Expanding attention (certified mean-field windows) vs banded SDPA told w = 64."""
     x, parent, has = make_data(n, args.d, args.mean_distance, args.seed, uniform_up_to=32)
@@ -130,21 +150,8 @@ def measure_banded(args, n, results):
                 "expanding (mean-field, certified, grad='last')": lambda x: layer_last(x),
                 "banded SDPA told w=64": lambda x: banded_told(m, x, 64)}
     params = list(m.parameters()) + list(m_last.parameters())
-    fwd = {k: [] for k in variants}
-    both = {k: [] for k in variants}
     with sa.validation(False):
-        for fn in variants.values():
-            fwd_bwd(fn, params, x)
-        for r in range(args.repeats):
-            order = list(variants.items())
-            for name, fn in (order if r % 2 == 0 else order[::-1]):
-                t = time.perf_counter()
-                fwd_bwd(fn, params, x)
-                both[name].append(time.perf_counter() - t)
-                t = time.perf_counter()
-                with torch.no_grad():
-                    fn(x)
-                fwd[name].append(time.perf_counter() - t)
+        both, fwd = interleaved(variants, params, x, args.repeats, forward_too=True)
     base_b = statistics.median(both["banded SDPA told w=64"])
     base_f = statistics.median(fwd["banded SDPA told w=64"])
     print(f"\nN = {n}, parents uniform 1–32 back: certified windows mean "
@@ -200,16 +207,8 @@ def measure(args, n, results):
                                                                             true_window),
     }
     params = list(m.parameters()) + list(m_exact.parameters()) + list(m_last.parameters())
-    times = {k: [] for k in variants}
     with sa.validation(False):
-        for fn in variants.values():  # warm-up
-            fwd_bwd(fn, params, x)
-        for r in range(args.repeats):
-            order = list(variants.items())
-            for name, fn in (order if r % 2 == 0 else order[::-1]):
-                t = time.perf_counter()
-                fwd_bwd(fn, params, x)
-                times[name].append(time.perf_counter() - t)
+        times, _ = interleaved(variants, params, x, args.repeats)
         peaks = {name: measure_peak_mib(lambda fn=fn: fwd_bwd(fn, params, x))
                  for name, fn in variants.items()}
     base = statistics.median(times["full causal SDPA"])

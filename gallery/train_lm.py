@@ -396,12 +396,12 @@ def head_report(model: ByteLM, windows, count: int = 4) -> list:
 
 
 def _mass_by_distance(post):
-    """``(H, T)``: the share of attention mass at each distance, averaged over queries."""
+    """``(H, T)``: the share of attention mass at each distance d = i − j, summed over queries
+    and averaged over the batch (one gather: column d of row i is parent i − d)."""
     T = post.shape[-1]
-    d = (torch.arange(T)[:, None] - torch.arange(T)[None, :])
-    out = torch.zeros(post.shape[1], T, dtype=post.dtype)
-    for k in range(T):
-        out[:, k] = (post * (d == k)).sum((-1, -2)).mean(0)
+    i, d = torch.arange(T)[:, None], torch.arange(T)[None, :]
+    by_distance = post.gather(-1, (i - d).clamp(min=0).expand(*post.shape)) * (d <= i)
+    out = by_distance.sum(-2).mean(0)  # (H, T)
     return out / out.sum(-1, keepdim=True).clamp(min=1e-12)
 
 
@@ -504,23 +504,29 @@ def main(argv=None):
     out.mkdir(parents=True, exist_ok=True)
     if args.report_only:
         return report(out)
+    rank, world = distributed()
+    say = print if rank == 0 else (lambda *a, **k: None)
     data = text_corpus(args.text) if args.text else stdlib_corpus(max_files=args.max_files)
-    manifest = {k: v for k, v in data[2].items()}
-    (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
-    print(f"corpus: {manifest['files']} files, {manifest['train_bytes']:,} train / "
-          f"{manifest['validation_bytes']:,} validation bytes, sha256 {manifest['sha256'][:16]}")
+    manifest = data[2]
+    if rank == 0:
+        (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    say(f"corpus: {manifest['files']} files, {manifest['train_bytes']:,} train / "
+        f"{manifest['validation_bytes']:,} validation bytes, sha256 {manifest['sha256'][:16]}, "
+        f"world size {world}")
     results = []
     for variant in args.attention:
         folder = out / f"{variant}_T{args.context}"
         folder.mkdir(exist_ok=True)
-        r = train(args, variant, data, folder)
+        r = train(args, variant, data, folder, log=say)
         results.append(r)
-        print(f"[{variant}] T={args.context}: {r['steps']} steps, {r['train_seconds']:.1f} s, "
+        say(f"[{variant}] T={args.context}: {r['steps']} steps, {r['train_seconds']:.1f} s, "
               f"val {r['final_val_bpb']:.3f} bits/byte, {r['tokens_per_second']:.0f} tokens/s, "
               f"peak RSS {r['peak_rss_mib']:.0f} MiB, {r['params']:,} parameters")
-    written = report(out)
-    for path in written:
-        print("wrote", path)
+    if rank == 0:
+        for path in report(out):
+            print("wrote", path)
+    if world > 1:
+        torch.distributed.barrier()
     return results
 
 

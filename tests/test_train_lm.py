@@ -5,6 +5,7 @@ enumerates."""
 
 import importlib.util
 import json
+import math
 import pathlib
 
 import pytest
@@ -84,3 +85,20 @@ def test_the_sliding_window_is_what_pyro_enumerates(lm):
     torch.testing.assert_close(post, exact.marginals["attn"], rtol=0, atol=1e-10)
     i, j = torch.arange(7)[:, None], torch.arange(7)[None, :]
     assert (post[0, :, (i - j < 1) | (i - j > 3)] == 0).all()
+
+
+def test_two_ranks_under_torchrun(tmp_path):
+    """``torchrun`` (gloo, two processes): each rank trains on its half of the global batch,
+    DDP averages; rank 0 writes the result and the report."""
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         str(GALLERY / "train_lm.py"), *TINY, "--steps", "2", "--attention", "stick_breaking",
+         "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.count("world size 2") == 1  # rank 0 speaks
+    result = json.loads((tmp_path / "stick_breaking_T24" / "result.json").read_text())
+    assert result["world_size"] == 2 and result["steps"] == 2
+    assert all(math.isfinite(e["val_bpb"]) for e in result["history"])
