@@ -38,9 +38,8 @@ _KERNELS = {
                        "stick-breaking attention uses its dense reading (C×P memory)"),
 }
 _lock = threading.Lock()
-_state: dict = {"ops": None, "error": None, "tried": False}  # the mean-field kernel's
-_states: dict = {"mean_field": _state, "stick_breaking": {"ops": None, "error": None,
-                                                          "tried": False}}
+#: kernel → its ops, why its build failed, whether it was tried
+_states: dict = {k: {"ops": None, "error": None, "tried": False} for k in _KERNELS}
 _off = threading.local()
 log = logging.getLogger("structattn.kernels")
 

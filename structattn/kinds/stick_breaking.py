@@ -128,27 +128,14 @@ class StickBreakingOperator(Operator):
         self._dense = None
         self._leftover = None
 
-    def _allowed(self) -> torch.Tensor:
-        f = self.family
-        return self._const("allowed", lambda: f.tables.support.dense(
-            f.children.size, f.parents.size, f.children.states.device))
-
     def _table(self):
-        """``(p, leftover)``, dense."""
+        """``(p, leftover)``, dense: the potential's own dense table (``pairwise``, float32 for
+        half precision) through ``stick_breaking_table`` on the support's mask."""
         if self._dense is None:
             f = self.family
-            psi = f.potentials[0]
-            if psi.is_factorised:
-                a, b, scale = self.factors(psi)
-                if a.dtype in (torch.float16, torch.bfloat16):
-                    a, b = a.float(), b.float()
-                if isinstance(scale, torch.Tensor):
-                    scale = scale.to(a.dtype)
-                scores = (a @ b.transpose(-1, -2)) * scale
-            else:
-                scores = psi.pairwise(f.children.states, f.parents.states)
+            scores = f.potentials[0].pairwise(f.children.states, f.parents.states)
             scores = scores.expand(*f.batch_shape, f.heads, *scores.shape[-2:])
-            p, left = stick_breaking_table(scores, self._allowed())
+            p, left = stick_breaking_table(scores, f.tables.support_dense())
             dtype = f.children.states.dtype
             self._dense = (p.to(dtype), left.to(dtype))
         return self._dense

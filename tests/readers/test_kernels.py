@@ -134,12 +134,12 @@ def test_float32_and_bfloat16_agree_with_the_loop():
 
 
 def test_a_failed_build_warns_once_and_falls_back_to_the_loop(monkeypatch):
-    saved = dict(kernels._state)
+    saved = dict(kernels._states["mean_field"])
 
     def broken(kernel="mean_field"):
         raise RuntimeError("Ninja is required to load C++ extensions")
     monkeypatch.setattr(kernels, "_build", broken)
-    kernels._state.update(ops=None, error=None, tried=False)
+    kernels._states["mean_field"].update(ops=None, error=None, tried=False)
     try:
         torch.manual_seed(4)
         m = sa.models.expanding_attention(4, dtype=f64)
@@ -154,8 +154,8 @@ def test_a_failed_build_warns_once_and_falls_back_to_the_loop(monkeypatch):
         assert not kernels.available() and "Ninja" in kernels.build_error()
         torch.testing.assert_close(y, y2, atol=0, rtol=0)
     finally:
-        kernels._state.clear()
-        kernels._state.update(saved)
+        kernels._states["mean_field"].clear()
+        kernels._states["mean_field"].update(saved)
     with torch.no_grad(), kernels.disabled():
         torch.testing.assert_close(sa.compile(m)(x), y, atol=0, rtol=0)
 
