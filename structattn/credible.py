@@ -84,20 +84,16 @@ def credible_from_posterior(posterior: torch.Tensor, a, b, level: float = 0.9) -
     i = torch.arange(N)[:, None]
     d = torch.arange(N)[None, :]  # distance d = i − j; column d of row i is parent i − d
     j = (i - d).clamp(min=0)
-    by_distance = post.gather(-1, j.expand(*lead, N, N)) * (d <= i).to(post.dtype)
-    by_distance[..., 0] = 0.0  # distance 0 is not a parent
-    first = torch.zeros(N, dtype=torch.bool)
-    first[0] = True  # no past: the prior
-    shape = (*lead, N, N)
-    a_e = a_h.reshape(H, 1, 1).expand(shape)
-    b_e = b_h.reshape(H, 1, 1).expand(shape)
-    alpha = a_e + d.to(torch.float64) - 1
-    beta = b_e + 1
-    weights = by_distance.clone()
-    weights[..., 0, :] = 0.0
+    # weights (*lead, N, N): row i, column d = p(φ_i = d | x); distance 0 is no parent
+    weights = post.gather(-1, j.expand(*lead, N, N)) * ((d <= i) & (d >= 1)).to(post.dtype)
+    # components Beta(a + d − 1, b + 1); the clamp keeps the unused d = 0 column's a − 1 > 0
+    # (betainc of a non-positive parameter is NaN, and NaN·0 is NaN)
+    alpha = (a_h.reshape(H, 1, 1) + d.to(torch.float64) - 1).clamp(min=1e-12).expand(*lead, N, N)
+    beta = (b_h.reshape(H, 1, 1) + 1).expand(*lead, N, N)
+    # the first token has no past: its q is the prior's, one component Beta(a, b) at d = 0
     weights[..., 0, 0] = 1.0
-    alpha = torch.where(first[:, None] & (d == 0), a_e, alpha.clamp(min=1e-12))
-    beta = torch.where(first[:, None] & (d == 0), b_e, beta)
+    alpha, beta = alpha.clone(), beta.clone()
+    alpha[..., 0, 0], beta[..., 0, 0] = a_h.reshape(H), b_h.reshape(H)
     tail = (1 - level) / 2
     q = mixture_quantiles(weights.reshape(-1, N), alpha.reshape(-1, N), beta.reshape(-1, N),
                           (tail, 1 - tail))
