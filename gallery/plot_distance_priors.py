@@ -25,6 +25,7 @@ Run: ``python gallery/plot_distance_priors.py [--out DIR] [--quick]``
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 
 import matplotlib
@@ -111,8 +112,7 @@ def main(argv=None):
             ax.legend(fontsize=8)
             ax.set_title(f"{name}: constant β = geometric, q = 1 − β", fontsize=9)
         else:
-            blank = type(m)(**_kwargs(name, d_model))
-            blank.load_state_dict(m.state_dict())
+            blank = copy.deepcopy(m)
             with torch.no_grad():
                 blank.W_q.zero_()
                 _, prior = sa.compile(blank)(x, return_posterior=True)
@@ -154,17 +154,6 @@ def main(argv=None):
     plt.close(fig)
     print("wrote", path)
     return [path]
-
-
-def _kwargs(name: str, d_model: int) -> dict:
-    """The constructor arguments of ``build``'s model called ``name`` (for its ψ ≡ 0 twin)."""
-    if name.startswith("FoX"):
-        return dict(d_model=d_model, gate_bias=2.0, dtype=f64)
-    if name.startswith("generalised"):
-        return dict(d_model=d_model, width=6.0, shape=2.0, dtype=f64)
-    if "Beta" in name:
-        return dict(d_model=d_model, variant="exact", a=4.0, b=1.5, tol=1e-3, dtype=f64)
-    return dict(d_model=d_model, dtype=f64)
 
 
 if __name__ == "__main__":

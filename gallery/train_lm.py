@@ -57,7 +57,7 @@ import json
 import math
 import os
 import pathlib
-import resource
+import sys
 import sysconfig
 import time
 
@@ -68,6 +68,10 @@ from torch import nn
 import structattn as sa
 from structattn.kinds.window import Window
 from structattn.priors import Prior
+
+# the benchmarks' peak-memory measurement (a variant's own peak, not the process's)
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+from _memory import peak_rss_kib, release_and_reset_peak  # noqa: E402
 
 # -- the corpus -------------------------------------------------------------------------
 
@@ -243,35 +247,17 @@ def learning_rate(step, steps, lr):
 
 
 def reset_peak_rss() -> float:
-    """Reset the RSS high-water mark to the current RSS where Linux allows it (writing 5 to
-    /proc/self/clear_refs; freed heap returned first) and return the current RSS, MiB: a
-    variant's peak is the growth over it, not the process's (which holds earlier variants)."""
+    """Reset the RSS high-water mark to the current RSS (``benchmarks/_memory.py``: freed heap
+    returned, then /proc/self/clear_refs) and return it, MiB: a variant's peak is the growth
+    over it, not the process's (which holds earlier variants)."""
     gc.collect()
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except (OSError, AttributeError):
-        pass
-    return _status("VmRSS")
+    release_and_reset_peak()
+    return peak_rss_mib()
 
 
 def peak_rss_mib() -> float:
     """The RSS high-water mark (VmHWM, else ru_maxrss), MiB."""
-    return _status("VmHWM")
-
-
-def _status(key: str) -> float:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return peak_rss_kib()[0] / 1024
 
 
 def distributed():
