@@ -48,6 +48,7 @@ for _name in (
     "hopfield",
     "multihop_attention",
     "predictive_coding",
+    "predictor_choice_coding",
     "relative_position_attention",
     "self_attention",
     "slot_attention",

@@ -40,7 +40,9 @@ from .latent import LatentNodeSet as LatentNodeSet
 from .latent import infer as infer
 from .latent import iteration as iteration
 from .latent import latent as latent
+from .nodes import DeterministicNodeSet as DeterministicNodeSet
 from .nodes import NodeSet as NodeSet
+from .nodes import deterministic as deterministic
 from .nodes import nodes as nodes
 from .readers import Structure as Structure
 from .readers import trace_structure as trace_structure

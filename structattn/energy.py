@@ -20,7 +20,7 @@ import torch
 from pyro.poutine.runtime import effectful
 
 from ._direct import direct_readers
-from .nodes import NodeSet
+from .nodes import NodeSet, depends_on
 
 
 @dataclass(eq=False)
@@ -40,7 +40,7 @@ class Energy:
         return e
 
     def touches(self, node_set) -> bool:
-        return any(ns is node_set for ns in self.node_sets)
+        return any(depends_on(ns, node_set) for ns in self.node_sets)
 
 
 def _factor_energy(term: Energy) -> Energy:

@@ -30,10 +30,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import _validation
 from .divergence import DivergenceWatch
 from .kinds.base import Operator
 from .latent import LatentNodeSet
 from .lowering import operator_for
+from .nodes import DeterministicNodeSet
 
 
 @dataclass
@@ -72,6 +74,18 @@ def sides(family, latent) -> list[str]:
     """Which ends of ``family`` are the latent node set (both for self-attention over it)."""
     return [s for s, ns in (("children", family.children), ("parents", family.parents))
             if ns is latent]
+
+
+def through(family, latent) -> bool:
+    """Whether an end of ``family`` is a deterministic function of the latent
+    (``structattn.deterministic``): its gradient is then autograd's, through that function."""
+    return any(isinstance(ns, DeterministicNodeSet) and ns.depends_on(latent)
+               for ns in (family.children, family.parents))
+
+
+def touches(family, latent) -> bool:
+    """Whether ``family`` depends on the latent's states, at an end or through one."""
+    return bool(sides(family, latent)) or through(family, latent)
 
 
 class Step:
@@ -123,7 +137,7 @@ class Step:
 
     def families(self) -> list:
         """The families with this latent at one end."""
-        return [f for f in self.engine.families.values() if sides(f, self.latent)]
+        return [f for f in self.engine.families.values() if touches(f, self.latent)]
 
     def expected_gradient(self, weight=1.0) -> torch.Tensor:
         """``weight`` · Σ_families E_{p(φ|x,μ)}[∂ψ/∂μ] (the gradient of Σ log_partition), like
@@ -133,7 +147,9 @@ class Step:
             op = self.operator(fam.name)
             closed = [psi.expected_gradient(side, op, weight=weight)
                       for side in sides(fam, self.latent) for psi in fam.potentials]
-            if any(g is None for g in closed):
+            if through(fam, self.latent):  # through a deterministic node set: its pullback
+                closed.extend(self._pulled_back(fam, op, weight))
+            if not closed or any(g is None for g in closed):
                 g = self._autograd_gradient(fam)
                 terms.append(g if isinstance(weight, float) and weight == 1.0 else weight * g)
             else:
@@ -142,10 +158,41 @@ class Step:
             return torch.zeros_like(self.state)
         return sum(terms[1:], terms[0])
 
+    def _pulled_back(self, fam, op, weight) -> list:
+        """E[∂ψ/∂μ] through each end of ``fam`` that is a deterministic node set of μ: the
+        potentials' expected gradient on that end, pulled back by the node set's ``pullback``
+        (a vector-Jacobian product in closed form); [None] where either is missing."""
+        out = []
+        for side, ns in (("children", fam.children), ("parents", fam.parents)):
+            if not (isinstance(ns, DeterministicNodeSet) and ns.depends_on(self.latent)):
+                continue
+            if ns.pullback is None or not any(s is self.latent for s in ns.sources) \
+                    or any(s is not self.latent and isinstance(s, DeterministicNodeSet)
+                           and s.depends_on(self.latent) for s in ns.sources):
+                return [None]  # no closed form, or μ reached through a chain: autograd
+            us = [psi.expected_gradient(side, op, weight=weight) for psi in fam.potentials]
+            if any(u is None for u in us):
+                return [None]
+            grads = ns.pull_back(sum(us[1:], us[0]))
+            out.extend(g for s, g in zip(ns.sources, grads, strict=True) if s is self.latent)
+        return out
+
     def _partial(self, fn) -> torch.Tensor:
         """∂fn/∂μ with every other node state held fixed (``torch.func.grad``: a partial
         derivative, not a total one through states computed from μ's history), itself
-        differentiable for the outer autograd."""
+        differentiable for the outer autograd.
+
+        Not while a plan is recorded or a program exported: PyTorch's tracer
+        (``make_fx(pre_dispatch=True)``) keeps what autograd computes inside the graph as
+        constants, so a recorded gradient would not follow the inputs. The error stops the
+        recording (the signature is read every call) or the export, and says why."""
+        if _validation.is_recording() or _validation.is_exporting():
+            raise NotImplementedError(
+                f"latent node set {self.latent.name!r}: its update differentiates with autograd "
+                f"(a potential without a closed-form expected gradient, a node energy, or a "
+                f"deterministic node set without a pullback), which PyTorch's tracer records "
+                f"as constants: this reading is read every call, not recorded, and cannot be "
+                f"exported")
         z = self.latent.states
 
         def at(mu):
@@ -183,6 +230,8 @@ class Step:
             return None  # a node energy: no closed form
         total = self.latent.prior_precision()
         for fam in self.families():
+            if through(fam, self.latent):
+                return None  # a deterministic node set of it: no closed form
             op = self.operator(fam.name)
             for side in sides(fam, self.latent):
                 for psi in fam.potentials:

@@ -112,3 +112,109 @@ def nodes(name: str, states: torch.Tensor, *, features: int | None = None,
         ns = _nodes(name, states, features, True, name=name)
     ns.memory = bool(memory)
     return ns
+
+
+class DeterministicNodeSet(NodeSet):
+    """A node set whose states are a function of other node sets' states,
+    ``states = fn(*sources' states)`` (``structattn.deterministic``): recomputed whenever a
+    source has moved (a latent's iterate), so an edge family over it sees the sources' current
+    states and the iterative engine differentiates through ``fn``."""
+
+    def __init__(self, name, fn, sources, pullback=None):
+        self.name, self.fn, self.sources, self.pullback = name, fn, tuple(sources), pullback
+        self._plates, self.memory = None, False
+        self._memo = None  # (the sources' states, fn of them)
+
+    def pull_back(self, u: torch.Tensor) -> tuple:
+        """The vector-Jacobian product of ``fn`` at the current states: Σ ⟨u, ∂states/∂s⟩ for
+        each source s, shaped like its states (``pullback(u, states, *sources' states)``)."""
+        grads = self.pullback(u, self.states, *(s.states for s in self.sources))
+        grads = (grads,) if isinstance(grads, torch.Tensor) else tuple(grads)
+        if len(grads) != len(self.sources) or any(
+                g.shape != s.states.shape for g, s in zip(grads, self.sources, strict=True)):
+            want = [shape_str(s.states.shape) for s in self.sources]
+            got = [shape_str(g.shape) if isinstance(g, torch.Tensor) else type(g).__name__
+                   for g in grads]
+            raise ValueError(f"deterministic node set {self.name!r}: pullback must return one "
+                             f"gradient per source, shaped like its states {want}; got {got}")
+        return grads
+
+    @property
+    def observed(self) -> bool:
+        """Data when every source is: computed once; otherwise it moves with a latent."""
+        return all(s.observed for s in self.sources)
+
+    @property
+    def inferred(self) -> bool:
+        """Its latent sources have been inferred (a value read from it is read there)."""
+        return all(s.observed or s.inferred for s in self.sources)
+
+    @property
+    def states(self) -> torch.Tensor:
+        current = tuple(s.states for s in self.sources)
+        memo = self._memo
+        if memo is None or any(a is not b for a, b in zip(memo[0], current, strict=True)):
+            memo = self._memo = (current, self.fn(*current))
+        return memo[1]
+
+    def depends_on(self, node_set: NodeSet) -> bool:
+        """Whether ``node_set`` is a source, directly or through another deterministic set."""
+        return any(depends_on(s, node_set) for s in self.sources)
+
+    def __repr__(self) -> str:
+        return (f"DeterministicNodeSet({self.name!r}, of {[s.name for s in self.sources]}, "
+                f"states={shape_str(self.states.shape)})")
+
+
+def depends_on(ns: NodeSet, node_set: NodeSet) -> bool:
+    """Whether ``ns`` is ``node_set`` or a deterministic function of it."""
+    return ns is node_set or (isinstance(ns, DeterministicNodeSet) and ns.depends_on(node_set))
+
+
+def _make_deterministic(name, fn, sources, features=None, pullback=None):
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"a node set needs a non-empty string name; got {name!r}")
+    if not callable(fn):
+        raise ValueError(f"deterministic node set {name!r}: fn must be callable; got "
+                         f"{type(fn).__name__}")
+    if not sources or not all(isinstance(s, NodeSet) for s in sources):
+        raise ValueError(f"deterministic node set {name!r}: give the node sets its states are "
+                         f"computed from (structattn.nodes / latent / deterministic); got "
+                         f"{[type(s).__name__ for s in sources]}")
+    if pullback is not None and not callable(pullback):
+        raise ValueError(f"deterministic node set {name!r}: pullback must be callable or None; "
+                         f"got {type(pullback).__name__}")
+    ns = DeterministicNodeSet(name, fn, sources, pullback)
+    states = ns.states
+    if not isinstance(states, torch.Tensor) or states.dim() < 2 \
+            or states.shape[:-2] != sources[0].batch_shape:
+        got = shape_str(states.shape) if isinstance(states, torch.Tensor) \
+            else type(states).__name__
+        want = "".join(f"{n}, " for n in sources[0].batch_shape)
+        raise ValueError(f"deterministic node set {name!r}: fn must return states of shape "
+                         f"({want}n, features) — the batch dims of {sources[0].name!r}; got "
+                         f"{got}")
+    _make_node_set(name, states, features)  # the same checks as any node set's states
+    return ns
+
+
+@effectful(type="structattn_nodes")
+def _deterministic(name, fn, sources, features=None, pullback=None):
+    return _make_deterministic(name, fn, sources, features, pullback)
+
+
+def deterministic(name: str, fn, *node_sets: NodeSet, features: int | None = None,
+                  pullback=None) -> NodeSet:
+    """Declare a node set ``name`` whose states are ``fn(*states of node_sets)``, ``(*batch, n,
+    features)`` — e.g. K predictions g_k(z) of a latent layer z, for an edge family that picks
+    one of them. Where a source is latent the states follow its iterate; where every source is
+    observed, it is data.
+
+    The iterative engine needs ∂/∂z through ``fn``: give it in closed form as ``pullback(u,
+    states, *source states)`` → one tensor per source (one tensor for one source), the
+    vector-Jacobian product Σ ⟨u, ∂states/∂source⟩ — e.g. for states = tanh(z Wᵀ),
+    ``lambda u, g, z: (u * (1 - g**2)) @ W``. Without it autograd differentiates ``fn``
+    (correct, but a reading PyTorch's tracer cannot record: read every call, not exported)."""
+    if direct_readers():
+        return _make_deterministic(name, fn, node_sets, features, pullback)
+    return _deterministic(name, fn, node_sets, features, pullback, name=name)

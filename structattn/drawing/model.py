@@ -21,6 +21,8 @@ import graphviz
 import torch
 
 from ..declaration import as_declaration, example_inputs
+from ..latent import LatentNodeSet
+from ..nodes import DeterministicNodeSet, depends_on
 from ..readers import trace_structure
 from ..readers.structure import TraceStructure
 from .graphviz import _COLOURS  # one palette: a family has the same colour in both views
@@ -32,6 +34,9 @@ def _esc(text: str) -> str:
 
 def _node_label(ns) -> str:
     d = ns.states.shape[-1]
+    if isinstance(ns, DeterministicNodeSet):
+        return (f"{ns.name}_i = f({', '.join(s.name for s in ns.sources)})\ndeterministic"
+                f"\n(d = {d})")
     if ns.observed:
         return f"{ns.name}_i\n" + ("memory (learned)" if getattr(ns, "memory", False)
                                     else "observed")
@@ -71,6 +76,8 @@ def model_graph(model, *inputs, unrolled: bool = False) -> graphviz.Digraph:
             style = ({"style": "filled", "fillcolor": "#d9d9d9"} if ns.observed
                      else {"style": "dashed", "penwidth": "1.6"})
             shape = "ellipse"
+            if isinstance(ns, DeterministicNodeSet):  # a function of others: dotted
+                style = {"style": "dotted", "penwidth": "1.6"}
             if getattr(ns, "memory", False):  # stored patterns / prototypes
                 style, shape = {"style": "filled,rounded", "fillcolor": "#fff2cc"}, "box"
             label = _node_label(ns)
@@ -96,6 +103,10 @@ def model_graph(model, *inputs, unrolled: bool = False) -> graphviz.Digraph:
                  + (f"\nheads: {fam.heads}" if fam.heads > 1 else ""))
         src, dst = ids[fam.parents.name], ids[fam.children.name]
         dot.edge(src, dst, label=_esc(label), color=colour, fontcolor=colour, penwidth="1.6")
+    for ns in s.node_sets.values():  # what a deterministic node set is computed from
+        for src in getattr(ns, "sources", ()):
+            dot.edge(ids[src.name], ids[ns.name], label="f", style="dashed", color="#555555",
+                     fontcolor="#555555", arrowsize="0.6")
     for e_i, (name, term) in enumerate((s.energies or {}).items()):
         eid = f"energy{e_i}"
         dot.node(eid, _esc(f"energy '{name}'"), shape="box", style="rounded")
@@ -104,6 +115,9 @@ def model_graph(model, *inputs, unrolled: bool = False) -> graphviz.Digraph:
     title = [f"{decl.display_name} — the declaration (plate notation)",
              "shaded: observed · open, dashed: latent · arrows: parents → children of an edge "
              "family"]
+    if any(isinstance(ns, DeterministicNodeSet) for ns in s.node_sets.values()):
+        title.append("dotted: deterministic (computed from the node sets its dashed f arrows "
+                     "come from)")
     if unrolled and s.latents:
         _unroll(dot, s, ids, sources)
         title.append("below: the compiled iteration unrolled, one column per step")
@@ -122,7 +136,7 @@ def _initial_sources(decl, inputs) -> dict:
         decl.model(*traced)
     node_sets = reader.node_sets.values()
     sources = {}
-    for z in (ns for ns in node_sets if not ns.observed):
+    for z in (ns for ns in node_sets if isinstance(ns, LatentNodeSet)):
         found = []
         for ns in (ns for ns in node_sets if ns.observed):
             if z.init is ns.states:
@@ -147,7 +161,8 @@ def _unroll(dot, s, ids, sources) -> None:
         shown[name] = list(range(T + 1)) if T <= 3 else [0, 1, 2, T]
     for name, z in s.latents.items():
         steps, T = shown[name], z.options.steps
-        touching = [f for f, fam in s.families.items() if z is fam.children or z is fam.parents]
+        touching = [f for f, fam in s.families.items()
+                    if depends_on(fam.children, z) or depends_on(fam.parents, z)]
         update = z.options.update if isinstance(z.options.update, str) else "a callable update"
         with dot.subgraph(name=f"cluster_unrolled_{name}") as c:
             c.attr(style="rounded,dashed", color="#888888")
@@ -170,9 +185,12 @@ def _unroll(dot, s, ids, sources) -> None:
         for f_i, (f, fam) in enumerate(s.families.items()):
             if f not in touching:
                 continue
-            other = fam.parents if fam.children is z else fam.children
-            if other is z:
+            other = fam.parents if depends_on(fam.children, z) else fam.children
+            if depends_on(other, z):
                 continue
+            for src in getattr(other, "sources", ()):  # a deterministic set: its sources
+                if not src.observed:
+                    other = src
             for t in steps[1:]:
                 if other.observed:
                     dot.edge(ids[other.name], f"{ids[name]}_t{t}", style="dotted",

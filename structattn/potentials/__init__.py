@@ -2,6 +2,7 @@
 
 from .base import Potential as Potential
 from .bilinear import Bilinear as Bilinear
+from .distance import Distance as Distance
 from .dot import DotProduct as DotProduct
 from .mapped import Mapped as Mapped
 from .positional import Positional as Positional

@@ -11,6 +11,7 @@ from .._direct import direct_readers
 from ..family import EdgeFamily
 from ..iterate import Engine, Trace
 from ..latent import LatentNodeSet, place_latent
+from ..nodes import depends_on
 
 
 class MarginalEdge:
@@ -104,7 +105,8 @@ class Marginalise(Messenger):
                             fam, self._caches.setdefault(name, {})).posterior()
             return
         for z in pending:
-            if not any(z is f.children or z is f.parents for f in self.families.values()) \
+            if not any(depends_on(f.children, z) or depends_on(f.parents, z)
+                       for f in self.families.values()) \
                     and not any(e.touches(z) for e in self.energies.values()):
                 raise ValueError(f"latent node set {z.name!r} is in no edge family and no "
                                  f"energy: declare its families (structattn.edges) or energies "

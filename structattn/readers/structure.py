@@ -9,7 +9,7 @@ from pyro.poutine.messenger import Messenger
 
 from .. import lowering
 from ..family import EdgeFamily
-from ..latent import place_latent
+from ..latent import LatentNodeSet, place_latent
 from ..nodes import NodeSet
 from ..priors.declared import declared_log_prior
 
@@ -26,7 +26,7 @@ class Structure:
     @property
     def latents(self) -> dict:
         """The latent node sets (``structattn.latent``) by name, in declaration order."""
-        return {k: ns for k, ns in self.node_sets.items() if not ns.observed}
+        return {k: ns for k, ns in self.node_sets.items() if isinstance(ns, LatentNodeSet)}
 
     @property
     def max_plate_nesting(self) -> int:

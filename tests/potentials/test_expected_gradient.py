@@ -40,8 +40,11 @@ def _family(potential_side, potential):
     lambda: sa.potentials.DotProduct(heads=2, temperature=torch.tensor([2.2, 0.5], dtype=f64)),
     lambda: sa.potentials.SquaredDistance(temperature=torch.tensor([0.6, 1.5], dtype=f64),
                                           heads=2),
+    lambda: sa.potentials.Distance(precision=1.7, power=1),
+    lambda: sa.potentials.Distance(precision=0.6, power=2),
 ], ids=["bilinear", "bilinear-identity", "dot", "squared-distance", "squared-distance-heads",
-        "bilinear-tau-per-head", "dot-tau-per-head", "squared-distance-tau-per-head"])
+        "bilinear-tau-per-head", "dot-tau-per-head", "squared-distance-tau-per-head",
+        "euclidean-distance", "distance-squared"])
 def test_closed_form_expected_gradient_is_the_log_partition_gradient(side, make):
     """Lemma 7.1: Σ_i ∇ log Σ_j exp ψ_ij = E_post[∇ψ] — the closed form against autograd."""
     psi = make()

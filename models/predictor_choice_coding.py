@@ -1,0 +1,147 @@
+"""Predictive coding with a choice among whole-layer predictors: the authors' own network."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+import structattn as sa
+from structattn._validation import check_size
+
+from ._catalogue import Entry, randn64
+
+NORMS = {"euclidean": 1, "squared": 2}
+
+
+class PredictorChoiceCoding(sa.Declaration):
+    """A generative predictive-coding network whose layers each choose one of K predictors of
+    the layer below (the authors' code, not the paper's derivation):
+
+    φ_l ~ Uniform{1..K},  ψ_lk = −T‖z_l − tanh(W_lk z_{l+1})‖₂  (``norm="euclidean"``; or
+    −(T/2)‖·‖², ``"squared"``),  F = Σ_l −log (1/K) Σ_k exp ψ_lk
+
+    — T times the authors' F_l = −(1/T) logsumexp_k(−T‖z_l − tanh(W_k z_{l−1})‖), plus a
+    constant, so a gradient step of ``step_size`` dt on theirs is one of dt/T on this one.
+
+    Layers are listed bottom-up like ``predictive_coding``'s, ``layer_sizes = [n_0, …, n_L]``:
+    layer 0 is the data x (observed), layer L the label y (observed when given: training;
+    latent otherwise: inferred, from 1/n_L in every unit). Predictions run top-down: the K
+    predictions of layer l are a deterministic node set of layer l + 1
+    (``structattn.deterministic``, with its pullback in closed form, so a plan records it), and
+    layer l's one node picks one of them. The hidden layers start at the mean prediction from
+    above.
+    Inference: ``steps`` gradient steps on F (flat priors; dt = ``step_size`` on the authors'
+    scale); learning: the gradient of F with respect to W at the relaxed states.
+
+    x: ``(*batch, n_0)``, y: ``(*batch, n_L)`` (optional) → the top layer ``(*batch, n_L)``.
+    Parameters ``weights[l]``: ``(K, n_l, n_{l+1})``, N(0, 1/n_{l+1}).
+
+    ::
+
+        layer l+1        z_{l+1}
+                      /    |    \\          K predictions tanh(W_lk z_{l+1}) (deterministic)
+        predictions   g_1  g_2 … g_K
+                      \\    |    /          φ_l ~ Uniform(K): one predictor
+        layer l          z_l              ψ = −T‖z_l − g_φ‖
+    """
+
+    def __init__(self, layer_sizes, *, predictors=4, temperature=1.0, norm="euclidean",
+                 steps=20, step_size=0.1, grad="unroll", device=None, dtype=None):
+        super().__init__()
+        sizes = list(layer_sizes) if isinstance(layer_sizes, (list, tuple)) else None
+        if not sizes or len(sizes) < 2:
+            raise ValueError(f"PredictorChoiceCoding: layer_sizes must be a list of ≥ 2 positive "
+                             f"ints (data first, label last); got {layer_sizes!r}")
+        sizes = [check_size("PredictorChoiceCoding", f"layer_sizes[{l}]", n)
+                 for l, n in enumerate(sizes)]
+        K = check_size("PredictorChoiceCoding", "predictors", predictors)
+        steps = check_size("PredictorChoiceCoding", "steps", steps, 0)
+        if norm not in NORMS:
+            raise ValueError(f"PredictorChoiceCoding: norm must be one of {list(NORMS)}; got "
+                             f"{norm!r}")
+        T = sa.potentials.temperature.check_temperature(temperature,
+                                                        "PredictorChoiceCoding (temperature)")
+        sa.IterationOptions(steps=steps, update="gradient", step_size=step_size, grad=grad)
+        kw = {"device": device, "dtype": dtype}
+        self.layer_sizes, self.predictors, self.temperature, self.norm = sizes, K, T, norm
+        self.steps, self.step_size, self.grad = steps, step_size, grad
+        self.weights = nn.ParameterList(
+            nn.Parameter(torch.randn(K, sizes[l], sizes[l + 1], **kw) / math.sqrt(sizes[l + 1]))
+            for l in range(len(sizes) - 1))
+
+    def predictions(self, l: int, above: torch.Tensor) -> torch.Tensor:
+        """Layer l's K predictions tanh(W_lk z_{l+1}) from layer l + 1's node states
+        ``(*batch, 1, n_{l+1})``: ``(*batch, K, n_l)``."""
+        return torch.tanh((self.weights[l] @ above[..., 0, None, :, None]).squeeze(-1))
+
+    def pullback(self, l: int, u: torch.Tensor, g: torch.Tensor, above: torch.Tensor):
+        """Σ_k ⟨u_k, ∂g_k/∂z⟩ = Σ_k W_lkᵀ (u_k ⊙ (1 − g_k²)) for g_k = tanh(W_lk z): ``(*batch,
+        1, n_{l+1})`` from u, g ``(*batch, K, n_l)`` (the engine's gradient through the
+        predictions, in closed form)."""
+        return torch.einsum("knm,...kn->...m", self.weights[l], u * (1 - g * g)).unsqueeze(-2)
+
+    def model(self, x, y=None):
+        L = len(self.layer_sizes) - 1
+        self.check_inputs(x=x, y=y)
+        self._check(x, y)
+        options = {"scale": None, "update": "gradient", "steps": self.steps,
+                   "step_size": self.step_size / float(self.temperature), "grad": self.grad}
+        if y is not None:
+            top = sa.nodes(f"layer{L}", y.unsqueeze(-2))
+            latents = []
+        else:
+            top = sa.latent(f"layer{L}", x.new_full((*x.shape[:-1], 1, self.layer_sizes[L]),
+                                                    1.0 / self.layer_sizes[L]), **options)
+            latents = [top]
+        above, layers = top, {}
+        for l in range(L - 1, -1, -1):
+            g = sa.deterministic(f"predictions{l}", lambda z, l=l: self.predictions(l, z), above,
+                                 pullback=lambda u, g, z, l=l: self.pullback(l, u, g, z))
+            if l == 0:
+                layer = sa.nodes("layer0", x.unsqueeze(-2))
+            else:  # from the mean prediction under the prior
+                layer = sa.latent(f"layer{l}", g.states.mean(-2, keepdim=True), **options)
+                latents.append(layer)
+            layers[l] = (layer, g)
+            above = layer
+        potential = sa.potentials.Distance(precision=self.temperature, power=NORMS[self.norm])
+        for l in range(L - 1, -1, -1):
+            layer, g = layers[l]
+            phi = sa.edges(f"predict{l}", layer, g, sa.priors.Uniform())
+            sa.potential(phi, potential)
+        if latents:
+            sa.infer(*latents)
+        return top.states.flatten(-2)
+
+    def _check(self, x, y):
+        n0, nL = self.layer_sizes[0], self.layer_sizes[-1]
+        if x.dim() < 1 or x.shape[-1] != n0:
+            raise ValueError(f"PredictorChoiceCoding: x must have shape (*batch, {n0}); got "
+                             f"{tuple(x.shape)}")
+        if y is not None and y.shape != (*x.shape[:-1], nL):
+            raise ValueError(f"PredictorChoiceCoding: y must have shape {(*x.shape[:-1], nL)} "
+                             f"(x's batch, {nL} label units); got {tuple(y.shape)}")
+
+    def example_inputs(self, n=None, batch=1):
+        return (self._randn(batch, self.layer_sizes[0]),)
+
+
+def predictor_choice_coding(layer_sizes, **kwargs) -> PredictorChoiceCoding:
+    """The authors' predictive-coding network: each layer picks one of K whole-layer predictors
+    tanh(W_k z) of the layer above, with a Euclidean (or squared) error; generative, the label
+    on top; see :class:`PredictorChoiceCoding`."""
+    return PredictorChoiceCoding(layer_sizes, **kwargs)
+
+
+def _case():
+    m = predictor_choice_coding([5, 4, 3], predictors=3, temperature=1.5, steps=3,
+                                step_size=0.05, dtype=torch.float64)
+    return m, (randn64(2, 5),)
+
+
+#: the catalogue's statement (models/_catalogue.py)
+ENTRY = Entry(predictor_choice_coding, PredictorChoiceCoding, case=_case,
+              example=dict(layer_sizes=[6, 4, 3], predictors=3, steps=10),
+              sizes=dict(layer_sizes=1, predictors=1, steps=0))
