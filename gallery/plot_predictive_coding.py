@@ -59,6 +59,7 @@ import argparse
 import datetime
 import os
 import time
+import warnings
 from typing import NamedTuple
 
 import matplotlib
@@ -84,15 +85,23 @@ class Config(NamedTuple):
     sizes: tuple
     blocks: tuple | None = None
     precision: float | None = None  # None: the shared --precision
+    predictors: int | None = None  # "choice": K whole-layer predictors per layer
+    norm: str = "euclidean"  # "choice": the error's norm
+    temperature: float = 1.0  # "choice": T
 
     @property
     def name(self) -> str:
+        if self.kind == "choice":
+            return (f"choice of {self.predictors} predictors, {self.norm} error, "
+                    f"T = {self.temperature:g}")
         name = {"standard": "standard", "units": "attention (units)",
                 "blocks": f"attention (blocks {list(self.blocks or ())})"}[self.kind]
         return name if self.precision is None else f"{name}, k = {self.precision:g}"
 
     @property
     def colour(self) -> str:
+        if self.kind == "choice":
+            return "C4" if self.norm == "euclidean" else "C5"
         if self.precision is not None:
             return "C1"
         return {"standard": "C0", "units": "C3", "blocks": "C2"}[self.kind]
@@ -119,6 +128,10 @@ def one_hot(y):
 
 # -- training and testing ---------------------------------------------------------------------
 def build(cfg, args):
+    if cfg.kind == "choice":  # the authors' network: generative, the label on top
+        return sa.models.predictor_choice_coding(
+            list(cfg.sizes), predictors=cfg.predictors, temperature=cfg.temperature,
+            norm=cfg.norm, steps=args.steps, step_size=args.step_size)
     return sa.models.predictive_coding(
         list(cfg.sizes), attention=cfg.kind != "standard",
         blocks=list(cfg.blocks) if cfg.blocks else None,
@@ -143,7 +156,8 @@ def train_step(m, layer, opt, x, y):
 
 
 def accuracy(layer, X, y, steps):
-    with torch.no_grad(), sa.iteration(steps=steps):
+    with torch.no_grad(), sa.iteration(steps=steps), warnings.catch_warnings():
+        warnings.simplefilter("ignore", sa.DivergenceWarning)  # counted while training
         return float((layer(X).argmax(-1) == y).to(torch.float32).mean())
 
 
@@ -156,7 +170,21 @@ def test_trace(m, layer, X, y, steps):
     acc = (top.argmax(-1) == y).to(torch.float32).mean(-1)
     hidden = trace.states.get("layer1") if len(m.layer_sizes) > 2 else None
     spread = float(hidden[-1].flatten(-2).std(0).mean()) if hidden is not None else float("nan")
-    return trace.free_energy.mean(-1), acc, spread
+    return trace.free_energy.mean(-1), acc, spread, trace.free_energy[-1]
+
+
+def clamped_free_energies(layer, X, steps):
+    """F after ``steps`` inference steps with each one-hot label clamped: ``(B, classes)``."""
+    Fs = []
+    with torch.no_grad(), sa.iteration(steps=steps):
+        for c in range(CLASSES):
+            y = one_hot(torch.full((len(X),), c))
+            if len(layer.declaration.layer_sizes) > 2:
+                _, trace = layer(X, y, return_trace=True)
+                Fs.append(trace.free_energy[-1])
+            else:  # nothing latent: F at the clamped states
+                Fs.append(layer.free_energy(X, y))
+    return torch.stack(Fs, -1)
 
 
 def time_per_step(layer, X, steps, repeats=3):
@@ -174,7 +202,9 @@ def time_per_step(layer, X, steps, repeats=3):
 
 def train(cfg, seed, data, args):
     """One network: per-epoch test accuracy (``args.steps`` steps; epoch 0 = untrained) and
-    training free energy, then the test trace at ``args.test_steps``."""
+    training free energy, then the test trace at ``args.test_steps``. ``rose``: the share of
+    training relaxations whose F ended above its start (a ``DivergenceWarning``: with the
+    Euclidean error a fixed step overshoots the cone's tip)."""
     Xtr, ytr, Xte, yte = data
     torch.manual_seed(seed)
     m = build(cfg, args)
@@ -183,16 +213,24 @@ def train(cfg, seed, data, args):
     g = torch.Generator().manual_seed(seed)
     acc, F = [accuracy(layer, Xte, yte, args.steps)], []
     start = time.perf_counter()
-    for _ in range(args.epochs):
-        order = torch.randperm(len(Xtr), generator=g)
-        losses = [train_step(m, layer, opt, Xtr[b], one_hot(ytr[b]))
-                  for b in order.split(args.batch)]
-        F.append(float(np.mean(losses)))
-        acc.append(accuracy(layer, Xte, yte, args.steps))
+    relaxations = 0
+    with warnings.catch_warnings(record=True) as rose:
+        warnings.simplefilter("always", sa.DivergenceWarning)
+        for _ in range(args.epochs):
+            order = torch.randperm(len(Xtr), generator=g)
+            batches = order.split(args.batch)
+            losses = [train_step(m, layer, opt, Xtr[b], one_hot(ytr[b])) for b in batches]
+            relaxations += len(batches)
+            F.append(float(np.mean(losses)))
+            acc.append(accuracy(layer, Xte, yte, args.steps))
     seconds = time.perf_counter() - start
-    F_test, acc_test, spread = test_trace(m, layer, Xte, yte, args.test_steps)
+    rose = sum(issubclass(w.category, sa.DivergenceWarning) for w in rose) / max(relaxations, 1)
+    F_test, acc_test, spread, F_digits = test_trace(m, layer, Xte, yte, args.test_steps)
+    F_clamped = clamped_free_energies(layer, Xte, args.test_steps)
     return {"model": m, "layer": layer, "acc": acc, "F": F, "F_test": F_test,
-            "acc_test": acc_test, "spread": spread, "train_seconds": seconds}
+            "acc_test": acc_test, "spread": spread, "train_seconds": seconds, "rose": rose,
+            "F_clamped": F_clamped, "F_digits": F_digits,
+            "acc_argmin": float((F_clamped.argmin(-1) == yte).float().mean())}
 
 
 # -- pictures -------------------------------------------------------------------------------
@@ -372,6 +410,49 @@ def plot_block_posterior(runs, X, y, args, path, title, seeds_shown=3):
     plt.close(fig)
 
 
+def plot_choice(runs, X, y, args, path, title):
+    """The authors' networks (one row each): with the label clamped, the mean posterior of the
+    hidden layer and of the image over the K predictors per true class (seed 0), and per test
+    digit the free energy of the label inferred by gradient descent minus the least F over the
+    ten one-hot labels clamped (every seed): below 0, a label state that is no class explains
+    the digit better than any class does."""
+    cfgs = [c for c in runs if c.kind == "choice"]
+    fig, axes = plt.subplots(len(cfgs), 3, figsize=(13, 3.4 * len(cfgs)), squeeze=False,
+                             constrained_layout=True, gridspec_kw={"width_ratios": [1, 1, 1.6]})
+    for row, cfg in zip(axes, cfgs, strict=True):
+        seeds = runs[cfg]
+        with torch.no_grad(), sa.iteration(steps=args.test_steps):
+            _, post = seeds[0]["layer"](X, one_hot(y), return_posterior=True)
+        for ax, fam, what in ((row[0], "predict1", "hidden layer"), (row[1], "predict0", "image")):
+            p = post[fam][:, 0, 0]  # (B, K)
+            per_class = torch.stack([p[y == c].mean(0) for c in range(CLASSES)]).numpy()
+            im = ax.imshow(per_class, cmap="Purples", vmin=0, vmax=1, aspect="auto")
+            ax.set_xticks(range(cfg.predictors))
+            ax.set_yticks(range(CLASSES))
+            ax.tick_params(labelsize=7)
+            ax.set_xlabel(f"predictor k of the {what}", fontsize=8)
+            ax.set_ylabel(f"{cfg.norm}, T = {cfg.temperature:g}\ntrue class", fontsize=8)
+            ax.set_title("p(φ = k), label clamped (seed 0)", fontsize=8)
+        fig.colorbar(im, ax=list(row[:2]), fraction=0.04).set_label("mean posterior", fontsize=7)
+        gaps = [(r["F_digits"] - r["F_clamped"].min(-1).values).numpy() for r in seeds]
+        lo, hi = min(g.min() for g in gaps), max(g.max() for g in gaps)
+        bins = np.linspace(lo, hi, 41)
+        for k, g in enumerate(gaps):
+            row[2].hist(g, bins=bins, histtype="step", color=f"C{k}", lw=1.1,
+                        label=f"seed {k}: {np.mean(g < 0):.0%} below 0; accuracy "
+                              f"{float(seeds[k]['acc_test'][-1]):.1%} inferred, "
+                              f"{seeds[k]['acc_argmin']:.1%} argmin F")
+        row[2].axvline(0, color="k", lw=0.8, ls=":")
+        row[2].set_xlabel(f"F(label inferred, {args.test_steps} steps) − min over the ten "
+                          f"one-hot labels of F (label clamped)", fontsize=8)
+        row[2].set_ylabel("test digits", fontsize=8)
+        row[2].legend(fontsize=6)
+        row[2].tick_params(labelsize=7)
+    fig.suptitle(title, fontsize=9)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 # -- the table ----------------------------------------------------------------------------------
 def mean_sd(values, fmt="{:.1%}"):
     v = np.asarray(values, dtype=float)
@@ -381,19 +462,21 @@ def mean_sd(values, fmt="{:.1%}"):
 
 def table(runs, timings, args):
     rows = [f"| model | layers | test accuracy, {args.steps} steps | test accuracy, "
-            f"{args.test_steps} steps | training F, last epoch | test F, step 0 → "
-            f"{args.test_steps} | hidden spread (sd over digits) | ms per inference step "
-            f"(batch {args.test_size}) | time per epoch (training + test at {args.steps} steps) |",
-            "|---|---|---|---|---|---|---|---|---|"]
+            f"{args.test_steps} steps | test accuracy, argmin over labels of F | training F, "
+            f"last epoch | test F, step 0 → {args.test_steps} | hidden spread (sd over digits) "
+            f"| training relaxations where F rose | ms per inference step (batch "
+            f"{args.test_size}) | time per epoch (training + test at {args.steps} steps) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
     for cfg, seeds in runs.items():
         rows.append(
             f"| {cfg.name} | {list(cfg.sizes)} | {mean_sd([r['acc'][-1] for r in seeds])} | "
             f"{mean_sd([float(r['acc_test'][-1]) for r in seeds])} | "
+            f"{mean_sd([r['acc_argmin'] for r in seeds])} | "
             f"{mean_sd([r['F'][-1] for r in seeds], '{:.3g}')} | "
             f"{np.mean([float(r['F_test'][0]) for r in seeds]):.3g} → "
             f"{np.mean([float(r['F_test'][-1]) for r in seeds]):.3g} | "
             + ("—" if not cfg.deep else mean_sd([r["spread"] for r in seeds], "{:.2g}"))
-            + f" | {timings[cfg] * 1e3:.2f} | "
+            + f" | {np.mean([r['rose'] for r in seeds]):.0%} | {timings[cfg] * 1e3:.2f} | "
             f"{np.mean([r['train_seconds'] for r in seeds]) / max(args.epochs, 1):.1f} s |")
     return "\n".join(rows)
 
@@ -408,6 +491,12 @@ def main(argv=None):
     p.add_argument("--precision", type=float, default=1.0, help="precision k (every network)")
     p.add_argument("--sharp-precision", type=float, default=5.0,
                    help="the block network's precision in its second run (sharper posteriors)")
+    p.add_argument("--predictors", type=int, default=4,
+                   help="K, the predictors per layer of the authors' network (choice)")
+    p.add_argument("--temperature", type=float, default=1.0,
+                   help="T of the authors' network with the Euclidean error (theirs: 1)")
+    p.add_argument("--squared-temperature", type=float, default=0.1,
+                   help="T of the authors' network with the squared error")
     p.add_argument("--activation", default="tanh", choices=["tanh", "none"])
     p.add_argument("--steps", type=int, default=20, help="inference steps while training")
     p.add_argument("--step-size", type=float, default=0.1, help="inference step size")
@@ -429,7 +518,9 @@ def main(argv=None):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _run(args)
+        with warnings.catch_warnings():  # F rising in a relaxation: counted while training
+            warnings.simplefilter("ignore", sa.DivergenceWarning)
+            return _run(args)
     finally:
         torch.set_num_threads(threads)
 
@@ -445,7 +536,10 @@ def _run(args):
     configs = [Config("blocks", deep, (1, args.blocks, 1)),
                Config("blocks", deep, (1, args.blocks, 1), args.sharp_precision),
                Config("standard", deep),
-               Config("units", deep), Config("units", shallow), Config("standard", shallow)]
+               Config("units", deep), Config("units", shallow), Config("standard", shallow),
+               Config("choice", deep, predictors=args.predictors, temperature=args.temperature),
+               Config("choice", deep, predictors=args.predictors, norm="squared",
+                      temperature=args.squared_temperature)]
     runs, timings = {}, {}
     for cfg in configs:
         runs[cfg] = seeds = []
@@ -454,7 +548,8 @@ def _run(args):
             seeds.append(r)
             print(f"  {cfg.name:26} {str(list(cfg.sizes)):12} seed {seed}: test accuracy per epoch "
                   + " ".join(f"{a:.3f}" for a in r["acc"])
-                  + f"; {args.test_steps} steps: {float(r['acc_test'][-1]):.3f} "
+                  + f"; {args.test_steps} steps: {float(r['acc_test'][-1]):.3f}, argmin F "
+                  f"{r['acc_argmin']:.3f}, F rose in {r['rose']:.0%} "
                   f"({r['train_seconds']:.1f} s)", flush=True)
         timings[cfg] = time_per_step(seeds[0]["layer"], data[2], args.test_steps,
                                      repeats=1 if args.quick else 3)
@@ -486,6 +581,11 @@ def _run(args):
                          f"block attention networks {list(deep)}, blocks [1, {args.blocks}, 1]: "
                          f"the output's posterior over the hidden blocks\nafter "
                          f"{args.test_steps} inference steps on the test digits")
+    written.append(path)
+    path = os.path.join(args.out, "pc_choice.png")
+    plot_choice(runs, data[2], data[3], args, path,
+                f"the authors' network {list(deep)}: a choice of {args.predictors} whole-layer "
+                f"predictors tanh(W_k z) per layer, generative (the label on top)")
     written.append(path)
     print(f"({time.perf_counter() - start:.1f} s)\nwrote:\n  " + "\n  ".join(written))
     return written

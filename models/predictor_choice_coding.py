@@ -27,11 +27,12 @@ class PredictorChoiceCoding(sa.Declaration):
 
     Layers are listed bottom-up like ``predictive_coding``'s, ``layer_sizes = [n_0, …, n_L]``:
     layer 0 is the data x (observed), layer L the label y (observed when given: training;
-    latent otherwise: inferred, from 1/n_L in every unit). Predictions run top-down: the K
-    predictions of layer l are a deterministic node set of layer l + 1
+    latent otherwise: inferred, from ``label_init`` in every unit, default 1/n_L). Predictions
+    run top-down: the K predictions of layer l are a deterministic node set of layer l + 1
     (``structattn.deterministic``, with its pullback in closed form, so a plan records it), and
     layer l's one node picks one of them. The hidden layers start at the mean prediction from
-    above.
+    above (with ``label_init=0`` every prediction is tanh(0) = 0: the hidden layers start at
+    the tip of every cone, where the Euclidean error's subgradient is 0).
     Inference: ``steps`` gradient steps on F (flat priors; dt = ``step_size`` on the authors'
     scale); learning: the gradient of F with respect to W at the relaxed states.
 
@@ -48,7 +49,8 @@ class PredictorChoiceCoding(sa.Declaration):
     """
 
     def __init__(self, layer_sizes, *, predictors=4, temperature=1.0, norm="euclidean",
-                 steps=20, step_size=0.1, grad="unroll", device=None, dtype=None):
+                 label_init=None, steps=20, step_size=0.1, grad="unroll", device=None,
+                 dtype=None):
         super().__init__()
         sizes = list(layer_sizes) if isinstance(layer_sizes, (list, tuple)) else None
         if not sizes or len(sizes) < 2:
@@ -63,10 +65,15 @@ class PredictorChoiceCoding(sa.Declaration):
                              f"{norm!r}")
         T = sa.potentials.temperature.check_temperature(temperature,
                                                         "PredictorChoiceCoding (temperature)")
+        if label_init is not None and not (isinstance(label_init, (int, float))
+                                           and math.isfinite(label_init)):
+            raise ValueError(f"PredictorChoiceCoding: label_init must be a finite number or "
+                             f"None (1/n_L); got {label_init!r}")
         sa.IterationOptions(steps=steps, update="gradient", step_size=step_size, grad=grad)
         kw = {"device": device, "dtype": dtype}
         self.layer_sizes, self.predictors, self.temperature, self.norm = sizes, K, T, norm
         self.steps, self.step_size, self.grad = steps, step_size, grad
+        self.label_init = 1.0 / sizes[-1] if label_init is None else float(label_init)
         self.weights = nn.ParameterList(
             nn.Parameter(torch.randn(K, sizes[l], sizes[l + 1], **kw) / math.sqrt(sizes[l + 1]))
             for l in range(len(sizes) - 1))
@@ -74,13 +81,15 @@ class PredictorChoiceCoding(sa.Declaration):
     def predictions(self, l: int, above: torch.Tensor) -> torch.Tensor:
         """Layer l's K predictions tanh(W_lk z_{l+1}) from layer l + 1's node states
         ``(*batch, 1, n_{l+1})``: ``(*batch, K, n_l)``."""
-        return torch.tanh((self.weights[l] @ above[..., 0, None, :, None]).squeeze(-1))
+        W = self.weights[l]  # (K, n_l, n_{l+1}): one matrix product for the K predictors
+        return torch.tanh(above @ W.flatten(0, 1).T).unflatten(-1, W.shape[:2])[..., 0, :, :]
 
     def pullback(self, l: int, u: torch.Tensor, g: torch.Tensor, above: torch.Tensor):
         """Σ_k ⟨u_k, ∂g_k/∂z⟩ = Σ_k W_lkᵀ (u_k ⊙ (1 − g_k²)) for g_k = tanh(W_lk z): ``(*batch,
         1, n_{l+1})`` from u, g ``(*batch, K, n_l)`` (the engine's gradient through the
         predictions, in closed form)."""
-        return torch.einsum("knm,...kn->...m", self.weights[l], u * (1 - g * g)).unsqueeze(-2)
+        W = self.weights[l]
+        return (u * (1 - g * g)).flatten(-2).unsqueeze(-2) @ W.flatten(0, 1)
 
     def model(self, x, y=None):
         L = len(self.layer_sizes) - 1
@@ -93,7 +102,7 @@ class PredictorChoiceCoding(sa.Declaration):
             latents = []
         else:
             top = sa.latent(f"layer{L}", x.new_full((*x.shape[:-1], 1, self.layer_sizes[L]),
-                                                    1.0 / self.layer_sizes[L]), **options)
+                                                    self.label_init), **options)
             latents = [top]
         above, layers = top, {}
         for l in range(L - 1, -1, -1):

@@ -193,6 +193,8 @@ def test_drawing_shows_the_predictions_as_deterministic(tmp_path):
     ({"temperature": 0.0}, r"temperature must be a finite number > 0; got 0.0"),
     ({"temperature": -1.0}, r"temperature must be a finite number > 0; got -1.0"),
     ({"layer_sizes": [4]}, r"layer_sizes must be a list of ≥ 2 positive ints"),
+    ({"label_init": float("nan")}, r"label_init must be a finite number or None \(1/n_L\); "
+                                   r"got nan"),
 ])
 def test_bad_settings_are_refused(kwargs, match):
     args = {"layer_sizes": [4, 3], **kwargs}
