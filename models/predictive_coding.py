@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import structattn as sa
-from structattn._validation import check_size
+from structattn._validation import check_layer_sizes, check_size
 from structattn.potentials.prediction_error import ACTIVATIONS
 
 from ._catalogue import Entry, randn64
@@ -51,12 +51,7 @@ class PredictiveCoding(sa.Declaration):
                  activation="tanh", steps=20, step_size=0.1, grad="unroll", device=None,
                  dtype=None):
         super().__init__()
-        sizes = list(layer_sizes) if isinstance(layer_sizes, (list, tuple)) else None
-        if not sizes or len(sizes) < 2:
-            raise ValueError(f"PredictiveCoding: layer_sizes must be a list of ≥ 2 positive ints "
-                             f"(input first); got {layer_sizes!r}")
-        sizes = [check_size("PredictiveCoding", f"layer_sizes[{l}]", n)
-                 for l, n in enumerate(sizes)]
+        sizes = check_layer_sizes("PredictiveCoding", layer_sizes, "input first")
         steps = check_size("PredictiveCoding", "steps", steps, 0)
         if activation not in ACTIVATIONS:
             raise ValueError(f"PredictiveCoding: activation must be one of {list(ACTIVATIONS)}; "

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import structattn as sa
-from structattn._validation import check_size
+from structattn._validation import check_layer_sizes, check_size
 
 from ._catalogue import Entry, randn64
 
@@ -52,12 +52,7 @@ class PredictorChoiceCoding(sa.Declaration):
                  label_init=None, steps=20, step_size=0.1, grad="unroll", device=None,
                  dtype=None):
         super().__init__()
-        sizes = list(layer_sizes) if isinstance(layer_sizes, (list, tuple)) else None
-        if not sizes or len(sizes) < 2:
-            raise ValueError(f"PredictorChoiceCoding: layer_sizes must be a list of ≥ 2 positive "
-                             f"ints (data first, label last); got {layer_sizes!r}")
-        sizes = [check_size("PredictorChoiceCoding", f"layer_sizes[{l}]", n)
-                 for l, n in enumerate(sizes)]
+        sizes = check_layer_sizes("PredictorChoiceCoding", layer_sizes, "data first, label last")
         K = check_size("PredictorChoiceCoding", "predictors", predictors)
         steps = check_size("PredictorChoiceCoding", "steps", steps, 0)
         if norm not in NORMS:

@@ -163,6 +163,17 @@ def check_size(owner: str, name: str, value, least: int = 1) -> int:
     return int(value)
 
 
+def check_layer_sizes(owner: str, layer_sizes, order: str) -> list[int]:
+    """A network's layer sizes: a list or tuple of ≥ 2 positive ints (``order`` says which
+    end is which, e.g. "input first"), returned as a list of ints; a ValueError otherwise,
+    naming the list or the entry (``layer_sizes[l]``)."""
+    sizes = list(layer_sizes) if isinstance(layer_sizes, (list, tuple)) else None
+    if not sizes or len(sizes) < 2:
+        raise ValueError(f"{owner}: layer_sizes must be a list of ≥ 2 positive ints ({order}); "
+                         f"got {layer_sizes!r}")
+    return [check_size(owner, f"layer_sizes[{l}]", n) for l, n in enumerate(sizes)]
+
+
 def check_like(what: str, states: torch.Tensor, reference: torch.Tensor, reference_name: str
                ) -> None:
     """States must have the dtype of a parameter they meet (``reference``, described as
