@@ -359,6 +359,11 @@ def plot_posterior(runs, X, y, args, path, title, examples=4):
     plt.close(fig)
 
 
+def per_class_mean(p, y):
+    """The mean of ``p`` ``(B, K)`` over the digits of each true class: ``(classes, K)``."""
+    return torch.stack([p[y == c].mean(0) for c in range(CLASSES)]).numpy()
+
+
 def block_posterior(layer, X, steps, y=None):
     """The output node's posterior over the hidden blocks after inference (the output inferred,
     or clamped to the one-hot ``y``): ``(B, K)``."""
@@ -385,7 +390,7 @@ def plot_block_posterior(runs, X, y, args, path, title, seeds_shown=3):
             free = block_posterior(r["layer"], X, args.test_steps)
             if s < shown:
                 ax = row[s]
-                per_class = torch.stack([p[y == c].mean(0) for c in range(CLASSES)]).numpy()
+                per_class = per_class_mean(p, y)
                 im = ax.imshow(per_class, cmap="Greens", vmin=0, vmax=1, aspect="auto")
                 ax.set_xticks(range(K))
                 ax.set_yticks(range(CLASSES))
@@ -427,7 +432,7 @@ def plot_choice(runs, X, y, args, path, title):
             _, post = seeds[0]["layer"](X, one_hot(y), return_posterior=True)
         for ax, fam, what in ((row[0], "predict1", "hidden layer"), (row[1], "predict0", "image")):
             p = post[fam][:, 0, 0]  # (B, K)
-            per_class = torch.stack([p[y == c].mean(0) for c in range(CLASSES)]).numpy()
+            per_class = per_class_mean(p, y)
             im = ax.imshow(per_class, cmap="Purples", vmin=0, vmax=1, aspect="auto")
             ax.set_xticks(range(cfg.predictors))
             ax.set_yticks(range(CLASSES))

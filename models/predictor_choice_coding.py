@@ -99,7 +99,8 @@ class PredictorChoiceCoding(sa.Declaration):
             top = sa.latent(f"layer{L}", x.new_full((*x.shape[:-1], 1, self.layer_sizes[L]),
                                                     self.label_init), **options)
             latents = [top]
-        above, layers = top, {}
+        potential = sa.potentials.Distance(precision=self.temperature, power=NORMS[self.norm])
+        above = top
         for l in range(L - 1, -1, -1):
             g = sa.deterministic(f"predictions{l}", lambda z, l=l: self.predictions(l, z), above,
                                  pullback=lambda u, g, z, l=l: self.pullback(l, u, g, z))
@@ -108,13 +109,8 @@ class PredictorChoiceCoding(sa.Declaration):
             else:  # from the mean prediction under the prior
                 layer = sa.latent(f"layer{l}", g.states.mean(-2, keepdim=True), **options)
                 latents.append(layer)
-            layers[l] = (layer, g)
+            sa.potential(sa.edges(f"predict{l}", layer, g, sa.priors.Uniform()), potential)
             above = layer
-        potential = sa.potentials.Distance(precision=self.temperature, power=NORMS[self.norm])
-        for l in range(L - 1, -1, -1):
-            layer, g = layers[l]
-            phi = sa.edges(f"predict{l}", layer, g, sa.priors.Uniform())
-            sa.potential(phi, potential)
         if latents:
             sa.infer(*latents)
         return top.states.flatten(-2)

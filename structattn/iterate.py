@@ -35,7 +35,7 @@ from .divergence import DivergenceWatch
 from .kinds.base import Operator
 from .latent import LatentNodeSet
 from .lowering import operator_for
-from .nodes import DeterministicNodeSet
+from .nodes import depends_on
 
 
 @dataclass
@@ -78,14 +78,15 @@ def sides(family, latent) -> list[str]:
 
 def through(family, latent) -> bool:
     """Whether an end of ``family`` is a deterministic function of the latent
-    (``structattn.deterministic``): its gradient is then autograd's, through that function."""
-    return any(isinstance(ns, DeterministicNodeSet) and ns.depends_on(latent)
+    (``structattn.deterministic``): its gradient then goes through that function (its
+    pullback, or autograd)."""
+    return any(ns is not latent and depends_on(ns, latent)
                for ns in (family.children, family.parents))
 
 
 def touches(family, latent) -> bool:
     """Whether ``family`` depends on the latent's states, at an end or through one."""
-    return bool(sides(family, latent)) or through(family, latent)
+    return depends_on(family.children, latent) or depends_on(family.parents, latent)
 
 
 class Step:
@@ -163,18 +164,18 @@ class Step:
         potentials' expected gradient on that end, pulled back by the node set's ``pullback``
         (a vector-Jacobian product in closed form); [None] where either is missing."""
         out = []
+        z = self.latent
         for side, ns in (("children", fam.children), ("parents", fam.parents)):
-            if not (isinstance(ns, DeterministicNodeSet) and ns.depends_on(self.latent)):
+            if ns is z or not depends_on(ns, z):
                 continue
-            if ns.pullback is None or not any(s is self.latent for s in ns.sources) \
-                    or any(s is not self.latent and isinstance(s, DeterministicNodeSet)
-                           and s.depends_on(self.latent) for s in ns.sources):
-                return [None]  # no closed form, or μ reached through a chain: autograd
+            # no closed form, or μ reached through another deterministic set: autograd
+            if ns.pullback is None or any(s is not z and depends_on(s, z) for s in ns.sources):
+                return [None]
             us = [psi.expected_gradient(side, op, weight=weight) for psi in fam.potentials]
             if any(u is None for u in us):
                 return [None]
             grads = ns.pull_back(sum(us[1:], us[0]))
-            out.extend(g for s, g in zip(ns.sources, grads, strict=True) if s is self.latent)
+            out.extend(g for s, g in zip(ns.sources, grads, strict=True) if s is z)
         return out
 
     def _partial(self, fn) -> torch.Tensor:

@@ -172,8 +172,6 @@ def depends_on(ns: NodeSet, node_set: NodeSet) -> bool:
 
 
 def _make_deterministic(name, fn, sources, features=None, pullback=None):
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"a node set needs a non-empty string name; got {name!r}")
     if not callable(fn):
         raise ValueError(f"deterministic node set {name!r}: fn must be callable; got "
                          f"{type(fn).__name__}")
@@ -185,16 +183,12 @@ def _make_deterministic(name, fn, sources, features=None, pullback=None):
         raise ValueError(f"deterministic node set {name!r}: pullback must be callable or None; "
                          f"got {type(pullback).__name__}")
     ns = DeterministicNodeSet(name, fn, sources, pullback)
-    states = ns.states
-    if not isinstance(states, torch.Tensor) or states.dim() < 2 \
-            or states.shape[:-2] != sources[0].batch_shape:
-        got = shape_str(states.shape) if isinstance(states, torch.Tensor) \
-            else type(states).__name__
+    states = _make_node_set(name, ns.states, features).states  # any node set's checks
+    if states.shape[:-2] != sources[0].batch_shape:
         want = "".join(f"{n}, " for n in sources[0].batch_shape)
         raise ValueError(f"deterministic node set {name!r}: fn must return states of shape "
                          f"({want}n, features) — the batch dims of {sources[0].name!r}; got "
-                         f"{got}")
-    _make_node_set(name, states, features)  # the same checks as any node set's states
+                         f"{shape_str(states.shape)}")
     return ns
 
 

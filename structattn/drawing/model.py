@@ -21,6 +21,7 @@ import graphviz
 import torch
 
 from ..declaration import as_declaration, example_inputs
+from ..iterate import touches
 from ..latent import LatentNodeSet
 from ..nodes import DeterministicNodeSet, depends_on
 from ..readers import trace_structure
@@ -161,8 +162,7 @@ def _unroll(dot, s, ids, sources) -> None:
         shown[name] = list(range(T + 1)) if T <= 3 else [0, 1, 2, T]
     for name, z in s.latents.items():
         steps, T = shown[name], z.options.steps
-        touching = [f for f, fam in s.families.items()
-                    if depends_on(fam.children, z) or depends_on(fam.parents, z)]
+        touching = [f for f, fam in s.families.items() if touches(fam, z)]
         update = z.options.update if isinstance(z.options.update, str) else "a callable update"
         with dot.subgraph(name=f"cluster_unrolled_{name}") as c:
             c.attr(style="rounded,dashed", color="#888888")

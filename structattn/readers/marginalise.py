@@ -9,9 +9,8 @@ from pyro.poutine.messenger import Messenger
 from .. import lowering
 from .._direct import direct_readers
 from ..family import EdgeFamily
-from ..iterate import Engine, Trace
+from ..iterate import Engine, Trace, touches
 from ..latent import LatentNodeSet, place_latent
-from ..nodes import depends_on
 
 
 class MarginalEdge:
@@ -105,8 +104,7 @@ class Marginalise(Messenger):
                             fam, self._caches.setdefault(name, {})).posterior()
             return
         for z in pending:
-            if not any(depends_on(f.children, z) or depends_on(f.parents, z)
-                       for f in self.families.values()) \
+            if not any(touches(f, z) for f in self.families.values()) \
                     and not any(e.touches(z) for e in self.energies.values()):
                 raise ValueError(f"latent node set {z.name!r} is in no edge family and no "
                                  f"energy: declare its families (structattn.edges) or energies "
