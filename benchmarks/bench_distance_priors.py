@@ -1,8 +1,9 @@
 """Distance priors at SDPA speed: FoX, causal ALiBi, stick-breaking; forward+backward, one run.
 
 Both priors' log weights are a difference of per-token terms (c_i − c_j; −m·i + m·j), which
-structattn lowers as plain causal SDPA with one more key dimension (``Prior.terms``): no N×N
-bias. Compared, per N, with the same weights:
+structattn lowers without an N×N bias (``Prior.terms``): on the CPU the per-parent term is the
+fused kernel's mask, broadcast over the queries, in the forward, and one more key dimension in
+the backward (``structattn/kinds/key_bias.py``). Compared, per N, with the same weights:
 
 - ``causal SDPA``: a hand-written causal self-attention layer without any bias — the baseline
   (projections + ``scaled_dot_product_attention(is_causal=True)``);
@@ -21,7 +22,8 @@ B=1, H=4, d_model=256 (d=64 per head), float32, N = 1,024 and 4,096 (``--long``:
 without the dense-bias and eager variants, whose bias alone would take 4 GiB). Reported: median time
 of forward+backward over interleaved rounds, the median per-round ratio to causal SDPA
 (``paired``), and the peak of live tensor bytes during one forward+backward (the profiler's
-allocation events) relative to causal SDPA. Targets (issue 22): FoX and ALiBi ≤ 1.1× causal
+allocation events) relative to causal SDPA; then the forward alone without gradients
+(inference), timed the same way. Targets (issue 22): FoX and ALiBi ≤ 1.1× causal
 SDPA in time and peak memory; stick-breaking ≤ 2× causal SDPA in time. Run:
 ``python benchmarks/bench_distance_priors.py [--quick] [--long] [--json PATH]``.
 """
@@ -118,17 +120,25 @@ def peak_bytes(fn, x, params) -> int:
     return peak
 
 
-def time_fwd_bwd(fns: dict, x, rounds: int) -> dict:
+def _forward(fn, x, params):
+    with torch.no_grad():
+        fn()
+
+
+def time_fwd_bwd(fns: dict, x, rounds: int, backward: bool = True) -> dict:
+    """Interleaved rounds of forward+backward (or, ``backward=False``, of the forward alone
+    without gradients: inference)."""
+    once = _fwd_bwd if backward else _forward
     for fn, params in fns.values():
         for _ in range(3):  # read, record, replay
-            _fwd_bwd(fn, x, params)
+            once(fn, x, params)
     times = {k: [] for k in fns}
     names = list(fns)
     for r in range(rounds):
         for name in (names if r % 2 == 0 else names[::-1]):
             fn, params = fns[name]
             t = time.perf_counter()
-            _fwd_bwd(fn, x, params)
+            once(fn, x, params)
             times[name].append(time.perf_counter() - t)
     base = times["causal SDPA"]
     return {k: {"median_s": statistics.median(v),
@@ -182,6 +192,12 @@ def run(n: int, cfg: dict, log) -> dict:
         log(f"    {k:<27} {res[k]['median_s'] * 1e3:9.1f} ms  paired {res[k]['paired']:.3f}×  "
             f"peak {mem[k] / 2**20:8.1f} MiB {mem[k] / mem['causal SDPA']:.3f}×{target}")
         res[k]["peak_bytes"] = mem[k]
+    inference = ("causal SDPA", "FoX, structattn", "ALiBi, structattn", "stick-breaking, structattn")
+    fwd = time_fwd_bwd({k: fns[k] for k in inference}, x, cfg["rounds"], backward=False)
+    log(f"    forward alone, no gradients (causal SDPA {fwd['causal SDPA']['median_s'] * 1e3:.1f} ms):")
+    for k in inference[1:]:
+        log(f"    {k:<27} {fwd[k]['median_s'] * 1e3:9.1f} ms  paired {fwd[k]['paired']:.3f}×")
+    res["forward"] = fwd
     return res
 
 

@@ -1,6 +1,8 @@
 """Dense supports — every parent, j ≤ i, a boolean mask, their intersections — and the dense
 operator, which lowers any support through one ``scaled_dot_product_attention`` call
-(``is_causal``, a boolean mask or an additive log-prior bias; never the C×P posterior) or,
+(``is_causal``, a boolean mask or an additive log-prior bias; a log prior g_i + h_j as one
+more key dimension, or without gradients on the CPU as the fused kernel's mask over the
+parents, ``key_bias``; never the C×P posterior) or,
 when the posterior is asked for or a potential has no factorised form, through the dense
 posterior softmax(ψ + log prior) itself.
 
@@ -15,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from .._validation import checks_on
+from . import key_bias
 from .base import Intersection, Operator, Support, grid, keep_nonfinite_rows
 
 
@@ -187,15 +190,19 @@ class DenseOperator(Operator):
         a, b, scale = self.fused_factors()
         u_width = u.shape[-1]
         h = self._const("parent_terms", lambda: f.tables.parent_terms(xc.dtype))
-        if h is None:
-            mask, is_causal = self._const("sdpa", lambda: f.tables.sdpa_inputs(xc.dtype))
-        else:  # log prior g_i + h_j: h rides in one more key dimension, g drops out
-            a, b, u = with_parent_terms(a, b, u, h, scale)
-            mask, is_causal = None, f.tables.support.is_causal()
-        out = F.scaled_dot_product_attention(a, b, u, attn_mask=mask, is_causal=is_causal,
-                                             scale=scale)
-        if h is not None:
-            out = out[..., :u_width]
+        if h is not None and key_bias.applies(a, b, u, h, scale):  # log prior g_i + h_j: g drops
+            out = key_bias.key_bias_attention(  # out, h is a mask over the parents (CPU, no grad)
+                a, b, u, h, scale, f.tables.support.is_causal())
+        else:
+            if h is None:
+                mask, is_causal = self._const("sdpa", lambda: f.tables.sdpa_inputs(xc.dtype))
+            else:  # … elsewhere h rides in one more key dimension
+                a, b, u = with_parent_terms(a, b, u, h, scale)
+                mask, is_causal = None, f.tables.support.is_causal()
+            out = F.scaled_dot_product_attention(a, b, u, attn_mask=mask, is_causal=is_causal,
+                                                 scale=scale)
+            if h is not None:
+                out = out[..., :u_width]
         if not checks_on():  # nothing was checked: a NaN must stay a NaN
             out = keep_nonfinite_rows(out, a, b)
         keep = self.keep()

@@ -1,0 +1,98 @@
+"""Inference for a log prior g_i + h_j on the CPU (``kinds/key_bias.py``): h as the fused
+kernel's mask. Checked against softmax written out in float64 and against the widened SDPA
+path, which still serves training (gradients: tests/priors/test_separable.py and the
+catalogue's gradcheck)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import structattn as sa
+from structattn.kinds import key_bias
+from structattn.kinds.dense import with_parent_terms
+
+f64 = torch.float64
+
+
+def by_hand(a, b, u, h, scale, causal):
+    """softmax_j(scale·⟨a_i, b_j⟩ + h_j) u_j over j ≤ i or every j, in float64."""
+    s = scale * a @ b.transpose(-1, -2) + h.unsqueeze(-2)
+    if causal:
+        C, P = s.shape[-2:]
+        s = s.masked_fill(torch.ones(C, P, dtype=torch.bool).triu(1), float("-inf"))
+    return s.softmax(-1) @ u
+
+
+def widened(a, b, u, h, scale, causal):
+    a2, b2, u2 = with_parent_terms(a, b, u, h, scale)
+    return F.scaled_dot_product_attention(a2, b2, u2, is_causal=causal, scale=scale)[..., :u.shape[-1]]
+
+
+@settings(max_examples=30, deadline=None)
+@given(C=st.integers(1, 9), extra=st.integers(0, 4), d_k=st.integers(1, 6), d_v=st.integers(1, 6),
+       heads=st.integers(1, 3), batch=st.integers(1, 2), causal=st.booleans(),
+       shared_h=st.booleans(), seed=st.integers(0, 10_000))
+def test_equals_softmax_written_out_and_the_widened_path(C, extra, d_k, d_v, heads, batch, causal,
+                                                         shared_h, seed):
+    g = torch.Generator().manual_seed(seed)
+    P = C + extra
+    a = torch.randn(batch, heads, C, d_k, generator=g, dtype=f64)
+    b = torch.randn(batch, heads, P, d_k, generator=g, dtype=f64)
+    u = torch.randn(batch, heads, P, d_v, generator=g, dtype=f64)
+    h = -torch.rand(1 if shared_h else batch, heads, P, generator=g, dtype=f64).cumsum(-1) * 3
+    scale = 0.7
+    out = key_bias.key_bias_attention(a, b, u, h, scale, causal)
+    assert out.shape == (batch, heads, C, d_v)
+    torch.testing.assert_close(out, by_hand(a, b, u, h, scale, causal), rtol=0, atol=1e-12)
+    torch.testing.assert_close(out, widened(a, b, u, h, scale, causal), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_a_learned_scale_scales_the_children(causal):
+    torch.manual_seed(0)
+    a, b, u = torch.randn(2, 2, 6, 3, dtype=f64), torch.randn(2, 2, 7, 3, dtype=f64), \
+        torch.randn(2, 2, 7, 5, dtype=f64)
+    h = -torch.rand(2, 7, dtype=f64).cumsum(-1)  # per head, shared by the batch
+    scale = torch.tensor([[[0.5]], [[1.3]]], dtype=f64)  # (H, 1, 1)
+    out = key_bias.key_bias_attention(a, b, u, h, scale, causal)
+    torch.testing.assert_close(out, by_hand(a * scale, b, u, h, 1.0, causal), rtol=0, atol=1e-12)
+
+
+def test_taken_only_without_gradients_on_the_cpu_in_single_or_double_precision():
+    x = torch.zeros(1, 1, 2, 2)
+    w = x.clone().requires_grad_()
+    assert key_bias.applies(x, x, x, x[0, 0, 0], 1.0)
+    assert key_bias.applies(x.double(), x.double(), x.double(), x[0, 0, 0], 1.0)
+    assert not key_bias.applies(x.bfloat16(), x.bfloat16(), x.bfloat16(), x[0, 0, 0], 1.0)
+    assert not key_bias.applies(x.to("meta"), x.to("meta"), x.to("meta"), x[0, 0, 0], 1.0)
+    assert not key_bias.applies(x, w, x, x[0, 0, 0], 1.0)  # a gradient is asked for
+    assert not key_bias.applies(x, x, x, x[0, 0, 0], torch.ones((), requires_grad=True))
+    with torch.no_grad():
+        assert key_bias.applies(x, w, x, x[0, 0, 0], 1.0)
+
+
+def test_fox_infers_through_it_and_trains_through_the_widened_path():
+    """A compiled FoX layer's inference plan holds the masked kernel as one node; with
+    gradients it takes the widened path; both give the same output, and so does an export."""
+    torch.manual_seed(0)
+    m = sa.models.forgetting_attention(8, heads=2, dtype=f64)
+    x = torch.randn(2, 11, 8, dtype=f64)
+
+    def plan_targets():
+        layer = sa.compile(m)
+        for _ in range(3):
+            y = layer(x)
+        (plan,) = layer.plans.values()
+        return y, [str(n.target) for n in plan.graph.graph.nodes if n.op == "call_function"]
+
+    with torch.no_grad():
+        y_inference, targets = plan_targets()
+    assert any("flash_attention_for_cpu" in t for t in targets), targets
+    y_training, targets = plan_targets()
+    assert not any("flash_attention_for_cpu" in t for t in targets), targets
+    torch.testing.assert_close(y_inference, y_training, rtol=0, atol=1e-12)
+    with torch.no_grad():
+        program = sa.export(m, x)
+        torch.testing.assert_close(program.module()(x), y_inference, rtol=0, atol=1e-12)
