@@ -22,27 +22,24 @@ import torch
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
-def applies(a: torch.Tensor, b: torch.Tensor, u: torch.Tensor, h: torch.Tensor, scale) -> bool:
+def applies(a: torch.Tensor, b: torch.Tensor, u: torch.Tensor, h: torch.Tensor) -> bool:
     """Whether this reading takes these factors: on the CPU, in single or double precision,
     with no gradient asked of any of them."""
-    tensors = (a, b, u, h, scale) if isinstance(scale, torch.Tensor) else (a, b, u, h)
     return (a.device.type == "cpu" and a.dtype in (torch.float32, torch.float64)
             and u.dtype == a.dtype
-            and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)))
+            and not (torch.is_grad_enabled() and any(t.requires_grad for t in (a, b, u, h))))
 
 
-def key_bias_attention(a, b, u, h, scale, is_causal: bool) -> torch.Tensor:
+def key_bias_attention(a, b, u, h, scale: float, is_causal: bool) -> torch.Tensor:
     """``softmax_j(scale·⟨a_i, b_j⟩ + h_j)`` over j ≤ i (``is_causal``) or every j, times u.
 
     Args:
         a: ``(*lead, C, d_k)`` children's factors; b: ``(*lead, P, d_k)`` parents' factors;
             u: ``(*lead, P, d_v)`` values (the leading dims broadcast).
         h: ``(*lead, P)`` the prior's per-parent term (broadcasts against the leading dims).
-        scale: a float, or a 0-dim or per-head tensor (applied to the children's factors).
+        scale: a float (``Operator.fused_factors`` folds a learned one into ``a``).
 
     Returns ``(*lead, C, d_v)``. No gradient (``applies``)."""
-    if isinstance(scale, torch.Tensor):  # a learned temperature: scale the children outside
-        a, scale = a * scale.to(a.dtype), 1.0
     lead = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2], u.shape[:-2], h.shape[:-1])
     C, P, d_v = a.shape[-2], b.shape[-2], u.shape[-1]
     width = max(a.shape[-1], d_v)  # the fused kernel takes one width for a, b and u
@@ -54,6 +51,6 @@ def key_bias_attention(a, b, u, h, scale, is_causal: bool) -> torch.Tensor:
     a, b, u = (x.expand(*lead, *x.shape[-2:]).reshape(-1, heads, *x.shape[-2:])
                for x in (a, b, u))
     mask = h.to(a.dtype).expand(*lead, P).reshape(-1, heads, 1, P)
-    out = _flash(a, b, u, 0.0, is_causal, attn_mask=mask, scale=float(scale))[0]
+    out = _flash(a, b, u, 0.0, is_causal, attn_mask=mask, scale=scale)[0]
     out = out if d_v == width else out[..., :d_v]
     return out.reshape(*lead, C, d_v)

@@ -50,27 +50,28 @@ def test_equals_softmax_written_out_and_the_widened_path(C, extra, d_k, d_v, hea
 
 
 @pytest.mark.parametrize("causal", [True, False])
-def test_a_learned_scale_scales_the_children(causal):
+@pytest.mark.parametrize("lead", [(), (2,), (2, 3, 2)])
+def test_any_leading_dims(causal, lead):
+    """No leading dims, heads only, and batch dims before the heads (h per head, shared)."""
     torch.manual_seed(0)
-    a, b, u = torch.randn(2, 2, 6, 3, dtype=f64), torch.randn(2, 2, 7, 3, dtype=f64), \
-        torch.randn(2, 2, 7, 5, dtype=f64)
-    h = -torch.rand(2, 7, dtype=f64).cumsum(-1)  # per head, shared by the batch
-    scale = torch.tensor([[[0.5]], [[1.3]]], dtype=f64)  # (H, 1, 1)
-    out = key_bias.key_bias_attention(a, b, u, h, scale, causal)
-    torch.testing.assert_close(out, by_hand(a * scale, b, u, h, 1.0, causal), rtol=0, atol=1e-12)
+    a, b = torch.randn(*lead, 6, 3, dtype=f64), torch.randn(*lead, 7, 3, dtype=f64)
+    u = torch.randn(*lead, 7, 5, dtype=f64)
+    h = -torch.rand(*lead[-1:], 7, dtype=f64).cumsum(-1)
+    out = key_bias.key_bias_attention(a, b, u, h, 0.5, causal)
+    torch.testing.assert_close(out, by_hand(a, b, u, h, 0.5, causal), rtol=0, atol=1e-12)
 
 
 def test_taken_only_without_gradients_on_the_cpu_in_single_or_double_precision():
     x = torch.zeros(1, 1, 2, 2)
     w = x.clone().requires_grad_()
-    assert key_bias.applies(x, x, x, x[0, 0, 0], 1.0)
-    assert key_bias.applies(x.double(), x.double(), x.double(), x[0, 0, 0], 1.0)
-    assert not key_bias.applies(x.bfloat16(), x.bfloat16(), x.bfloat16(), x[0, 0, 0], 1.0)
-    assert not key_bias.applies(x.to("meta"), x.to("meta"), x.to("meta"), x[0, 0, 0], 1.0)
-    assert not key_bias.applies(x, w, x, x[0, 0, 0], 1.0)  # a gradient is asked for
-    assert not key_bias.applies(x, x, x, x[0, 0, 0], torch.ones((), requires_grad=True))
+    assert key_bias.applies(x, x, x, x[0, 0, 0])
+    assert key_bias.applies(x.double(), x.double(), x.double(), x[0, 0, 0])
+    assert not key_bias.applies(x.bfloat16(), x.bfloat16(), x.bfloat16(), x[0, 0, 0])
+    assert not key_bias.applies(x.to("meta"), x.to("meta"), x.to("meta"), x[0, 0, 0])
+    assert not key_bias.applies(x, w, x, x[0, 0, 0])  # a gradient is asked for
+    assert not key_bias.applies(x, x, x, w[0, 0, 0])  # … of the prior's term
     with torch.no_grad():
-        assert key_bias.applies(x, w, x, x[0, 0, 0], 1.0)
+        assert key_bias.applies(x, w, x, x[0, 0, 0])
 
 
 def test_fox_infers_through_it_and_trains_through_the_widened_path():
