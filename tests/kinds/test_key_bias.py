@@ -97,3 +97,20 @@ def test_fox_infers_through_it_and_trains_through_the_widened_path():
     with torch.no_grad():
         program = sa.export(m, x)
         torch.testing.assert_close(program.module()(x), y_inference, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("factory", ["forgetting_attention", "alibi_attention"])
+def test_inference_equals_pyro_exact_enumeration(factory, monkeypatch):
+    """The masked reading against the ground truth from the same declaration (Pyro's exact
+    enumeration of every edge), float64, no gradients: the kernel is the one that ran."""
+    calls = []
+    flash = key_bias._flash
+    monkeypatch.setattr(key_bias, "_flash", lambda *a, **k: calls.append(1) or flash(*a, **k))
+    torch.manual_seed(0)
+    m = getattr(sa.models, factory)(8, heads=2, dtype=f64)
+    x = torch.randn(2, 9, 8, dtype=f64)
+    with torch.no_grad():
+        report = sa.inference.compare(m, x, atol=1e-10)
+    assert calls, "the masked kernel did not run"
+    assert report.passed, report
+    assert report.max_abs_diff < 1e-10
