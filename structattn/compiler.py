@@ -8,7 +8,7 @@ from torch import nn
 from .declaration import Declaration, as_declaration
 from .iterate import Engine
 from .readers.marginalise import Marginalise
-from .replay import Plans
+from .replay import MISSED, Plans
 
 
 class CompiledModule(nn.Module):
@@ -56,8 +56,14 @@ class CompiledModule(nn.Module):
         self._plans.clear()
 
     def forward(self, *inputs, **kwargs):
-        if self._plans.enabled and not torch.compiler.is_compiling():
-            return self._plans(self, inputs, kwargs)
+        plans = self._plans
+        if plans.enabled and not torch.compiler.is_compiling():
+            last = plans._last  # the plan replayed last, behind its guard: the common case
+            if last is not None and not kwargs:
+                out = last.run(self, inputs)
+                if out is not MISSED:
+                    return out
+            return plans(self, inputs, kwargs)
         return self.interpret(*inputs, **kwargs)
 
     def interpret(self, *inputs, return_posterior: bool = False, return_trace: bool = False,

@@ -413,3 +413,51 @@ def test_a_parameter_replaced_inside_a_plain_sub_module_is_seen():
     m.to_q.weight = torch.nn.Parameter(torch.randn_like(m.to_q.weight))  # no version bump
     for _ in range(3):
         assert torch.equal(layer(x, z), layer.interpret(x, z))
+
+
+def test_the_generated_fast_path_sees_the_environment_and_the_module_dicts(monkeypatch):
+    """``_Last.run`` is code generated per plan (the graph inlined, parameters fetched by
+    name): what it reads besides the graph — the kernels' environment variable, the
+    parameter dicts' contents, the parameters' versions — still sends a call that differs
+    the long way."""
+    torch.manual_seed(0)
+    m = sa.models.self_attention(8, d_k=4, heads=2, dtype=torch.float64)
+    layer, x = sa.compile(m), torch.randn(1, 5, 8, dtype=torch.float64)
+    for _ in range(3):
+        layer(x)
+    plan = layer._plans._last.plan
+    calls = plan.calls
+    monkeypatch.setenv("STRUCTATTN_KERNELS", "0")  # another kernel mode: another plan
+    assert torch.equal(layer(x), layer.interpret(x))
+    assert plan.calls == calls
+    monkeypatch.delenv("STRUCTATTN_KERNELS")
+    layer(x)
+    assert plan.calls == calls + 1
+    # a tensor registered beside the recorded ones: the dict changed, the call is read
+    m.register_buffer("extra", torch.zeros(3, dtype=torch.float64))
+    assert torch.equal(layer(x), layer.interpret(x))
+    assert plan.calls == calls + 1
+    del m._buffers["extra"]
+    # a parameter made non-finite in place (an optimizer step gone wrong): its check's message
+    for _ in range(3):
+        layer(x)
+    with torch.no_grad():
+        m.W_k[0, 0] = float("nan")
+    with pytest.raises(ValueError, match="W_k"):
+        layer(x)
+
+
+def test_tied_weights_replay_through_the_module_walk():
+    """A tensor shared by two attributes is one input of the plan: the fast path takes the
+    module's own (deduplicating) walk and compares identities."""
+    torch.manual_seed(0)
+    m = sa.models.self_attention(8, d_k=8, heads=1, dtype=torch.float64)
+    m.W_k = m.W_q  # tied
+    layer, x = sa.compile(m), torch.randn(1, 5, 8, dtype=torch.float64)
+    for _ in range(3):
+        layer(x)
+    plan = layer._plans._last.plan
+    calls = plan.calls
+    assert torch.equal(layer(x), layer.interpret(x)) and plan.calls == calls + 1
+    m.W_k = torch.nn.Parameter(m.W_q.detach().clone())  # untied: read again, its own answer
+    assert torch.equal(layer(x), layer.interpret(x))
