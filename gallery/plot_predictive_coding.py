@@ -237,7 +237,7 @@ def train(cfg, seed, data, args):
 
 # -- pictures -------------------------------------------------------------------------------
 def plot_learning(runs, args, path, title):
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.9))
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4.8))
     for cfg, seeds in runs.items():
         ls = "-" if cfg.deep else ":"
         label = f"{cfg.name} {list(cfg.sizes)}"
@@ -255,10 +255,13 @@ def plot_learning(runs, args, path, title):
     axes[1].set_ylabel("training free energy\n(mean F at the relaxed states, y clamped)")
     axes[1].set_yscale("log")
     for ax in axes:
-        ax.legend(fontsize=7, title="one line per seed", title_fontsize=7)
         ax.tick_params(labelsize=8)
+    # one legend for both panels, below them: inside either it hid the curves
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=3, fontsize=7, frameon=False,
+               title="one line per seed", title_fontsize=7)
     fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.17, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 

@@ -59,8 +59,8 @@ class CompiledModule(nn.Module):
         plans = self._plans
         if plans.enabled and not torch.compiler.is_compiling():
             last = plans._last  # the plan replayed last, behind its guard: the common case
-            if last is not None and not kwargs:
-                out = last.run(self, inputs)
+            if last is not None:
+                out = last.run(self, inputs, kwargs)
                 if out is not MISSED:
                     return out
             return plans(self, inputs, kwargs)

@@ -74,6 +74,9 @@ class Plan:
     constants_versions: list | None = None
     constants_values: list = field(default_factory=list)
     captured: list = field(default_factory=list)  # tensors the constants read besides the state
+    #: its generated fast path (``_Last``), made on its first replay and kept: calls that
+    #: alternate between plans (checks on and off, two shapes) would otherwise generate anew
+    last: object = None
 
 
 def _tensor_key(t: torch.Tensor) -> tuple:
@@ -216,8 +219,11 @@ class Plans:
             out = _FAILED  # graph) would have refused: the reading raises their message
         if out is _FAILED:
             return layer.interpret(*inputs, **kwargs)
-        if not kwargs and all(type(x) is torch.Tensor for x in inputs):
-            self._last = _Last(layer, self, plan, inputs, state)
+        if all(type(x) is torch.Tensor for x in inputs) and all(
+                v is None or type(v) in (bool, int, float, str) for v in kwargs.values()):
+            if plan.last is None:  # one per plan: the signature fixes what it guards
+                plan.last = _Last(layer, self, plan, inputs, kwargs, state)
+            self._last = plan.last
         return out
 
 
@@ -258,7 +264,7 @@ class _Last:
 
     __slots__ = ("declaration", "plan", "run", "guard")
 
-    def __init__(self, layer, plans, plan, inputs, state):
+    def __init__(self, layer, plans, plan, inputs, kwargs, state):
         from torch._C._dynamo.guards import TensorGuards
 
         tensors = (*inputs, *state)
@@ -266,11 +272,12 @@ class _Last:
         self.plan = plan
         self.guard = TensorGuards(*tensors, dynamic_dims_sizes=[list(t.shape) for t in tensors],
                                   dynamic_dims_strides=[[None] * t.dim() for t in tensors])
-        self.run = _fast_path(self, plans, layer, len(inputs), state)
+        self.run = _fast_path(self, plans, len(inputs), kwargs, state)
 
 
-def _fast_path(last, plans, layer, n_inputs: int, state: list):
-    """Generate ``run(layer, inputs)`` for ``last``: its plan replayed, a re-reading when a
+def _fast_path(last, plans, n_inputs: int, kwargs: dict, state: list):
+    """Generate ``run(layer, inputs, kwargs)`` for ``last`` (``kwargs``: the options of its
+    calls, plain values compared by type and value): its plan replayed, a re-reading when a
     check fails, or ``MISSED`` when the call is not this plan's. The plan's graph is inlined
     (``_inlined``); every name of the prologue and epilogue starts with ``_sa_``, which no
     node of an fx graph is called, so the graph's locals cannot shadow them."""
@@ -284,9 +291,18 @@ def _fast_path(last, plans, layer, n_inputs: int, state: list):
            "_sa_KeyError": KeyError, "_sa_id": id}
     ins = [f"_sa_i{i}" for i in range(n_inputs)]
     st = [f"_sa_s{i}" for i in range(len(state))]
-    lines = ["def run(_sa_layer, _sa_inputs):",  # (``layer.declaration`` is nn.Module.__getattr__'s)
+    env.update(_sa_type=type, _sa_bool=bool, _sa_int=int, _sa_float=float, _sa_str=str)
+    same_options = "".join(f" or _sa_type(_sa_kw.get({k!r})) is not _sa_{type(v).__name__}"
+                           f" or _sa_kw[{k!r}] != {v!r}" for k, v in kwargs.items()
+                           ) if all(v is not None for v in kwargs.values()) else None
+    env["_sa_K"] = dict(kwargs)
+    if same_options is None:  # a None among them: compared as the dict it is
+        same_options = " or _sa_kw != _sa_K or any(_sa_type(v) is not _sa_type(_sa_K[k]) " \
+                       "for k, v in _sa_kw.items())"
+    lines = ["def run(_sa_layer, _sa_inputs, _sa_kw):",  # (``layer.declaration``: __getattr__'s)
              f"    if _sa_layer._modules.get('declaration') is not _sa_D "
-             f"or _sa_len(_sa_inputs) != {n_inputs}:",
+             f"or _sa_len(_sa_inputs) != {n_inputs} or _sa_len(_sa_kw) != {len(kwargs)}"
+             f"{same_options}:",
              "        return _sa_MISSED",
              f"    {', '.join(ins)}, = _sa_inputs" if ins else "    pass",
              "    if _sa_modes(_sa_D) != _sa_M:",
@@ -338,10 +354,11 @@ def _fast_path(last, plans, layer, n_inputs: int, state: list):
               else f"not _sa_result[{n + k}]" for k, kind in enumerate(plan.flags)]
     if checks:
         lines += [f"        _sa_failed = {' or '.join(checks)}"]
+    reread = "        return _sa_layer.interpret(*_sa_inputs, **_sa_kw)"
     lines += ["    except _sa_Exception:  # inside the graph: the reading raises the check's message",
-              "        _sa_failed = True" if checks else "        return _sa_layer.interpret(*_sa_inputs)"]
+              "        _sa_failed = True" if checks else reread]
     if checks:
-        lines += ["    if _sa_failed:", "        return _sa_layer.interpret(*_sa_inputs)"]
+        lines += ["    if _sa_failed:", reread]
     lines.append("    _sa_plan.calls += 1")
     lines.append("    return _sa_result[0]" if plan.single
                  else "    return _sa_output(_sa_plan, _sa_result)")

@@ -461,3 +461,42 @@ def test_tied_weights_replay_through_the_module_walk():
     assert torch.equal(layer(x), layer.interpret(x)) and plan.calls == calls + 1
     m.W_k = torch.nn.Parameter(m.W_q.detach().clone())  # untied: read again, its own answer
     assert torch.equal(layer(x), layer.interpret(x))
+
+
+def test_the_fast_path_serves_calls_with_the_same_options_only():
+    """Options passed by keyword (``last=1``, ``return_posterior=True``) are part of the last
+    plan's guard, compared by type and value: ``last=2`` or ``last=1.0`` is another call."""
+    torch.manual_seed(0)
+    model, (x,) = CASES["self_attention"]()
+    layer = sa.compile(model)
+    for _ in range(3):
+        layer(x, return_posterior=True)
+    plan = layer._plans._last.plan
+    calls = plan.calls
+    out, post = layer(x, return_posterior=True)
+    assert plan.calls == calls + 1
+    want = layer.interpret(x, return_posterior=True)
+    assert torch.equal(out, want[0]) and torch.equal(post, want[1])
+    assert torch.equal(layer(x), layer.interpret(x))  # no option: not this plan
+    assert torch.equal(layer(x, return_posterior=1)[1], post)  # an int for the bool: read
+    assert plan.calls == calls + 1
+
+
+def test_each_plan_keeps_its_fast_path_when_calls_alternate():
+    """Checks on, checks off, on again: each plan's generated fast path is made once (making
+    one costs milliseconds for a long graph, which alternating calls would pay every time)."""
+    m = sa.models.self_attention(8, d_k=4, heads=2, dtype=torch.float64)
+    layer, x = sa.compile(m), torch.randn(1, 5, 8, dtype=torch.float64)
+    for _ in range(3):
+        layer(x)
+        with sa.validation(False):
+            layer(x)
+    on, off = list(layer.plans.values())
+    fast_on, fast_off = on.last, off.last
+    assert fast_on is not None and fast_off is not None and fast_on is not fast_off
+    for _ in range(2):
+        assert torch.equal(layer(x), layer.interpret(x)) and layer._plans._last is fast_on
+        with sa.validation(False):
+            assert torch.equal(layer(x), layer.interpret(x))
+            assert layer._plans._last is fast_off
+    assert on.last is fast_on and off.last is fast_off
