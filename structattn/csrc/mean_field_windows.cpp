@@ -14,7 +14,11 @@
 //           ceiling and rounding slack, certified.score_ceiling), per child (and, when
 //           recording, the per-step history (max_iters, G, N) of each child's window, α, β,
 //           E[φ]).
-//   attend: out_i = Σ_{d ≤ W_i} softmax_d(ψ_{i,i−d} + d·e_i) u_{i−d}   (G, N, dv).
+//           Without high and slack it computes them (certified.score_ceiling's formula).
+//   attend: out_i = Σ_{d ≤ W_i} softmax_d(ψ_{i,i−d} + d·e_i) u_{i−d}   (G, N, dv), with
+//           e_i = E[ln q_i] under each child's Beta(α_i, β_i) at its fixed point.
+//   infer:  solve, then attend — the no-grad reading in one call (one node of a recorded
+//           plan where the ceiling and the Beta bookkeeping were twenty): (out, *solve[:7]).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -24,6 +28,9 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <optional>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -162,7 +169,7 @@ void solve_impl(const at::Tensor& a, const at::Tensor& b, int64_t offset, double
                 const at::Tensor& b0, const at::Tensor& win0, const at::Tensor& caps,
                 double tol_d, double converge_tol_d, int64_t max_iters, int64_t cap,
                 bool digamma, bool conjugate, int64_t rule, bool record,
-                const at::Tensor& high, const at::Tensor& slack, at::Tensor& win_out,
+                const T* High, const T* Slack, at::Tensor& win_out,
                 at::Tensor& alpha_out, at::Tensor& beta_out, at::Tensor& m_out,
                 at::Tensor& steps_out, at::Tensor& settled_out, at::Tensor& bound_out,
                 at::Tensor& h_win,
@@ -182,8 +189,23 @@ void solve_impl(const at::Tensor& a, const at::Tensor& b, int64_t offset, double
   T* Mout = m_out.data_ptr<T>();
   int64_t* Sout = steps_out.data_ptr<int64_t>();
   bool* Done = settled_out.data_ptr<bool>();
-  const T* High = high.data_ptr<T>();
-  const T* Slack = slack.data_ptr<T>();
+  // Without a given ceiling: certified.score_ceiling's, per child, in double —
+  // S_i = |scale|·‖a_i‖·max_j ‖b_j‖, slack γ_k·S_i + 4·tiny (γ_k = k·u/(1 − k·u), the error
+  // bound of a k-term dot product in T), high = S_i + slack
+  std::vector<double> b_norm_max;
+  const double unit = static_cast<double>(std::numeric_limits<T>::epsilon()) / 2;
+  const double gamma = static_cast<double>(k) * unit / (1 - static_cast<double>(k) * unit);
+  const double tiny4 = 4 * static_cast<double>(std::numeric_limits<T>::min());
+  if (High == nullptr) {
+    b_norm_max.assign(G, 0.0);
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t j = 0; j < P; ++j) {
+        const T* bj = B + (g * P + j) * k;
+        double ss = 0;
+        for (int64_t l = 0; l < k; ++l) ss += static_cast<double>(bj[l]) * bj[l];
+        b_norm_max[g] = std::max(b_norm_max[g], std::sqrt(ss));
+      }
+  }
   T* Bound = bound_out.data_ptr<T>();
   int64_t* HW = record ? h_win.data_ptr<int64_t>() : nullptr;
   T* HA = record ? h_alpha.data_ptr<T>() : nullptr;
@@ -205,6 +227,16 @@ void solve_impl(const at::Tensor& a, const at::Tensor& b, int64_t offset, double
         const int64_t cap_i = C[i];
         const T* ai = A + c * k;
         const T* bg = B + g * P * k;
+        T high_c, slack_c;
+        if (High != nullptr) {
+          high_c = High[c], slack_c = Slack[c];
+        } else {
+          double ss = 0;
+          for (int64_t l = 0; l < k; ++l) ss += static_cast<double>(ai[l]) * ai[l];
+          const double ceiling = std::sqrt(ss) * std::abs(scale_d) * b_norm_max[g];
+          const double sl = ceiling * gamma + tiny4;
+          high_c = static_cast<T>(ceiling + sl), slack_c = static_cast<T>(sl);
+        }
         int64_t have = 0, typical_w = 0;  // the window the typical score was taken over
         T typical = 0;
         T m_prev = std::numeric_limits<T>::quiet_NaN();
@@ -216,7 +248,7 @@ void solve_impl(const at::Tensor& a, const at::Tensor& b, int64_t offset, double
           m = mean;
           // certified: every unseen parent of the whole past at the child's score ceiling,
           // against the window's mass less the rounding slack
-          bound = beyond_mass(w, i, e, log_z - Slack[c], High[c]);
+          bound = beyond_mass(w, i, e, log_z - slack_c, high_c);
           const T new_alpha = (conjugate ? pa : alpha) + mean - T(1);
           const T new_beta = (conjugate ? pb : beta) + T(1);
           int64_t new_w = w;
@@ -270,7 +302,8 @@ std::vector<at::Tensor> solve(const at::Tensor& a, const at::Tensor& b, int64_t 
                               const at::Tensor& win0, const at::Tensor& caps, double tol,
                               double converge_tol, int64_t max_iters, int64_t cap,
                               bool digamma, bool conjugate, int64_t rule, bool record,
-                              const at::Tensor& high, const at::Tensor& slack) {
+                              const std::optional<at::Tensor>& high_in,
+                              const std::optional<at::Tensor>& slack_in) {
   TORCH_CHECK(a.device().is_cpu() && a.dim() == 3 && b.dim() == 3 && b.size(0) == a.size(0) &&
                   b.size(2) == a.size(2) && offset >= 0 && offset + a.size(1) == b.size(1) &&
                   caps.size(0) == b.size(1),
@@ -281,9 +314,17 @@ std::vector<at::Tensor> solve(const at::Tensor& a, const at::Tensor& b, int64_t 
               "mean_field_windows.solve: a, b, a0, b0 must share one dtype");
   TORCH_CHECK(win0.scalar_type() == at::kLong && caps.scalar_type() == at::kLong,
               "mean_field_windows.solve: win0, caps must be int64");
-  TORCH_CHECK(high.scalar_type() == a.scalar_type() && slack.scalar_type() == a.scalar_type() &&
-                  high.numel() == a.size(0) * a.size(1) && slack.numel() == high.numel(),
-              "mean_field_windows.solve: high, slack (G, N) in a's dtype");
+  TORCH_CHECK(high_in.has_value() == slack_in.has_value(),
+              "mean_field_windows.solve: give high and slack together, or neither");
+  at::Tensor hc, sc;  // undefined: the kernel computes the ceiling
+  if (high_in.has_value()) {
+    TORCH_CHECK(high_in->scalar_type() == a.scalar_type() &&
+                    slack_in->scalar_type() == a.scalar_type() &&
+                    high_in->numel() == a.size(0) * a.size(1) &&
+                    slack_in->numel() == high_in->numel(),
+                "mean_field_windows.solve: high, slack (G, N) in a's dtype");
+    hc = high_in->contiguous(), sc = slack_in->contiguous();
+  }
   const int64_t G = a.size(0), N = a.size(1);
   auto ac = a.contiguous(), bc = b.contiguous(), a0c = a0.contiguous(), b0c = b0.contiguous();
   auto w0 = win0.contiguous(), cp = caps.contiguous();
@@ -292,14 +333,15 @@ std::vector<at::Tensor> solve(const at::Tensor& a, const at::Tensor& b, int64_t 
   auto settled = at::empty({G, N}, a.options().dtype(at::kBool));
   auto alpha = at::empty({G, N}, a.options()), beta = at::empty({G, N}, a.options());
   auto m = at::empty({G, N}, a.options()), bound = at::empty({G, N}, a.options());
-  auto hc = high.contiguous(), sc = slack.contiguous();
   const int64_t R = record ? max_iters : 0;
   auto h_win = at::empty({R, G, N}, lopt);
   auto h_alpha = at::empty({R, G, N}, a.options()), h_beta = at::empty({R, G, N}, a.options());
   auto h_m = at::empty({R, G, N}, a.options());
   AT_DISPATCH_FLOATING_TYPES(a.scalar_type(), "mean_field_windows.solve", [&] {
     solve_impl<scalar_t>(ac, bc, offset, scale, a0c, b0c, w0, cp, tol, converge_tol, max_iters, cap,
-                         digamma, conjugate, rule, record, hc, sc, win_out, alpha, beta, m,
+                         digamma, conjugate, rule, record,
+                         hc.defined() ? hc.data_ptr<scalar_t>() : nullptr,
+                         sc.defined() ? sc.data_ptr<scalar_t>() : nullptr, win_out, alpha, beta, m,
                          steps, settled, bound, h_win, h_alpha, h_beta, h_m);
   });
   return {win_out, alpha, beta, m, steps, settled, bound, h_win, h_alpha, h_beta, h_m};
@@ -307,14 +349,16 @@ std::vector<at::Tensor> solve(const at::Tensor& a, const at::Tensor& b, int64_t 
 
 template <typename T>
 void attend_impl(const at::Tensor& a, const at::Tensor& b, const at::Tensor& u, int64_t offset,
-                 double scale_d, const at::Tensor& win, const at::Tensor& e, at::Tensor& out) {
+                 double scale_d, const at::Tensor& win, const at::Tensor& alpha,
+                 const at::Tensor& beta, bool digamma, at::Tensor& out) {
   const int64_t G = a.size(0), N = a.size(1), P = b.size(1), k = a.size(2), dv = u.size(2);
   const T scale = static_cast<T>(scale_d);
   const T* A = a.data_ptr<T>();
   const T* B = b.data_ptr<T>();
   const T* U = u.data_ptr<T>();
   const int64_t* W = win.data_ptr<int64_t>();
-  const T* E = e.data_ptr<T>();
+  const T* Al = alpha.data_ptr<T>();
+  const T* Be = beta.data_ptr<T>();
   T* O = out.data_ptr<T>();
   at::parallel_for(0, G * N, 16, [&](int64_t begin, int64_t end) {
     std::vector<T> p;
@@ -325,7 +369,7 @@ void attend_impl(const at::Tensor& a, const at::Tensor& b, const at::Tensor& u, 
       if (w < 1) continue;  // no past: zero output
       p.resize(w);
       const T* ai = A + c * k;
-      const T ei = E[c];
+      const T ei = e_ln_q(Al[c], Be[c], digamma);  // E[ln q_i] at the fixed point
       T mx = -std::numeric_limits<T>::infinity();
       for (int64_t d = 1; d <= w; ++d) {
         p[d - 1] = scale * dot(ai, B + (g * P + i - d) * k, k) + static_cast<T>(d) * ei;
@@ -347,21 +391,42 @@ void attend_impl(const at::Tensor& a, const at::Tensor& b, const at::Tensor& u, 
 }
 
 at::Tensor attend(const at::Tensor& a, const at::Tensor& b, const at::Tensor& u, int64_t offset,
-                  double scale, const at::Tensor& win, const at::Tensor& e) {
+                  double scale, const at::Tensor& win, const at::Tensor& alpha,
+                  const at::Tensor& beta, bool digamma) {
   TORCH_CHECK(a.device().is_cpu() && a.dim() == 3 && b.dim() == 3 && b.size(0) == a.size(0) &&
                   b.size(2) == a.size(2) && offset >= 0 && offset + a.size(1) == b.size(1) &&
                   u.dim() == 3 && u.size(0) == a.size(0) && u.size(1) == b.size(1),
               "mean_field_windows.attend: a (G, N, k), b (G, offset + N, k), u (G, offset + N, "
               "dv) on the CPU");
   TORCH_CHECK(a.scalar_type() == b.scalar_type() && u.scalar_type() == a.scalar_type() &&
-                  e.scalar_type() == a.scalar_type() && win.scalar_type() == at::kLong,
-              "mean_field_windows.attend: a, b, u, e must share one dtype; win int64");
+                  alpha.scalar_type() == a.scalar_type() && beta.scalar_type() == a.scalar_type() &&
+                  win.scalar_type() == at::kLong &&
+                  alpha.numel() == a.size(0) * a.size(1) && beta.numel() == alpha.numel() &&
+                  win.numel() == alpha.numel(),
+              "mean_field_windows.attend: a, b, u, alpha, beta must share one dtype; win int64; "
+              "win, alpha, beta (G, N)");
   auto ac = a.contiguous(), bc = b.contiguous(), uc = u.contiguous();
-  auto wc = win.contiguous(), ec = e.contiguous();
+  auto wc = win.contiguous(), alc = alpha.contiguous(), bec = beta.contiguous();
   auto out = at::empty({a.size(0), a.size(1), u.size(2)}, a.options());
   AT_DISPATCH_FLOATING_TYPES(a.scalar_type(), "mean_field_windows.attend", [&] {
-    attend_impl<scalar_t>(ac, bc, uc, offset, scale, wc, ec, out);
+    attend_impl<scalar_t>(ac, bc, uc, offset, scale, wc, alc, bec, digamma, out);
   });
+  return out;
+}
+
+// The no-grad reading in one call: solve (its ceiling computed here), then attend at each
+// child's fixed point. Returns attend's output, then solve's first seven outputs.
+std::vector<at::Tensor> infer(const at::Tensor& a, const at::Tensor& b, const at::Tensor& u,
+                              int64_t offset, double scale, const at::Tensor& a0,
+                              const at::Tensor& b0, const at::Tensor& win0,
+                              const at::Tensor& caps, double tol, double converge_tol,
+                              int64_t max_iters, int64_t cap, bool digamma, bool conjugate,
+                              int64_t rule) {
+  auto fixed = solve(a, b, offset, scale, a0, b0, win0, caps, tol, converge_tol, max_iters, cap,
+                     digamma, conjugate, rule, false, std::nullopt, std::nullopt);
+  std::vector<at::Tensor> out{attend(a, b, u, offset, scale, fixed[0], fixed[1], fixed[2],
+                                     digamma)};
+  out.insert(out.end(), fixed.begin(), fixed.begin() + 7);
   return out;
 }
 
@@ -370,9 +435,13 @@ at::Tensor attend(const at::Tensor& a, const at::Tensor& b, const at::Tensor& u,
 TORCH_LIBRARY(structattn_mean_field, m) {
   m.def("solve(Tensor a, Tensor b, int offset, float scale, Tensor a0, Tensor b0, Tensor win0, "
         "Tensor caps, float tol, float converge_tol, int max_iters, int cap, bool digamma, "
-        "bool conjugate, int rule, bool record, Tensor high, Tensor slack) -> Tensor[]",
+        "bool conjugate, int rule, bool record, Tensor? high=None, Tensor? slack=None) -> Tensor[]",
         &solve);
-  m.def("attend(Tensor a, Tensor b, Tensor u, int offset, float scale, Tensor win, Tensor e) "
-        "-> Tensor",
+  m.def("attend(Tensor a, Tensor b, Tensor u, int offset, float scale, Tensor win, "
+        "Tensor alpha, Tensor beta, bool digamma) -> Tensor",
         &attend);
+  m.def("infer(Tensor a, Tensor b, Tensor u, int offset, float scale, Tensor a0, Tensor b0, "
+        "Tensor win0, Tensor caps, float tol, float converge_tol, int max_iters, int cap, "
+        "bool digamma, bool conjugate, int rule) -> Tensor[]",
+        &infer);
 }

@@ -2,9 +2,12 @@
 
 ``solve(ops, KernelProblem) → KernelSolution``: each child's whole iteration in one call of
 ``csrc/mean_field_windows.cpp`` (``structattn.kernels``), scoring its parents lazily as its
-window grows; ``attend``: the output at the fixed point. ``mean_field_compiled`` is the
-scheme's fast path on the CPU: the same equations as the Python loop (``loop.mean_field``),
-which stays the reference and the path on other devices and for ``grad="unroll"``.
+window grows; ``attend``: the output at the fixed point; ``infer``: both in one call — the
+no-grad reading, so that a recorded plan holds one node for the inference (the score ceiling
+and the Beta bookkeeping around two calls were twenty small operations, each costing a
+Python call per replay; the kernel computes both itself). ``mean_field_compiled`` is the scheme's
+fast path on the CPU: the same equations as the Python loop (``loop.mean_field``), which stays
+the reference and the path on other devices and for ``grad="unroll"``.
 """
 
 from __future__ import annotations
@@ -16,7 +19,6 @@ import torch
 from .. import band
 from .._eager import eager
 from ..beta import log_q_expectations
-from ..certified import score_ceiling
 from .history import MeanFieldHistory
 from .scores import BandScores, tail
 
@@ -42,8 +44,10 @@ class KernelProblem:
     conjugate: bool  # α ← a + E[φ] − 1 (else accumulate)
     rule: int  # WindowRule.code
     record: bool  # keep the per-round history
-    high: torch.Tensor  # (G, N): each child's score ceiling plus its rounding slack
-    slack: torch.Tensor  # (G, N): … and the slack (certified.score_ceiling)
+    # (G, N): each child's score ceiling plus its rounding slack, and the slack
+    # (certified.score_ceiling); None: the kernel computes them, with the same operations
+    high: torch.Tensor | None = None
+    slack: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -138,22 +142,27 @@ def mean_field_compiled(family, factors, scheme, grad: str, record: bool):
         a_rows = a.detach().to(work).reshape(-1, n, a.shape[-1])  # (G, N, k)
         b_rows = b.detach().to(work).reshape(-1, n_all, b.shape[-1])  # (G, P, k)
         G = a_rows.shape[0]
-        high, slack = score_ceiling(a_rows, b_rows, float(scale))  # (G, N)
         problem = KernelProblem(
             a_rows, b_rows, off, float(scale), a0.detach().expand(*lead).reshape(G),
             b0.detach().expand(*lead).reshape(G), win0.reshape(G, n), caps, float(scheme.tol),
             float(scheme.converge_tol), scheme.max_iters, cap, scheme.expectation == "digamma",
-            scheme.update == "conjugate", scheme.window_rule.code, record, high.to(work),
-            slack.to(work))
-        fixed = solve(ops, problem)
-    history = _history(problem, fixed, lead, scheme.expectation, xc.dtype) if record else None
-    window = fixed.window.reshape(*lead, n)
+            scheme.update == "conjugate", scheme.window_rule.code, record)
+    solved: list[KernelSolution] = []  # the fixed point, once: from solve, or from infer
+
+    def fixed() -> KernelSolution:
+        if not solved:
+            with torch.no_grad():
+                solved.append(solve(ops, problem))
+        return solved[0]
+
+    history = _history(problem, fixed(), lead, scheme.expectation, xc.dtype) if record else None
 
     def band_posterior(alpha, beta):
         """The posterior at the fixed point on a band over all P tokens (the first P − C,
         not children, at window 0), with grad where a, b carry it; → band, layout."""
         front = torch.nn.functional.pad
-        reach = max(1, int(fixed.window.max()) if fixed.window.numel() else 1)
+        window = fixed().window
+        reach = max(1, int(window.max()) if window.numel() else 1)
         scores = BandScores(front(a, (0, 0, off, 0)), b, scale, n_all, reach, prior.block_size,
                             work)
         lay = scores.layout
@@ -161,7 +170,7 @@ def mean_field_compiled(family, factors, scheme, grad: str, record: bool):
         def blocked(t):  # (*lead, N) → (G', B), the front and padding slots at 0
             return lay.children(front(t, (off, 0))[..., None])[..., 0].reshape(-1, lay.block)
 
-        win_b = blocked(window)
+        win_b = blocked(window.reshape(*lead, n))
         # padding slots at Beta(1, 1): finite digammas, no NaN in the backward
         e = log_q_expectations(blocked(alpha - 1) + 1, blocked(beta - 1) + 1,
                                scheme.expectation)[0]
@@ -173,21 +182,29 @@ def mean_field_compiled(family, factors, scheme, grad: str, record: bool):
         # one differentiable step from the detached fixed point (as the loop)
         a_prior = a0[:, None].expand(*lead, n)
         b_prior = b0[:, None].expand(*lead, n)
-        alpha = fixed.alpha.reshape(*lead, n) + (a_prior - a_prior.detach())
-        beta = fixed.beta.reshape(*lead, n) + (b_prior - b_prior.detach())
+        alpha = fixed().alpha.reshape(*lead, n) + (a_prior - a_prior.detach())
+        beta = fixed().beta.reshape(*lead, n) + (b_prior - b_prior.detach())
         p, lay = band_posterior(alpha, beta)
         return ((lambda u: band.apply(p, u, lay)[..., off:, :]),
                 (lambda: lay.to_dense(p)[..., off:, :]), history)
 
-    e_final = log_q_expectations(fixed.alpha, fixed.beta, scheme.expectation)[0]  # (G, N)
-
     @eager  # an opaque C++ call: torch.compile runs it eagerly
     def attend(u):  # u: (*batch, H, N, d_v)
-        out = ops.attend(a_rows, b_rows, u.detach().to(work).reshape(G, n_all, u.shape[-1]),
-                         off, float(scale), fixed.window, e_final)
+        u_rows = u.detach().to(work).reshape(G, n_all, u.shape[-1])
+        if solved:  # solved already (a history was asked for): attend at its fixed point
+            f = solved[0]
+            out = ops.attend(a_rows, b_rows, u_rows, off, problem.scale, f.window, f.alpha,
+                             f.beta, problem.digamma)
+        else:  # both in one call (csrc: infer)
+            q = problem
+            out, *rest = ops.infer(a_rows, b_rows, u_rows, off, q.scale, q.a0, q.b0,
+                                   q.initial_window, q.caps, q.tol, q.converge_tol, q.max_iters,
+                                   q.cap, q.digamma, q.conjugate, q.rule)
+            solved.append(KernelSolution(*rest, None))
         return out.reshape(*lead, n, u.shape[-1]).to(u.dtype)
 
     def dense_posterior():
-        p, lay = band_posterior(fixed.alpha.reshape(*lead, n), fixed.beta.reshape(*lead, n))
+        s = fixed()
+        p, lay = band_posterior(s.alpha.reshape(*lead, n), s.beta.reshape(*lead, n))
         return lay.to_dense(p)[..., off:, :]
     return attend, dense_posterior, history

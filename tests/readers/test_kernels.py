@@ -207,3 +207,46 @@ def test_evaluation_with_grad_enabled_but_nothing_to_differentiate_uses_the_kern
                         lambda *a, **k: calls.append(1) or pytest.fail("loop used"))
     y = sa.compile(m)(x)
     assert not calls and not y.requires_grad
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, f64])
+def test_the_kernel_computes_the_score_ceiling_as_certified_does(dtype):
+    """``solve`` without ``high``/``slack`` computes ``certified.score_ceiling``'s ceiling
+    itself (in double, as Python does; the sums in another order): the same windows, steps
+    and fixed points, and bounds equal to rounding, as the call given Python's ceiling."""
+    from structattn.certified import score_ceiling
+
+    g = torch.Generator().manual_seed(11)
+    G, N, P, k = 3, 7, 19, 5
+    a, b = torch.randn(G, N, k, generator=g, dtype=dtype), torch.randn(G, P, k, generator=g,
+                                                                       dtype=dtype) * 3
+    a0, b0 = torch.full((G,), 2.0, dtype=dtype), torch.full((G,), 1.5, dtype=dtype)
+    win0, caps = torch.full((G, N), 2, dtype=torch.long), torch.arange(P).clamp(max=P)
+    args = (a, b, P - N, 0.7, a0, b0, win0, caps, 0.3, 1e-3, 2, P, True, True, 3, False)
+    high, slack = score_ceiling(a, b, 0.7)
+    ops = kernels.mean_field_windows()
+    given_, computed = ops.solve(*args, high.to(dtype), slack.to(dtype)), ops.solve(*args)
+    for x, y in zip(given_[:6], computed[:6], strict=True):
+        assert torch.equal(x, y)
+    assert bool((given_[6] > 0).any())  # a bound that the ceiling decided
+    torch.testing.assert_close(computed[6], given_[6], rtol=1e-13, atol=0)
+    with pytest.raises(RuntimeError, match="high and slack together"):
+        ops.solve(*args, high.to(dtype), None)
+
+
+def test_a_no_grad_plan_holds_one_kernel_call():
+    """Without gradients the reading is one ``infer`` call (solve, E[ln q], attend): the
+    recorded plan holds it and none of the score ceiling's or the Beta bookkeeping's small
+    operations; its output equals solve-then-attend (the traced call) bit for bit."""
+    torch.manual_seed(8)
+    m = sa.models.expanding_attention(16, heads=2, a=2.0, b=1.0)
+    layer, x = sa.compile(m), torch.randn(2, 50, 16)
+    with torch.no_grad():
+        for _ in range(3):
+            y = layer(x, last=1)
+        (plan,) = layer.plans.values()
+        targets = [str(n.target) for n in plan.graph.graph.nodes if n.op == "call_function"]
+        assert sum("structattn_mean_field.infer" in t for t in targets) == 1
+        assert not any(w in t for t in targets for w in ("digamma", "norm", "amax", ".solve"))
+        y_traced, _ = layer(x, last=1, return_trace=True)
+    assert torch.equal(y, y_traced)
