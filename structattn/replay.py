@@ -475,7 +475,7 @@ def record(layer, names: list, state: list, inputs: tuple, kwargs: dict) -> Plan
     captured = [getattr(graph, n.target) for n in graph.graph.nodes if n.op == "get_attr"]
     differentiated = _differentiated(state, tensors, captured)
     _simplify(graph.graph, merge=not differentiated)
-    _drop_implied_checks(graph.graph, plan)
+    _drop_implied_checks(graph.graph, plan, k)
     graph.recompile()
     with torch.random.fork_rng(devices=devices):
         _bind_to_torch(graph, (*state, *tensors))
@@ -562,25 +562,47 @@ def _root(node):
     return node
 
 
-def _drop_implied_checks(g: torch.fx.Graph, plan: Plan) -> None:
+def _drop_implied_checks(g: torch.fx.Graph, plan: Plan, n_state: int) -> None:
     """Checks another check implies, gone from the plan's outputs: a finite sum over a view
     of a tensor whose whole sum is checked, and ``(a == a).all()`` (false only at a NaN) of
-    such a view — e.g. the last tokens of an input checked as a whole."""
+    such a view — e.g. the last tokens of an input checked as a whole; and a finite sum of
+    ``x`` where ``linear(x, W)`` is checked finite, W (and a bias) among the ``n_state``
+    parameters and buffers, which are known finite (checked once per change, before either
+    path): a NaN or ±inf at x[i, f] makes every entry of the output's row i non-finite
+    (NaN·0 and ±inf·0 are NaN; tested, zero weights included) — e.g. a Hopfield state's
+    initial value W_Q r checked, so r need not be summed too. A failed check re-reads the
+    call, which names x."""
     out = g.output_node()
     values = list(out.args[0])
     n = len(plan.flags)
     flags = values[len(values) - n:] if n else []
+    params = set([v for v in g.nodes if v.op == "placeholder"][:n_state])
 
     def summed(f):
         return (f.op == "call_function" and f.target is torch.ops.aten.sum.default
                 and isinstance(f.args[0], torch.fx.Node))
-    whole = {f.args[0] for f, kind in zip(flags, plan.flags, strict=True)
-             if kind == "finite" and summed(f)}
+
+    def linear_input(y):  # x where y = linear(x, W[, b]) with known-finite W, b and ≥ 1 column
+        if y.op == "call_function" and y.target is torch.ops.aten.detach.default:
+            y = y.args[0]  # (checked without its history)
+        if y.op != "call_function" or y.target is not torch.ops.aten.linear.default:
+            return None
+        x, w, *bias = y.args
+        val = y.meta.get("val")
+        if w in params and all(b is None or b in params for b in bias) \
+                and isinstance(val, torch.Tensor) and val.dim() and val.shape[-1] > 0:
+            return x
+        return None
+    checked = [f.args[0] for f, kind in zip(flags, plan.flags, strict=True)
+               if kind == "finite" and summed(f)]
+    whole = set(checked)
+    covered = {linear_input(y) for y in checked} - {None}
     keep = []
     for f, kind in zip(flags, plan.flags, strict=True):
         implied = False
         if kind == "finite" and summed(f):
-            implied = _root(f.args[0]) in whole and f.args[0] is not _root(f.args[0])
+            implied = (_root(f.args[0]) in whole and f.args[0] is not _root(f.args[0])) \
+                or f.args[0] in covered
         elif (kind == "true" and f.target is torch.ops.aten.all.default
               and isinstance(f.args[0], torch.fx.Node)
               and f.args[0].target is torch.ops.aten.eq.Tensor

@@ -376,6 +376,47 @@ def test_checks_implied_by_others_leave_the_plan():
             layer(bad, last=1)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_a_non_finite_entry_poisons_its_row_of_linear_even_through_zero_weights(dtype, bad):
+    """What lets a plan drop the check of x where linear(x, W) is checked: every entry of
+    the output's row is non-finite, whatever the (finite) weights, all zero included."""
+    for n, k, m in [(1, 1, 1), (4, 32, 32), (3, 129, 257)]:
+        x = torch.randn(n, k, dtype=dtype)
+        x[n - 1, k // 2] = bad
+        for W in (torch.zeros(m, k, dtype=dtype), torch.randn(m, k, dtype=dtype)):
+            y = torch.nn.functional.linear(x, W)
+            assert not bool(torch.isfinite(y[n - 1]).any())
+
+
+def test_an_input_checked_through_its_projection_leaves_the_plan():
+    """Hopfield checks its cue r and the state's initial value W_Q r: the plan keeps the
+    second, which implies the first (the weights are known finite) — and a NaN or inf in r is
+    still refused with the reading's message naming r's node set, checks on or off."""
+    torch.manual_seed(0)
+    m = sa.models.hopfield(6, 5, update_steps=2, dtype=torch.float64)
+    layer = sa.compile(m)
+    r, Y = torch.randn(1, 3, 6, dtype=torch.float64), torch.randn(1, 4, 5, dtype=torch.float64)
+    for _ in range(3):
+        y = layer(r, Y)
+    (plan,) = layer.plans.values()
+    assert plan.calls >= 1 and torch.equal(y, layer.interpret(r, Y))
+    sums = [n for n in _calls(plan.graph) if "sum" in str(n.target)]
+    assert plan.flags == ("finite", "finite") and len(sums) == 2  # Y and W_Q r, not r
+    for value in (float("nan"), float("inf")):
+        bad = r.clone()
+        bad[0, 1, 4] = value
+        with pytest.raises(ValueError, match=r"node set 'queries' contains non-finite values"):
+            layer(bad, Y)
+    with sa.validation(False):
+        for _ in range(3):
+            layer(r, Y)
+        bad = r.clone()
+        bad[0, 1, 4] = float("nan")
+        torch.testing.assert_close(layer(bad, Y), layer.interpret(bad, Y), rtol=0, atol=0,
+                                   equal_nan=True)
+
+
 def test_the_last_plan_is_replayed_only_when_its_guard_holds():
     """The module keeps its last plan behind a guard (modes, parameter identities, input
     layouts); a call that differs in any of them takes the long way and gets its own answer."""
