@@ -5,8 +5,8 @@
 window grows; ``attend``: the output at the fixed point; ``infer``: both in one call — the
 no-grad reading, so that a recorded plan holds one node for the inference (the score ceiling
 and the Beta bookkeeping around two calls were twenty small operations, each costing a
-Python call per replay; the kernel computes both itself). ``mean_field_compiled`` is the scheme's
-fast path on the CPU: the same equations as the Python loop (``loop.mean_field``), which stays
+Python call per replay; the kernel computes both itself). ``mean_field_compiled`` is the
+scheme's fast path on the CPU: the same equations as the Python loop (``loop.mean_field``), which stays
 the reference and the path on other devices and for ``grad="unroll"``.
 """
 
@@ -45,7 +45,8 @@ class KernelProblem:
     rule: int  # WindowRule.code
     record: bool  # keep the per-round history
     # (G, N): each child's score ceiling plus its rounding slack, and the slack
-    # (certified.score_ceiling); None: the kernel computes them, with the same operations
+    # (certified.score_ceiling); None: the kernel computes them by that formula (in double,
+    # equal to rounding)
     high: torch.Tensor | None = None
     slack: torch.Tensor | None = None
 
