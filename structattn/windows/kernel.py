@@ -6,8 +6,8 @@ window grows; ``attend``: the output at the fixed point; ``infer``: both in one 
 no-grad reading, so that a recorded plan holds one node for the inference (the score ceiling
 and the Beta bookkeeping around two calls were twenty small operations, each costing a
 Python call per replay; the kernel computes both itself). ``mean_field_compiled`` is the
-scheme's fast path on the CPU: the same equations as the Python loop (``loop.mean_field``), which stays
-the reference and the path on other devices and for ``grad="unroll"``.
+scheme's fast path on the CPU: the same equations as the Python loop (``loop.mean_field``),
+which stays the reference and the path on other devices and for ``grad="unroll"``.
 """
 
 from __future__ import annotations
