@@ -18,7 +18,7 @@
 //   attend: out_i = Σ_{d ≤ W_i} softmax_d(ψ_{i,i−d} + d·e_i) u_{i−d}   (G, N, dv), with
 //           e_i = E[ln q_i] under each child's Beta(α_i, β_i) at its fixed point.
 //   infer:  solve, then attend — the no-grad reading in one call (one node of a recorded
-//           plan where the ceiling and the Beta bookkeeping were twenty): (out, *solve[:7]).
+//           plan where the ceiling and the Beta bookkeeping were twenty): (out, window, α, β).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -28,6 +28,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <memory>
 #include <optional>
 #include <tuple>
 #include <utility>
@@ -163,17 +164,30 @@ T beyond_mass(int64_t w, int64_t cap_i, T e, T log_in, T typical) {
   return T(1) / (T(1) + std::exp(log_in - log_out));
 }
 
+// Where solve_impl writes each child's fixed point (G·N entries each) and, when recording,
+// its per-step history (max_iters·G·N; null otherwise).
+template <typename T>
+struct SolveOut {
+  int64_t* win;
+  T* alpha;
+  T* beta;
+  T* m;
+  int64_t* steps;
+  bool* settled;
+  T* bound;
+  int64_t* h_win = nullptr;
+  T* h_alpha = nullptr;
+  T* h_beta = nullptr;
+  T* h_m = nullptr;
+};
+
 template <typename T>
 void solve_impl(const at::Tensor& a, const at::Tensor& b, int64_t offset, double scale_d,
                 const at::Tensor& a0,
                 const at::Tensor& b0, const at::Tensor& win0, const at::Tensor& caps,
                 double tol_d, double converge_tol_d, int64_t max_iters, int64_t cap,
                 bool digamma, bool conjugate, int64_t rule, bool record,
-                const T* High, const T* Slack, at::Tensor& win_out,
-                at::Tensor& alpha_out, at::Tensor& beta_out, at::Tensor& m_out,
-                at::Tensor& steps_out, at::Tensor& settled_out, at::Tensor& bound_out,
-                at::Tensor& h_win,
-                at::Tensor& h_alpha, at::Tensor& h_beta, at::Tensor& h_m) {
+                const T* High, const T* Slack, const SolveOut<T>& o) {
   const int64_t G = a.size(0), N = a.size(1), P = b.size(1), k = a.size(2);
   const T scale = static_cast<T>(scale_d), tol = static_cast<T>(tol_d);
   const T ctol = static_cast<T>(converge_tol_d);
@@ -183,12 +197,12 @@ void solve_impl(const at::Tensor& a, const at::Tensor& b, int64_t offset, double
   const T* B0 = b0.data_ptr<T>();
   const int64_t* W0 = win0.data_ptr<int64_t>();
   const int64_t* C = caps.data_ptr<int64_t>();
-  int64_t* Wout = win_out.data_ptr<int64_t>();
-  T* Aout = alpha_out.data_ptr<T>();
-  T* Bout = beta_out.data_ptr<T>();
-  T* Mout = m_out.data_ptr<T>();
-  int64_t* Sout = steps_out.data_ptr<int64_t>();
-  bool* Done = settled_out.data_ptr<bool>();
+  int64_t* Wout = o.win;
+  T* Aout = o.alpha;
+  T* Bout = o.beta;
+  T* Mout = o.m;
+  int64_t* Sout = o.steps;
+  bool* Done = o.settled;
   // Without a given ceiling: certified.score_ceiling's, per child, in double —
   // S_i = |scale|·‖a_i‖·max_j ‖b_j‖, slack γ_k·S_i + 4·tiny (γ_k = k·u/(1 − k·u), the error
   // bound of a k-term dot product in T), high = S_i + slack
@@ -206,11 +220,11 @@ void solve_impl(const at::Tensor& a, const at::Tensor& b, int64_t offset, double
         b_norm_max[g] = std::max(b_norm_max[g], std::sqrt(ss));
       }
   }
-  T* Bound = bound_out.data_ptr<T>();
-  int64_t* HW = record ? h_win.data_ptr<int64_t>() : nullptr;
-  T* HA = record ? h_alpha.data_ptr<T>() : nullptr;
-  T* HB = record ? h_beta.data_ptr<T>() : nullptr;
-  T* HM = record ? h_m.data_ptr<T>() : nullptr;
+  T* Bound = o.bound;
+  int64_t* HW = record ? o.h_win : nullptr;
+  T* HA = record ? o.h_alpha : nullptr;
+  T* HB = record ? o.h_beta : nullptr;
+  T* HM = record ? o.h_m : nullptr;
   const int64_t stride = G * N;  // one history step
 
   at::parallel_for(0, G * N, 16, [&](int64_t begin, int64_t end) {
@@ -296,14 +310,9 @@ void solve_impl(const at::Tensor& a, const at::Tensor& b, int64_t offset, double
   });
 }
 
-std::vector<at::Tensor> solve(const at::Tensor& a, const at::Tensor& b, int64_t offset,
-                              double scale,
-                              const at::Tensor& a0, const at::Tensor& b0,
-                              const at::Tensor& win0, const at::Tensor& caps, double tol,
-                              double converge_tol, int64_t max_iters, int64_t cap,
-                              bool digamma, bool conjugate, int64_t rule, bool record,
-                              const std::optional<at::Tensor>& high_in,
-                              const std::optional<at::Tensor>& slack_in) {
+void check_problem(const at::Tensor& a, const at::Tensor& b, int64_t offset,
+                   const at::Tensor& a0, const at::Tensor& b0, const at::Tensor& win0,
+                   const at::Tensor& caps) {
   TORCH_CHECK(a.device().is_cpu() && a.dim() == 3 && b.dim() == 3 && b.size(0) == a.size(0) &&
                   b.size(2) == a.size(2) && offset >= 0 && offset + a.size(1) == b.size(1) &&
                   caps.size(0) == b.size(1),
@@ -314,6 +323,20 @@ std::vector<at::Tensor> solve(const at::Tensor& a, const at::Tensor& b, int64_t 
               "mean_field_windows.solve: a, b, a0, b0 must share one dtype");
   TORCH_CHECK(win0.scalar_type() == at::kLong && caps.scalar_type() == at::kLong,
               "mean_field_windows.solve: win0, caps must be int64");
+  TORCH_CHECK(a0.numel() == a.size(0) && b0.numel() == a.size(0) &&
+                  win0.numel() == a.size(0) * a.size(1),
+              "mean_field_windows.solve: a0, b0 (G,), win0 (G, N)");
+}
+
+std::vector<at::Tensor> solve(const at::Tensor& a, const at::Tensor& b, int64_t offset,
+                              double scale,
+                              const at::Tensor& a0, const at::Tensor& b0,
+                              const at::Tensor& win0, const at::Tensor& caps, double tol,
+                              double converge_tol, int64_t max_iters, int64_t cap,
+                              bool digamma, bool conjugate, int64_t rule, bool record,
+                              const std::optional<at::Tensor>& high_in,
+                              const std::optional<at::Tensor>& slack_in) {
+  check_problem(a, b, offset, a0, b0, win0, caps);
   TORCH_CHECK(high_in.has_value() == slack_in.has_value(),
               "mean_field_windows.solve: give high and slack together, or neither");
   at::Tensor hc, sc;  // undefined: the kernel computes the ceiling
@@ -341,8 +364,13 @@ std::vector<at::Tensor> solve(const at::Tensor& a, const at::Tensor& b, int64_t 
     solve_impl<scalar_t>(ac, bc, offset, scale, a0c, b0c, w0, cp, tol, converge_tol, max_iters, cap,
                          digamma, conjugate, rule, record,
                          hc.defined() ? hc.data_ptr<scalar_t>() : nullptr,
-                         sc.defined() ? sc.data_ptr<scalar_t>() : nullptr, win_out, alpha, beta, m,
-                         steps, settled, bound, h_win, h_alpha, h_beta, h_m);
+                         sc.defined() ? sc.data_ptr<scalar_t>() : nullptr,
+                         SolveOut<scalar_t>{win_out.data_ptr<int64_t>(), alpha.data_ptr<scalar_t>(),
+                                            beta.data_ptr<scalar_t>(), m.data_ptr<scalar_t>(),
+                                            steps.data_ptr<int64_t>(), settled.data_ptr<bool>(),
+                                            bound.data_ptr<scalar_t>(), h_win.data_ptr<int64_t>(),
+                                            h_alpha.data_ptr<scalar_t>(), h_beta.data_ptr<scalar_t>(),
+                                            h_m.data_ptr<scalar_t>()});
   });
   return {win_out, alpha, beta, m, steps, settled, bound, h_win, h_alpha, h_beta, h_m};
 }
@@ -415,19 +443,32 @@ at::Tensor attend(const at::Tensor& a, const at::Tensor& b, const at::Tensor& u,
 }
 
 // The no-grad reading in one call: solve (its ceiling computed here), then attend at each
-// child's fixed point. Returns attend's output, then solve's first seven outputs.
+// child's fixed point. Returns attend's output and the fixed point's window, α and β.
 std::vector<at::Tensor> infer(const at::Tensor& a, const at::Tensor& b, const at::Tensor& u,
                               int64_t offset, double scale, const at::Tensor& a0,
                               const at::Tensor& b0, const at::Tensor& win0,
                               const at::Tensor& caps, double tol, double converge_tol,
                               int64_t max_iters, int64_t cap, bool digamma, bool conjugate,
                               int64_t rule) {
-  auto fixed = solve(a, b, offset, scale, a0, b0, win0, caps, tol, converge_tol, max_iters, cap,
-                     digamma, conjugate, rule, false, std::nullopt, std::nullopt);
-  std::vector<at::Tensor> out{attend(a, b, u, offset, scale, fixed[0], fixed[1], fixed[2],
-                                     digamma)};
-  out.insert(out.end(), fixed.begin(), fixed.begin() + 7);
-  return out;
+  // solve's work without its other outputs as tensors: each allocation and each tensor
+  // handed back to Python costs about what the whole iteration does for one token
+  check_problem(a, b, offset, a0, b0, win0, caps);
+  const int64_t G = a.size(0), N = a.size(1);
+  auto ac = a.contiguous(), bc = b.contiguous(), a0c = a0.contiguous(), b0c = b0.contiguous();
+  auto w0 = win0.contiguous(), cp = caps.contiguous();
+  auto win = at::empty({G, N}, a.options().dtype(at::kLong));
+  auto alpha = at::empty({G, N}, a.options()), beta = at::empty({G, N}, a.options());
+  std::vector<int64_t> steps(G * N);
+  std::unique_ptr<bool[]> settled(new bool[G * N]);
+  AT_DISPATCH_FLOATING_TYPES(a.scalar_type(), "mean_field_windows.infer", [&] {
+    std::vector<scalar_t> m(G * N), bound(G * N);
+    solve_impl<scalar_t>(ac, bc, offset, scale, a0c, b0c, w0, cp, tol, converge_tol, max_iters,
+                         cap, digamma, conjugate, rule, false, nullptr, nullptr,
+                         SolveOut<scalar_t>{win.data_ptr<int64_t>(), alpha.data_ptr<scalar_t>(),
+                                            beta.data_ptr<scalar_t>(), m.data(), steps.data(),
+                                            settled.get(), bound.data()});
+  });
+  return {attend(ac, bc, u, offset, scale, win, alpha, beta, digamma), win, alpha, beta};
 }
 
 }  // namespace

@@ -148,7 +148,9 @@ def mean_field_compiled(family, factors, scheme, grad: str, record: bool):
             b0.detach().expand(*lead).reshape(G), win0.reshape(G, n), caps, float(scheme.tol),
             float(scheme.converge_tol), scheme.max_iters, cap, scheme.expectation == "digamma",
             scheme.update == "conjugate", scheme.window_rule.code, record)
-    solved: list[KernelSolution] = []  # the fixed point, once: from solve, or from infer
+    # the fixed point, once: from solve, or from infer (its window, α and β only: what
+    # band_posterior reads; a history is solved first)
+    solved: list[KernelSolution] = []
 
     def fixed() -> KernelSolution:
         if not solved:
@@ -198,10 +200,10 @@ def mean_field_compiled(family, factors, scheme, grad: str, record: bool):
                              f.beta, problem.digamma)
         else:  # both in one call (csrc: infer)
             q = problem
-            out, *rest = ops.infer(a_rows, b_rows, u_rows, off, q.scale, q.a0, q.b0,
-                                   q.initial_window, q.caps, q.tol, q.converge_tol, q.max_iters,
-                                   q.cap, q.digamma, q.conjugate, q.rule)
-            solved.append(KernelSolution(*rest, None))
+            out, window, alpha, beta = ops.infer(
+                a_rows, b_rows, u_rows, off, q.scale, q.a0, q.b0, q.initial_window, q.caps,
+                q.tol, q.converge_tol, q.max_iters, q.cap, q.digamma, q.conjugate, q.rule)
+            solved.append(KernelSolution(window, alpha, beta, None, None, None, None, None))
         return out.reshape(*lead, n, u.shape[-1]).to(u.dtype)
 
     def dense_posterior():

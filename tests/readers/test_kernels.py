@@ -248,5 +248,9 @@ def test_a_no_grad_plan_holds_one_kernel_call():
         targets = [str(n.target) for n in plan.graph.graph.nodes if n.op == "call_function"]
         assert sum("structattn_mean_field.infer" in t for t in targets) == 1
         assert not any(w in t for t in targets for w in ("digamma", "norm", "amax", ".solve"))
-        y_traced, _ = layer(x, last=1, return_trace=True)
+        y_traced, trace = layer(x, last=1, return_trace=True)
+        # the posterior read after infer (its window, α, β) is the traced call's
+        y_post, post = layer(x, return_posterior=True)
+        y_both, post_both, _ = layer(x, return_posterior=True, return_trace=True)
     assert torch.equal(y, y_traced)
+    assert torch.equal(y_post, y_both) and torch.equal(post, post_both)
