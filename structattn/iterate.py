@@ -13,7 +13,9 @@ and its gradient is the expectation, under the edge posterior, of the ordinary o
   (Bilinear, DotProduct, SquaredDistance) the bound is a quadratic with curvature
   H = 1/scale² + E[−∂²ψ/∂μ²] and its minimiser is μ_t − ∇F(μ_t)/H: the CCCP fixed point
   for bilinear potentials (Hopfield: ξ ← Kᵀ softmax(βKξ)) and the EM M-step for Gaussian
-  ones (a posterior-weighted mean). F never increases.
+  ones (a posterior-weighted mean). F never increases. Where the potentials state the
+  offset b of E[∂ψ/∂μ] = b − c·μ, the minimiser is computed as (loc/scale² + Σ b)/H — EM's
+  own form, without the terms in μ that cancel (fewer operations, forward and backward).
 - ``"gradient"``: μ ← μ − η ∇F(μ). Too large an η makes F rise: while validating, a
   ``DivergenceWarning`` names ``step_size`` and the step (``structattn.divergence``).
 - a callable ``update(state, step) -> state`` (e.g. slot attention's GRU + MLP), given a
@@ -266,7 +268,25 @@ class Step:
                 f"potentials linear in it has no fixed point (F is unbounded below); give it "
                 f"a Gaussian prior (scale=…) or a Gaussian (SquaredDistance) potential"
             )
+        b = self._expected_offset()
+        if b is not None:  # EM's form: (loc/scale² + Σ b)/H, the same point without μ's terms
+            pull = z.prior_pull()
+            return (b if isinstance(pull, float) and pull == 0.0 else b + pull) / h
         return self.state - self.free_energy_gradient() / h
+
+    def _expected_offset(self) -> torch.Tensor | None:
+        """Σ over families, sides and potentials of b in E[∂ψ/∂μ] = b − c·μ (each potential's
+        ``expected_gradient_offset``), or None when one does not state it."""
+        terms = []
+        for fam in self.families():
+            op = self.operator(fam.name)
+            for side in sides(fam, self.latent):
+                for psi in fam.potentials:
+                    b = psi.expected_gradient_offset(side, op)
+                    if b is None:
+                        return None
+                    terms.append(b)
+        return sum(terms[1:], terms[0]) if terms else None
 
     def gradient_step(self, step_size: float) -> torch.Tensor:
         return self.state - step_size * self.free_energy_gradient()

@@ -134,6 +134,9 @@ class LatentNodeSet(NodeSet):
         super().__init__(name, init, observed=False)
         self.init, self.loc, self.scale, self._options = init, loc, scale, options
         self.inferred = False
+        # a learned scale's 1/scale² and loc/scale², once per forward and grad mode (not once
+        # per step: each is an operation, and another in the backward, at every step)
+        self._prior_terms: dict = {}
 
     @property
     def options(self) -> IterationOptions:
@@ -144,7 +147,25 @@ class LatentNodeSet(NodeSet):
         """1/scale² (0 for a flat prior), broadcastable to the states."""
         if self.scale is None:
             return 0.0
-        return self.scale ** -2
+        if not isinstance(self.scale, torch.Tensor):
+            return self.scale ** -2
+        return self._once("precision", lambda: self.scale ** -2)
+
+    def prior_pull(self):
+        """loc/scale² (0 for a flat prior or loc 0): the prior's term in EM's numerator."""
+        if self.scale is None or (isinstance(self.loc, float) and self.loc == 0.0):
+            return 0.0
+        if not isinstance(self.scale, torch.Tensor) and not isinstance(self.loc, torch.Tensor):
+            return self.scale ** -2 * self.loc
+        return self._once("pull", lambda: self.prior_precision() * self.loc)
+
+    def _once(self, what: str, make):
+        """``make()`` computed once per forward and grad mode (a no-grad value has no graph
+        for the differentiable step that follows it)."""
+        key = (what, torch.is_grad_enabled())
+        if key not in self._prior_terms:
+            self._prior_terms[key] = make()
+        return self._prior_terms[key]
 
     def log_prior(self, states: torch.Tensor | None = None) -> torch.Tensor:
         """log p(z) summed over nodes and features: ``(*batch,)`` (0 for a flat prior)."""

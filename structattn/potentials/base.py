@@ -21,7 +21,11 @@ For latent node sets (the iterative engine) a potential may also give, in closed
   node on ``side`` ("children" or "parents"), shaped like that node set's states — by
   Lemma 7.1 of the paper, the gradient of the family's log-partition;
 - ``expected_curvature(side, op)``: E[−∂²ψ/∂x_side²] when it is a multiple of the identity
-  (0 for potentials linear in that side), which makes the CCCP/EM update closed-form.
+  (0 for potentials linear in that side), which makes the CCCP/EM update closed-form;
+- ``expected_gradient_offset(side, op)``: for such a potential, the b of
+  E[∂ψ/∂x_side] = b − c·x_side (c the curvature), computed without x_side's own term: the
+  update is then EM's weighted mean (loc/scale² + Σ b)/H, not μ − ∇F/H (the same point,
+  in fewer operations forward and backward).
 
 Either may return None: the engine then differentiates the log-partition with autograd
 (gradient) or refuses the closed-form update (curvature).
@@ -73,6 +77,12 @@ class Potential:
     def expected_curvature(self, side: str, op):
         """E[−∂²ψ/∂x_side²] as a scalar multiple of the identity per node (a float or a tensor
         broadcastable to the states); None when it is not one."""
+        return None
+
+    def expected_gradient_offset(self, side: str, op) -> torch.Tensor | None:
+        """b in E[∂ψ/∂x_side] = b − c·x_side, c = ``expected_curvature(side, op)``: the expected
+        gradient without the side's own (linear) term, shaped like its states; None: not
+        stated (the engine then takes μ − ∇F/H)."""
         return None
 
     def pairwise(self, children: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:

@@ -92,6 +92,9 @@ class Bilinear(Potential):
         g = merge_heads(weighted(g, weight, self.temperature))
         return g if W is None else g @ W
 
+    def expected_gradient_offset(self, side, op):
+        return self.expected_gradient(side, op)  # linear in each side: no own term
+
     def expected_curvature(self, side, op):
         return 0.0  # linear in each side
 

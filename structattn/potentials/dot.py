@@ -45,6 +45,9 @@ class DotProduct(Potential):
         g = op.attend(b) if side == "children" else op.adjoint(a)
         return merge_heads(weighted(g, weight, self.temperature))
 
+    def expected_gradient_offset(self, side, op):
+        return self.expected_gradient(side, op)  # linear in each side: no own term
+
     def expected_curvature(self, side, op):
         return 0.0
 

@@ -67,6 +67,15 @@ class SquaredDistance(Potential):
             g = op.adjoint(xc) - op.mass() * xp
         return merge_heads(weighted(g, weight, self.temperature))
 
+    def expected_gradient_offset(self, side, op):
+        """Σ_j p_ij x_j/τ (children) or Σ_i p_ij x_i/τ (parents): the expected gradient less
+        its −c·x term (c = 1/τ resp. m_j/τ) — the M-step's weighted sum."""
+        if side == "children":
+            g = op.attend(split_heads(op.family.parents.states, self.heads))
+        else:
+            g = op.adjoint(split_heads(op.family.children.states, self.heads))
+        return merge_heads(weighted(g, 1.0, self.temperature))
+
     def expected_curvature(self, side, op):
         if side == "children":  # each head's posterior row sums to one: 1/τ_h per feature
             xc = op.family.children.states

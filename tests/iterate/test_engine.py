@@ -175,3 +175,58 @@ def test_ddp_single_process_iterative(tmp_path):
         check()
     finally:
         release_process_group()
+
+
+@pytest.mark.parametrize("side", ["children", "parents"])
+@pytest.mark.parametrize("heads", [1, 2])
+def test_cccp_for_a_gaussian_potential_is_em_against_its_definition(side, heads):
+    """A SquaredDistance potential on a latent with a learned prior N(loc, scale²): the
+    update is computed as EM's weighted mean (loc/scale² + Σ b)/H, and equals μ − ∇F/H with
+    ∇F by autograd of F written out and H = 1/scale² + E[−∂²ψ/∂μ²] — latent as children
+    (H = 1/s² + 1/τ) or as parents (H = 1/s² + m_j/τ), one or two heads (τ per head); the
+    prior's 1/scale² is computed once per forward, not once per step."""
+    torch.manual_seed(heads)
+    d = 4
+    x, z0 = torch.randn(2, 6, d, dtype=f64), torch.randn(2, 3, d, dtype=f64)
+    loc = torch.randn(1, 1, d, dtype=f64, requires_grad=True)
+    scale = torch.tensor(0.7, dtype=f64, requires_grad=True)
+    tau = torch.tensor([1.3, 0.6][:heads], dtype=f64)
+
+    def program(x, z):
+        obs = sa.nodes("x", x)
+        lat = sa.latent("z", z, loc=loc, scale=scale, update="cccp", steps=3)
+        ends = (lat, obs) if side == "children" else (obs, lat)
+        phi = sa.edges("f", *ends, sa.priors.Uniform(), heads=heads)
+        sa.potential(phi, sa.potentials.SquaredDistance(temperature=tau, heads=heads))
+        return sa.infer(lat)
+
+    def split(t):  # (b, n, H·d/H) → (b, H, n, d/H)
+        return t.reshape(*t.shape[:-1], heads, d // heads).transpose(-2, -3)
+
+    t = tau.reshape(heads, 1, 1)
+
+    def F(z):
+        c, p = (split(z), split(x)) if side == "children" else (split(x), split(z))
+        psi = -0.5 * ((c[..., :, None, :] - p[..., None, :, :]) ** 2).sum(-1) / t
+        return (0.5 * ((z - loc) / scale) ** 2).sum() - torch.logsumexp(psi, -1).sum()
+
+    z = z0.clone()
+    for _ in range(3):
+        zz = z.detach().requires_grad_()
+        (g,) = torch.autograd.grad(F(zz), zz)
+        c, p = (split(zz), split(x)) if side == "children" else (split(x), split(zz))
+        psi = -0.5 * ((c[..., :, None, :] - p[..., None, :, :]) ** 2).sum(-1) / t
+        per_node = 1 / t if side == "children" else psi.softmax(-1).sum(-2)[..., None] / t
+        curv = per_node.expand(2, heads, 3, d // heads)  # m_j/τ for parents: posterior mass
+        H = scale.detach() ** -2 + curv.transpose(-2, -3).reshape(2, 3, d)
+        z = (z - g / H).detach()
+    layer = sa.compile(program)
+    out = layer(x, z0)
+    assert (out - z).abs().max() < 1e-10
+    out.sum().backward()  # the prior's parameters receive gradients through every step
+    assert loc.grad is not None and bool(loc.grad.ne(0).any()) and scale.grad.ne(0)
+    layer(x, z0)
+    layer(x, z0)  # recorded: 1/scale² once per forward, whatever the step count
+    (plan,) = layer.plans.values()
+    pows = [n for n in plan.graph.graph.nodes if "pow" in str(n.target)]
+    assert plan.graph is not None and len(pows) == 1
