@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.nn.modules import module as _module
 
 from .declaration import Declaration, as_declaration
 from .iterate import Engine
@@ -54,6 +55,25 @@ class CompiledModule(nn.Module):
         """Forget every plan: the next calls read the declaration again (needed only after
         changing a plain attribute of a sub-module that is not a Declaration)."""
         self._plans.clear()
+
+    def __call__(self, *inputs, **kwargs):
+        # The common case first: the last plan's fast path without nn.Module's call machinery
+        # (three Python frames, 2–4 µs of a 50 µs call at small sizes), wherever nothing
+        # needs that machinery — no hooks on this module or global ones, no
+        # nn.Module.compile(), no TorchScript tracer, not inside torch.compile. Otherwise, and
+        # when the call is not the last plan's, nn.Module's own call (hooks, then forward).
+        plans = self._plans
+        last = plans._last
+        if last is not None and plans.enabled and self._compiled_call_impl is None \
+                and not (self._forward_pre_hooks or self._forward_hooks or self._backward_hooks
+                         or self._backward_pre_hooks or _module._global_forward_pre_hooks
+                         or _module._global_forward_hooks or _module._global_backward_hooks
+                         or _module._global_backward_pre_hooks) \
+                and not torch.compiler.is_compiling() and not torch._C._get_tracing_state():
+            out = last.run(self, inputs, kwargs)
+            if out is not MISSED:
+                return out
+        return super().__call__(*inputs, **kwargs)
 
     def forward(self, *inputs, **kwargs):
         plans = self._plans

@@ -541,3 +541,30 @@ def test_each_plan_keeps_its_fast_path_when_calls_alternate():
             assert torch.equal(layer(x), layer.interpret(x))
             assert layer._plans._last is fast_off
     assert on.last is fast_on and off.last is fast_off
+
+
+def test_hooks_fire_on_replayed_calls():
+    """A replayed call skips nn.Module's call machinery only where nothing needs it: with a
+    forward pre-hook, a forward hook or a global hook registered, every call goes through
+    them (and is still replayed), and the fast path returns once they are removed."""
+    torch.manual_seed(0)
+    m = sa.models.self_attention(8, d_k=4, heads=2, dtype=torch.float64)
+    layer, x = sa.compile(m), torch.randn(1, 5, 8, dtype=torch.float64)
+    for _ in range(3):
+        y = layer(x)
+    plan = layer._plans._last.plan
+    seen = []
+    pre = layer.register_forward_pre_hook(lambda mod, args: (2 * args[0],))
+    post = layer.register_forward_hook(lambda mod, args, out: seen.append(out) or out + 1)
+    calls = plan.calls
+    out = layer(x)
+    assert torch.equal(out, layer.interpret(2 * x) + 1) and len(seen) == 1
+    assert plan.calls == calls + 1  # the hooks ran around a replay
+    pre.remove(), post.remove()
+    glob = torch.nn.modules.module.register_module_forward_hook(
+        lambda mod, args, out: seen.append(out))
+    try:
+        assert torch.equal(layer(x), y) and len(seen) == 2
+    finally:
+        glob.remove()
+    assert torch.equal(layer(x), y) and len(seen) == 2 and plan.calls == calls + 3
