@@ -333,12 +333,35 @@ def _fast_path(last, plans, n_inputs: int, kwargs: dict, state: list):
             "        return _sa_MISSED",
             f"    if {' or '.join(same)}:",
             "        return _sa_MISSED"]
+    # What the plan computes from the parameters alone (its constants graph) and the checks
+    # among those values: refreshed when a parameter (or a tensor the constants captured)
+    # moves, not looked at every call
+    n = plan.n_tensors
+    held = plan.constants_graph is not None and bool(st)
+    constant_flags = _constant_flags(plan, len(state) + n_inputs) if held else {}
+    if held:
+        values = _constants(plan, state)
+        env.update(_sa_CV=list(values), _sa_CF=[_flags_pass(plan, values, constant_flags)],
+                   _sa_flags_pass=_flags_pass, _sa_CFI=constant_flags,
+                   _sa_VC=[t._version for t in plan.captured])
+        for i, t in enumerate(plan.captured):
+            env[f"_sa_C{i}"] = t
     if st:  # a parameter changed in place (an optimizer step): found finite again
         moved = " or ".join(f"{s}._version != _sa_V[{i}]" for i, s in enumerate(st))
         lines += [f"    if {moved}:",
                   f"        if not _sa_plans.parameters_finite([{', '.join(st)}]):",
                   "            return _sa_MISSED",
                   f"        _sa_V[:] = [{', '.join(f'{s}._version' for s in st)}]"]
+        if held:
+            refresh = [f"        _sa_CV[:] = _sa_constants(_sa_plan, [{', '.join(st)}])",
+                       "        _sa_CF[0] = _sa_flags_pass(_sa_plan, _sa_CV, _sa_CFI)"]
+            lines += refresh
+            if plan.captured:
+                cap = [f"_sa_C{i}" for i in range(len(plan.captured))]
+                lines += ["    if " + " or ".join(f"{c}._version != _sa_VC[{i}]"
+                                              for i, c in enumerate(cap)) + ":",
+                          f"        _sa_VC[:] = [{', '.join(f'{c}._version' for c in cap)}]",
+                          *refresh]
     lines += ["    try:",
               f"        if not _sa_guard({', '.join(ins + st)}):",
               "            return _sa_MISSED",
@@ -346,12 +369,16 @@ def _fast_path(last, plans, n_inputs: int, kwargs: dict, state: list):
               "        return _sa_MISSED",
               "    try:"]
     args = ", ".join(st + ins)
-    if plan.constants_graph is not None:
+    if held:
+        args += ", *_sa_CV"
+    elif plan.constants_graph is not None:
         args += ", *_sa_constants(_sa_plan, [" + ", ".join(st) + "])"
     lines += [f"        {line}" for line in _inlined(plan.graph, args, env)]
-    n = plan.n_tensors
     checks = [f"not _sa_isfinite(_sa_float(_sa_result[{n + k}]))" if kind == "finite"
-              else f"not _sa_result[{n + k}]" for k, kind in enumerate(plan.flags)]
+              else f"not _sa_result[{n + k}]" for k, kind in enumerate(plan.flags)
+              if k not in constant_flags]
+    if constant_flags:
+        checks.insert(0, "not _sa_CF[0]")
     if checks:
         lines += [f"        _sa_failed = {' or '.join(checks)}"]
     reread = "        return _sa_layer.interpret(*_sa_inputs, **_sa_kw)"
@@ -365,6 +392,29 @@ def _fast_path(last, plans, n_inputs: int, kwargs: dict, state: list):
     code = "\n".join(lines)
     exec(compile(code, f"<structattn replay of {type(declaration).__name__}>", "exec"), env)
     return env["run"]
+
+
+def _constant_flags(plan: Plan, first_constant: int) -> dict:
+    """The plan's flags that are values of its constants graph (checks of the parameters
+    alone, e.g. a learned gate's range): flag position → index among the constants.
+    ``first_constant``: the position of the graph's first constants placeholder."""
+    placeholders = [v for v in plan.graph.graph.nodes if v.op == "placeholder"]
+    values = plan.graph.graph.output_node().args[0]
+    out = {}
+    for k in range(len(plan.flags)):
+        node = values[plan.n_tensors + k]
+        if node.op == "placeholder" and placeholders.index(node) >= first_constant:
+            out[k] = placeholders.index(node) - first_constant
+    return out
+
+
+def _flags_pass(plan: Plan, values: list, flags: dict) -> bool:
+    """Whether the constant flags ``flags`` (``_constant_flags``) pass on these values."""
+    for k, i in flags.items():
+        v = values[i]
+        if not (isfinite(float(v)) if plan.flags[k] == "finite" else bool(v)):
+            return False
+    return True
 
 
 def _inlined(graph: torch.fx.GraphModule, args: str, env: dict) -> list:
@@ -792,9 +842,25 @@ def _bind_to_torch(graph: torch.fx.GraphModule, args: tuple) -> None:
     Overloads that mutate or draw at random keep their overload object."""
     bound = {}
 
+    narrowed = {}
+
     class Check(torch.fx.Interpreter):
         def run_node(self, n):
             out = super().run_node(n)
+            if n.op == "call_function" and n.target is torch.ops.aten.slice.Tensor:
+                # a unit-step slice has no public binding; ``torch.narrow`` is the same view
+                # (the signature fixes the size, so the length is known)
+                a, kw = self.fetch_args_kwargs_from_env(n)
+                x, dim, start, end, step = (*a, *[None] * (5 - len(a)))[:5] if not kw \
+                    else (None,) * 5
+                if isinstance(x, torch.Tensor) and step in (None, 1) and isinstance(dim, int) \
+                        and isinstance(start, int) and isinstance(end, int):
+                    size = x.shape[dim]
+                    lo = max(0, min(size, start + size if start < 0 else start))
+                    hi = max(lo, min(size, end + size if end < 0 else end))
+                    if _same(out, torch.narrow(x, dim, lo, hi - lo)):
+                        narrowed[n] = (n.args[0], dim, lo, hi - lo)
+                return out
             fn = _binding(n.target) if n.op == "call_function" else None
             if fn is None or n.target._schema.is_mutable:
                 return out
@@ -812,6 +878,8 @@ def _bind_to_torch(graph: torch.fx.GraphModule, args: tuple) -> None:
     Check(graph).run(*args)
     for node, fn in bound.items():
         node.target = fn
+    for node, narrow in narrowed.items():
+        node.target, node.args, node.kwargs = torch.narrow, narrow, {}
 
 
 def _impure(node) -> bool:

@@ -568,3 +568,28 @@ def test_hooks_fire_on_replayed_calls():
     finally:
         glob.remove()
     assert torch.equal(layer(x), y) and len(seen) == 2 and plan.calls == calls + 3
+
+
+def test_checks_of_the_parameters_alone_are_made_when_they_move():
+    """A check on values computed from the parameters alone (expanding attention's Beta
+    prior a = softplus(raw) > 0) is a constant of the plan: the fast path looks at it when a
+    parameter moves, not every call — and a move that fails it (a finite raw value whose
+    softplus underflows to 0) is refused with the reading's message; moved back, replayed."""
+    torch.manual_seed(0)
+    m = sa.models.expanding_attention(16)
+    layer, x = sa.compile(m), torch.randn(1, 50, 16)
+    with torch.no_grad():
+        for _ in range(4):
+            y = layer(x, last=1)
+        plan = layer._plans._last.plan
+        assert plan.constants_graph is not None and "true" in plan.flags
+        calls = plan.calls
+        keep = m.raw_prior.clone()
+        m.raw_prior.fill_(-200.0)  # in place: the same tensor, a new version
+        with pytest.raises(ValueError, match=r"BetaGeometric prior: a must be finite and > 0"):
+            layer(x, last=1)
+        m.raw_prior.copy_(keep)
+        assert torch.equal(layer(x, last=1), y) and plan.calls == calls + 1
+        m.raw_prior.add_(0.5)  # a move that passes: the constants follow it
+        assert torch.equal(layer(x, last=1), layer.interpret(x, last=1))
+        assert plan.calls == calls + 2
