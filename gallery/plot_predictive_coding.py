@@ -229,6 +229,10 @@ def train(cfg, seed, data, args):
     rose = sum(issubclass(w.category, sa.DivergenceWarning) for w in rose) / max(relaxations, 1)
     F_test, acc_test, spread, F_digits = test_trace(m, layer, Xte, yte, args.test_steps)
     F_clamped = clamped_free_energies(layer, Xte, args.test_steps)
+    # every seed's layer is kept for the pictures, but not its plans: a plan of a 200-step
+    # relaxation is the unrolled graph, ~0.5 GB a layer here, and 40 layers' plans filled
+    # 24 GB (a later call simply records again)
+    layer.reset()
     return {"model": m, "layer": layer, "acc": acc, "F": F, "F_test": F_test,
             "acc_test": acc_test, "spread": spread, "train_seconds": seconds, "rose": rose,
             "F_clamped": F_clamped, "F_digits": F_digits,
