@@ -593,3 +593,21 @@ def test_checks_of_the_parameters_alone_are_made_when_they_move():
         m.raw_prior.add_(0.5)  # a move that passes: the constants follow it
         assert torch.equal(layer(x, last=1), layer.interpret(x, last=1))
         assert plan.calls == calls + 2
+
+
+def test_a_plan_keeps_none_of_the_tracers_notes():
+    """The tracer notes on every node its stack trace and a description of the recording
+    call's value; only the simplifying passes read them, so a plan drops them (a plan of a
+    200-step relaxation held ~380 MB of them, measured with tracemalloc)."""
+    torch.manual_seed(0)
+    m = sa.models.expanding_attention(8)
+    layer, x = sa.compile(m), torch.randn(1, 20, 8)
+    with torch.no_grad():
+        for _ in range(3):
+            y = layer(x)
+    (plan,) = layer.plans.values()
+    assert plan.graph is not None and plan.constants_graph is not None
+    for g in (plan.graph, plan.constants_graph):
+        assert all(not node.meta for node in g.graph.nodes)
+    with torch.no_grad():
+        assert torch.equal(layer(x), y)
