@@ -66,8 +66,10 @@ def test_kernel_equals_the_loop(n, heads, batch, rule, expectation, update, max_
     assert t1.iterations == t0.iterations and t1.converged == t0.converged
     assert torch.equal(t1.windows, t0.windows)
     assert torch.equal(t1.child_iterations, t0.child_iterations)
+    # the kernel sums in another order than the loop: over tens of rounds the rounding
+    # differences grow with the values (α ~ E[φ] ~ tens: 1.4e-11 seen at n = 44, 31 rounds)
     for name in ("alpha", "beta", "expected_distance", "discarded"):
-        torch.testing.assert_close(getattr(t1, name), getattr(t0, name), atol=1e-11, rtol=0)
+        torch.testing.assert_close(getattr(t1, name), getattr(t0, name), atol=1e-11, rtol=1e-11)
     # the kernel's band is the widest window scored each round; the loop's band covers it
     assert len(t1.band) == len(t0.band)
     assert all(k <= w for k, w in zip(t1.band, t0.band, strict=True))
