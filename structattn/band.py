@@ -122,7 +122,7 @@ def flex_attend(a, b, u, scale: float, log_prior, window, **kwargs):
     """CUDA fast path: FlexAttention with a block mask for ``1 ≤ i − j ≤ window_i`` and the log
     prior as a ``score_mod``; ``log_prior(head_or_child_index..., distance)`` as in
     ``windows``. ``a, b, u``: ``(B, H, N, d)``. Only blocks inside the band are computed."""
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import create_block_mask
 
     n = a.shape[-2]
     per_child = isinstance(window, torch.Tensor)
@@ -138,4 +138,26 @@ def flex_attend(a, b, u, scale: float, log_prior, window, **kwargs):
     mask = create_block_mask(in_band, B=a.shape[0] if per_child else None,
                              H=a.shape[1] if per_child else None, Q_LEN=n, KV_LEN=n,
                              device=a.device)
-    return flex_attention(a, b, u, score_mod=score_mod, block_mask=mask, scale=scale, **kwargs)
+    return _fused_flex_attention()(a, b, u, score_mod=score_mod, block_mask=mask, scale=scale,
+                                   **kwargs)
+
+
+_FUSED: dict = {}
+
+
+def _fused_flex_attention():
+    """``flex_attention`` fused by ``torch.compile`` (called eagerly it computes and keeps the
+    whole N×N score matrix, and warns so); inside a graph dynamo is compiling, the function
+    itself. A plan cannot be recorded through it (``structattn.replay`` would replay the
+    unfused operator): such a call is read each time."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from ._validation import is_exporting, is_recording
+
+    if torch.compiler.is_compiling() or is_exporting():  # fused by the compiler that reads it
+        return flex_attention
+    if is_recording():
+        raise RuntimeError("FlexAttention runs fused through torch.compile, not in a plan")
+    if "fn" not in _FUSED:
+        _FUSED["fn"] = torch.compile(flex_attention, dynamic=False)
+    return _FUSED["fn"]

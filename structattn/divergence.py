@@ -32,7 +32,8 @@ class DivergenceWatch:
         self.engine = engine
         self.watched = [z for z in engine.latents if z.options.update == "gradient"]
         # (a warning, not an error: a replay re-reads the call to warn; a program has no warning)
-        self.active = bool(self.watched) and checks_on() and not is_exporting()
+        # len(): dynamo in torch 2.11 cannot trace bool(list) (a graph break under fullgraph)
+        self.active = len(self.watched) > 0 and checks_on() and not is_exporting()
         self.start_states: dict = {}
         self.f0: torch.Tensor | None = None
 

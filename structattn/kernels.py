@@ -73,11 +73,13 @@ def _build(kernel: str = "mean_field"):
 
 
 def _ops(kernel: str):
-    """A kernel's ops, built on first use; None where kernels are off or the build failed."""
+    """A kernel's ops, built on first use; None where kernels are off or the build failed.
+    Under ``torch.compile`` nothing is built (dynamo cannot enter the build's lock): a graph
+    traced before any eager call has loaded the kernel uses the Python reading."""
     if not _enabled():
         return None
     state = _states[kernel]
-    if not state["tried"]:
+    if not state["tried"] and not torch.compiler.is_compiling():
         with _lock:
             if not state["tried"]:
                 try:

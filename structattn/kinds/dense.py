@@ -26,12 +26,16 @@ def with_parent_terms(a, b, u, h, scale: float):
     of ones, ``b`` the column ``h/scale`` (``h (…, P)`` broadcasts against ``b``'s leading
     dims) — and the values ``u`` padded with zero columns to the same width, since the fused
     CPU kernels (forward and backward) take queries, keys and values of one width only; the
-    caller keeps the output's first ``u.shape[-1]`` columns. O((C + P)·d) memory."""
+    caller keeps the output's first ``u.shape[-1]`` columns. O((C + P)·d) memory. On CUDA the
+    width is a multiple of 8: its fused kernels refuse a width of 65 (d = 64 and the term),
+    which would leave SDPA its math kernel, forming the C×P scores (on the CPU 65 and 72 cost
+    the same time, and 65 less memory)."""
     lead = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2], u.shape[:-2], h.shape[:-1])
     a, b = a.expand(*lead, *a.shape[-2:]), b.expand(*lead, *b.shape[-2:])
     u = u.expand(*lead, *u.shape[-2:])
     h = (h.to(b.dtype) / scale).expand(*lead, h.shape[-1]).unsqueeze(-1)
-    width = max(a.shape[-1] + 1, u.shape[-1])
+    align = 8 if a.is_cuda else 1
+    width = -(-max(a.shape[-1] + 1, u.shape[-1]) // align) * align
     qk_pad, u_pad = width - a.shape[-1] - 1, width - u.shape[-1]
     a = torch.cat([a, torch.ones_like(a[..., :1]), a.new_zeros(*a.shape[:-1], qk_pad)], -1)
     b = torch.cat([b, h, b.new_zeros(*b.shape[:-1], qk_pad)], -1)

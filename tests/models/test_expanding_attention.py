@@ -175,7 +175,13 @@ def test_dtypes_state_dict_and_torch_compile(tmp_path):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention fast path needs CUDA")
+@pytest.mark.filterwarnings("ignore:TensorFloat32 tensor cores")  # inductor's advice
+# dynamo, wrapping the prior's a, b (softplus outputs), warns that a non-leaf's .grad is not
+# populated: harmless (as in the torch.compile test above)
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf")
 def test_flex_attention_path_on_cuda_matches_the_banded_cpu_path():
+    """FlexAttention runs fused (torch.compile): called eagerly it would form the N×N scores
+    and warn so — a warning is an error here."""
     torch.manual_seed(7)
     m = sa.models.expanding_attention(64, heads=4, variant="exact", prior_tol=0.01)
     x = torch.randn(2, 300, 64)
