@@ -98,14 +98,15 @@ MEM_TARGET = 1.10  # compiled / SDPA, peak memory
 # ---------------------------------------------------------------------------------------
 
 
-def build(batch, heads, n, d_k, causal, seed, d_model=None, requires_grad=True):
+def build(batch, heads, n, d_k, causal, seed, d_model=None, requires_grad=True, device="cpu"):
     """A self-attention declaration, its compiled layer and an input x (seeded)."""
     torch.manual_seed(seed)
     d_model = d_model or heads * d_k
     m = sa.models.self_attention(d_model, d_k=d_k, d_v=d_k, heads=heads, causal=causal,
-                                 dtype=torch.float32)
+                                 dtype=torch.float32, device=device)
     layer = sa.compile(m)
-    x = torch.randn(batch, n, d_model, dtype=torch.float32, requires_grad=requires_grad)
+    x = torch.randn(batch, n, d_model, dtype=torch.float32, device=device,
+                    requires_grad=requires_grad)
     return m, layer, x
 
 
@@ -132,7 +133,8 @@ def materialised_reference(m, x):
     s = (q @ k.transpose(-2, -1)) * (1 / math.sqrt(d_k))
     if m.causal:
         n = x.shape[-2]
-        s = s.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf"))
+        s = s.masked_fill(~torch.ones(n, n, dtype=torch.bool, device=x.device).tril(),
+                          float("-inf"))
     o = torch.softmax(s, dim=-1) @ v
     return o.transpose(-3, -2).flatten(-2) @ m.W_o.T
 
@@ -174,8 +176,15 @@ def fwd_bwd(fn, m, x):
 # ---------------------------------------------------------------------------------------
 
 
+def _sync(x):
+    """On a GPU a call only queues kernels: wait for them before reading the clock."""
+    if x.is_cuda:
+        torch.cuda.synchronize(x.device)
+
+
 def time_interleaved(fns: dict, warmup: int, repeats: int, m, x) -> dict:
-    """Median/min/max seconds per call of each fn, interleaved (order reversed every round)."""
+    """Median/min/max seconds per call of each fn, interleaved (order reversed every round);
+    on a GPU each call is timed from a synchronised start to a synchronised end."""
     for fn in fns.values():
         for _ in range(warmup):
             fwd_bwd(fn, m, x)
@@ -188,8 +197,10 @@ def time_interleaved(fns: dict, warmup: int, repeats: int, m, x) -> dict:
         for r in range(repeats):
             for name in (names if r % 2 == 0 else names[::-1]):
                 clear_grads(m, x)
+                _sync(x)
                 t0 = time.perf_counter()
                 fns[name](x).sum().backward()
+                _sync(x)
                 times[name].append(time.perf_counter() - t0)
     finally:
         if gc_was_enabled:
@@ -221,7 +232,8 @@ def section_time(cfg, seed, log):
     log(header)
     log("    " + "-" * (len(header) - 4))
     for causal in (False, True):
-        m, layer, x = build(c["batch"], c["heads"], c["n"], c["d_k"], causal, seed)
+        m, layer, x = build(c["batch"], c["heads"], c["n"], c["d_k"], causal, seed,
+                            device=cfg["device"])
         v = make_variants(m, layer)
         with torch.no_grad():
             ref = v["sdpa"](x)
@@ -242,6 +254,20 @@ def section_time(cfg, seed, log):
                          "min_s": min(ts), "max_s": max(ts), "times_s": ts,
                          "ratio_vs_sdpa": ratio, "paired_ratio_median": paired})
         log(f"    {'':<7}(max |compiled - SDPA| forward = {diff:.2e})")
+        if x.is_cuda:  # the GPU allocator's own peak, per variant, of one forward + backward
+            peaks = {}
+            for name, fn in fns.items():
+                clear_grads(m, x)
+                torch.cuda.synchronize(x.device)
+                torch.cuda.reset_peak_memory_stats(x.device)
+                before = torch.cuda.memory_allocated(x.device)
+                fwd_bwd(fn, m, x)
+                torch.cuda.synchronize(x.device)
+                peaks[name] = torch.cuda.max_memory_allocated(x.device) - before
+            log(f"    {'':<7}peak GPU memory of fwd+bwd over the inputs: " + ", ".join(
+                f"{LABELS[k]} {v / 2**20:.1f} MiB ({v / peaks['sdpa']:.3f}×)"
+                for k, v in peaks.items()))
+            rows.append({"causal": causal, "peak_gpu_bytes": peaks})
         del m, layer, x, v, fns, ref
         gc.collect()
     log("    '/ SDPA' = ratio of medians; 'paired' = median over rounds of the per-round ratio")
@@ -260,7 +286,7 @@ def section_overhead(cfg, seed, log):
 
     c = cfg["overhead"]
     m, layer, x = build(c["batch"], c["heads"], c["n"], c["d_k"], False, seed,
-                        requires_grad=False)
+                        requires_grad=False, device=cfg["device"])
     v = make_variants(m, layer)
     out = {}
     with torch.no_grad():
@@ -597,6 +623,9 @@ def parse_args(argv=None):
                    choices=["time", "overhead", "pyro", "memory"],
                    help="skip a section (repeatable)")
     # internal: one memory-measurement child
+    p.add_argument("--device", default="cpu",
+                   help="cpu (default) or cuda: sections time and overhead on that device "
+                        "(memory is the CPU's RSS and pyro is CPU-only: skipped on cuda)")
     p.add_argument("--child", choices=["sdpa", "compiled", "compiled_noval", "materialised"],
                    help=argparse.SUPPRESS)
     p.add_argument("--batch", type=int, help=argparse.SUPPRESS)
@@ -618,6 +647,9 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     cfg = json.loads(json.dumps(QUICK if args.quick else FULL))  # a copy
     cfg["quick"] = args.quick
+    cfg["device"] = args.device
+    if args.device != "cpu":
+        args.skip += [s for s in ("memory", "pyro") if s not in args.skip]
     if args.repeats:
         cfg["time"]["repeats"] = args.repeats
 

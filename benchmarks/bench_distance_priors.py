@@ -105,11 +105,21 @@ def _fwd_bwd(fn, x, params):
 
 
 def peak_bytes(fn, x, params) -> int:
-    """Peak of live tensor bytes during one forward+backward (profiler allocation events)."""
+    """Peak of live tensor bytes during one forward+backward (profiler allocation events; on
+    a GPU the caching allocator's peak over what was allocated before)."""
     from torch.profiler import ProfilerActivity, profile
 
     _fwd_bwd(fn, x, params)
     gc.collect()
+    if x.is_cuda:
+        for p in (x, *params):
+            p.grad = None
+        torch.cuda.synchronize(x.device)
+        torch.cuda.reset_peak_memory_stats(x.device)
+        before = torch.cuda.memory_allocated(x.device)
+        _fwd_bwd(fn, x, params)
+        torch.cuda.synchronize(x.device)
+        return torch.cuda.max_memory_allocated(x.device) - before
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         _fwd_bwd(fn, x, params)
     events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
@@ -126,6 +136,12 @@ def _forward(fn, x, params):
         fn()
 
 
+def _sync(x):
+    """On a GPU a call only queues kernels: wait for them before reading the clock."""
+    if x.is_cuda:
+        torch.cuda.synchronize(x.device)
+
+
 def time_fwd_bwd(fns: dict, x, rounds: int, backward: bool = True) -> dict:
     """Interleaved rounds of forward+backward (or, ``backward=False``, of the forward alone
     without gradients: inference)."""
@@ -138,8 +154,10 @@ def time_fwd_bwd(fns: dict, x, rounds: int, backward: bool = True) -> dict:
     for r in range(rounds):
         for name in (names if r % 2 == 0 else names[::-1]):
             fn, params = fns[name]
+            _sync(x)
             t = time.perf_counter()
             once(fn, x, params)
+            _sync(x)
             times[name].append(time.perf_counter() - t)
     base = times["causal SDPA"]
     return {k: {"median_s": statistics.median(v),
@@ -161,7 +179,9 @@ def run(n: int, cfg: dict, log) -> dict:
         for m in (sb, sb_every):
             for name in ("W_q", "W_k", "W_v", "W_o"):
                 getattr(m, name).copy_(getattr(fox, name))
-    x = torch.randn(1, n, d, requires_grad=True)
+    for m in (fox, alibi, sb, sb_every):
+        m.to(cfg["device"])
+    x = torch.randn(1, n, d, device=cfg["device"], requires_grad=True)
     fox_layer, alibi_layer = sa.compile(fox), sa.compile(alibi)
     sb_layer, sb_every_layer = sa.compile(sb), sa.compile(sb_every)
     dense = n <= cfg["dense_up_to"]
@@ -208,8 +228,10 @@ def main(argv=None):
     p.add_argument("--long", action="store_true", help="also N = 16,384")
     p.add_argument("--sizes", type=int, nargs="+", metavar="N", help="these N only")
     p.add_argument("--json", metavar="PATH")
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     args = p.parse_args(argv)
-    cfg = dict(d_model=256, heads=4, sizes=[1024, 4096], rounds=7, dense_up_to=4096)
+    cfg = dict(d_model=256, heads=4, sizes=[1024, 4096], rounds=7, dense_up_to=4096,
+               device=torch.device(args.device))
     if args.long:
         cfg["sizes"].append(16384)
     if args.sizes:
@@ -222,7 +244,9 @@ def main(argv=None):
         print(s, flush=True)
         lines.append(s)
 
-    log(f"torch {torch.__version__}, {torch.get_num_threads()} threads, float32, CPU")
+    dev = cfg["device"]
+    where = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU"
+    log(f"torch {torch.__version__}, {torch.get_num_threads()} threads, float32, {where}")
     results = {"config": cfg, "runs": {n: run(n, cfg, log) for n in cfg["sizes"]}}
     if args.json:
         with open(args.json, "w") as fh:

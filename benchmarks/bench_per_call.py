@@ -100,8 +100,15 @@ def _once(fn, params, backward):
             fn()
 
 
+def _sync():
+    """On a GPU the calls only queue kernels: wait for them before reading the clock."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 def time_calls(fns: dict, *, backward: bool, rounds: int, block: int) -> dict:
-    """Per call: median seconds per variant and the median per-round ratio to ``"baseline"``."""
+    """Per call: median seconds per variant and the median per-round ratio to ``"baseline"``
+    (on a GPU each block is timed from a synchronised start to a synchronised end)."""
     for fn, params in fns.values():
         for _ in range(3):  # read, record, replay: a plan is recorded on the second call
             _once(fn, params, backward)
@@ -112,9 +119,11 @@ def time_calls(fns: dict, *, backward: bool, rounds: int, block: int) -> dict:
         for r in range(rounds):
             for name in (names if r % 2 == 0 else names[::-1]):
                 fn, params = fns[name]
+                _sync()
                 t = time.perf_counter()
                 for _ in range(block):
                     _once(fn, params, backward)
+                _sync()
                 times[name].append((time.perf_counter() - t) / block)
     finally:
         gc.enable()
@@ -160,9 +169,9 @@ def section_attention(cfg, log):
     out = {}
     for B, N, d, H in cfg["attention_sizes"]:
         torch.manual_seed(0)
-        m = sa.models.self_attention(d, heads=H)
+        m = sa.models.self_attention(d, heads=H).to(cfg["device"])
         layer, hand = sa.compile(m), HandAttention(m)
-        x = torch.randn(B, N, d, requires_grad=True)
+        x = torch.randn(B, N, d, device=cfg["device"], requires_grad=True)
         torch.testing.assert_close(layer(x), hand(x), rtol=1e-5, atol=1e-5)
         params = [x, *m.parameters()]
         small = B * N * d <= 4096
@@ -178,11 +187,11 @@ def section_attention(cfg, log):
 def section_iterative(cfg, log):
     out = {}
     torch.manual_seed(0)
-    M, N, d = cfg["hop_M"], cfg["hop_N"], cfg["hop_d"]
-    r = torch.randn(1, M, d, requires_grad=True)
-    Y = torch.randn(1, N, d, requires_grad=True)
+    M, N, d, dev = cfg["hop_M"], cfg["hop_N"], cfg["hop_d"], cfg["device"]
+    r = torch.randn(1, M, d, device=dev, requires_grad=True)
+    Y = torch.randn(1, N, d, device=dev, requires_grad=True)
     for T in (1, 3, 10):
-        m = sa.models.hopfield(d, d, update_steps=T)
+        m = sa.models.hopfield(d, d, update_steps=T).to(dev)
         layer = sa.compile(m)
         torch.testing.assert_close(layer(r, Y), hopfield_by_hand(m, r, Y), rtol=1e-4, atol=1e-5)
         params = [r, Y, *m.parameters()]
@@ -193,9 +202,9 @@ def section_iterative(cfg, log):
 
     S, D, n = cfg["slots"], cfg["slot_dim"], cfg["slot_N"]
     torch.manual_seed(0)
-    m = sa.models.slot_attention(S, D, recipe="collapsed", iters=3)
-    x = torch.randn(1, n, D, requires_grad=True)
-    z0 = torch.randn(1, S, D)
+    m = sa.models.slot_attention(S, D, recipe="collapsed", iters=3).to(dev)
+    x = torch.randn(1, n, D, device=dev, requires_grad=True)
+    z0 = torch.randn(1, S, D, device=dev)
     layer = sa.compile(m)
     torch.testing.assert_close(layer(x, z0), collapsed_slots_by_hand(m, x, z0), rtol=1e-4,
                                atol=1e-5)
@@ -210,11 +219,11 @@ def section_iterative(cfg, log):
 
     for B, n, D, S in cfg["peer_sizes"]:
         torch.manual_seed(0)
-        peer = Peer(S, D, iters=3)
-        m = sa.models.slot_attention(S, D, iters=3)
+        peer = Peer(S, D, iters=3).to(dev)
+        m = sa.models.slot_attention(S, D, iters=3).to(dev)
         m.load_state_dict(peer.state_dict())
         layer = sa.compile(m)
-        x = torch.randn(B, n, D, requires_grad=True)
+        x = torch.randn(B, n, D, device=dev, requires_grad=True)
         torch.manual_seed(1)
         a = layer(x)
         torch.manual_seed(1)
@@ -232,9 +241,9 @@ def section_iterative(cfg, log):
 def section_expanding(cfg, log):
     torch.manual_seed(0)
     T, d = cfg["exp_T"], cfg["exp_d"]
-    m = sa.models.expanding_attention(d)
+    m = sa.models.expanding_attention(d).to(cfg["device"])
     layer = sa.compile(m)
-    x = torch.randn(1, T, d)
+    x = torch.randn(1, T, d, device=cfg["device"])
     H = m.heads
 
     def sdpa_final_token():  # the same projections, the final token reading the whole past
@@ -292,11 +301,13 @@ def main(argv=None):
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--skip", nargs="*", default=[],
                    choices=["attention", "iterative", "expanding", "startup"])
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda; start-up is measured "
+                                                   "on the CPU only")
     args = p.parse_args(argv)
     cfg = dict(attention_sizes=[(1, 16, 64, 1), (1, 16, 64, 4), (8, 128, 256, 4)],
                hop_M=4, hop_N=16, hop_d=32, slots=4, slot_dim=32, slot_N=64,
                peer_sizes=[(1, 64, 32, 4), (16, 1024, 64, 7)], exp_T=50, exp_d=16,
-               rounds=15, block=100, startup_repeats=5)
+               rounds=15, block=100, startup_repeats=5, device=torch.device(args.device))
     if args.quick:
         cfg.update(attention_sizes=[(1, 16, 64, 1), (2, 32, 64, 4)], peer_sizes=[(1, 64, 32, 4)],
                    rounds=3, block=5, startup_repeats=1)
@@ -306,8 +317,12 @@ def main(argv=None):
         print(s, flush=True)
         lines.append(s)
 
+    dev = cfg["device"]
+    where = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU"
     log(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} cores, "
-        f"float32, CPU")
+        f"float32, {where}")
+    if dev.type != "cpu" and "startup" not in args.skip:
+        args.skip.append("startup")
     results = {"config": cfg}
     sections = {"attention": section_attention, "iterative": section_iterative,
                 "expanding": section_expanding, "startup": section_startup}
