@@ -650,6 +650,11 @@ def _drop_implied_checks(g: torch.fx.Graph, plan: Plan, n_state: int) -> None:
         return None
     checked = [f.args[0] for f, kind in zip(flags, plan.flags, strict=True)
                if kind == "finite" and summed(f)]
+    # expanding attention's kernel, asked to (``infer``'s last argument), refuses keys that
+    # hold NaN or inf: a check of its keys b, reshaped from linear(x, W_k) over every token
+    infer = _checked_infer()
+    checked += [_every_entry(v.args[1]) for v in g.nodes if infer is not None
+                and v.op == "call_function" and v.target is infer and v.args[-1] is True]
     whole = set(checked)
     covered = {linear_input(y) for y in checked} - {None}
     keep = []
@@ -669,6 +674,29 @@ def _drop_implied_checks(g: torch.fx.Graph, plan: Plan, n_state: int) -> None:
     out.args = (values[:len(values) - n] + [f for f, k in zip(flags, keep, strict=True) if k],)
     plan.flags = tuple(kind for kind, k in zip(plan.flags, keep, strict=True) if k)
     g.eliminate_dead_code(is_impure_node=_impure)
+
+
+#: operators whose output holds every entry of their first argument (rearranged)
+_EVERY_ENTRY = ("view", "reshape", "_unsafe_view", "transpose", "permute", "detach", "alias",
+                "clone", "contiguous", "unsqueeze", "squeeze", "flatten", "unflatten", "expand")
+
+
+def _every_entry(node):
+    """The tensor ``node`` rearranges every entry of (through ``_EVERY_ENTRY``), or itself."""
+    while (node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
+           and node.target._schema.name.split("::")[-1] in _EVERY_ENTRY
+           and node.args and isinstance(node.args[0], torch.fx.Node)):
+        node = node.args[0]
+    return node
+
+
+def _checked_infer():
+    """Expanding attention's ``infer`` op where its kernel is loaded (else nothing matches)."""
+    ops = getattr(torch.ops, "structattn_mean_field", None)
+    try:
+        return ops.infer.default if ops is not None else None
+    except (AttributeError, RuntimeError):
+        return None
 
 
 def _computed(node) -> bool:

@@ -355,25 +355,70 @@ def test_unchecked_replay_carries_a_nan_parameter_as_the_reading_does(case):
 
 
 def test_checks_implied_by_others_leave_the_plan():
-    """Expanding attention's final token checks the input as a whole, its last tokens again
-    (a view of it) and that they equal themselves (false only at a NaN): the plan keeps the
-    first, which implies the others — and a NaN in the last token is still refused, with
-    the reading's message. No grad-mode switch and no ``detach`` is left in a no-grad plan."""
+    """A reading that checks an input as a whole and its last tokens again (a view of it, a
+    node set of their own): the plan keeps the first, which implies the other — and a NaN in
+    the last token is still refused, with the reading's message. No grad-mode switch and no
+    ``detach`` is left in a no-grad plan. (Expanding attention's final token did this until
+    its kernel checked the keys itself: the test below.)"""
     torch.manual_seed(0)
-    m = sa.models.expanding_attention(8, dtype=torch.float64)
-    layer, x = sa.compile(m), torch.randn(1, 20, 8, dtype=torch.float64)
+    W = torch.randn(8, 8, dtype=torch.float64)
+
+    def program(x):
+        tokens = sa.nodes("tokens", x)
+        last = sa.nodes("last", x[:, -1:])
+        phi = sa.edges("attn", last, tokens, sa.priors.Uniform())
+        sa.potential(phi, sa.potentials.Bilinear(W, W))
+        return sa.value(phi, sa.values.Linear(W))
+
+    layer, x = sa.compile(program), torch.randn(1, 20, 8, dtype=torch.float64)
     with torch.no_grad():
         for _ in range(3):
-            y = layer(x, last=1)
+            y = layer(x)
         (plan,) = layer.plans.values()
-        assert plan.calls >= 2 and torch.equal(y, layer.interpret(x, last=1))
+        assert plan.calls >= 2 and torch.equal(y, layer.interpret(x))
         assert plan.flags.count("finite") == 1
         names = [str(n.target) for n in _calls(plan.graph)]
         assert not any("set_grad_enabled" in t or "detach" in t or t.endswith("eq") for t in names)
         bad = x.clone()
         bad[0, -1, 2] = float("nan")
         with pytest.raises(ValueError, match=r"node set '\w+' contains non-finite values"):
-            layer(bad, last=1)
+            layer(bad)
+
+
+@pytest.mark.parametrize("heads, batch", [(1, 1), (2, 3)])
+def test_a_kernel_that_checks_the_keys_implies_the_input_check(heads, batch):
+    """Expanding attention's no-grad plan: its ``infer`` call refuses keys b = x W_kᵀ (every
+    token) holding NaN or inf, so the plan sums nothing of x, reads no flag of its own every
+    call — and a NaN or inf anywhere in x, on a replayed call, is still refused with the
+    reading's message (the kernel's refusal sends the call back to the reading). With the
+    checks off, the replay gives what an unchecked reading gives: NaN from the final token's
+    own NaN."""
+    torch.manual_seed(0)
+    m = sa.models.expanding_attention(8, heads=heads, dtype=torch.float64)
+    layer, x = sa.compile(m), torch.randn(batch, 20, 8, dtype=torch.float64)
+    with torch.no_grad():
+        for _ in range(3):
+            y = layer(x, last=1)
+        (plan,) = layer.plans.values()
+        assert plan.calls >= 2 and torch.equal(y, layer.interpret(x, last=1))
+        assert plan.flags.count("finite") == 0, plan.flags
+        calls = _calls(plan.graph)
+        assert not any("sum" in str(n.target) for n in calls)
+        (infer,) = [n for n in calls if "structattn_mean_field.infer" in str(n.target)]
+        assert infer.args[-1] is True
+        for where in [(0, 0, 0), (batch - 1, 7, 3), (batch - 1, -1, -1)]:
+            for value in (float("nan"), float("inf")):
+                bad = x.clone()
+                bad[where] = value
+                with pytest.raises(ValueError, match=r"^node set '\w+' contains non-finite"):
+                    layer(bad, last=1)
+                with sa.validation(False):
+                    got = layer(bad, last=1)
+                    want = layer.interpret(bad, last=1)
+                if where[1] == -1:  # the final token itself (one far back may lie outside
+                    assert bool(torch.isnan(got).any())  # its window: unread, unchecked)
+                torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+        assert torch.equal(layer(x, last=1), y)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])

@@ -18,6 +18,7 @@ import torch
 
 from .. import band
 from .._eager import eager
+from .._validation import checks_on, is_exporting, is_recording
 from ..beta import log_q_expectations
 from .history import MeanFieldHistory
 from .scores import BandScores, tail
@@ -198,12 +199,16 @@ def mean_field_compiled(family, factors, scheme, grad: str, record: bool):
             f = solved[0]
             out = ops.attend(a_rows, b_rows, u_rows, off, problem.scale, f.window, f.alpha,
                              f.beta, problem.digamma)
-        else:  # both in one call (csrc: infer)
+        else:  # both in one call (csrc: infer), the output alone: a posterior asked for
+            # afterwards solves again (the same code on the same rows: the same fixed point).
+            # While a plan is recorded it refuses non-finite keys itself: b = x W_kᵀ over
+            # every token, so the plan drops its sum over x (replay._drop_implied_checks) and
+            # a call with a NaN in x fails inside the kernel and is read again, check by check
             q = problem
-            out, window, alpha, beta = ops.infer(
-                a_rows, b_rows, u_rows, off, q.scale, q.a0, q.b0, q.initial_window, q.caps,
-                q.tol, q.converge_tol, q.max_iters, q.cap, q.digamma, q.conjugate, q.rule)
-            solved.append(KernelSolution(window, alpha, beta, None, None, None, None, None))
+            check = is_recording() and not is_exporting() and checks_on()
+            out = ops.infer(a_rows, b_rows, u_rows, off, q.scale, q.a0, q.b0, q.initial_window,
+                            q.caps, q.tol, q.converge_tol, q.max_iters, q.cap, q.digamma,
+                            q.conjugate, q.rule, check)
         return out.reshape(*lead, n, u.shape[-1]).to(u.dtype)
 
     def dense_posterior():

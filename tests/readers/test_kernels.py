@@ -236,6 +236,32 @@ def test_the_kernel_computes_the_score_ceiling_as_certified_does(dtype):
         ops.solve(*args, high.to(dtype), None)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, f64])
+def test_infer_refuses_non_finite_keys_when_asked(dtype):
+    """``infer(..., check=True)``: a NaN or ±inf anywhere in the keys b (also outside every
+    window) is refused; finite keys give the output of ``check=False`` bit for bit, which is
+    ``solve`` then ``attend``; unchecked, a NaN key is not refused."""
+    g = torch.Generator().manual_seed(12)
+    G, N, P, k, dv = 2, 3, 40, 4, 5
+    a, b = (torch.randn(G, n, k, generator=g, dtype=dtype) for n in (N, P))
+    u = torch.randn(G, P, dv, generator=g, dtype=dtype)
+    a0, b0 = torch.full((G,), 2.0, dtype=dtype), torch.full((G,), 1.5, dtype=dtype)
+    win0, caps = torch.full((G, N), 2, dtype=torch.long), torch.arange(P)
+    rest = (P - N, 0.7, a0, b0, win0, caps, 0.05, 1e-3, 50, P, True, True, 3)
+    ops = kernels.mean_field_windows()
+    out = ops.infer(a, b, u, *rest, True)
+    assert torch.equal(out, ops.infer(a, b, u, *rest, False))
+    s = ops.solve(a, b, *rest, False)
+    assert torch.equal(out, ops.attend(a, b, u, P - N, 0.7, s[0], s[1], s[2], True))
+    for where in [(0, 0, 0), (1, P - 1, k - 1), (1, 5, 2)]:
+        for value in (float("nan"), float("inf"), -float("inf")):
+            bad = b.clone()
+            bad[where] = value
+            with pytest.raises(RuntimeError, match="the keys b hold NaN or inf"):
+                ops.infer(a, bad, u, *rest, True)
+            ops.infer(a, bad, u, *rest, False)  # not refused
+
+
 def test_a_no_grad_plan_holds_one_kernel_call():
     """Without gradients the reading is one ``infer`` call (solve, E[ln q], attend): the
     recorded plan holds it and none of the score ceiling's or the Beta bookkeeping's small
