@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # The checks that need a CUDA device, in one run on a GPU machine (../shared/GPU.md):
 #   1. the CUDA tests (tests/test_cuda.py: the catalogue against Pyro on the GPU, against the
-#      CPU, replayed, in one dynamo graph, in float32/bfloat16; FlexAttention's path);
+#      CPU, replayed, in float32/bfloat16; tests/test_torch_compile.py's CUDA cases: one dynamo
+#      graph, inductor; FlexAttention's path);
 #   2. the GPU benchmarks: per-call cost, large self-attention fwd+bwd, the distance priors.
 # That machine has torch with CUDA but no network: Pyro, ArviZ and the other pure-Python
 # wheels travel in .gpu-wheels (made here with
 #   python -m pip download --no-deps -d .gpu-wheels pyro-ppl pyro-api graphviz arviz \
-#       xarray-einstats h5netcdf slot-attention
-# ). Logs go to $OUT (default gpu-out/). Each step has its own time limit, so one that stalls
+#       xarray-einstats h5netcdf slot-attention einx frozendict vector-quantize-pytorch \
+#       loguru torch-einops-utils
+# — the last five are what slot-attention imports). Logs go to $OUT (default gpu-out/). Each step has its own time limit, so one that stalls
 # does not take the others' results with it.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -32,7 +34,7 @@ step() {  # step NAME SECONDS COMMAND...: run with a limit, log to $OUT/NAME.txt
   echo "== $name: exit ${PIPESTATUS[0]}"
 }
 
-step tests "${TESTS_S:-240}" "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda.py \
+step tests "${TESTS_S:-240}" "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_torch_compile.py \
   tests/models/test_expanding_attention.py -k "cuda" --durations=5
 step per_call "${PER_CALL_S:-150}" "$PY" benchmarks/bench_per_call.py --device cuda \
   --json "$OUT/per_call.json"

@@ -4,7 +4,8 @@ Skipped where there is no CUDA device (the CPU machines CI runs on); run on a GP
 ``python -m pytest tests/test_cuda.py``. Each catalogue case is moved to the GPU in float64 and
 checked there against Pyro's exact enumeration run on the GPU too (``sa.inference.compare``),
 against the same case on the CPU (outputs and gradients, which the CPU suite checks against
-Pyro), replayed bit for bit, compiled by dynamo in one graph, and run in float32 and bfloat16.
+Pyro), replayed bit for bit, and run in float32 and bfloat16 (one dynamo graph on the GPU, and
+inductor: tests/test_torch_compile.py, on each device).
 """
 
 import copy
@@ -19,10 +20,6 @@ from .registry import CASES, EXACT
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs a CUDA device (none on this machine)")
-
-#: readings that branch on tensor values are not one graph (see test_torch_compile.py)
-NOT_ONE_GRAPH = {"expanding_attention"}
-
 
 def _on(model, inputs, device, dtype=None):
     model = copy.deepcopy(model).to(device)
@@ -92,34 +89,6 @@ def test_replay_on_cuda_equals_the_reading_bit_for_bit(name):
     read = pytree.tree_leaves(layer.interpret(*inputs))
     for got in results:
         assert all(torch.equal(a, b) for a, b in zip(got, read, strict=True)), name
-
-
-@pytest.mark.parametrize("name", sorted(c for c in CASES if c not in NOT_ONE_GRAPH))
-def test_fullgraph_compile_on_cuda(name):
-    torch._dynamo.reset()
-    model, inputs = _on(*CASES[name](), "cuda")
-    layer = sa.compile(model)
-    compiled = torch.compile(layer, fullgraph=True, backend="eager")
-    torch.manual_seed(3)
-    got = compiled(*inputs)
-    torch.manual_seed(3)
-    want = layer(*inputs)
-    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
-
-
-@pytest.mark.filterwarnings("ignore:TensorFloat32 tensor cores")  # inductor's advice
-def test_inductor_on_cuda_trains():
-    torch._dynamo.reset()
-    m = sa.models.self_attention(16, d_k=4, heads=4, causal=True, device="cuda")
-    layer = sa.compile(m)
-    x = torch.randn(2, 9, 16, device="cuda")
-    compiled = torch.compile(layer, fullgraph=True)
-    torch.testing.assert_close(compiled(x), layer(x))
-    compiled(x).sum().backward()
-    g = m.W_q.grad.clone()
-    m.zero_grad()
-    layer(x).sum().backward()
-    torch.testing.assert_close(g, m.W_q.grad)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
