@@ -195,7 +195,8 @@ class DenseOperator(Operator):
         u_width = u.shape[-1]
         h = self._const("parent_terms", lambda: f.tables.parent_terms(xc.dtype))
         if h is not None and key_bias.applies(a, b, u, h):  # log prior g_i + h_j: g drops out,
-            out = key_bias.key_bias_attention(  # h is a mask over the parents (CPU, no grad)
+            out = key_bias.key_bias_attention(  # h is a mask over the parents (CPU; with grad
+                # through the compiled kernel's backward)
                 a, b, u, h, scale, f.tables.support.is_causal())
         else:
             if h is None:

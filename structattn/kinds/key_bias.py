@@ -1,4 +1,4 @@
-"""A log prior that separates as g_i + h_j, read without gradients on the CPU: h as a mask.
+"""A log prior that separates as g_i + h_j, read on the CPU with h as a mask.
 
 ``out_i = Σ_j softmax_j(scale·⟨a_i, b_j⟩ + h_j) u_j`` over j ≤ i (or every j): g_i drops out
 of the softmax. FoX's forget gate (h_j = −Σ_{l≤j} log f_l) and ALiBi (h_j = m·j) are such
@@ -7,27 +7,86 @@ children — a ``(…, 1, P)`` view, O(P) memory, no C×P bias — together with
 (which the public ``scaled_dot_product_attention`` refuses), at about the cost of causal
 attention without a prior.
 
-Only where no gradient is asked for (inference): the kernel's backward does not return the
-mask's gradient Σ_i ∂L/∂s_ij, and the one way to get it from the fused backward — h riding in
-one more key dimension — is what the widened operator (``dense.with_parent_terms``) does
-forward and backward already; measured, a masked forward with a widened backward saved ~3%
-of the time and cost one more activation's memory. The widened operator also serves every
-other device and half precision.
+Its backward does not return the mask's gradient Σ_i ∂L/∂s_ij. With gradients, the
+compiled kernel ``csrc/key_bias.cpp`` does the backward instead, with h's gradient in the
+same pass (``structattn.kernels.key_bias``): the forward is still PyTorch's fused kernel (a
+custom op around it, so that a recorded plan, ``torch.compile`` and the autograd rule see one
+operator). Without the kernel, the widened operator (``dense.with_parent_terms``: h riding in
+one more key dimension, ~12% slower) serves, as it serves every other device and half
+precision.
 """
 
 from __future__ import annotations
 
+import threading
+
 import torch
+
+from .. import kernels
+from .._validation import is_exporting
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
+_registered = threading.Lock()
+_done: set = set()
+
+
+def _ops():
+    """The kernel's ops, with their fake-tensor and autograd rules registered once; None
+    where kernels are off or could not be built."""
+    ops = kernels.key_bias()
+    if ops is None or "rules" in _done:
+        return ops
+    with _registered:
+        if "rules" not in _done:
+            _register()
+            _done.add("rules")
+    return ops
+
+
+def _register() -> None:
+    lib = "structattn_key_bias"
+
+    @torch.library.register_fake(f"{lib}::forward")
+    def _(q, k, v, h, scale, causal):  # as the fused kernel lays them out (q, v one width)
+        B, H, C = q.shape[:-1]
+        lse_dtype = torch.float32 if q.dtype != torch.float64 else q.dtype
+        return torch.empty_like(q), q.new_empty(B, C, H, dtype=lse_dtype).transpose(1, 2)
+
+    @torch.library.register_fake(f"{lib}::backward")
+    def _(dout, q, k, v, h, out, lse, scale, causal):
+        return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
+                h.new_empty(h.shape, dtype=q.dtype))
+
+    def setup(ctx, inputs, output):
+        q, k, v, h, scale, causal = inputs
+        out, lse = output
+        ctx.save_for_backward(q, k, v, h, out, lse)
+        ctx.scale, ctx.causal = scale, causal
+        ctx.mark_non_differentiable(lse)
+
+    def backward(ctx, dout, _):
+        q, k, v, h, out, lse = ctx.saved_tensors
+        dq, dk, dv, dh = torch.ops.structattn_key_bias.backward(
+            dout, q, k, v, h, out, lse, ctx.scale, ctx.causal)
+        return dq, dk, dv, dh.to(h.dtype), None, None
+
+    torch.library.register_autograd(f"{lib}::forward", backward, setup_context=setup)
+
+
 def applies(a: torch.Tensor, b: torch.Tensor, u: torch.Tensor, h: torch.Tensor) -> bool:
     """Whether this reading takes these factors: on the CPU, in single or double precision,
-    with no gradient asked of any of them."""
-    return (a.device.type == "cpu" and a.dtype in (torch.float32, torch.float64)
-            and u.dtype == a.dtype
-            and not (torch.is_grad_enabled() and any(t.requires_grad for t in (a, b, u, h))))
+    with no gradient asked of any of them — or with one, where the kernel is built (not in
+    an exported program, which must run without structattn)."""
+    if not (a.device.type == "cpu" and a.dtype in (torch.float32, torch.float64)
+            and u.dtype == a.dtype):
+        return False
+    if not (torch.is_grad_enabled() and any(t.requires_grad for t in (a, b, u, h))):
+        return True
+    # an exported program runs where structattn is not installed: no operator of ours in it
+    exporting = is_exporting() or torch.compiler.is_exporting()
+    return not exporting and _ops() is not None
 
 
 def key_bias_attention(a, b, u, h, scale: float, is_causal: bool) -> torch.Tensor:
@@ -39,7 +98,8 @@ def key_bias_attention(a, b, u, h, scale: float, is_causal: bool) -> torch.Tenso
         h: ``(*lead, P)`` the prior's per-parent term (broadcasts against the leading dims).
         scale: a float (``Operator.fused_factors`` folds a learned one into ``a``).
 
-    Returns ``(*lead, C, d_v)``. No gradient (``applies``)."""
+    Returns ``(*lead, C, d_v)``; differentiable in a, b, u and h where the kernel is built
+    (``applies``)."""
     lead = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2], u.shape[:-2], h.shape[:-1])
     C, P, d_v = a.shape[-2], b.shape[-2], u.shape[-1]
     width = max(a.shape[-1], d_v)  # the fused kernel takes one width for a, b and u
@@ -50,7 +110,10 @@ def key_bias_attention(a, b, u, h, scale: float, is_causal: bool) -> torch.Tenso
     heads = lead[-1] if lead else 1
     a, b, u = (x.expand(*lead, *x.shape[-2:]).reshape(-1, heads, *x.shape[-2:])
                for x in (a, b, u))
-    mask = h.to(a.dtype).expand(*lead, P).reshape(-1, heads, 1, P)
-    out = _flash(a, b, u, 0.0, is_causal, attn_mask=mask, scale=scale)[0]
+    h = h.to(a.dtype).expand(*lead, P).reshape(-1, heads, P)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (a, b, u, h)):
+        out = _ops().forward(a, b, u, h, float(scale), is_causal)[0]  # views: no copies
+    else:
+        out = _flash(a, b, u, 0.0, is_causal, attn_mask=h.unsqueeze(-2), scale=scale)[0]
     out = out if d_v == width else out[..., :d_v]
     return out.reshape(*lead, C, d_v)

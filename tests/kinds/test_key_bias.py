@@ -1,6 +1,7 @@
-"""Inference for a log prior g_i + h_j on the CPU (``kinds/key_bias.py``): h as the fused
-kernel's mask. Checked against softmax written out in float64 and against the widened SDPA
-path, which still serves training (gradients: tests/priors/test_separable.py and the
+"""A log prior g_i + h_j on the CPU (``kinds/key_bias.py``): h as the fused kernel's mask,
+and with gradients the compiled kernel's backward (h's gradient included). Checked against
+softmax written out in float64 and its autograd, against the widened SDPA path (which serves
+where the kernel is not built), and by gradcheck (also: tests/priors/test_separable.py and the
 catalogue's gradcheck)."""
 
 import pytest
@@ -61,22 +62,76 @@ def test_any_leading_dims(causal, lead):
     torch.testing.assert_close(out, by_hand(a, b, u, h, 0.5, causal), rtol=0, atol=1e-12)
 
 
-def test_taken_only_without_gradients_on_the_cpu_in_single_or_double_precision():
+def test_taken_on_the_cpu_in_single_or_double_precision_with_gradients_where_built():
     x = torch.zeros(1, 1, 2, 2)
     w = x.clone().requires_grad_()
     assert key_bias.applies(x, x, x, x[0, 0, 0])
     assert key_bias.applies(x.double(), x.double(), x.double(), x[0, 0, 0])
     assert not key_bias.applies(x.bfloat16(), x.bfloat16(), x.bfloat16(), x[0, 0, 0])
     assert not key_bias.applies(x.to("meta"), x.to("meta"), x.to("meta"), x[0, 0, 0])
-    assert not key_bias.applies(x, w, x, x[0, 0, 0])  # a gradient is asked for
-    assert not key_bias.applies(x, x, x, w[0, 0, 0])  # … of the prior's term
-    with torch.no_grad():
-        assert key_bias.applies(x, w, x, x[0, 0, 0])
+    assert key_bias.applies(x, w, x, x[0, 0, 0])  # a gradient is asked for: the kernel
+    assert key_bias.applies(x, x, x, w[0, 0, 0])  # … of the prior's term too
+    with sa.kernels.disabled():  # no kernel: only without gradients
+        assert not key_bias.applies(x, w, x, x[0, 0, 0])
+        assert not key_bias.applies(x, x, x, w[0, 0, 0])
+        assert key_bias.applies(x, x, x, x[0, 0, 0])
+        with torch.no_grad():
+            assert key_bias.applies(x, w, x, x[0, 0, 0])
 
 
-def test_fox_infers_through_it_and_trains_through_the_widened_path():
-    """A compiled FoX layer's inference plan holds the masked kernel as one node; with
-    gradients it takes the widened path; both give the same output, and so does an export."""
+@settings(max_examples=30, deadline=None)
+@given(C=st.integers(1, 300), extra=st.integers(0, 4), d_k=st.integers(1, 6),
+       d_v=st.integers(1, 6), heads=st.integers(1, 3), batch=st.integers(1, 2),
+       causal=st.booleans(), shared_h=st.booleans(), seed=st.integers(0, 10_000))
+def test_gradients_equal_those_of_softmax_written_out(C, extra, d_k, d_v, heads, batch, causal,
+                                                      shared_h, seed):
+    """The kernel's backward (tiles of 128 children × 256 parents: sizes up to 300 cross
+    them) against autograd through ``by_hand``: every factor's gradient and the prior's
+    term's, float64, to 1e-12."""
+    g = torch.Generator().manual_seed(seed)
+    P = C if causal else C + extra
+    a = torch.randn(batch, heads, C, d_k, generator=g, dtype=f64)
+    b = torch.randn(batch, heads, P, d_k, generator=g, dtype=f64)
+    u = torch.randn(batch, heads, P, d_v, generator=g, dtype=f64)
+    h = -torch.rand(1 if shared_h else batch, heads, P, generator=g, dtype=f64).cumsum(-1) / P
+    dout = torch.randn(batch, heads, C, d_v, generator=g, dtype=f64)
+    ins = [t.clone().requires_grad_() for t in (a, b, u, h)]
+    out = key_bias.key_bias_attention(*ins, 0.7, causal)
+    got = torch.autograd.grad(out, ins, dout)
+    ref = [t.clone().requires_grad_() for t in (a, b, u, h)]
+    want_out = by_hand(*ref, 0.7, causal)
+    want = torch.autograd.grad(want_out, ref, dout)
+    torch.testing.assert_close(out, want_out, rtol=0, atol=1e-12)
+    for x, y in zip(got, want, strict=True):
+        torch.testing.assert_close(x, y, rtol=0, atol=1e-11)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_gradcheck(causal):
+    torch.manual_seed(1)
+    a, b, u = (torch.randn(2, 5, 3, dtype=f64, requires_grad=True) for _ in range(3))
+    h = torch.randn(2, 5, dtype=f64, requires_grad=True)
+    assert torch.autograd.gradcheck(
+        lambda *t: key_bias.key_bias_attention(*t, 0.6, causal), (a, b, u, h))
+
+
+def test_the_kernel_refuses_what_it_cannot_read():
+    ops = sa.kernels.key_bias()
+    q = torch.randn(1, 4, 3, dtype=f64)
+    with pytest.raises(RuntimeError, match=r"key_bias.backward: shapes \(causal: C == P\)"):
+        ops.backward(torch.randn(1, 1, 4, 3, dtype=f64), q[None], torch.randn(1, 1, 5, 3, dtype=f64),
+                     torch.randn(1, 1, 5, 3, dtype=f64), torch.randn(1, 1, 5, dtype=f64),
+                     torch.randn(1, 1, 4, 3, dtype=f64), torch.randn(1, 1, 4, dtype=f64), 1.0, True)
+    with pytest.raises(RuntimeError, match="key_bias.backward: float32 or float64"):
+        z = torch.zeros(1, 1, 4, 3, dtype=torch.bfloat16)
+        ops.backward(z, z, z, z, z[..., 0], z, z[..., 0], 1.0, True)
+
+
+def test_fox_infers_and_trains_through_it():
+    """A compiled FoX layer's plan holds the masked kernel as one node, without gradients
+    (PyTorch's fused kernel) and with them (the custom operator around it, whose backward is
+    the compiled kernel); without the kernel, training takes the widened path. All give the
+    same output, and so does an export."""
     torch.manual_seed(0)
     m = sa.models.forgetting_attention(8, heads=2, dtype=f64)
     x = torch.randn(2, 11, 8, dtype=f64)
@@ -92,8 +147,12 @@ def test_fox_infers_through_it_and_trains_through_the_widened_path():
         y_inference, targets = plan_targets()
     assert any("flash_attention_for_cpu" in t for t in targets), targets
     y_training, targets = plan_targets()
-    assert not any("flash_attention_for_cpu" in t for t in targets), targets
+    assert any("structattn_key_bias.forward" in t for t in targets), targets
+    with sa.kernels.disabled():
+        y_widened, targets = plan_targets()
+    assert not any("flash_attention_for_cpu" in t or "key_bias" in t for t in targets), targets
     torch.testing.assert_close(y_inference, y_training, rtol=0, atol=1e-12)
+    torch.testing.assert_close(y_inference, y_widened, rtol=0, atol=1e-12)
     with torch.no_grad():
         program = sa.export(m, x)
         torch.testing.assert_close(program.module()(x), y_inference, rtol=0, atol=1e-12)
@@ -114,3 +173,24 @@ def test_inference_equals_pyro_exact_enumeration(factory, monkeypatch):
     assert calls, "the masked kernel did not run"
     assert report.passed, report
     assert report.max_abs_diff < 1e-10
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, f64])
+@pytest.mark.parametrize("heads_view", [True, False])
+def test_the_operators_pass_opcheck(dtype, heads_view):
+    """The custom operators' schemas, fake (meta) kernels — the real outputs' shapes, strides
+    and dtypes, for a projection's transposed heads and for contiguous tensors — and the
+    forward's autograd rule, as ``torch.library.opcheck`` tests them."""
+    torch.manual_seed(2)
+
+    def heads(t):  # (B, N, H·d) → (B, H, N, d): a view, as a projection's heads are
+        return t.view(2, 7, 3, 4).transpose(1, 2) if heads_view else \
+            t.view(2, 7, 3, 4).transpose(1, 2).contiguous()
+    q, k, v = (heads(torch.randn(2, 7, 12, dtype=dtype, requires_grad=False)) for _ in range(3))
+    h = torch.randn(2, 3, 7, dtype=dtype)
+    ops = sa.kernels.key_bias()
+    key_bias._ops()  # the rules registered
+    torch.library.opcheck(ops.forward, (q.requires_grad_(), k, v, h, 0.5, True))
+    out, lse = ops.forward(q, k, v, h, 0.5, True)
+    dout = torch.randn_like(out)
+    torch.library.opcheck(ops.backward, (dout, q.detach(), k, v, h, out.detach(), lse, 0.5, True))

@@ -1,0 +1,216 @@
+// Attention under a log prior that separates as g_i + h_j (FoX's forget gate, ALiBi), on the
+// CPU, forward and backward, with the gradient of the per-parent term h.
+//
+//     out_i = sum_j P_ij v_j,  P_ij = exp(scale <q_i, k_j> + h_j - lse_i)  over j <= i (causal)
+//                                                                         or every j,
+//
+// where the forward is PyTorch's fused flash kernel with h as a mask broadcast over the
+// children (structattn/kinds/key_bias.py): it returns out and lse. Its backward gives no
+// gradient for a mask, which is what this kernel adds, in one pass with the others:
+//
+//     dV_j = sum_i P_ij dO_i,   dP_ij = <dO_i, v_j>,   dS_ij = P_ij (dP_ij - D_i),
+//     D_i = <dO_i, out_i>,      dQ_i = scale sum_j dS_ij k_j,   dK_j = scale sum_i dS_ij q_i,
+//     dh_j = sum_i dS_ij.
+//
+// Tiles: per row g (a batch element and head) the children are read in blocks of BQ and,
+// for each, the parents in blocks of BK up to the diagonal; a tile's scores are recomputed
+// from one matrix product (never more than BQ x BK at once). dK, dV and dh accumulate over
+// a row's blocks, so rows g are the unit of parallel work.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <bit>
+#include <limits>
+#include <tuple>
+
+namespace {
+
+constexpr int64_t BQ = 128;
+constexpr int64_t BK = 256;
+
+// exp(x) in straight-line arithmetic the compiler vectorises (the C library's exp is a call
+// per entry: a quarter of the backward's time, measured): x = n ln 2 + r, |r| <= ln 2 / 2,
+// e^r by its Taylor series (to r^7 in float, r^13 in double: within the dtype's rounding),
+// times 2^n built in the exponent bits; within one unit in the last place of the C library's
+// (checked from −80 to 5). Below −87 (float) or −708 (double) it gives 0 (the C library a
+// denormal, under 1e-38 beside weights summing to 1), −inf included; NaN stays NaN.
+template <typename T> struct ExpBits;
+template <> struct ExpBits<float> {
+  using I = int32_t;
+  static constexpr int kMant = 23, kBias = 127, kTerms = 7;
+  static constexpr float kLo = -87.0f, kHi = 88.0f;
+};
+template <> struct ExpBits<double> {
+  using I = int64_t;
+  static constexpr int kMant = 52, kBias = 1023, kTerms = 13;
+  static constexpr double kLo = -708.0, kHi = 709.0;
+};
+
+// Horner's rule for e^r = Σ r^t / t!, t ≤ K: 1 + r(1 + r/2 (1 + r/3 (…))), unrolled
+template <typename T, int K>
+inline T taylor(T r) {
+  if constexpr (K == 0) {
+    return T(1);
+  } else {
+    T p = T(1);
+#pragma GCC unroll 16
+    for (int t = K; t >= 1; --t) p = T(1) + p * r * (T(1) / T(t));  // 1/t: folded constants
+    return p;
+  }
+}
+
+template <typename T>
+inline T vexp(T x) {
+  using B = ExpBits<T>;
+  using I = typename B::I;
+  const T lo = B::kLo, hi = B::kHi;  // values, not references: the loop vectorises
+  const T xc = x < lo ? lo : (x > hi ? hi : x);
+  // n = round(x / ln 2) by the round-to-nearest of adding and removing 1.5·2^mant (floor
+  // is not vectorised without -fno-trapping-math)
+  const T magic = T(1.5) * T(I(1) << B::kMant);
+  const T n = (xc * T(1.4426950408889634) + magic) - magic;
+  const T r = (xc - n * T(0.693145751953125)) - n * T(1.428606820309417e-06);
+  const T p = taylor<T, B::kTerms>(r);
+  const T scale = std::bit_cast<T>(static_cast<I>((static_cast<I>(n) + B::kBias) << B::kMant));
+  return x != x ? x : (x < lo ? T(0) : p * scale);
+}
+
+// One tile, children i0 .. i0 + n - 1 and parents j0 .. j0 + m - 1: S (n, m) holds <q_i, k_j>
+// and becomes P_ij, GP (n, m) holds <dO_i, v_j> and becomes dS_ij (both 0 where j > i,
+// causal); dH[j] += sum_i dS_ij.
+template <typename T>
+void tile(T* S, T* GP, int64_t n, int64_t m, int64_t i0, int64_t j0, bool causal, T sc,
+          const T* H, const T* L, const T* D, T* dH) {
+  for (int64_t r = 0; r < n; ++r) {
+    const int64_t i = i0 + r;
+    const int64_t stop = causal ? std::max<int64_t>(0, std::min(m, i - j0 + 1)) : m;
+    T* sr = S + r * m;
+    T* gr = GP + r * m;
+    const T li = L[i], di = D[i];
+#pragma omp simd
+    for (int64_t c = 0; c < stop; ++c) {
+      const T p = vexp<T>(sc * sr[c] + H[j0 + c] - li);
+      sr[c] = p;                 // P_ij
+      gr[c] = p * (gr[c] - di);  // dS_ij
+    }
+    for (int64_t c = stop; c < m; ++c) sr[c] = gr[c] = 0;
+  }
+  for (int64_t r = 0; r < n; ++r) {
+    const T* gr = GP + r * m;
+#pragma omp simd
+    for (int64_t c = 0; c < m; ++c) dH[j0 + c] += gr[c];
+  }
+}
+
+// q (B, H, C, d), k (B, H, P, d), v (B, H, P, dv), dout and out (B, H, C, dv), any strides
+// (the heads of a projection are a transposed view: read in place, never copied); h (B, H, P)
+// and lse (B, H, C). Returns dq, dk, dv in the layouts of q, k, v, and dh (B, H, P).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
+    const at::Tensor& dout_a, const at::Tensor& q_a, const at::Tensor& k_a, const at::Tensor& v_a,
+    const at::Tensor& h_a, const at::Tensor& out_a, const at::Tensor& lse_a, double scale,
+    bool causal) {
+  at::AutoDispatchBelowADInplaceOrView below;  // no graph of its own (this thread) …
+  // … nor in at::parallel_for's threads, which do not inherit that guard: detached views
+  const auto dout_in = dout_a.detach(), q = q_a.detach(), k = k_a.detach(), v = v_a.detach();
+  const auto h_in = h_a.detach(), out_in = out_a.detach(), lse_in = lse_a.detach();
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && h_in.dim() == 3 &&
+                  dout_in.dim() == 4 && out_in.dim() == 4 && lse_in.dim() == 3,
+              "key_bias.backward: q (B, H, C, d), k (B, H, P, d), v (B, H, P, dv), h (B, H, P), "
+              "dout and out (B, H, C, dv), lse (B, H, C)");
+  const int64_t B = q.size(0), NH = q.size(1), C = q.size(2), P = k.size(2), d = q.size(3),
+                dv = v.size(3);
+  TORCH_CHECK(k.size(0) == B && k.size(1) == NH && v.size(0) == B && v.size(1) == NH &&
+                  k.size(3) == d && v.size(2) == P && h_in.size(0) == B && h_in.size(1) == NH &&
+                  h_in.size(2) == P && dout_in.sizes() == out_in.sizes() &&
+                  dout_in.size(0) == B && dout_in.size(1) == NH && dout_in.size(2) == C &&
+                  dout_in.size(3) == dv && lse_in.size(0) == B && lse_in.size(1) == NH &&
+                  lse_in.size(2) == C && (!causal || C == P),
+              "key_bias.backward: shapes (causal: C == P)");
+  TORCH_CHECK(q.device().is_cpu(), "key_bias.backward: CPU tensors");
+  const auto dtype = q.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble,
+              "key_bias.backward: float32 or float64");
+  TORCH_CHECK(k.scalar_type() == dtype && v.scalar_type() == dtype &&
+                  dout_in.scalar_type() == dtype && out_in.scalar_type() == dtype,
+              "key_bias.backward: q, k, v, dout, out share one dtype");
+  // h and lse (the fused kernel's lse is float32 for float32 inputs): small, (B, H, n)
+  auto h = h_in.to(dtype).contiguous(), lse = lse_in.to(dtype).contiguous();
+  auto dq = at::zeros_like(q), dk = at::zeros_like(k), dvv = at::zeros_like(v);
+  auto dh = at::zeros_like(h);
+  AT_DISPATCH_FLOATING_TYPES(dtype, "key_bias.backward", [&] {
+    using T = scalar_t;
+    const T sc = static_cast<T>(scale);
+    at::parallel_for(0, B * NH, 1, [&](int64_t g0, int64_t g1) {
+      auto opts = q.options();
+      auto s = at::empty({BQ * BK}, opts), dp = at::empty({BQ * BK}, opts);
+      auto Dbuf = at::empty({BQ}, opts);
+      for (int64_t g = g0; g < g1; ++g) {
+        const int64_t b = g / NH, hh = g % NH;
+        // one head's rows, contiguous: a projection's heads are a transposed view, whose
+        // rows (a stride of H·d apart) cost the tiles' products ~25% (measured)
+        auto qg = q[b][hh].contiguous(), kg = k[b][hh].contiguous();
+        auto vg = v[b][hh].contiguous(), dog_all = dout_in[b][hh].contiguous();
+        auto og_all = out_in[b][hh];
+        auto dqg_all = dq[b][hh], dkg = dk[b][hh], dvg = dvv[b][hh];  // written in place
+        const T* H = h[b][hh].data_ptr<T>();
+        const T* L = lse[b][hh].data_ptr<T>();
+        T* dH = dh[b][hh].data_ptr<T>();
+        for (int64_t i0 = 0; i0 < C; i0 += BQ) {
+          const int64_t n = std::min(BQ, C - i0);
+          auto qb = qg.narrow(0, i0, n), dog = dog_all.narrow(0, i0, n);
+          auto dqb = dqg_all.narrow(0, i0, n);
+          auto Db = Dbuf.narrow(0, 0, n);
+          at::sum_out(Db, dog * og_all.narrow(0, i0, n), {-1});  // D_i = <dO_i, out_i>
+          const T* Dp = Db.data_ptr<T>() - i0;  // indexed by i
+          const int64_t limit = causal ? i0 + n : P;  // parents j < limit
+          for (int64_t j0 = 0; j0 < limit; j0 += BK) {
+            const int64_t m = std::min(BK, limit - j0);
+            auto st = s.narrow(0, 0, n * m).view({n, m});  // contiguous: row stride m
+            auto gt = dp.narrow(0, 0, n * m).view({n, m});
+            auto kc = kg.narrow(0, j0, m), vc = vg.narrow(0, j0, m);
+            at::mm_out(st, qb, kc.t());  // (n, m) <q_i, k_j>
+            at::mm_out(gt, dog, vc.t());  // (n, m) <dO_i, v_j>
+            tile<T>(st.data_ptr<T>(), gt.data_ptr<T>(), n, m, i0, j0, causal, sc, H, L, Dp, dH);
+            dvg.narrow(0, j0, m).addmm_(st.t(), dog);       // += P^T dO
+            dqb.addmm_(gt, kc, 1, sc);                      // += scale dS K
+            dkg.narrow(0, j0, m).addmm_(gt.t(), qb, 1, sc);  // += scale dS^T Q
+          }
+        }
+      }
+    });
+  });
+  return {dq, dk, dvv, dh};
+}
+
+// The forward: PyTorch's fused flash kernel with h as a mask broadcast over the children,
+// for (B, H, C, d) queries, (B, H, P, d) keys, (B, H, P, dv) values (one width: pad the
+// narrower) and h (B, H, P). Returns out (B, H, C, dv) and lse (B, H, C) for the backward.
+std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& q, const at::Tensor& k,
+                                           const at::Tensor& v, const at::Tensor& h,
+                                           double scale, bool causal) {
+  at::AutoDispatchBelowADInplaceOrView below;  // its autograd rule is registered (Python)
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && h.dim() == 3,
+              "key_bias.forward: q (B, H, C, d), k (B, H, P, d), v (B, H, P, dv), h (B, H, P)");
+  auto mask = h.to(q.scalar_type()).unsqueeze(-2);  // (B, H, 1, P)
+  auto res = at::_scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, mask, scale);
+  return {std::get<0>(res), std::get<1>(res)};
+}
+
+}  // namespace
+
+TORCH_LIBRARY(structattn_key_bias, m) {
+  m.def("forward(Tensor q, Tensor k, Tensor v, Tensor h, float scale, bool causal) "
+        "-> (Tensor, Tensor)");
+  m.def("backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor h, Tensor out, Tensor lse, "
+        "float scale, bool causal) -> (Tensor, Tensor, Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(structattn_key_bias, CPU, m) {
+  m.impl("forward", &forward);
+  m.impl("backward", &backward);
+}
