@@ -151,18 +151,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
       auto Dbuf = at::empty({BQ}, opts);
       for (int64_t g = g0; g < g1; ++g) {
         const int64_t b = g / NH, hh = g % NH;
-        // one head's rows, contiguous: a projection's heads are a transposed view, whose
-        // rows (a stride of H·d apart) cost the tiles' products ~25% (measured)
-        auto qg = q[b][hh].contiguous(), kg = k[b][hh].contiguous();
-        auto vg = v[b][hh].contiguous(), dog_all = dout_in[b][hh].contiguous();
-        auto og_all = out_in[b][hh];
+        // rows read contiguous: a projection's heads are a transposed view, whose rows (H·d
+        // apart) cost the tiles' products ~25% (measured). The keys and values of one head,
+        // read by every block, are copied once; a block's queries and dO, read by its row
+        // of tiles, one block at a time (copying those whole put the peak memory over)
+        auto kg = k[b][hh].contiguous(), vg = v[b][hh].contiguous();
+        auto qg = q[b][hh], dog_all = dout_in[b][hh], og_all = out_in[b][hh];
         auto dqg_all = dq[b][hh], dkg = dk[b][hh], dvg = dvv[b][hh];  // written in place
         const T* H = h[b][hh].data_ptr<T>();
         const T* L = lse[b][hh].data_ptr<T>();
         T* dH = dh[b][hh].data_ptr<T>();
         for (int64_t i0 = 0; i0 < C; i0 += BQ) {
           const int64_t n = std::min(BQ, C - i0);
-          auto qb = qg.narrow(0, i0, n), dog = dog_all.narrow(0, i0, n);
+          auto qb = qg.narrow(0, i0, n).contiguous(), dog = dog_all.narrow(0, i0, n).contiguous();
           auto dqb = dqg_all.narrow(0, i0, n);
           auto Db = Dbuf.narrow(0, 0, n);
           at::sum_out(Db, dog * og_all.narrow(0, i0, n), {-1});  // D_i = <dO_i, out_i>
