@@ -1,10 +1,11 @@
 """Distance priors at SDPA speed: FoX, causal ALiBi, stick-breaking; forward+backward, one run.
 
 Both priors' log weights are a difference of per-token terms (c_i − c_j; −m·i + m·j), which
-structattn lowers without an N×N bias (``Prior.terms``): as plain causal SDPA with one more key
-dimension carrying the per-parent term, forward and backward, or, without gradients on the
-CPU, as the fused kernel with that term as its mask, broadcast over the queries
-(``structattn/kinds/key_bias.py``). Compared, per N, with the same weights:
+structattn lowers without an N×N bias (``Prior.terms``): on the CPU as the fused kernel with
+the per-parent term as its mask, broadcast over the queries, trained through a backward
+kernel of ours that returns the term's gradient too (``structattn/kinds/key_bias.py``,
+``csrc/key_bias.cpp``); elsewhere as plain causal SDPA with one more key dimension carrying the
+term. Compared, per N, with the same weights:
 
 - ``causal SDPA``: a hand-written causal self-attention layer without any bias — the baseline
   (projections + ``scaled_dot_product_attention(is_causal=True)``);

@@ -13,9 +13,9 @@ class ForgettingGate(Prior):
     """``p(φ_i = j) ∝ Π_{l=j+1..i} f_l`` over j ≤ i: each token l between a child and a parent
     forgets with its own gate f_l ∈ (0, 1] (data-dependent: FoX's f_l = σ(wᵀx_l + b), one per
     head). With c = cumsum(log f) the log weight is c_i − c_j — a difference of per-token terms
-    (``terms``), so the dense operator lowers it as plain SDPA with one more key dimension
-    (or, without gradients on the CPU, as the fused kernel with −c_j as its mask), never an
-    N×N bias. A constant gate f is ALiBi with slope m = −log f.
+    (``terms``), so the dense operator lowers it, on the CPU, as the fused kernel with −c_j as
+    its mask (trained through ``csrc/key_bias.cpp``'s backward), elsewhere as plain SDPA with
+    one more key dimension — never an N×N bias. A constant gate f is ALiBi with slope m = −log f.
 
     ``log_f``: ``(…, N)`` log gates (≤ 0), their leading dims (batch, heads) broadcasting
     against ``(*batch, heads)``; N is the number of parents, children are its first C tokens.
