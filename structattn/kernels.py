@@ -31,7 +31,7 @@ import warnings
 
 import torch
 
-__all__ = ["available", "disabled", "mean_field_windows", "stick_breaking", "key_bias",
+__all__ = ["available", "disabled", "mean_field_windows", "stick_breaking", "key_bias", "with_rules",
            "build_error"]
 
 #: kernel → (its source in csrc/, the name of its extension and op namespace, what falls back)
@@ -49,7 +49,7 @@ _KERNELS = {
 _FLAGS = {"key_bias": ["-fno-math-errno", "-march=native"]}
 _lock = threading.Lock()
 #: kernel → its ops, why its build failed, whether it was tried
-_states: dict = {k: {"ops": None, "error": None, "tried": False} for k in _KERNELS}
+_states: dict = {k: {"ops": None, "error": None, "tried": False, "rules": False} for k in _KERNELS}
 _off = threading.local()
 log = logging.getLogger("structattn.kernels")
 
@@ -104,6 +104,21 @@ def _ops(kernel: str):
                                   stacklevel=4)
                 state["tried"] = True
     return state["ops"]
+
+
+def with_rules(kernel: str, register):
+    """A kernel's ops after ``register(ops)`` — its Python rules: fake kernels, an autograd
+    formula — has run, once per process; None where kernels are off or the build failed."""
+    ops = _ops(kernel)
+    if ops is None:
+        return None
+    state = _states[kernel]
+    if not state["rules"]:
+        with _lock:
+            if not state["rules"]:
+                register(ops)
+                state["rules"] = True
+    return ops
 
 
 def mean_field_windows():

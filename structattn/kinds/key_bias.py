@@ -18,8 +18,6 @@ precision.
 
 from __future__ import annotations
 
-import threading
-
 import torch
 
 from .. import kernels
@@ -28,24 +26,15 @@ from .._validation import is_exporting
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
-_registered = threading.Lock()
-_done: set = set()
 
 
 def _ops():
     """The kernel's ops, with their fake-tensor and autograd rules registered once; None
     where kernels are off or could not be built."""
-    ops = kernels.key_bias()
-    if ops is None or "rules" in _done:
-        return ops
-    with _registered:
-        if "rules" not in _done:
-            _register()
-            _done.add("rules")
-    return ops
+    return kernels.with_rules("key_bias", _register)
 
 
-def _register() -> None:
+def _register(ops) -> None:
     lib = "structattn_key_bias"
 
     @torch.library.register_fake(f"{lib}::forward")

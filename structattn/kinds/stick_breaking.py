@@ -24,17 +24,12 @@ whose value is zero: the output is Σ_j p_ij v_j, rows summing to 1 − leftover
 
 from __future__ import annotations
 
-import threading
-
 import torch
 import torch.nn.functional as F
 
 from .. import kernels
 from .._validation import checks_on
 from .base import Operator, keep_nonfinite_rows
-
-_registered = threading.Lock()
-_done: set = set()
 
 
 def stop_mass(dtype: torch.dtype) -> float:
@@ -57,14 +52,7 @@ def stick_breaking_table(scores: torch.Tensor, allowed: torch.Tensor):
 def _ops():
     """The kernel's ops, with their fake-tensor and autograd rules registered once; None
     where kernels are off or could not be built."""
-    ops = kernels.stick_breaking()
-    if ops is None or "rules" in _done:
-        return ops
-    with _registered:
-        if "rules" not in _done:
-            _register(ops)
-            _done.add("rules")
-    return ops
+    return kernels.with_rules("stick_breaking", _register)
 
 
 def _register(ops) -> None:
