@@ -129,8 +129,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
                   h_in.size(2) == P && dout_in.sizes() == out_in.sizes() &&
                   dout_in.size(0) == B && dout_in.size(1) == NH && dout_in.size(2) == C &&
                   dout_in.size(3) == dv && lse_in.size(0) == B && lse_in.size(1) == NH &&
-                  lse_in.size(2) == C && (!causal || C == P),
-              "key_bias.backward: shapes (causal: C == P)");
+                  lse_in.size(2) == C,
+              "key_bias.backward: shapes");
   TORCH_CHECK(q.device().is_cpu(), "key_bias.backward: CPU tensors");
   const auto dtype = q.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble,
@@ -168,7 +168,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
           auto Db = Dbuf.narrow(0, 0, n);
           at::sum_out(Db, dog * og_all.narrow(0, i0, n), {-1});  // D_i = <dO_i, out_i>
           const T* Dp = Db.data_ptr<T>() - i0;  // indexed by i
-          const int64_t limit = causal ? i0 + n : P;  // parents j < limit
+          // causal: j <= i, aligned at the first token (as the fused kernel's is_causal)
+          const int64_t limit = causal ? std::min(i0 + n, P) : P;  // parents j < limit
           for (int64_t j0 = 0; j0 < limit; j0 += BK) {
             const int64_t m = std::min(BK, limit - j0);
             auto st = s.narrow(0, 0, n * m).view({n, m});  // contiguous: row stride m

@@ -26,8 +26,6 @@ from .._validation import is_exporting
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
-
-
 def _ops():
     """The kernel's ops, with their fake-tensor and autograd rules registered once; None
     where kernels are off or could not be built."""
