@@ -63,6 +63,7 @@ import torch.nn.functional as F
 import structattn as sa
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _device import cuda_peak_bytes, sync  # noqa: E402
 from _memory import peak_rss_kib, release_and_reset_peak, rss_kib  # noqa: E402
 
 MiB = 2**20
@@ -176,12 +177,6 @@ def fwd_bwd(fn, m, x):
 # ---------------------------------------------------------------------------------------
 
 
-def _sync(x):
-    """On a GPU a call only queues kernels: wait for them before reading the clock."""
-    if x.is_cuda:
-        torch.cuda.synchronize(x.device)
-
-
 def time_interleaved(fns: dict, warmup: int, repeats: int, m, x) -> dict:
     """Median/min/max seconds per call of each fn, interleaved (order reversed every round);
     on a GPU each call is timed from a synchronised start to a synchronised end."""
@@ -197,10 +192,10 @@ def time_interleaved(fns: dict, warmup: int, repeats: int, m, x) -> dict:
         for r in range(repeats):
             for name in (names if r % 2 == 0 else names[::-1]):
                 clear_grads(m, x)
-                _sync(x)
+                sync(x.device)
                 t0 = time.perf_counter()
                 fns[name](x).sum().backward()
-                _sync(x)
+                sync(x.device)
                 times[name].append(time.perf_counter() - t0)
     finally:
         if gc_was_enabled:
@@ -258,12 +253,7 @@ def section_time(cfg, seed, log):
             peaks = {}
             for name, fn in fns.items():
                 clear_grads(m, x)
-                torch.cuda.synchronize(x.device)
-                torch.cuda.reset_peak_memory_stats(x.device)
-                before = torch.cuda.memory_allocated(x.device)
-                fwd_bwd(fn, m, x)
-                torch.cuda.synchronize(x.device)
-                peaks[name] = torch.cuda.max_memory_allocated(x.device) - before
+                peaks[name] = cuda_peak_bytes(lambda fn=fn, m=m, x=x: fwd_bwd(fn, m, x), x.device)
             log(f"    {'':<7}peak GPU memory of fwd+bwd over the inputs: " + ", ".join(
                 f"{LABELS[k]} {v / 2**20:.1f} MiB ({v / peaks['sdpa']:.3f}×)"
                 for k, v in peaks.items()))

@@ -44,6 +44,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from _device import cuda_peak_bytes, sync  # noqa: E402  (the script's own folder)
+
 import structattn as sa  # noqa: E402
 
 heads_of, merge = sa.split_heads, sa.merge_heads  # (…, n, H·d) ↔ (…, H, n, d)
@@ -115,12 +117,7 @@ def peak_bytes(fn, x, params) -> int:
     if x.is_cuda:
         for p in (x, *params):
             p.grad = None
-        torch.cuda.synchronize(x.device)
-        torch.cuda.reset_peak_memory_stats(x.device)
-        before = torch.cuda.memory_allocated(x.device)
-        _fwd_bwd(fn, x, params)
-        torch.cuda.synchronize(x.device)
-        return torch.cuda.max_memory_allocated(x.device) - before
+        return cuda_peak_bytes(lambda: _fwd_bwd(fn, x, params), x.device)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         _fwd_bwd(fn, x, params)
     events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
@@ -137,12 +134,6 @@ def _forward(fn, x, params):
         fn()
 
 
-def _sync(x):
-    """On a GPU a call only queues kernels: wait for them before reading the clock."""
-    if x.is_cuda:
-        torch.cuda.synchronize(x.device)
-
-
 def time_fwd_bwd(fns: dict, x, rounds: int, backward: bool = True) -> dict:
     """Interleaved rounds of forward+backward (or, ``backward=False``, of the forward alone
     without gradients: inference)."""
@@ -155,10 +146,10 @@ def time_fwd_bwd(fns: dict, x, rounds: int, backward: bool = True) -> dict:
     for r in range(rounds):
         for name in (names if r % 2 == 0 else names[::-1]):
             fn, params = fns[name]
-            _sync(x)
+            sync(x.device)
             t = time.perf_counter()
             once(fn, x, params)
-            _sync(x)
+            sync(x.device)
             times[name].append(time.perf_counter() - t)
     base = times["causal SDPA"]
     return {k: {"median_s": statistics.median(v),

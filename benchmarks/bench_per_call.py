@@ -40,6 +40,8 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from _device import sync  # noqa: E402  (the script's own folder)
+
 import structattn as sa  # noqa: E402
 
 heads_of, merge = sa.split_heads, sa.merge_heads  # (…, n, H·d) ↔ (…, H, n, d)
@@ -100,13 +102,7 @@ def _once(fn, params, backward):
             fn()
 
 
-def _sync():
-    """On a GPU the calls only queue kernels: wait for them before reading the clock."""
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
-
-
-def time_calls(fns: dict, *, backward: bool, rounds: int, block: int) -> dict:
+def time_calls(fns: dict, *, backward: bool, rounds: int, block: int, device) -> dict:
     """Per call: median seconds per variant and the median per-round ratio to ``"baseline"``
     (on a GPU each block is timed from a synchronised start to a synchronised end)."""
     for fn, params in fns.values():
@@ -119,11 +115,11 @@ def time_calls(fns: dict, *, backward: bool, rounds: int, block: int) -> dict:
         for r in range(rounds):
             for name in (names if r % 2 == 0 else names[::-1]):
                 fn, params = fns[name]
-                _sync()
+                sync(device)
                 t = time.perf_counter()
                 for _ in range(block):
                     _once(fn, params, backward)
-                _sync()
+                sync(device)
                 times[name].append((time.perf_counter() - t) / block)
     finally:
         gc.enable()
@@ -149,7 +145,8 @@ def time_both(log, title: str, fns: dict, cfg, targets: dict, block: int, out: d
               key: str) -> None:
     """Forward (no grad) and forward+backward of ``fns``, reported; results in ``out``."""
     for backward in (False, True):
-        res = time_calls(fns, backward=backward, rounds=cfg["rounds"], block=block)
+        res = time_calls(fns, backward=backward, rounds=cfg["rounds"], block=block,
+                         device=cfg["device"])
         what = "fwd+bwd" if backward else "forward"
         _report(log, title.format(what=what), res, targets)
         out[f"{key}_{what}"] = res
@@ -254,7 +251,8 @@ def section_expanding(cfg, log):
 
     fns = {"baseline": (sdpa_final_token, [x]), "structattn": ((lambda: layer(x, last=1)), [x]),
            "first call (reading)": ((lambda: layer.interpret(x, last=1)), [x])}
-    res = time_calls(fns, backward=False, rounds=cfg["rounds"], block=cfg["block"])
+    res = time_calls(fns, backward=False, rounds=cfg["rounds"], block=cfg["block"],
+                     device=cfg["device"])
     _report(log, f"expanding attention, toy task T={T} d={d}, final token (last=1), forward, "
                  f"vs one SDPA call for it", res, {"structattn": 1.0})
     (plan,) = layer.plans.values()

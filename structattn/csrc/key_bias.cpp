@@ -25,7 +25,6 @@
 #include <cmath>
 #include <cstdint>
 #include <bit>
-#include <limits>
 #include <tuple>
 
 namespace {
@@ -108,8 +107,9 @@ void tile(T* S, T* GP, int64_t n, int64_t m, int64_t i0, int64_t j0, bool causal
 }
 
 // q (B, H, C, d), k (B, H, P, d), v (B, H, P, dv), dout and out (B, H, C, dv), any strides
-// (the heads of a projection are a transposed view: read in place, never copied); h (B, H, P)
-// and lse (B, H, C). Returns dq, dk, dv in the layouts of q, k, v, and dh (B, H, P).
+// (the heads of a projection are a transposed view: each head's keys and values, and each
+// block's queries and dO, are copied contiguous below); h (B, H, P) and lse (B, H, C).
+// Returns dq, dk, dv in the layouts of q, k, v (written in place), and dh (B, H, P).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
     const at::Tensor& dout_a, const at::Tensor& q_a, const at::Tensor& k_a, const at::Tensor& v_a,
     const at::Tensor& h_a, const at::Tensor& out_a, const at::Tensor& lse_a, double scale,

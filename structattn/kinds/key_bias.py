@@ -62,6 +62,11 @@ def _register(ops) -> None:
     torch.library.register_autograd(f"{lib}::forward", backward, setup_context=setup)
 
 
+def _asks_gradient(*tensors: torch.Tensor) -> bool:
+    """Whether a gradient is asked of any of ``tensors`` (grad mode on, one requiring it)."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
 def applies(a: torch.Tensor, b: torch.Tensor, u: torch.Tensor, h: torch.Tensor) -> bool:
     """Whether this reading takes these factors: on the CPU, in single or double precision,
     with no gradient asked of any of them — or with one, where the kernel is built (not in
@@ -69,7 +74,7 @@ def applies(a: torch.Tensor, b: torch.Tensor, u: torch.Tensor, h: torch.Tensor) 
     if not (a.device.type == "cpu" and a.dtype in (torch.float32, torch.float64)
             and u.dtype == a.dtype):
         return False
-    if not (torch.is_grad_enabled() and any(t.requires_grad for t in (a, b, u, h))):
+    if not _asks_gradient(a, b, u, h):
         return True
     # an exported program runs where structattn is not installed: no operator of ours in it
     exporting = is_exporting() or torch.compiler.is_exporting()
@@ -98,7 +103,7 @@ def key_bias_attention(a, b, u, h, scale: float, is_causal: bool) -> torch.Tenso
     a, b, u = (x.expand(*lead, *x.shape[-2:]).reshape(-1, heads, *x.shape[-2:])
                for x in (a, b, u))
     h = h.to(a.dtype).expand(*lead, P).reshape(-1, heads, P)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (a, b, u, h)):
+    if _asks_gradient(a, b, u, h):
         out = _ops().forward(a, b, u, h, float(scale), is_causal)[0]  # views: no copies
     else:
         out = _flash(a, b, u, 0.0, is_causal, attn_mask=h.unsqueeze(-2), scale=scale)[0]
