@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from structattn.priors import ALiBi
-from structattn.priors.relative import alibi_slopes
+from structattn.priors.relative import alibi_slopes, certified_window_options
 
 from ._catalogue import TOKEN_SIZES, Entry, randn64
 from ._projections import TokenAttention
@@ -14,18 +14,24 @@ from ._projections import TokenAttention
 class ALiBiAttention(TokenAttention):
     """φ_i ~ Categorical(softmax_j −m_h |i − j|) per head h (slopes m_h = 2^(−8h/H), fixed);
     ψ = x_iᵀW_QᵀW_K x_j / τ; v = W_V x_j. Causal by default, as in Press et al. (2022).
+    ``tol`` (causal): read only a window whose posterior mass beyond it is certified ≤ tol
+    per token (``structattn.certified``); ``block_size``: that band's block of tokens.
 
     x: ``(*batch, n, d_model)`` → ``(*batch, n, d_model or heads·d_v)``.
     """
 
-    def __init__(self, d_model, *, heads=1, causal=True, device=None, dtype=None, **kwargs):
+    def __init__(self, d_model, *, heads=1, causal=True, tol=None, block_size=64, device=None,
+                 dtype=None, **kwargs):
         super().__init__(d_model, heads=heads, causal=causal, device=device, dtype=dtype, **kwargs)
         self.register_buffer("slopes", alibi_slopes(heads).to(
             device=device, dtype=dtype))
+        certified_window_options("ALiBiAttention", tol, block_size, causal)
+        self.tol, self.block_size = tol, block_size
 
     def model(self, x):
         tokens = self.tokens(x)
-        prior = ALiBi(self.heads, slopes=self.slopes, causal=self.causal)
+        prior = ALiBi(self.heads, slopes=self.slopes, causal=self.causal, tol=self.tol,
+                      block_size=self.block_size)
         return self.attend(self.family_name, tokens, tokens, prior)
 
 
@@ -42,4 +48,4 @@ def _case():
 #: the catalogue's statement (models/_catalogue.py)
 ENTRY = Entry(alibi_attention, ALiBiAttention, case=_case,
               example=dict(d_model=8, heads=2),
-              sizes=TOKEN_SIZES)
+              sizes={**TOKEN_SIZES, "block_size": 1})

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from structattn.priors.forgetting import ForgettingGate
+from structattn.priors.relative import certified_window_options
 
 from ._catalogue import TOKEN_SIZES, Entry, randn64
 from ._projections import TokenAttention
@@ -22,10 +23,16 @@ class ForgettingAttention(TokenAttention):
 
     x: ``(*batch, n, d_model)`` → ``(*batch, n, d_model or heads·d_v)``.
     ``gate_bias``: b_h's initial value (σ(3) ≈ 0.95: the gates start mostly open).
+    ``tol``: read only a window whose posterior mass beyond it is certified ≤ tol per token
+    (``structattn.certified``: FoX's adaptive pruning, with a proof); ``block_size``: that
+    band's block of tokens.
     """
 
-    def __init__(self, d_model, *, heads=1, gate_bias=3.0, device=None, dtype=None, **kwargs):
+    def __init__(self, d_model, *, heads=1, gate_bias=3.0, tol=None, block_size=64, device=None,
+                 dtype=None, **kwargs):
         super().__init__(d_model, heads=heads, causal=True, device=device, dtype=dtype, **kwargs)
+        certified_window_options("ForgettingAttention", tol, block_size, True)
+        self.tol, self.block_size = tol, block_size
         kw = {"device": device, "dtype": dtype}
         self.W_f = nn.Parameter(torch.empty(self.heads, d_model, **kw))
         nn.init.xavier_uniform_(self.W_f)
@@ -37,7 +44,8 @@ class ForgettingAttention(TokenAttention):
 
     def model(self, x):
         tokens = self.tokens(x)
-        return self.attend(self.family_name, tokens, tokens, ForgettingGate(self.log_gates(x)))
+        prior = ForgettingGate(self.log_gates(x), tol=self.tol, block_size=self.block_size)
+        return self.attend(self.family_name, tokens, tokens, prior)
 
 
 def forgetting_attention(d_model, **kwargs) -> ForgettingAttention:
@@ -53,4 +61,4 @@ def _case():
 #: the catalogue's statement (models/_catalogue.py)
 ENTRY = Entry(forgetting_attention, ForgettingAttention, case=_case,
               example=dict(d_model=8, heads=2),
-              sizes=TOKEN_SIZES)
+              sizes={**TOKEN_SIZES, "block_size": 1})

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from structattn.priors.generalised_gaussian import GeneralisedGaussian
+from structattn.priors.relative import certified_window_options
 
 from ._catalogue import TOKEN_SIZES, Entry, randn64
 from ._projections import TokenAttention
@@ -20,12 +21,16 @@ class GeneralisedGaussianAttention(TokenAttention):
 
     x: ``(*batch, n, d_model)`` → ``(*batch, n, d_model or heads·d_v)``.
     Initial prior: μ = 0, scale e^s = 1/``width`` (``width`` = 16: distances are read in units
-    of 16 tokens), β = ``shape`` (1: Laplace).
+    of 16 tokens), β = ``shape`` (1: Laplace). ``tol`` (causal): read only a window whose
+    posterior mass beyond it is certified ≤ tol per token (``structattn.certified``), never the
+    dense bias; ``block_size``: that band's block of tokens.
     """
 
-    def __init__(self, d_model, *, heads=1, causal=True, width=16.0, shape=1.0, device=None,
-                 dtype=None, **kwargs):
+    def __init__(self, d_model, *, heads=1, causal=True, width=16.0, shape=1.0, tol=None,
+                 block_size=64, device=None, dtype=None, **kwargs):
         super().__init__(d_model, heads=heads, causal=causal, device=device, dtype=dtype, **kwargs)
+        certified_window_options("GeneralisedGaussianAttention", tol, block_size, causal)
+        self.tol, self.block_size = tol, block_size
         if not (isinstance(width, (int, float)) and width > 0 and math.isfinite(width)):
             raise ValueError(f"GeneralisedGaussianAttention: width must be a finite number > 0; "
                              f"got {width!r}")
@@ -40,7 +45,7 @@ class GeneralisedGaussianAttention(TokenAttention):
     def model(self, x):
         tokens = self.tokens(x)
         prior = GeneralisedGaussian(self.loc, self.log_scale, self.log_shape.exp(),
-                                    causal=self.causal)
+                                    causal=self.causal, tol=self.tol, block_size=self.block_size)
         return self.attend(self.family_name, tokens, tokens, prior)
 
 
@@ -61,4 +66,4 @@ def _case():
 #: the catalogue's statement (models/_catalogue.py)
 ENTRY = Entry(generalised_gaussian_attention, GeneralisedGaussianAttention, case=_case,
               example=dict(d_model=8, heads=2, width=2.0),
-              sizes=TOKEN_SIZES)
+              sizes={**TOKEN_SIZES, "block_size": 1})

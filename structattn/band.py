@@ -118,8 +118,8 @@ def attend(a, b, u, scale: float, bias: torch.Tensor, layout: BandLayout) -> tor
     return layout.unblock(out.reshape(*lead, nb, B, vu.shape[-1]))
 
 
-def flex_attend(a, b, u, scale: float, log_prior, window, **kwargs):
-    """CUDA fast path: FlexAttention with a block mask for ``1 ≤ i − j ≤ window_i`` and the log
+def flex_attend(a, b, u, scale: float, log_prior, window, first: int = 1, **kwargs):
+    """CUDA fast path: FlexAttention with a block mask for ``first ≤ i − j ≤ window_i`` and the log
     prior as a ``score_mod``; ``log_prior(head_or_child_index..., distance)`` as in
     ``windows``. ``a, b, u``: ``(B, H, N, d)``. Only blocks inside the band are computed."""
     from torch.nn.attention.flex_attention import create_block_mask
@@ -130,7 +130,7 @@ def flex_attend(a, b, u, scale: float, log_prior, window, **kwargs):
     def in_band(bi, h, i, j):
         d = i - j
         w = window[bi, h, i] if per_child else window
-        return (d >= 1) & (d <= w)
+        return (d >= first) & (d <= w)
 
     def score_mod(score, bi, h, i, j):
         return score + log_prior(bi, h, i, i - j)

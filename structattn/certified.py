@@ -1,25 +1,29 @@
 """Certified truncation: a window outside which the *posterior* mass left out is provably at
 most ε — not only the prior's.
 
-Child i reads the parents at distances d = 1..i with a prior π(d) over d ≥ 1 (a distance
-prior stating ``log_by_distance`` and ``log_tail``, as ``BetaGeometric`` does) and scores
-s_id = scale·⟨a_i, b_{i−d}⟩. The posterior mass beyond a window W is
+Child i reads the parents at distances d = first..i (first = 1: j < i, as the beta-geometric
+prior; 0: j ≤ i, as ALiBi, a forget gate or a generalised Gaussian) with unnormalised prior
+weights w_i(d) (the prior's ``log_weights_on_band``) and scores s_id = scale·⟨a_i, b_{i−d}⟩.
+The posterior mass beyond a window W is
 
-    M_i(W) = O / (I + O),   I = Σ_{d ≤ W} π(d) e^{s_id},   O = Σ_{W < d ≤ i} π(d) e^{s_id}.
+    M_i(W) = O / (I + O),   I = Σ_{d ≤ W} w_i(d) e^{s_id},   O = Σ_{W < d ≤ i} w_i(d) e^{s_id}.
 
-With O ≤ P(φ > W)·e^{S_i} for any S_i ≥ max_{d > W} s_id — Cauchy–Schwarz gives
+With O ≤ T_i(W)·e^{S_i}, T_i(W) ≥ Σ_{W < d ≤ i} w_i(d) the prior's weight beyond the window
+(``log_tail_mass``) and S_i ≥ max_{d > W} s_id — Cauchy–Schwarz gives
 S_i = |scale|·‖a_i‖·max_j ‖b_j‖ — and u ↦ u/(I + u) increasing,
 
-    M_i(W) ≤ B_i(W) = σ(log P(φ > W) + S_i − log I_i(W)),
+    M_i(W) ≤ B_i(W) = σ(log T_i(W) + S_i − log I_i(W)),
 
 a bound from the prior's tail, the largest possible score and the scores inside the
 window, decreasing in W: a strong match far back is never hidden behind a light prior tail
 (the prior-tail rule, ``BetaGeometric(prior_tol=…)``, bounds only P(φ > W) whatever the
-scores say). ``certify`` doubles one window shared by every child (the banded kernel's)
-until every B_i ≤ ε or the window holds the longest past, scoring the band at each width:
-O(N·W·k) time, O(N·W) memory, about one more banded forward. The scores are computed in
-the factors' dtype and the dot products' rounding is charged to the bound (γ_k·S_i, the
-standard error bound of a k-term dot product), so the certificate holds in float32 too.
+scores say). Any prior works — the bound needs no monotonicity — but it only pays where the
+prior's weight falls with the distance. ``certify`` doubles one window shared by every
+child (the banded kernel's) until every B_i ≤ ε or the window holds the longest past,
+scoring the band at each width: O(N·W·k) time, O(N·W) memory, about one more banded
+forward. The scores are computed in the factors' dtype and the dot products' rounding is
+charged to the bound (γ_k·S_i, the standard error bound of a k-term dot product), so the
+certificate holds in float32 too; the prior's weights are read in float64.
 """
 
 from __future__ import annotations
@@ -83,20 +87,25 @@ def score_ceiling(a: torch.Tensor, b: torch.Tensor, scale: float):
 
 
 def certify(a: torch.Tensor, b: torch.Tensor, scale: float, prior, eps: float, *,
-            start: int = 16, cap: int | None = None, block: int = 32) -> Certified:
+            start: int = 16, cap: int | None = None, block: int = 32,
+            first: int = 1) -> Certified:
     """The shortest window of the sequence ``start``, 2·``start``, … (at most ``cap``, the
     longest past by default) whose certified posterior tail is ≤ ``eps`` for every child.
 
     ``a``: child factors ``(*batch, H, N, k)``, ``b``: parent factors of the same N tokens
-    (child i reads parents i − d, d ≥ 1); ``scale``: the scores' factor; ``prior``: states
-    ``log_by_distance(W, device, dtype)`` ``(H|1, W + 1)`` and ``log_tail(W, device,
-    dtype)`` ``(H|1,)``; ``block``: the band's block of children."""
+    (child i reads parents i − d, ``first`` ≤ d ≤ i); ``scale``: the scores' factor;
+    ``prior``: states ``log_weights_on_band`` and ``log_tail_mass`` (``structattn.priors.
+    Prior``; a stationary prior by its ``log_by_distance`` alone); ``block``: the band's
+    block of children."""
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < 1:
         raise ValueError(f"certify: eps (the posterior mass a window may leave out) must be in "
                          f"(0, 1); got {eps!r}")
     if a.shape[-2:] != b.shape[-2:]:
         raise ValueError(f"certify: a and b must be (…, N, k) factors of the same N tokens; got "
                          f"{tuple(a.shape)} and {tuple(b.shape)}")
+    if first not in (0, 1):
+        raise ValueError(f"certify: first (the nearest distance a child reads: 0 itself, 1 the "
+                         f"token before) must be 0 or 1; got {first!r}")
     n, dev = a.shape[-2], a.device
     last = n - 1 if cap is None else max(1, min(cap, n - 1))
     with torch.no_grad():
@@ -110,15 +119,10 @@ def certify(a: torch.Tensor, b: torch.Tensor, scale: float, prior, eps: float, *
         while True:
             lay = band.BandLayout.for_window(n, width, block)
             s = band.scores(a, b, scale, lay).to(wide)  # (*lead, nb, B, L)
-            dist = lay.distance(dev)  # (B, L)
-            at = lay.child_positions(dev)[:, :, None]  # (nb, B, 1)
-            inside = (dist >= 1) & (dist <= width) & (dist <= at)  # (nb, B, L)
-            lp = prior.log_by_distance(width, dev, wide)  # (H|1, W + 1)
-            lp = lp[:, dist.clamp(0, width)][:, None]  # (H|1, 1, B, L)
-            logits = (s + lp).masked_fill(~inside, float("-inf"))
+            logits = s + prior.log_weights_on_band(lay, width, first, dev, wide)  # −∞ outside
             log_in = lay.unblock(torch.logsumexp(logits, -1)[..., None])[..., 0]  # (*lead, N)
             log_in = log_in - slack  # a lower bound on log I: each score ≥ its float − slack
-            log_tail = prior.log_tail(width, dev, wide).reshape(-1, 1)  # (H|1, 1)
+            log_tail = prior.log_tail_mass(width, n, dev, wide)  # broadcasts to (*lead, N)
             bound = tail_bound(log_in, log_tail, high)
             bound = torch.where(pos <= width, torch.zeros_like(bound), bound)  # all read
             window = torch.where((window < 0) & (bound <= eps), width, window)
@@ -129,3 +133,12 @@ def certify(a: torch.Tensor, b: torch.Tensor, scale: float, prior, eps: float, *
     ok = bool((bound <= eps).all())
     return Certified(width, bound, window, float(eps), skipped_pairs(n, width), ok)
 
+
+def check_tol(owner: str, tol) -> float | None:
+    """``tol`` as a prior takes it — None (read the whole past) or a float in (0, 1), the
+    posterior mass a certified window may leave out — or a ValueError naming ``owner``."""
+    if tol is not None and (isinstance(tol, bool) or not isinstance(tol, (int, float))
+                            or not 0 < tol < 1):
+        raise ValueError(f"{owner}: tol (the posterior mass a certified window may leave out) "
+                         f"must be None or in (0, 1); got {tol!r}")
+    return None if tol is None else float(tol)

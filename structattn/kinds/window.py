@@ -1,8 +1,11 @@
-"""Window supports — each child reads the parents 1 ≤ d ≤ W positions back, d = i − j — and
-their operator: one banded ``scaled_dot_product_attention`` call (``structattn.band``),
-O(N·W), or FlexAttention with a block mask on CUDA. The prior must state its log weights
-by distance (``log_by_distance(W, device, dtype)``, ``(heads or 1, W + 1)``), as the
-geometric–Beta prior of expanding attention does.
+"""Window supports — each child reads the parents first ≤ d ≤ W positions back, d = i − j,
+first = 1 (j < i) or 0 (j ≤ i) — and their operator: one banded
+``scaled_dot_product_attention`` call (``structattn.band``), O(N·W), or FlexAttention with a
+block mask on CUDA. The prior gives its log weights on the band (``Prior.
+log_weights_on_band``: from its distance table ``log_by_distance`` where it states one, as
+the geometric–Beta prior of expanding attention does, else from ``log_weight``, as a forget
+gate). A prior with a certified ``tol`` and no width of its own reads the window certified
+for the call (``structattn.certified``), or all of the past through the dense operator.
 
 The children may be the last C of the P parent tokens (a decoding step): child i sits at
 position P − C + i (``offset`` = P − C); the dense reading serves that case.
@@ -26,22 +29,30 @@ def keep_from_position(n: int, device, dtype) -> torch.Tensor:
 
 
 class Window(Support):
-    """Φ_i = {j : 1 ≤ (offset + i) − j ≤ width} (``width`` None: all of the past)."""
+    """Φ_i = {j : first ≤ (offset + i) − j ≤ width} (``width`` None: all of the past;
+    ``first`` 1: the parents before the child, 0: the child too)."""
 
-    def __init__(self, width: int | None, offset: int = 0):
-        self.width, self.offset = width, offset
+    def __init__(self, width: int | None, offset: int = 0, first: int = 1):
+        if first not in (0, 1):
+            raise ValueError(f"Window support: first (the nearest distance read) must be 0 or 1; "
+                             f"got {first!r}")
+        self.width, self.offset, self.first = width, offset, first
 
     def contains(self, child, parent):
         d = child + self.offset - parent
-        return (d >= 1) if self.width is None else (d >= 1) & (d <= self.width)
+        return (d >= self.first) if self.width is None else (d >= self.first) & (d <= self.width)
 
     def dense(self, num_children, num_parents, device):
         ones = torch.ones(num_children, num_parents, dtype=torch.bool, device=device)
-        past = ones.tril(self.offset - 1)  # j ≤ i + offset − 1
+        past = ones.tril(self.offset - self.first)  # j ≤ i + offset − first
         return past if self.width is None else past & ones.triu(self.offset - self.width)
 
+    def is_causal(self):
+        """All of the past and the child itself, with no offset: j ≤ i."""
+        return self.width is None and self.first == 0 and self.offset == 0
+
     def describe(self):
-        return "1 ≤ i − j" + ("" if self.width is None else f" ≤ {self.width}")
+        return f"{self.first} ≤ i − j" + ("" if self.width is None else f" ≤ {self.width}")
 
 
 class WindowOperator(Operator):
@@ -68,7 +79,7 @@ class WindowOperator(Operator):
                 and n == f.parents.size and n > 1:
             a, b, scale = self.fused_factors()  # (*batch, H, N, k)
             self.truncation = certify(a, b, scale, f.prior, eps, cap=width,
-                                      block=f.prior.block_size)
+                                      block=f.prior.block_size, first=f.support.first)
             width = self.truncation.width
         self._width = width
         return width
@@ -91,16 +102,15 @@ class WindowOperator(Operator):
             f = self.family
             n, window = f.children.size, self._chosen_width()
             a, b, scale = self.fused_factors()  # (*batch, H, N, k)
-            xc = f.children.states
-            keep = keep_from_position(n, a.device, xc.dtype)
-            table = f.prior.log_by_distance(window, a.device, xc.dtype)  # (H|1, W + 1)
+            xc, first = f.children.states, f.support.first
+            # the token at position 0 has no past unless it reads itself
+            keep = keep_from_position(n, a.device, xc.dtype) if first else None
+            table = f.prior.log_by_distance(window, a.device, xc.dtype)  # (H|1, W + 1) or None
             layout = band.BandLayout.for_window(n, window, f.prior.block_size)
             dist = layout.distance(a.device)  # (B, L)
             pos = layout.child_positions(a.device)[:, :, None]  # (nb, B, 1)
-            inside = (dist >= 1) & (dist <= window) & (dist <= pos)  # (nb, B, L)
-            lp = table[:, dist.clamp(0, window)]  # (H|1, B, L)
-            bias = torch.where(inside, lp[:, None], torch.tensor(float("-inf"), dtype=lp.dtype,
-                                                                 device=lp.device))
+            inside = (dist >= first) & (dist <= window) & (dist <= pos) & (pos < n)  # (nb, B, L)
+            bias = f.prior.log_weights_on_band(layout, window, first, a.device, xc.dtype)
             # children without any parent in the band (child 0, padding) attend anywhere; zeroed
             bias = torch.where(inside.any(-1, keepdim=True), bias, torch.zeros_like(bias))
             self._band = dict(a=a, b=b, scale=scale, keep=keep, table=table, layout=layout,
@@ -124,9 +134,9 @@ class WindowOperator(Operator):
             return super().attend(u)
         s = self._setup()
         if s["p"] is not None:
-            return band.apply(s["p"], u, s["layout"]) * s["keep"]
+            return _kept(band.apply(s["p"], u, s["layout"]), s["keep"])
         a, b, window = s["a"], s["b"], self._chosen_width()
-        if a.is_cuda and _flex_available():
+        if a.is_cuda and s["table"] is not None and _flex_available():
             table, H = s["table"], s["table"].shape[0]
 
             def log_prior(bi, h, i, d):
@@ -134,9 +144,15 @@ class WindowOperator(Operator):
 
             lead = a.shape[:-2]  # FlexAttention takes (B, H, N, d): fold the batch dims
             out = band.flex_attend(a.reshape(-1, *a.shape[-3:]), b.reshape(-1, *b.shape[-3:]),
-                                   u.reshape(-1, *u.shape[-3:]), s["scale"], log_prior, window)
-            return out.reshape(*lead, *out.shape[-2:]) * s["keep"]
-        return band.attend(a, b, u, s["scale"], s["bias"], s["layout"]) * s["keep"]
+                                   u.reshape(-1, *u.shape[-3:]), s["scale"], log_prior, window,
+                                   first=self.family.support.first)
+            return _kept(out.reshape(*lead, *out.shape[-2:]), s["keep"])
+        return _kept(band.attend(a, b, u, s["scale"], s["bias"], s["layout"]), s["keep"])
+
+
+def _kept(out: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+    """``out`` zeroed at the children without a past (``keep``; None: every child has one)."""
+    return out if keep is None else out * keep
 
 
 Window.operator = WindowOperator

@@ -91,6 +91,49 @@ class Prior:
         (``Support.operator``; the dense operator when it names none)."""
         return support.operator or DenseOperator
 
+    # -- certified truncation (a prior's ``tol``: ``structattn.certified``) ------------------
+    # A prior over the past, j ≤ i (or j < i), whose log weight falls with the distance
+    # d = i − j states these so that the compiled reading may read only a band of recent
+    # parents, with the posterior mass beyond it certified ≤ tol per child.
+    def log_by_distance(self, window: int, device, dtype) -> torch.Tensor | None:
+        """``(heads or 1, window + 1)``: the log weight at each distance d = 0..window, when
+        it depends on d alone (a stationary prior: ALiBi, a generalised Gaussian, the
+        beta-geometric); None otherwise (a forget gate's depends on the tokens between)."""
+        return None
+
+    def log_weights_on_band(self, layout, width: int, first: int, device, dtype):
+        """The log weights at a band's (child i, parent i − d) pairs (``structattn.band``
+        layout over N = ``layout.n`` tokens, children and parents alike) for ``first`` ≤ d ≤
+        min(``width``, i), −∞ at every other slot: ``(…, nb, B, L)`` in ``dtype``. From the
+        distance table when the prior states one, else from ``log_weight`` at the pairs."""
+        dist = layout.distance(device)  # (B, L)
+        pos = layout.child_positions(device)[:, :, None]  # (nb, B, 1)
+        inside = (dist >= first) & (dist <= width) & (dist <= pos) & (pos < layout.n)
+        table = self.log_by_distance(width, device, dtype)
+        if table is not None:
+            lw = table[:, dist.clamp(0, width)][:, None]  # (H|1, 1, B, L)
+        else:
+            n = layout.n
+            lw = self.log_weight(pos.clamp(max=n - 1), (pos - dist).clamp(0, n - 1),
+                                 (n, n)).to(dtype)  # (…, nb, B, L)
+        return lw.masked_fill(~inside, float("-inf"))
+
+    def log_tail_mass(self, width: int, num_tokens: int, device, dtype) -> torch.Tensor:
+        """log of an upper bound on Σ_{j < i − width} w_ij — the prior's unnormalised weight
+        (the units of ``log_weight``) of child i's parents farther back than ``width`` —
+        broadcastable to ``(*batch, heads, N)``; −∞ where there are none. Default, for a
+        stationary prior: its distance table summed from width + 1 to the longest distance
+        N − 1 (a child's own past ends sooner: an upper bound)."""
+        table = self.log_by_distance(num_tokens - 1, device, dtype)
+        if table is None:
+            raise NotImplementedError(
+                f"{type(self).__name__} states neither log_by_distance nor log_tail_mass: "
+                f"certified truncation needs the prior's weight beyond a window")
+        if width + 1 >= num_tokens:
+            return torch.full_like(table[:, :1], float("-inf"))
+        beyond = torch.logcumsumexp(table.flip(-1), -1).flip(-1)  # [d]: log Σ_{d' ≥ d}
+        return beyond[:, width + 1:width + 2]  # (H|1, 1)
+
     def hyper_prior(self) -> str | None:
         """A hyper-prior over the prior's parameters, as drawn in plate notation (one line
         per statement), or None when it has none."""

@@ -137,6 +137,10 @@ class BetaGeometric(Prior):
         a, b = self.params(device, dtype)
         return log_beta(a + window, b) - log_beta(a, b)
 
+    def log_tail_mass(self, width, num_tokens, device, dtype) -> torch.Tensor:
+        """log P(φ > width) ``(heads or 1, 1)``: the closed form over every distance."""
+        return self.log_tail(width, device, dtype).reshape(-1, 1)
+
     def window(self, num_parents: int) -> int | None:
         """The support's window: the smallest W with P(φ > W) < ``prior_tol`` (over heads),
         capped by ``max_window`` and the sequence, or None (all of the past). ``tol``'s

@@ -5,7 +5,9 @@ from __future__ import annotations
 import torch
 
 from .._validation import checks_on, passes, shape_str
+from ..kinds.window import Window
 from .base import Prior
+from .relative import certified_window_options
 from .uniform import dense_support
 
 
@@ -19,9 +21,13 @@ class ForgettingGate(Prior):
 
     ``log_f``: ``(…, N)`` log gates (≤ 0), their leading dims (batch, heads) broadcasting
     against ``(*batch, heads)``; N is the number of parents, children are its first C tokens.
+    ``tol`` ∈ (0, 1): the compiled reading reads the shortest window whose posterior mass
+    beyond it is certified ≤ tol for every child (``structattn.certified``, from the gates'
+    own tail: FoX's pruning, with a proof), in blocks of ``block_size`` children; the model,
+    and so Pyro's reading, is still all of the past.
     """
 
-    def __init__(self, log_f: torch.Tensor):
+    def __init__(self, log_f: torch.Tensor, *, tol: float | None = None, block_size: int = 64):
         if not isinstance(log_f, torch.Tensor) or log_f.dim() < 1 or not log_f.is_floating_point():
             got = shape_str(log_f.shape) if isinstance(log_f, torch.Tensor) else type(log_f).__name__
             raise ValueError(f"ForgettingGate prior: log_f must be a float tensor (…, N) of log "
@@ -32,13 +38,37 @@ class ForgettingGate(Prior):
                              f"f = exp(log_f) in (0, 1]); got {bad.numel()} entries outside, e.g. "
                              f"{float(bad[0])!r}. Use torch.nn.functional.logsigmoid(gate logits)")
         self.log_f = log_f
+        self.tol, self.block_size = certified_window_options("ForgettingGate prior", tol,
+                                                             block_size, True)
 
-    def cumulative(self) -> torch.Tensor:
-        """c_k = Σ_{l ≤ k} log f_l, ``(…, N)`` (O(N); not kept: nothing is stored on a prior)."""
-        return torch.cumsum(self.log_f, -1)
+    def cumulative(self, dtype=None) -> torch.Tensor:
+        """c_k = Σ_{l ≤ k} log f_l, ``(…, N)``, summed in ``dtype`` (None: log_f's) (O(N); not
+        kept: nothing is stored on a prior)."""
+        return torch.cumsum(self.log_f if dtype is None else self.log_f.to(dtype), -1)
 
     def support(self, num_children, num_parents):
+        if self.tol is not None:  # all of the past, j ≤ i, read through a certified window
+            return Window(None, first=0)
         return dense_support(True, None)
+
+    def log_weights_on_band(self, layout, width, first, device, dtype):
+        """c_i − c_j at the band's pairs, the cumulative sum taken in ``dtype``."""
+        dist = layout.distance(device)  # (B, L)
+        pos = layout.child_positions(device)[:, :, None]  # (nb, B, 1)
+        n = layout.n
+        inside = (dist >= first) & (dist <= width) & (dist <= pos) & (pos < n)
+        c = self.cumulative(dtype).to(device)
+        lw = c[..., pos.clamp(max=n - 1)] - c[..., (pos - dist).clamp(0, n - 1)]  # (…, nb, B, L)
+        return lw.masked_fill(~inside, float("-inf"))
+
+    def log_tail_mass(self, width, num_tokens, device, dtype):
+        """log Σ_{j < i − width} e^{c_i − c_j} ``(…, N)``, exact: c_i + logcumsumexp(−c) at
+        i − width − 1."""
+        c = self.cumulative(dtype).to(device)  # (…, N)
+        behind = torch.logcumsumexp(-c, -1)  # [k]: log Σ_{j ≤ k} e^{−c_j}
+        last = torch.arange(c.shape[-1], device=device) - width - 1  # the farthest j, per i
+        tail = c + behind[..., last.clamp(min=0)]
+        return tail.masked_fill(last < 0, float("-inf"))
 
     def check_nodes(self, family, children, parents) -> None:
         N = self.log_f.shape[-1]

@@ -5,7 +5,10 @@ from __future__ import annotations
 import torch
 
 from .._validation import checks_on, passes, shape_str
+from ..kinds.window import Window
 from .base import Prior
+from .relative import certified_window_options
+from .tables import PriorTables, _check_log_weights
 from .uniform import dense_support
 
 
@@ -23,10 +26,15 @@ class GeneralisedGaussian(Prior):
     −m|i − j| with μ = 0, e^s = m), β = 2 a Gaussian, β → ∞ a window. Not a difference of
     per-token terms, so it lowers as an additive ``(heads, C, P)`` bias.
 
-    ``loc``, ``log_scale``, ``shape``: scalars or ``(heads,)``; ``causal``: j ≤ i.
+    ``loc``, ``log_scale``, ``shape``: scalars or ``(heads,)``; ``causal``: j ≤ i; ``tol`` ∈
+    (0, 1) (causal only): the compiled reading reads the shortest window whose posterior mass
+    beyond it is certified ≤ tol for every child (``structattn.certified``), in blocks of
+    ``block_size`` children — never the dense bias; the model, and so Pyro's reading, is still
+    all of the past.
     """
 
-    def __init__(self, loc, log_scale, shape, *, causal: bool = True):
+    def __init__(self, loc, log_scale, shape, *, causal: bool = True, tol: float | None = None,
+                 block_size: int = 64):
         loc, log_scale, shape = (_per_head(n, t) for n, t in
                                  (("loc", loc), ("log_scale", log_scale), ("shape", shape)))
         if checks_on():
@@ -38,19 +46,59 @@ class GeneralisedGaussian(Prior):
                 raise ValueError(f"GeneralisedGaussian prior: shape β must be finite and > 0 "
                                  f"(1: Laplace, 2: Gaussian); got {shape.detach().tolist()}")
         self.loc, self.log_scale, self.shape, self.causal = loc, log_scale, shape, bool(causal)
+        self.tol, self.block_size = certified_window_options("GeneralisedGaussian prior", tol,
+                                                             block_size, self.causal)
 
     def support(self, num_children, num_parents):
+        if self.tol is not None:  # all of the past, j ≤ i, read through a certified window
+            return Window(None, first=0)
         return dense_support(self.causal, None)
 
-    def log_weight(self, child, parent, sizes):
-        d = (child - parent).to(self.loc.device)
+    def _at(self, d: torch.Tensor, dtype=None) -> torch.Tensor:
+        """−|(d − μ)·e^s|^β ``(H, *d.shape)`` at distances ``d``, in ``dtype`` (None: μ's)."""
         lead = [1] * d.dim()
-        mu, s, beta = (t.reshape(*t.shape, *lead) for t in (self.loc, self.log_scale, self.shape))
+        mu, s, beta = (t.reshape(*t.shape, *lead) if dtype is None else
+                       t.to(dtype).reshape(*t.shape, *lead)
+                       for t in (self.loc, self.log_scale, self.shape))
         z = ((d.to(mu.dtype) - mu) * s.exp()).abs()  # (H, *index)
         # |z|^β with finite gradients at z = 0 (where β < 1 would give 0·∞)
         zero = z == 0
         return -torch.where(zero, torch.zeros_like(z), torch.where(zero, 1.0, z) ** beta)
 
+    def log_weight(self, child, parent, sizes):
+        return self._at((child - parent).to(self.loc.device))
+
+    def log_by_distance(self, window, device, dtype):
+        """``(heads, window + 1)`` at d = 0..window (a stationary prior)."""
+        return self._at(torch.arange(window + 1, device=self.loc.device), dtype).reshape(
+            -1, window + 1).to(device)
+
+    def tables(self, num_children, num_parents, device):
+        return (DistanceTables if self.tol is not None else PriorTables)(
+            self, num_children, num_parents, device)
+
     def describe(self) -> str:
         heads = self.loc.numel()
         return f"GeneralisedGaussian(heads={heads}, {self.short_support()})"
+
+
+class DistanceTables(PriorTables):
+    """The generic tables, except that declaring a family checks the prior's distance table
+    ``(heads, N)`` instead of the dense C×P one, which a certified window never builds:
+    every log weight is one of its entries (j ≤ i reads d = 0..N − 1), and every child reads
+    d = 0."""
+
+    def validate(self, family: str, *, batch_shape=(), heads: int = 1) -> None:
+        prior, n = self.prior, max(self.num_children, self.num_parents)
+        h = prior.loc.numel()
+        if h not in (1, heads):
+            raise ValueError(f"edge family {family!r}: {type(prior).__name__} has {h} heads "
+                             f"of parameters but the family has heads={heads}")
+        if not checks_on():
+            return
+        table = prior.log_by_distance(max(n - 1, 0), self.device, None)  # (H, N)
+        _check_log_weights(family, table, "at distance index")
+        if not passes(~torch.isneginf(table[:, 0]).any()):
+            raise ValueError(f"edge family {family!r}: {type(prior).__name__}'s log weight at "
+                             f"distance 0 is −inf (|μ·e^s|^β overflows), so child 0 has an "
+                             f"empty support; got loc={prior.loc.detach().tolist()}")

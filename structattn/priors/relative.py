@@ -4,9 +4,21 @@ from __future__ import annotations
 
 import torch
 
-from .._validation import checks_on, passes, shape_str
+from .._validation import check_size, checks_on, passes, shape_str
+from ..certified import check_tol
+from ..kinds.window import Window
 from .base import Prior
 from .uniform import dense_support
+
+
+def certified_window_options(owner: str, tol, block_size, causal: bool):
+    """``(tol, block_size)`` of a distance prior over the past, checked: certified truncation
+    reads back from each child, so it needs j ≤ i (``causal``)."""
+    tol, block_size = check_tol(owner, tol), check_size(owner, "block_size", block_size)
+    if tol is not None and not causal:
+        raise ValueError(f"{owner}: tol (a certified window back from each child) needs the "
+                         f"causal support j ≤ i; got causal=False with tol={tol!r}")
+    return tol, block_size
 
 
 def offsets(num_children: int, num_parents: int, device) -> torch.Tensor:
@@ -51,17 +63,32 @@ def alibi_slopes(heads: int) -> torch.Tensor:
 
 class ALiBi(Prior):
     """``p(φ_i = j) ∝ exp(−m_h |i − j|)`` per head (ALiBi, Press et al. 2022): a
-    relative-position prior with fixed slopes m (default: the geometric 2^(−8h/H))."""
+    relative-position prior with fixed slopes m (default: the geometric 2^(−8h/H)).
 
-    def __init__(self, heads: int = 1, *, slopes: torch.Tensor | None = None, causal: bool = False):
+    ``tol`` ∈ (0, 1) (causal only): the compiled reading reads the shortest window whose
+    posterior mass beyond it is certified ≤ tol for every child (``structattn.certified``;
+    the trace's ``truncation[family]`` reports it), in blocks of ``block_size`` children; the
+    model, and so Pyro's reading, is still all of the past."""
+
+    def __init__(self, heads: int = 1, *, slopes: torch.Tensor | None = None, causal: bool = False,
+                 tol: float | None = None, block_size: int = 64):
         slopes = alibi_slopes(heads) if slopes is None else torch.as_tensor(slopes)
         checking = checks_on()
         if slopes.dim() != 1 or (checking and not passes(((slopes >= 0) & slopes.isfinite()).all())):
             raise ValueError(f"ALiBi prior: slopes must be a 1-D tensor of finite m ≥ 0; got {slopes}")
         self.slopes, self.causal = slopes, bool(causal)
+        self.tol, self.block_size = certified_window_options("ALiBi prior", tol, block_size,
+                                                             self.causal)
 
     def support(self, num_children, num_parents):
+        if self.tol is not None:  # all of the past, j ≤ i, read through a certified window
+            return Window(None, first=0)
         return dense_support(self.causal, None)
+
+    def log_by_distance(self, window, device, dtype):
+        """``(heads, window + 1)``: −m_h·d at d = 0..window."""
+        d = torch.arange(window + 1, device=device, dtype=dtype)
+        return -self.slopes.to(device=device, dtype=dtype)[:, None] * d
 
     def log_weight(self, child, parent, sizes):
         d = (child - parent).abs()
