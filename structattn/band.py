@@ -110,11 +110,12 @@ def attend(a, b, u, scale: float, bias: torch.Tensor, layout: BandLayout) -> tor
     lead = qa.shape[:-3]
     nb, B, L = layout.num_blocks, layout.block, layout.width
     flat = (-1, nb)
-    bias = bias.expand(*lead, nb, B, L) if bias.dim() > 3 else bias
+    # (…, nb, B, L) → (X, nb, B, L); one bias for every lead → (1, nb, B, L): the CPU's fused
+    # kernel takes a 2-D or 4-D mask only (a 3-D one sends SDPA to its math path)
+    bias = bias.expand(*lead, nb, B, L).reshape(*flat, B, L) if bias.dim() > 3 else bias[None]
     out = F.scaled_dot_product_attention(
         qa.reshape(*flat, B, qa.shape[-1]), kb.reshape(*flat, L, kb.shape[-1]),
-        vu.reshape(*flat, L, vu.shape[-1]),
-        attn_mask=bias.reshape(*flat, B, L) if bias.dim() > 3 else bias, scale=scale)
+        vu.reshape(*flat, L, vu.shape[-1]), attn_mask=bias, scale=scale)
     return layout.unblock(out.reshape(*lead, nb, B, vu.shape[-1]))
 
 

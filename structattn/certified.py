@@ -18,10 +18,18 @@ a bound from the prior's tail, the largest possible score and the scores inside 
 window, decreasing in W: a strong match far back is never hidden behind a light prior tail
 (the prior-tail rule, ``BetaGeometric(prior_tol=…)``, bounds only P(φ > W) whatever the
 scores say). Any prior works — the bound needs no monotonicity — but it only pays where the
-prior's weight falls with the distance. ``certify`` doubles one window shared by every
-child (the banded kernel's) until every B_i ≤ ε or the window holds the longest past,
-scoring the band at each width: O(N·W·k) time, O(N·W) memory, about one more banded
-forward. The scores are computed in the factors' dtype and the dot products' rounding is
+prior's weight falls with the distance. ``certify`` chooses one window shared by every
+child (the banded kernel's) from the doubling sequence start, 2·start, …: the shortest whose
+B_i ≤ ε for every child, or the longest past. Since I_i grows with W, the evidence of a
+narrower window bounds every wider one's certificate: it scores the band at the start
+width, takes the first width that evidence certifies (the tails T_i are O(N) each), and
+scores the width just below it, which its own evidence may certify — skipped where even
+the best scores could not (I_i ≤ the prior's whole weight times e^{S_i}), or where the
+choice is all of the past and that band is wider than an eighth of the sequence (scoring it
+would cost about what it could save). Two band scorings at most, the larger half the chosen
+width: O(N·W·k) time, O(N·W) memory, under half a banded forward. ``widest`` caps the
+sequence (the window operator: a band wider than half the sequence reads more pairs than the
+causal kernel). The scores are computed in the factors' dtype and the dot products' rounding is
 charged to the bound (γ_k·S_i, the standard error bound of a k-term dot product), so the
 certificate holds in float32 too; the prior's weights are read in float64.
 """
@@ -87,8 +95,8 @@ def score_ceiling(a: torch.Tensor, b: torch.Tensor, scale: float):
 
 
 def certify(a: torch.Tensor, b: torch.Tensor, scale: float, prior, eps: float, *,
-            start: int = 16, cap: int | None = None, block: int = 32,
-            first: int = 1) -> Certified:
+            start: int = 16, cap: int | None = None, block: int = 32, first: int = 1,
+            widest: int | None = None) -> Certified:
     """The shortest window of the sequence ``start``, 2·``start``, … (at most ``cap``, the
     longest past by default) whose certified posterior tail is ≤ ``eps`` for every child.
 
@@ -96,7 +104,8 @@ def certify(a: torch.Tensor, b: torch.Tensor, scale: float, prior, eps: float, *
     (child i reads parents i − d, ``first`` ≤ d ≤ i); ``scale``: the scores' factor;
     ``prior``: states ``log_weights_on_band`` and ``log_tail_mass`` (``structattn.priors.
     Prior``; a stationary prior by its ``log_by_distance`` alone); ``block``: the band's
-    block of children."""
+    block of children; ``widest``: the widest window worth a band — the sequence jumps from
+    the last width within it to the longest past (``cap`` None: nothing left out, no scoring)."""
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < 1:
         raise ValueError(f"certify: eps (the posterior mass a window may leave out) must be in "
                          f"(0, 1); got {eps!r}")
@@ -108,30 +117,58 @@ def certify(a: torch.Tensor, b: torch.Tensor, scale: float, prior, eps: float, *
                          f"token before) must be 0 or 1; got {first!r}")
     n, dev = a.shape[-2], a.device
     last = n - 1 if cap is None else max(1, min(cap, n - 1))
+    widths = [max(1, min(start, last))]  # the doubling sequence
+    while widths[-1] < last:
+        widths.append(min(2 * widths[-1], last))
+    if widest is not None:
+        widths = [w for w in widths[:-1] if w <= widest] + [last]
+    wide = torch.float64
+    pos = torch.arange(n, device=dev)
     with torch.no_grad():
         a, b = a.detach(), b.detach()
-        wide = torch.float64
         high, slack = score_ceiling(a, b, scale)  # (*batch, H, N)
-        pos = torch.arange(n, device=dev)
-        lead = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
-        window = torch.full((*lead, n), -1, dtype=torch.long, device=dev)
-        width = max(1, min(start, last))
-        while True:
+        tails = {w: prior.log_tail_mass(w, n, dev, wide) for w in widths}  # broadcast (…, N)
+        # the prior's whole weight over each child's past (an upper bound): I_i(W) ≤ it·e^{S_i}
+        log_total = prior.log_tail_mass(first - 1, n, dev, wide)
+
+        def log_inside(width):
+            """log I_i(width), exact but for the rounding slack (a lower bound), ``(*lead, N)``:
+            the band's scores at this width."""
             lay = band.BandLayout.for_window(n, width, block)
             s = band.scores(a, b, scale, lay).to(wide)  # (*lead, nb, B, L)
             logits = s + prior.log_weights_on_band(lay, width, first, dev, wide)  # −∞ outside
-            log_in = lay.unblock(torch.logsumexp(logits, -1)[..., None])[..., 0]  # (*lead, N)
-            log_in = log_in - slack  # a lower bound on log I: each score ≥ its float − slack
-            log_tail = prior.log_tail_mass(width, n, dev, wide)  # broadcasts to (*lead, N)
-            bound = tail_bound(log_in, log_tail, high)
-            bound = torch.where(pos <= width, torch.zeros_like(bound), bound)  # all read
-            window = torch.where((window < 0) & (bound <= eps), width, window)
-            if width >= last or bool((bound <= eps).all()):
+            return lay.unblock(torch.logsumexp(logits, -1)[..., None])[..., 0] - slack
+
+        def bound(width, log_in):
+            out = tail_bound(log_in, tails[width], high)
+            return torch.where(pos <= width, torch.zeros_like(out), out)  # all of it read
+
+        # I_i(W) grows with W, so the evidence of any narrower window scored bounds every wider
+        # one: score the first width, take the first width its evidence certifies, and score
+        # only the width below that one — unless even the best scores could not certify it
+        # the longest past holds every child's whole past: bound 0, nothing to score
+        whole = last == n - 1
+        scored = {widths[0]: (torch.zeros_like(high) if whole and len(widths) == 1 else
+                              log_inside(widths[0]))}
+        while True:
+            bounds = [bound(w, scored[max(v for v in scored if v <= w)]) for w in widths]
+            k = next((k for k, bd in enumerate(bounds) if bool((bd <= eps).all())),
+                     len(widths) - 1)
+            below = widths[k - 1] if k else None
+            if below is None or below in scored or not bool(
+                    (bound(below, log_total + high) <= eps).all()):
                 break
-            width = min(2 * width, last)
-    window = torch.where(window < 0, width, window)
-    ok = bool((bound <= eps).all())
-    return Certified(width, bound, window, float(eps), skipped_pairs(n, width), ok)
+            if whole and k == len(widths) - 1 and 8 * band.BandLayout.for_window(
+                    n, below, block).width > n:
+                break  # against all of the past, scoring so wide a band costs what it saves
+            scored[below] = log_inside(below)
+        width, bd = widths[k], bounds[k]
+        window = torch.full(bd.shape, -1, dtype=torch.long, device=dev)
+        for w, bw in zip(widths[:k + 1], bounds[:k + 1], strict=True):
+            window = torch.where((window < 0) & (bw <= eps), w, window)
+        window = torch.where(window < 0, width, window)
+    ok = bool((bd <= eps).all())
+    return Certified(width, bd, window, float(eps), skipped_pairs(n, width), ok)
 
 
 def check_tol(owner: str, tol) -> float | None:

@@ -21,6 +21,7 @@ import torch
 from .. import band
 from ..certified import certify
 from .base import Operator, Support
+from .dense import with_parent_terms
 
 
 def keep_from_position(n: int, device, dtype) -> torch.Tensor:
@@ -78,8 +79,14 @@ class WindowOperator(Operator):
         if eps is not None and self.is_fused() and f.support.offset == 0 \
                 and n == f.parents.size and n > 1:
             a, b, scale = self.fused_factors()  # (*batch, H, N, k)
-            self.truncation = certify(a, b, scale, f.prior, eps, cap=width,
-                                      block=f.prior.block_size, first=f.support.first)
+            block = f.prior.block_size
+            # a band wider than half the sequence reads more pairs than the causal kernel does
+            # (N·L against N²/2), and slower ones: beyond it, read all of the past
+            widest = None if width is not None else max(
+                (w for w in (2 ** e for e in range(n.bit_length()))
+                 if 2 * band.BandLayout.for_window(n, w, block).width <= n), default=0)
+            self.truncation = certify(a, b, scale, f.prior, eps, cap=width, block=block,
+                                      first=f.support.first, widest=widest)
             width = self.truncation.width
         self._width = width
         return width
@@ -110,18 +117,36 @@ class WindowOperator(Operator):
             dist = layout.distance(a.device)  # (B, L)
             pos = layout.child_positions(a.device)[:, :, None]  # (nb, B, 1)
             inside = (dist >= first) & (dist <= window) & (dist <= pos) & (pos < n)  # (nb, B, L)
-            bias = f.prior.log_weights_on_band(layout, window, first, a.device, xc.dtype)
             # children without any parent in the band (child 0, padding) attend anywhere; zeroed
-            bias = torch.where(inside.any(-1, keepdim=True), bias, torch.zeros_like(bias))
+            rows = inside.any(-1, keepdim=True)
+            # a log prior g_i + h_j with no distance table (FoX's gate): h rides in one more key
+            # dimension and the mask is the band's geometry alone, constant — SDPA's fused
+            # kernel, which gives no mask a gradient, runs instead of its math path (3× slower
+            # at N = 4,096), and no (…, nb, B, L) bias is gathered
+            h = f.tables.parent_terms(xc.dtype) if table is None else None
+            geometry = None if h is None else torch.zeros(
+                inside.shape, dtype=xc.dtype, device=a.device).masked_fill(~inside & rows,
+                                                                           float("-inf"))
             self._band = dict(a=a, b=b, scale=scale, keep=keep, table=table, layout=layout,
-                              inside=inside, bias=bias, p=None)
+                              inside=inside, rows=rows, bias=None, h=h, geometry=geometry, p=None)
         return self._band
+
+    def _bias(self):
+        """The band's log prior ``(…, nb, B, L)``: −∞ off each child's support, 0 on the rows
+        without any parent (child 0 under j < i, padding: they attend anywhere, zeroed)."""
+        s = self._setup()
+        if s["bias"] is None:
+            f = self.family
+            bias = f.prior.log_weights_on_band(s["layout"], self._chosen_width(), f.support.first,
+                                               s["a"].device, f.children.states.dtype)
+            s["bias"] = torch.where(s["rows"], bias, torch.zeros_like(bias))
+        return s["bias"]
 
     def _band_posterior(self):
         s = self._setup()
         if s["p"] is None:
             scores = band.scores(s["a"], s["b"], s["scale"], s["layout"])  # (*batch, H, nb, B, L)
-            s["p"] = torch.softmax(scores + s["bias"], -1) * s["inside"].any(-1, keepdim=True)
+            s["p"] = torch.softmax(scores + self._bias(), -1) * s["rows"]
         return s["p"]
 
     def dense_posterior(self):
@@ -147,7 +172,11 @@ class WindowOperator(Operator):
                                    u.reshape(-1, *u.shape[-3:]), s["scale"], log_prior, window,
                                    first=self.family.support.first)
             return _kept(out.reshape(*lead, *out.shape[-2:]), s["keep"])
-        return _kept(band.attend(a, b, u, s["scale"], s["bias"], s["layout"]), s["keep"])
+        if s["h"] is not None:
+            a, b, wide = with_parent_terms(a, b, u, s["h"], s["scale"])
+            out = band.attend(a, b, wide, s["scale"], s["geometry"], s["layout"])
+            return _kept(out[..., :u.shape[-1]], s["keep"])
+        return _kept(band.attend(a, b, u, s["scale"], self._bias(), s["layout"]), s["keep"])
 
 
 def _kept(out: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:

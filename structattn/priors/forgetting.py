@@ -58,8 +58,10 @@ class ForgettingGate(Prior):
         n = layout.n
         inside = (dist >= first) & (dist <= width) & (dist <= pos) & (pos < n)
         c = self.cumulative(dtype).to(device)
-        lw = c[..., pos.clamp(max=n - 1)] - c[..., (pos - dist).clamp(0, n - 1)]  # (…, nb, B, L)
-        return lw.masked_fill(~inside, float("-inf"))
+        # block k's parents are one slice, kB − mB + s for s < L: gather (nb, 1, L), not (nb, B, L)
+        parents = (pos[:, :1] - dist[:1]).clamp(0, n - 1)  # (nb, 1, L)
+        lw = c[..., pos.clamp(max=n - 1)] - c[..., parents]  # (…, nb, B, L)
+        return lw.masked_fill_(~inside, float("-inf"))
 
     def log_tail_mass(self, width, num_tokens, device, dtype):
         """log Σ_{j < i − width} e^{c_i − c_j} ``(…, N)``, exact: c_i + logcumsumexp(−c) at
