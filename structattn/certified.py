@@ -146,19 +146,21 @@ def certify(a: torch.Tensor, b: torch.Tensor, scale: float, prior, eps: float, *
         # I_i(W) grows with W, so the evidence of any narrower window scored bounds every wider
         # one: score the first width, take the first width its evidence certifies, and score
         # only the width below that one — unless even the best scores could not certify it
-        # the longest past holds every child's whole past: bound 0, nothing to score
-        whole = last == n - 1
-        scored = {widths[0]: (torch.zeros_like(high) if whole and len(widths) == 1 else
-                              log_inside(widths[0]))}
+        def possible(width):  # whether the best scores inside could certify this width
+            return bool((bound(width, log_total + high) <= eps).all())
+
+        hopeless = last == n - 1 and not any(possible(w) for w in widths[:-1])
+        if hopeless:  # only all of the past certifies (bound 0): nothing to score
+            widths = [last]
+        scored = {last: log_total + high} if hopeless else {widths[0]: log_inside(widths[0])}
         while True:
             bounds = [bound(w, scored[max(v for v in scored if v <= w)]) for w in widths]
             k = next((k for k, bd in enumerate(bounds) if bool((bd <= eps).all())),
                      len(widths) - 1)
             below = widths[k - 1] if k else None
-            if below is None or below in scored or not bool(
-                    (bound(below, log_total + high) <= eps).all()):
+            if below is None or below in scored or not possible(below):
                 break
-            if whole and k == len(widths) - 1 and 8 * band.BandLayout.for_window(
+            if last == n - 1 and k == len(widths) - 1 and 8 * band.BandLayout.for_window(
                     n, below, block).width > n:
                 break  # against all of the past, scoring so wide a band costs what it saves
             scored[below] = log_inside(below)

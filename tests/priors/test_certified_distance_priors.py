@@ -315,3 +315,44 @@ def test_a_generalised_gaussian_window_never_builds_the_dense_table(monkeypatch)
         loud.loc.fill_(1e30)
     with pytest.raises(ValueError, match="log weight at distance 0 is −inf"):
         sa.compile(loud)(torch.randn(1, 20, 8))
+
+
+@torch.no_grad()
+def test_where_no_narrower_window_could_certify_nothing_is_scored(monkeypatch):
+    """ALiBi's slowest paper slope (1/256): its prior alone leaves more than ε beyond every
+    band worth reading, whatever the scores — all of the past, bound 0, no band scored."""
+    from structattn import certified
+
+    calls = []
+    scores = certified.band.scores
+    monkeypatch.setattr(certified.band, "scores",
+                        lambda *args: calls.append(args[-1]) or scores(*args))
+    torch.manual_seed(0)
+    n = 1024
+    a, b = torch.randn(1, 1, n, 8, dtype=f64), torch.randn(1, 1, n, 8, dtype=f64)
+    slow = sa.priors.ALiBi(1, slopes=torch.tensor([1 / 256], dtype=f64), causal=True)
+    c = certify(a, b, 0.1, slow, 1e-4, first=0, widest=256)
+    assert c.width == n - 1 and c.skipped == 0.0 and c.certified and not calls
+    assert bool((c.bound == 0).all())
+    # a steep slope certifies a narrow band, from two scorings at most
+    steep = sa.priors.ALiBi(1, slopes=torch.tensor([0.5], dtype=f64), causal=True)
+    c = certify(a, b, 0.1, steep, 1e-4, first=0, widest=256)
+    assert c.width <= 64 and 1 <= len(calls) <= 2
+    true = beyond(dense_posterior(a, b, 0.1, alibi_weights([0.5], n)), c.width)
+    assert bool((true <= c.bound * (1 + 1e-9) + 1e-300).all())
+
+
+@torch.no_grad()
+def test_a_band_wider_than_half_the_sequence_is_not_read():
+    """It would read more pairs than the causal kernel: the layer reads all of the past (the
+    key-bias path), reports width N − 1 and nothing skipped, and equals the layer without tol."""
+    full, cut = _pair("alibi_attention", 1e-4)
+    with torch.no_grad():
+        for m in (full, cut):
+            m.slopes.copy_(torch.tensor([0.05, 0.04], dtype=f64))  # certifies ~N/2 at best
+    x = _tokens(n=200)
+    y, trace = sa.compile(cut)(x, return_trace=True)
+    c = trace.truncation[cut.family_name]
+    assert c.width == 199 and c.skipped == 0.0 and bool((c.bound == 0).all())
+    assert int(c.window.max()) > 16  # what a band would have needed
+    torch.testing.assert_close(y, sa.compile(full)(x), atol=1e-12, rtol=0)
