@@ -42,6 +42,9 @@ import torch
 
 from . import band
 
+#: how many band entries ``certify`` scores at once (float64: 16 MiB)
+RUN_ENTRIES = 2**21
+
 
 @dataclass
 class Certified:
@@ -127,17 +130,27 @@ def certify(a: torch.Tensor, b: torch.Tensor, scale: float, prior, eps: float, *
     with torch.no_grad():
         a, b = a.detach(), b.detach()
         high, slack = score_ceiling(a, b, scale)  # (*batch, H, N)
+        lead = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
         tails = {w: prior.log_tail_mass(w, n, dev, wide) for w in widths}  # broadcast (…, N)
         # the prior's whole weight over each child's past (an upper bound): I_i(W) ≤ it·e^{S_i}
         log_total = prior.log_tail_mass(first - 1, n, dev, wide)
 
         def log_inside(width):
             """log I_i(width), exact but for the rounding slack (a lower bound), ``(*lead, N)``:
-            the band's scores at this width."""
+            the band's scores at this width, in runs of blocks of ``RUN_ENTRIES`` (the whole
+            band at once took 4× causal SDPA's peak memory at N = 16,384)."""
             lay = band.BandLayout.for_window(n, width, block)
-            s = band.scores(a, b, scale, lay).to(wide)  # (*lead, nb, B, L)
-            logits = s + prior.log_weights_on_band(lay, width, first, dev, wide)  # −∞ outside
-            return lay.unblock(torch.logsumexp(logits, -1)[..., None])[..., 0] - slack
+            qa, kb = lay.children(a), lay.parents(b)  # (*lead, nb, B, k), (*lead, nb, L, k)
+            nb = lay.num_blocks
+            step = max(1, RUN_ENTRIES // (lead.numel() * lay.block * lay.width))
+            runs = []
+            for lo in range(0, nb, step):
+                run = slice(lo, min(nb, lo + step))
+                s = qa[..., run, :, :] @ kb[..., run, :, :].transpose(-1, -2) * scale
+                s = s.to(wide) + prior.log_weights_on_band(lay, width, first, dev, wide,
+                                                           blocks=run)  # −∞ outside
+                runs.append(torch.logsumexp(s, -1))  # (*lead, run, B)
+            return lay.unblock(torch.cat(runs, -2)[..., None])[..., 0] - slack
 
         def bound(width, log_in):
             out = tail_bound(log_in, tails[width], high)

@@ -101,13 +101,15 @@ class Prior:
         beta-geometric); None otherwise (a forget gate's depends on the tokens between)."""
         return None
 
-    def log_weights_on_band(self, layout, width: int, first: int, device, dtype):
+    def log_weights_on_band(self, layout, width: int, first: int, device, dtype,
+                            blocks: slice = slice(None)):
         """The log weights at a band's (child i, parent i − d) pairs (``structattn.band``
         layout over N = ``layout.n`` tokens, children and parents alike) for ``first`` ≤ d ≤
-        min(``width``, i), −∞ at every other slot: ``(…, nb, B, L)`` in ``dtype``. From the
-        distance table when the prior states one, else from ``log_weight`` at the pairs."""
+        min(``width``, i), −∞ at every other slot: ``(…, nb, B, L)`` in ``dtype`` (``blocks``:
+        those blocks only). From the distance table when the prior states one, else from
+        ``log_weight`` at the pairs."""
         dist = layout.distance(device)  # (B, L)
-        pos = layout.child_positions(device)[:, :, None]  # (nb, B, 1)
+        pos = layout.child_positions(device)[blocks, :, None]  # (nb, B, 1)
         inside = (dist >= first) & (dist <= width) & (dist <= pos) & (pos < layout.n)
         table = self.log_by_distance(width, device, dtype)
         if table is not None:

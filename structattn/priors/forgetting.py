@@ -51,10 +51,11 @@ class ForgettingGate(Prior):
             return Window(None, first=0)
         return dense_support(True, None)
 
-    def log_weights_on_band(self, layout, width, first, device, dtype):
+    def log_weights_on_band(self, layout, width, first, device, dtype,
+                            blocks=slice(None)):
         """c_i − c_j at the band's pairs, the cumulative sum taken in ``dtype``."""
         dist = layout.distance(device)  # (B, L)
-        pos = layout.child_positions(device)[:, :, None]  # (nb, B, 1)
+        pos = layout.child_positions(device)[blocks, :, None]  # (nb, B, 1)
         n = layout.n
         inside = (dist >= first) & (dist <= width) & (dist <= pos) & (pos < n)
         c = self.cumulative(dtype).to(device)

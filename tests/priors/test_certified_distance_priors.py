@@ -318,26 +318,28 @@ def test_a_generalised_gaussian_window_never_builds_the_dense_table(monkeypatch)
 
 
 @torch.no_grad()
-def test_where_no_narrower_window_could_certify_nothing_is_scored(monkeypatch):
+def test_where_no_narrower_window_could_certify_nothing_is_scored():
     """ALiBi's slowest paper slope (1/256): its prior alone leaves more than ε beyond every
     band worth reading, whatever the scores — all of the past, bound 0, no band scored."""
-    from structattn import certified
-
-    calls = []
-    scores = certified.band.scores
-    monkeypatch.setattr(certified.band, "scores",
-                        lambda *args: calls.append(args[-1]) or scores(*args))
     torch.manual_seed(0)
     n = 1024
     a, b = torch.randn(1, 1, n, 8, dtype=f64), torch.randn(1, 1, n, 8, dtype=f64)
-    slow = sa.priors.ALiBi(1, slopes=torch.tensor([1 / 256], dtype=f64), causal=True)
+
+    def counted(slope):
+        prior = sa.priors.ALiBi(1, slopes=torch.tensor([slope], dtype=f64), causal=True)
+        widths, band_weights = [], prior.log_weights_on_band
+        prior.log_weights_on_band = lambda lay, w, *args, **kw: (
+            widths.append(w) or band_weights(lay, w, *args, **kw))
+        return prior, widths
+
+    slow, scored = counted(1 / 256)
     c = certify(a, b, 0.1, slow, 1e-4, first=0, widest=256)
-    assert c.width == n - 1 and c.skipped == 0.0 and c.certified and not calls
+    assert c.width == n - 1 and c.skipped == 0.0 and c.certified and not scored
     assert bool((c.bound == 0).all())
-    # a steep slope certifies a narrow band, from two scorings at most
-    steep = sa.priors.ALiBi(1, slopes=torch.tensor([0.5], dtype=f64), causal=True)
+    # a steep slope certifies a narrow band, from two widths scored at most
+    steep, scored = counted(0.5)
     c = certify(a, b, 0.1, steep, 1e-4, first=0, widest=256)
-    assert c.width <= 64 and 1 <= len(calls) <= 2
+    assert c.width <= 64 and 1 <= len(set(scored)) <= 2
     true = beyond(dense_posterior(a, b, 0.1, alibi_weights([0.5], n)), c.width)
     assert bool((true <= c.bound * (1 + 1e-9) + 1e-300).all())
 
@@ -356,3 +358,22 @@ def test_a_band_wider_than_half_the_sequence_is_not_read():
     assert c.width == 199 and c.skipped == 0.0 and bool((c.bound == 0).all())
     assert int(c.window.max()) > 16  # what a band would have needed
     torch.testing.assert_close(y, sa.compile(full)(x), atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["alibi", "fox", "gaussian"])
+def test_scoring_the_band_in_runs_of_blocks_changes_nothing(kind, monkeypatch):
+    from structattn import certified
+
+    g = torch.Generator().manual_seed(5)
+    n, heads = 300, 2
+    a = torch.randn(2, heads, n, 4, generator=g, dtype=f64)
+    b = torch.randn(2, heads, n, 4, generator=g, dtype=f64)
+    prior, weights = _prior(kind, heads, g, 2.0)
+    if prior == "gate":
+        prior = sa.priors.ForgettingGate(weights(n), tol=0.5)
+    whole = certify(a, b, 0.3, prior, 1e-2, first=0, block=8)
+    monkeypatch.setattr(certified, "RUN_ENTRIES", 2 * heads * 8 * 40)  # a few blocks a run
+    runs = certify(a, b, 0.3, prior, 1e-2, first=0, block=8)
+    assert runs.width == whole.width < n - 1
+    torch.testing.assert_close(runs.bound, whole.bound, rtol=1e-12, atol=0)
+    assert torch.equal(runs.window, whole.window)
