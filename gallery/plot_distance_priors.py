@@ -14,8 +14,10 @@ layer with W_Q = 0 (no potential, so the posterior is the prior), on a log scale
 stick-breaking has no prior apart from its scores, so its panel shows the geometric it
 becomes at three constant β. Row 2: the posterior p(φ_i = i − d | x) of the same token from
 each compiled layer, with the planted match marked and each prior's window: the distance
-holding 95% of the posterior mass; for the geometric–Beta prior also the certified window
-at tol = 1e-3 and the 80% credible interval of the context length 1/(1 − q)
+holding 95% of the posterior mass; the certified window at tol = 1e-3 (``tol``: the
+posterior mass beyond it is proved ≤ 1e-3, ``structattn.certified``) — this token's own and
+the band the layer read, for every model but stick-breaking; for the geometric–Beta prior
+also the 80% credible interval of the context length 1/(1 − q)
 (``sa.windows.credible_context``); for stick-breaking the leftover mass ("no parent").
 
 Writes ``distance_priors.png`` to ``--out`` (default ``gallery/output/distance_priors``).
@@ -43,12 +45,14 @@ def build(d_model: int):
     """The five models with one set of projections (heads=1, float64)."""
     torch.manual_seed(0)
     models = {
-        "ALiBi (m = 0.1)": sa.models.alibi_attention(d_model, dtype=f64),
-        "FoX forget gate": sa.models.forgetting_attention(d_model, gate_bias=2.0, dtype=f64),
+        "ALiBi (m = 0.1)": sa.models.alibi_attention(d_model, tol=1e-2, block_size=8,
+                                                     dtype=f64),
+        "FoX forget gate": sa.models.forgetting_attention(d_model, gate_bias=2.0, tol=1e-2,
+                                                          block_size=8, dtype=f64),
         "generalised Gaussian (μ=8, β=2)": sa.models.generalised_gaussian_attention(
-            d_model, width=6.0, shape=2.0, dtype=f64),
+            d_model, width=6.0, shape=2.0, tol=1e-2, block_size=8, dtype=f64),
         "geometric–Beta (a=4, b=1.5)": sa.models.expanding_attention(
-            d_model, variant="exact", a=4.0, b=1.5, tol=1e-3, dtype=f64),
+            d_model, variant="exact", a=4.0, b=1.5, tol=1e-2, dtype=f64),
         "stick-breaking": sa.models.stick_breaking_attention(d_model, dtype=f64),
     }
     first = next(iter(models.values()))
@@ -92,7 +96,7 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="tiny sizes (for the test suite)")
     args = parser.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
-    n, d_model, back = (32, 8, 12) if args.quick else (96, 8, 20)
+    n, d_model, back = (32, 8, 12) if args.quick else (256, 8, 20)
     models = build(d_model)
     x = sequence(n, d_model, back, next(iter(models.values())))
     fig, axes = plt.subplots(2, len(models), figsize=(4.2 * len(models), 7), squeeze=False)
@@ -100,9 +104,7 @@ def main(argv=None):
     for col, (name, m) in enumerate(models.items()):
         layer = sa.compile(m)
         with torch.no_grad():
-            _, post, trace = (layer(x, return_posterior=True, return_trace=True)
-                              if "Beta" in name or "stick" in name else
-                              (*layer(x, return_posterior=True), None))
+            _, post, trace = layer(x, return_posterior=True, return_trace=True)
         # row 1: the prior (ψ ≡ 0: W_Q = 0), or stick-breaking's constant-β geometrics
         ax = axes[0, col]
         if "stick" in name:
@@ -113,6 +115,7 @@ def main(argv=None):
             ax.set_title(f"{name}: constant β = geometric, q = 1 − β", fontsize=9)
         else:
             blank = copy.deepcopy(m)
+            blank.tol = None  # the whole prior, not the window certified for the scores
             with torch.no_grad():
                 blank.W_q.zero_()
                 _, prior = sa.compile(blank)(x, return_posterior=True)
@@ -130,10 +133,12 @@ def main(argv=None):
         ax.axvline(back, color="C3", ls=":", lw=1.5, label=f"planted match (d = {back})")
         w = mass_window(p)
         ax.axvspan(0, w, color="C2", alpha=0.12, label=f"95% of the mass: d ≤ {w}")
-        if "Beta" in name:
+        if trace.truncation:  # every prior here but stick-breaking, which has its own tol
             cert = trace.truncation["attn"]
-            ax.axvline(cert.width, color="C1", lw=1.2,
-                       label=f"certified window (tol 1e-3): {cert.width}")
+            own = int(cert.window[0, 0, -1])
+            ax.axvline(own, color="C1", lw=1.2,
+                       label=f"certified window (tol 1e-2): {own} (band read: {cert.width})")
+        if "Beta" in name:
             ctx = sa.windows.credible_context(layer, x, level=0.8)
             lo, hi = float(ctx.length_low[0, 0, -1]), float(ctx.length_high[0, 0, -1])
             ax.axvspan(lo, min(hi, n), color="C4", alpha=0.18,
@@ -144,7 +149,7 @@ def main(argv=None):
         ax.set_title(f"{name}: posterior of the last token", fontsize=9)
         ax.set_xlabel("distance d = i − j")
         ax.set_ylabel("p(φ_i = i − d | x)")
-        ax.set_xlim(-1, n)
+        ax.set_xlim(-1, min(n, 120))
         ax.legend(fontsize=7, loc="upper right")
     fig.suptitle(f"Distance priors side by side: {n} random tokens, the last one's best match "
                  f"planted {back} back; same W_Q, W_K, W_V in every model", fontsize=11)
