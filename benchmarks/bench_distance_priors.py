@@ -24,7 +24,10 @@ term. Compared, per N, with the same weights:
 the window whose posterior mass beyond it is certified ≤ tol for every token is read
 (``structattn/certified.py``; the fraction of pairs skipped is printed) — FoX's adaptive
 computation pruning with a proof. ALiBi's slopes are the paper's, 2^(−8h/H): its slowest
-head (1/256 for H = 4) rarely certifies a window shorter than the sequence.
+head (1/256 for H = 4) rarely certifies a window shorter than the sequence. ``Gaussian, dense
+bias`` / ``Gaussian, certified``: BAM's generalised Gaussian (``generalised_gaussian_attention``,
+width 16, β = 1), which has no fast path without ``tol`` (its log prior does not separate:
+an ``(H, N, N)`` bias, up to N = 4,096), and with it.
 
 B=1, H=4, d_model=256 (d=64 per head), float32, N = 1,024 and 4,096 (``--long``: 16,384 too,
 without the dense-bias and eager variants, whose bias alone would take 4 GiB). Reported: median time
@@ -187,10 +190,20 @@ def run(n: int, cfg: dict, log) -> dict:
     fox_cut.load_state_dict(fox.state_dict())
     alibi_cut.load_state_dict(alibi.state_dict())
     fox_cut_layer, alibi_cut_layer = sa.compile(fox_cut), sa.compile(alibi_cut)
+    # BAM's generalised Gaussian (width 16, Laplace): no fast path without tol — a dense bias
+    gauss = sa.models.generalised_gaussian_attention(d, heads=H).to(cfg["device"])
+    gauss_cut = sa.models.generalised_gaussian_attention(d, heads=H, tol=cfg["tol"]).to(
+        cfg["device"])
+    with torch.no_grad():
+        for m in (gauss, gauss_cut):
+            for name in ("W_q", "W_k", "W_v", "W_o"):
+                getattr(m, name).copy_(getattr(fox, name))
+    gauss_layer, gauss_cut_layer = sa.compile(gauss), sa.compile(gauss_cut)
     skipped = {}
     with torch.no_grad():
         for k, layer, m in (("FoX, certified", fox_cut_layer, fox_cut),
-                            ("ALiBi, certified", alibi_cut_layer, alibi_cut)):
+                            ("ALiBi, certified", alibi_cut_layer, alibi_cut),
+                            ("Gaussian, certified", gauss_cut_layer, gauss_cut)):
             c = layer(x, return_trace=True)[1].truncation[m.family_name]
             skipped[k] = (c.width, c.skipped, float(c.bound.max()))
     dense = n <= cfg["dense_up_to"]
@@ -208,11 +221,13 @@ def run(n: int, cfg: dict, log) -> dict:
            "stick-breaking, structattn": ((lambda: sb_layer(x)), _params(sb)),
            "stick-breaking, every pair": ((lambda: sb_every_layer(x)), _params(sb_every)),
            "FoX, certified": ((lambda: fox_cut_layer(x)), _params(fox_cut)),
-           "ALiBi, certified": ((lambda: alibi_cut_layer(x)), _params(alibi_cut))}
+           "ALiBi, certified": ((lambda: alibi_cut_layer(x)), _params(alibi_cut)),
+           "Gaussian, certified": ((lambda: gauss_cut_layer(x)), _params(gauss_cut))}
     if dense:
         fns["FoX, dense bias"] = ((lambda: fox_dense_bias(fox, x)), _params(fox))
         fns["ALiBi, dense bias"] = ((lambda: alibi_dense_bias(alibi, x)), _params(alibi))
         fns["stick-breaking, eager"] = ((lambda: stick_breaking_eager(sb, x)), _params(sb))
+        fns["Gaussian, dense bias"] = ((lambda: gauss_layer(x)), _params(gauss))
     res = time_fwd_bwd(fns, x, cfg["rounds"])
     mem = {k: peak_bytes(fn, x, params) for k, (fn, params) in fns.items()}
     log(f"N={n}, B=1, H={H}, d={d // H} per head, forward+backward "
@@ -229,7 +244,7 @@ def run(n: int, cfg: dict, log) -> dict:
             f"largest bound {worst:.2g}")
         res[k]["window"], res[k]["skipped"], res[k]["largest_bound"] = width, frac, worst
     inference = ("causal SDPA", "FoX, structattn", "ALiBi, structattn", "stick-breaking, structattn",
-                 "FoX, certified", "ALiBi, certified")
+                 "FoX, certified", "ALiBi, certified", "Gaussian, certified")
     fwd = time_fwd_bwd({k: fns[k] for k in inference}, x, cfg["rounds"], backward=False)
     log(f"    forward alone, no gradients (causal SDPA {fwd['causal SDPA']['median_s'] * 1e3:.1f} ms):")
     for k in inference[1:]:
