@@ -42,9 +42,12 @@ class ForgettingGate(Prior):
                                                              block_size, True)
 
     def cumulative(self, dtype=None) -> torch.Tensor:
-        """c_k = Σ_{l ≤ k} log f_l, ``(…, N)``, summed in ``dtype`` (None: log_f's) (O(N); not
-        kept: nothing is stored on a prior)."""
-        return torch.cumsum(self.log_f if dtype is None else self.log_f.to(dtype), -1)
+        """c_k = Σ_{l ≤ k} log f_l, ``(…, N)``, summed in ``dtype`` (None: log_f's, at least
+        float32 — in bfloat16 a sum of 512 gates near ½ is ~−350, where bfloat16's spacing is
+        2, so c_i − c_j, and the prior, would be off by e²) (O(N); not kept: nothing is stored
+        on a prior)."""
+        dtype = torch.promote_types(self.log_f.dtype, torch.float32) if dtype is None else dtype
+        return torch.cumsum(self.log_f, -1, dtype=dtype)
 
     def support(self, num_children, num_parents):
         if self.tol is not None:  # all of the past, j ≤ i, read through a certified window
@@ -58,10 +61,10 @@ class ForgettingGate(Prior):
         pos = layout.child_positions(device)[blocks, :, None]  # (nb, B, 1)
         n = layout.n
         inside = (dist >= first) & (dist <= width) & (dist <= pos) & (pos < n)
-        c = self.cumulative(dtype).to(device)
+        c = self.cumulative(torch.promote_types(dtype, torch.float32)).to(device)
         # block k's parents are one slice, kB − mB + s for s < L: gather (nb, 1, L), not (nb, B, L)
         parents = (pos[:, :1] - dist[:1]).clamp(0, n - 1)  # (nb, 1, L)
-        lw = c[..., pos.clamp(max=n - 1)] - c[..., parents]  # (…, nb, B, L)
+        lw = (c[..., pos.clamp(max=n - 1)] - c[..., parents]).to(dtype)  # (…, nb, B, L)
         return lw.masked_fill_(~inside, float("-inf"))
 
     def log_tail_mass(self, width, num_tokens, device, dtype):

@@ -377,3 +377,24 @@ def test_scoring_the_band_in_runs_of_blocks_changes_nothing(kind, monkeypatch):
     assert runs.width == whole.width < n - 1
     torch.testing.assert_close(runs.bound, whole.bound, rtol=1e-12, atol=0)
     assert torch.equal(runs.window, whole.window)
+
+
+@pytest.mark.parametrize("tol", [None, 1e-3])
+@torch.no_grad()
+def test_a_forget_gate_in_bfloat16_sums_its_gates_in_float32(tol):
+    """512 gates near ½ sum to ~−350, where bfloat16's spacing is 2: summed in bfloat16, the
+    prior was off by up to e² (the output by 1.2 of 3.6); in float32, bfloat16's own rounding
+    is what remains."""
+    torch.manual_seed(0)
+    ref = sa.models.forgetting_attention(16, heads=2, gate_bias=0.0, tol=tol, block_size=16,
+                                         dtype=f64)
+    low = sa.models.forgetting_attention(16, heads=2, gate_bias=0.0, tol=tol, block_size=16,
+                                         dtype=torch.bfloat16)
+    low.load_state_dict(ref.state_dict())
+    x = torch.randn(1, 512, 16, dtype=f64)
+    y = sa.compile(ref)(x)
+    y_low = sa.compile(low)(x.bfloat16())
+    assert float((y_low.double() - y).abs().max()) < 0.05 * float(y.abs().max())
+    assert low.log_gates(x.bfloat16()).dtype == torch.bfloat16  # the gates stay the model's
+    gate = sa.priors.ForgettingGate(low.log_gates(x.bfloat16()))
+    assert gate.cumulative().dtype == torch.float32
