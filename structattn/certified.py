@@ -10,7 +10,8 @@ The posterior mass beyond a window W is
 
 With O ≤ T_i(W)·e^{S_i}, T_i(W) ≥ Σ_{W < d ≤ i} w_i(d) the prior's weight beyond the window
 (``log_tail_mass``) and S_i ≥ max_{d > W} s_id — Cauchy–Schwarz gives
-S_i = |scale|·‖a_i‖·max_j ‖b_j‖ — and u ↦ u/(I + u) increasing,
+S_i(W) = |scale|·‖a_i‖·max_{j < i − W} ‖b_j‖, the longest key farther back than the window
+(a running max) — and u ↦ u/(I + u) increasing,
 
     M_i(W) ≤ B_i(W) = σ(log T_i(W) + S_i − log I_i(W)),
 
@@ -130,6 +131,11 @@ def certify(a: torch.Tensor, b: torch.Tensor, scale: float, prior, eps: float, *
     with torch.no_grad():
         a, b = a.detach(), b.detach()
         high, slack = score_ceiling(a, b, scale)  # (*batch, H, N)
+        # beyond a window W, child i's parents are j < i − W: its ceiling there takes the
+        # longest of *those* keys (a running max), not of every key — a long key nearby does
+        # not weigh on the tail
+        a_norm = a.to(wide).norm(dim=-1)  # (*lead_a, N)
+        b_run = b.to(wide).norm(dim=-1).cummax(-1).values  # (*lead_b, N): max_{j ≤ k} ‖b_j‖
         lead = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
         tails = {w: prior.log_tail_mass(w, n, dev, wide) for w in widths}  # broadcast (…, N)
         # the prior's whole weight over each child's past (an upper bound): I_i(W) ≤ it·e^{S_i}
@@ -152,8 +158,12 @@ def certify(a: torch.Tensor, b: torch.Tensor, scale: float, prior, eps: float, *
                 runs.append(torch.logsumexp(s, -1))  # (*lead, run, B)
             return lay.unblock(torch.cat(runs, -2)[..., None])[..., 0] - slack
 
+        def tail_ceiling(width):  # S_i(W) = |scale|·‖a_i‖·max_{j < i − W} ‖b_j‖, plus slack
+            far = (pos - width - 1).clamp(min=0)
+            return abs(scale) * a_norm * b_run[..., far] + slack
+
         def bound(width, log_in):
-            out = tail_bound(log_in, tails[width], high)
+            out = tail_bound(log_in, tails[width], tail_ceiling(width))
             return torch.where(pos <= width, torch.zeros_like(out), out)  # all of it read
 
         # I_i(W) grows with W, so the evidence of any narrower window scored bounds every wider

@@ -398,3 +398,28 @@ def test_a_forget_gate_in_bfloat16_sums_its_gates_in_float32(tol):
     assert low.log_gates(x.bfloat16()).dtype == torch.bfloat16  # the gates stay the model's
     gate = sa.priors.ForgettingGate(low.log_gates(x.bfloat16()))
     assert gate.cumulative().dtype == torch.float32
+
+
+@torch.no_grad()
+def test_a_long_key_nearby_does_not_weigh_on_the_tail():
+    """The ceiling beyond a window takes the longest key farther back (a running max), not the
+    longest of all: a strong match planted 20 back — a key 10× the others' length — no longer
+    makes every child's certificate assume a farther parent could score as high."""
+    torch.manual_seed(2)
+    n, k = 400, 8
+    a, b = torch.randn(1, 1, n, k, dtype=f64), torch.randn(1, 1, n, k, dtype=f64)
+    b[..., n - 21, :] = a[..., -1, :] / a[..., -1, :].norm() * 10 * math.sqrt(k)
+    prior = sa.priors.ALiBi(1, slopes=torch.tensor([0.3], dtype=f64), causal=True)
+    c = certify(a, b, 0.5, prior, 1e-4, first=0)
+    assert c.width <= 64 and int(c.window[0, 0, -1]) <= 64
+    p = dense_posterior(a, b, 0.5, alibi_weights([0.3], n))
+    assert float(p[0, 0, -1, n - 21]) > 0.99  # the match is read, inside the window
+    true = beyond(p, c.width)
+    assert bool((true <= c.bound * (1 + 1e-9) + 1e-300).all())
+    # the same long key far back (beyond every window) is charged to every later child's tail
+    b[..., n - 21, :] = b[..., 0, :]
+    b[..., 0, :] = a[..., -1, :] / a[..., -1, :].norm() * 10 * math.sqrt(k)
+    far = certify(a, b, 0.5, prior, 1e-4, first=0)
+    assert far.width > c.width
+    true = beyond(dense_posterior(a, b, 0.5, alibi_weights([0.3], n)), far.width)
+    assert bool((true <= far.bound * (1 + 1e-9) + 1e-300).all())
