@@ -109,7 +109,8 @@ def certify(a: torch.Tensor, b: torch.Tensor, scale: float, prior, eps: float, *
     ``prior``: states ``log_weights_on_band`` and ``log_tail_mass`` (``structattn.priors.
     Prior``; a stationary prior by its ``log_by_distance`` alone); ``block``: the band's
     block of children; ``widest``: the widest window worth a band — the sequence jumps from
-    the last width within it to the longest past (``cap`` None: nothing left out, no scoring)."""
+    the last width within it to the longest past, which needs no scoring when it is the
+    whole past (no ``cap``): every bound is 0 there."""
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < 1:
         raise ValueError(f"certify: eps (the posterior mass a window may leave out) must be in "
                          f"(0, 1); got {eps!r}")
