@@ -166,20 +166,23 @@ def time_fwd_bwd(fns: dict, x, rounds: int, backward: bool = True) -> dict:
             for k, v in times.items()}
 
 
+def same_weights(source, *models) -> None:
+    """Copy ``source``'s projections W_Q, W_K, W_V, W_O into each of ``models``."""
+    with torch.no_grad():
+        for m in models:
+            for name in ("W_q", "W_k", "W_v", "W_o"):
+                getattr(m, name).copy_(getattr(source, name))
+
+
 def run(n: int, cfg: dict, log) -> dict:
     torch.manual_seed(0)
     d, H = cfg["d_model"], cfg["heads"]
     fox = sa.models.forgetting_attention(d, heads=H)
     alibi = sa.models.alibi_attention(d, heads=H)
-    with torch.no_grad():
-        for name in ("W_q", "W_k", "W_v", "W_o"):
-            getattr(alibi, name).copy_(getattr(fox, name))
+    same_weights(fox, alibi)
     sb = sa.models.stick_breaking_attention(d, heads=H)
     sb_every = sa.models.stick_breaking_attention(d, heads=H, tol=0.0)
-    with torch.no_grad():
-        for m in (sb, sb_every):
-            for name in ("W_q", "W_k", "W_v", "W_o"):
-                getattr(m, name).copy_(getattr(fox, name))
+    same_weights(fox, sb, sb_every)
     for m in (fox, alibi, sb, sb_every):
         m.to(cfg["device"])
     x = torch.randn(1, n, d, device=cfg["device"], requires_grad=True)
@@ -194,10 +197,7 @@ def run(n: int, cfg: dict, log) -> dict:
     gauss = sa.models.generalised_gaussian_attention(d, heads=H).to(cfg["device"])
     gauss_cut = sa.models.generalised_gaussian_attention(d, heads=H, tol=cfg["tol"]).to(
         cfg["device"])
-    with torch.no_grad():
-        for m in (gauss, gauss_cut):
-            for name in ("W_q", "W_k", "W_v", "W_o"):
-                getattr(m, name).copy_(getattr(fox, name))
+    same_weights(fox, gauss, gauss_cut)
     gauss_layer, gauss_cut_layer = sa.compile(gauss), sa.compile(gauss_cut)
     skipped = {}
     with torch.no_grad():

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from structattn.certified import window_options
 from structattn.priors import ALiBi
-from structattn.priors.relative import alibi_slopes, certified_window_options
+from structattn.priors.relative import alibi_slopes
 
 from ._catalogue import TOKEN_SIZES, Entry, randn64
 from ._projections import TokenAttention
@@ -25,7 +26,7 @@ class ALiBiAttention(TokenAttention):
         super().__init__(d_model, heads=heads, causal=causal, device=device, dtype=dtype, **kwargs)
         self.register_buffer("slopes", alibi_slopes(heads).to(
             device=device, dtype=dtype))
-        certified_window_options("ALiBiAttention", tol, block_size, causal)
+        window_options("ALiBiAttention", tol, block_size, causal)
         self.tol, self.block_size = tol, block_size
 
     def model(self, x):

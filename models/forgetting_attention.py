@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from structattn.certified import window_options
 from structattn.priors.forgetting import ForgettingGate
-from structattn.priors.relative import certified_window_options
 
 from ._catalogue import TOKEN_SIZES, Entry, randn64
 from ._projections import TokenAttention
@@ -31,7 +31,7 @@ class ForgettingAttention(TokenAttention):
     def __init__(self, d_model, *, heads=1, gate_bias=3.0, tol=None, block_size=64, device=None,
                  dtype=None, **kwargs):
         super().__init__(d_model, heads=heads, causal=True, device=device, dtype=dtype, **kwargs)
-        certified_window_options("ForgettingAttention", tol, block_size, True)
+        window_options("ForgettingAttention", tol, block_size, True)
         self.tol, self.block_size = tol, block_size
         kw = {"device": device, "dtype": dtype}
         self.W_f = nn.Parameter(torch.empty(self.heads, d_model, **kw))

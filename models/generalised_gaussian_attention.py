@@ -7,8 +7,8 @@ import math
 import torch
 from torch import nn
 
+from structattn.certified import window_options
 from structattn.priors.generalised_gaussian import GeneralisedGaussian
-from structattn.priors.relative import certified_window_options
 
 from ._catalogue import TOKEN_SIZES, Entry, randn64
 from ._projections import TokenAttention
@@ -29,7 +29,7 @@ class GeneralisedGaussianAttention(TokenAttention):
     def __init__(self, d_model, *, heads=1, causal=True, width=16.0, shape=1.0, tol=None,
                  block_size=64, device=None, dtype=None, **kwargs):
         super().__init__(d_model, heads=heads, causal=causal, device=device, dtype=dtype, **kwargs)
-        certified_window_options("GeneralisedGaussianAttention", tol, block_size, causal)
+        window_options("GeneralisedGaussianAttention", tol, block_size, causal)
         self.tol, self.block_size = tol, block_size
         if not (isinstance(width, (int, float)) and width > 0 and math.isfinite(width)):
             raise ValueError(f"GeneralisedGaussianAttention: width must be a finite number > 0; "

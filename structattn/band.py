@@ -62,6 +62,18 @@ class BandLayout:
         return torch.arange(self.num_blocks * self.block, device=device).view(self.num_blocks,
                                                                               self.block)
 
+    def parent_positions(self, device) -> torch.Tensor:
+        """``(nb, L)`` long: each block's parent slots' positions, kB − mB + s (< 0: front
+        padding; ≥ n: back padding) — the same for every child row of the block."""
+        return self.child_positions(device)[:, :1] - self.distance(device)[:1]
+
+    def within(self, width: int, first: int, device, blocks: slice = slice(None)) -> torch.Tensor:
+        """``(nb, B, L)`` bool: the slots of the window first ≤ d ≤ width of each real child
+        (position < n), d ≤ its position (blocks ``blocks`` only)."""
+        dist = self.distance(device)  # (B, L)
+        pos = self.child_positions(device)[blocks, :, None]  # (nb, B, 1)
+        return (dist >= first) & (dist <= width) & (dist <= pos) & (pos < self.n)
+
     def children(self, x: torch.Tensor) -> torch.Tensor:
         """``(*lead, N, k)`` → ``(*lead, nb, B, k)`` (padded with zeros at the end)."""
         pad = self.num_blocks * self.block - self.n

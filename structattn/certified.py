@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import torch
 
 from . import band
+from ._validation import check_size
 
 #: how many band entries ``certify`` scores at once (float64: 16 MiB)
 RUN_ENTRIES = 2**21
@@ -197,11 +198,18 @@ def certify(a: torch.Tensor, b: torch.Tensor, scale: float, prior, eps: float, *
     return Certified(width, bd, window, float(eps), skipped_pairs(n, width), ok)
 
 
-def check_tol(owner: str, tol) -> float | None:
-    """``tol`` as a prior takes it — None (read the whole past) or a float in (0, 1), the
-    posterior mass a certified window may leave out — or a ValueError naming ``owner``."""
+def window_options(owner: str, tol, block_size, causal: bool) -> tuple[float | None, int]:
+    """``(tol, block_size)`` of a distance prior over the past, checked: ``tol`` None (read
+    the whole past) or in (0, 1), the posterior mass a certified window may leave out;
+    ``block_size`` the band's block of children, an int ≥ 1; and, since a certified window
+    reads back from each child, ``tol`` only with j ≤ i (``causal``). A ValueError names
+    ``owner`` otherwise."""
     if tol is not None and (isinstance(tol, bool) or not isinstance(tol, (int, float))
                             or not 0 < tol < 1):
         raise ValueError(f"{owner}: tol (the posterior mass a certified window may leave out) "
                          f"must be None or in (0, 1); got {tol!r}")
-    return None if tol is None else float(tol)
+    block_size = check_size(owner, "block_size", block_size)
+    if tol is not None and not causal:
+        raise ValueError(f"{owner}: tol (a certified window back from each child) needs the "
+                         f"causal support j ≤ i; got causal=False with tol={tol!r}")
+    return None if tol is None else float(tol), block_size

@@ -114,9 +114,7 @@ class WindowOperator(Operator):
             keep = keep_from_position(n, a.device, xc.dtype) if first else None
             table = f.prior.log_by_distance(window, a.device, xc.dtype)  # (H|1, W + 1) or None
             layout = band.BandLayout.for_window(n, window, f.prior.block_size)
-            dist = layout.distance(a.device)  # (B, L)
-            pos = layout.child_positions(a.device)[:, :, None]  # (nb, B, 1)
-            inside = (dist >= first) & (dist <= window) & (dist <= pos) & (pos < n)  # (nb, B, L)
+            inside = layout.within(window, first, a.device)  # (nb, B, L)
             # children without any parent in the band (child 0, padding) attend anywhere; zeroed
             rows = inside.any(-1, keepdim=True)
             # a log prior g_i + h_j with no distance table (FoX's gate): h rides in one more key

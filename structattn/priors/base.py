@@ -108,16 +108,15 @@ class Prior:
         min(``width``, i), −∞ at every other slot: ``(…, nb, B, L)`` in ``dtype`` (``blocks``:
         those blocks only). From the distance table when the prior states one, else from
         ``log_weight`` at the pairs."""
-        dist = layout.distance(device)  # (B, L)
-        pos = layout.child_positions(device)[blocks, :, None]  # (nb, B, 1)
-        inside = (dist >= first) & (dist <= width) & (dist <= pos) & (pos < layout.n)
+        inside = layout.within(width, first, device, blocks)  # (nb, B, L)
         table = self.log_by_distance(width, device, dtype)
         if table is not None:
-            lw = table[:, dist.clamp(0, width)][:, None]  # (H|1, 1, B, L)
+            lw = table[:, layout.distance(device).clamp(0, width)][:, None]  # (H|1, 1, B, L)
         else:
             n = layout.n
-            lw = self.log_weight(pos.clamp(max=n - 1), (pos - dist).clamp(0, n - 1),
-                                 (n, n)).to(dtype)  # (…, nb, B, L)
+            child = layout.child_positions(device)[blocks, :, None].clamp(max=n - 1)  # (nb, B, 1)
+            parent = layout.parent_positions(device)[blocks, None].clamp(0, n - 1)  # (nb, 1, L)
+            lw = self.log_weight(child, parent, (n, n)).to(dtype)  # (…, nb, B, L)
         return lw.masked_fill(~inside, float("-inf"))
 
     def log_tail_mass(self, width: int, num_tokens: int, device, dtype) -> torch.Tensor:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 
 from .._validation import checks_on, passes, shape_str
+from ..certified import window_options
 from ..kinds.window import Window
 from .base import Prior
-from .relative import certified_window_options
 from .uniform import dense_support
 
 
@@ -38,7 +38,7 @@ class ForgettingGate(Prior):
                              f"f = exp(log_f) in (0, 1]); got {bad.numel()} entries outside, e.g. "
                              f"{float(bad[0])!r}. Use torch.nn.functional.logsigmoid(gate logits)")
         self.log_f = log_f
-        self.tol, self.block_size = certified_window_options("ForgettingGate prior", tol,
+        self.tol, self.block_size = window_options("ForgettingGate prior", tol,
                                                              block_size, True)
 
     def cumulative(self, dtype=None) -> torch.Tensor:
@@ -56,16 +56,14 @@ class ForgettingGate(Prior):
 
     def log_weights_on_band(self, layout, width, first, device, dtype,
                             blocks=slice(None)):
-        """c_i − c_j at the band's pairs, the cumulative sum taken in ``dtype``."""
-        dist = layout.distance(device)  # (B, L)
-        pos = layout.child_positions(device)[blocks, :, None]  # (nb, B, 1)
+        """c_i − c_j at the band's pairs, the cumulative sum taken in ``dtype`` (float64 for
+        the certificate; at least float32)."""
         n = layout.n
-        inside = (dist >= first) & (dist <= width) & (dist <= pos) & (pos < n)
         c = self.cumulative(torch.promote_types(dtype, torch.float32)).to(device)
-        # block k's parents are one slice, kB − mB + s for s < L: gather (nb, 1, L), not (nb, B, L)
-        parents = (pos[:, :1] - dist[:1]).clamp(0, n - 1)  # (nb, 1, L)
-        lw = (c[..., pos.clamp(max=n - 1)] - c[..., parents]).to(dtype)  # (…, nb, B, L)
-        return lw.masked_fill_(~inside, float("-inf"))
+        child = layout.child_positions(device)[blocks, :, None].clamp(max=n - 1)  # (nb, B, 1)
+        parent = layout.parent_positions(device)[blocks, None].clamp(0, n - 1)  # (nb, 1, L)
+        lw = (c[..., child] - c[..., parent]).to(dtype)  # (…, nb, B, L)
+        return lw.masked_fill_(~layout.within(width, first, device, blocks), float("-inf"))
 
     def log_tail_mass(self, width, num_tokens, device, dtype):
         """log Σ_{j < i − width} e^{c_i − c_j} ``(…, N)``, exact: c_i + logcumsumexp(−c) at

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 
 from .._validation import checks_on, passes, shape_str
+from ..certified import window_options
 from ..kinds.window import Window
 from .base import Prior
-from .relative import certified_window_options
 from .tables import PriorTables, _check_log_weights
 from .uniform import dense_support
 
@@ -46,7 +46,7 @@ class GeneralisedGaussian(Prior):
                 raise ValueError(f"GeneralisedGaussian prior: shape β must be finite and > 0 "
                                  f"(1: Laplace, 2: Gaussian); got {shape.detach().tolist()}")
         self.loc, self.log_scale, self.shape, self.causal = loc, log_scale, shape, bool(causal)
-        self.tol, self.block_size = certified_window_options("GeneralisedGaussian prior", tol,
+        self.tol, self.block_size = window_options("GeneralisedGaussian prior", tol,
                                                              block_size, self.causal)
 
     def support(self, num_children, num_parents):

@@ -4,21 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from .._validation import check_size, checks_on, passes, shape_str
-from ..certified import check_tol
+from .._validation import checks_on, passes, shape_str
+from ..certified import window_options
 from ..kinds.window import Window
 from .base import Prior
 from .uniform import dense_support
-
-
-def certified_window_options(owner: str, tol, block_size, causal: bool):
-    """``(tol, block_size)`` of a distance prior over the past, checked: certified truncation
-    reads back from each child, so it needs j ≤ i (``causal``)."""
-    tol, block_size = check_tol(owner, tol), check_size(owner, "block_size", block_size)
-    if tol is not None and not causal:
-        raise ValueError(f"{owner}: tol (a certified window back from each child) needs the "
-                         f"causal support j ≤ i; got causal=False with tol={tol!r}")
-    return tol, block_size
 
 
 def offsets(num_children: int, num_parents: int, device) -> torch.Tensor:
@@ -77,7 +67,7 @@ class ALiBi(Prior):
         if slopes.dim() != 1 or (checking and not passes(((slopes >= 0) & slopes.isfinite()).all())):
             raise ValueError(f"ALiBi prior: slopes must be a 1-D tensor of finite m ≥ 0; got {slopes}")
         self.slopes, self.causal = slopes, bool(causal)
-        self.tol, self.block_size = certified_window_options("ALiBi prior", tol, block_size,
+        self.tol, self.block_size = window_options("ALiBi prior", tol, block_size,
                                                              self.causal)
 
     def support(self, num_children, num_parents):
