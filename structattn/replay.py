@@ -15,7 +15,8 @@ grad-mode switches and random draws replay as they ran — and later calls run o
 - **Validation**: every value check the reading makes (``_validation.passes``) becomes a
   tensor in the graph; the replay fuses them into one finite sum and one boolean and reads
   them once per call. A failed flag — or an error inside the graph — re-reads the call,
-  which raises the check's own message. Parameters are checked once per change of them.
+  which raises the check's own message. Parameters are checked once per change of them
+  (``stamp``: version counter, storage and offset, so ``p.data = …`` is a change too).
 - **Constants**: in a plan nothing is differentiated through, what depends on the parameters
   alone is computed once per change of them (``_split_constants``).
 - **What cannot be replayed**: a reading that branches on tensor *values* (a tolerance loop,
@@ -25,16 +26,20 @@ grad-mode switches and random draws replay as they ran — and later calls run o
   declaration (``Declaration.__setattr__`` bumps its ``structure_version``). Parameter values
   are inputs of the graph, so training never re-records. ``CompiledModule.reset()`` drops
   every plan (e.g. after changing an attribute of a plain sub-module).
+- **Threads**: one recording at a time in the process (``_RECORDING``: ``make_fx``'s tracing
+  state is global); replays and readings run concurrently.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import threading
 from dataclasses import dataclass, field
 from math import isfinite
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
 
 from . import _validation, kernels
@@ -71,7 +76,8 @@ class Plan:
     #: what depends on the parameters alone, computed once per change of them (inference
     #: plans): its graph, the parameters' versions it was computed at, and its values
     constants_graph: torch.fx.GraphModule | None = None
-    constants_versions: list | None = None
+    constants_versions: list | None = None  # their ``stamp``s
+    constants_refs: list = field(default_factory=list)  # ``hold``s their storages
     constants_values: list = field(default_factory=list)
     captured: list = field(default_factory=list)  # tensors the constants read besides the state
     #: its generated fast path (``_Last``), made on its first replay and kept: calls that
@@ -92,6 +98,38 @@ def _leaf_key(x):
         return (type(x), tuple(_leaf_key(v) for v in x))
     hash(x)  # an unhashable argument: no plan (TypeError, caught by the caller)
     return (type(x), x)
+
+
+def stamp(t: torch.Tensor) -> tuple:
+    """What identifies a tensor's values between two calls: its version counter (moved by an
+    in-place write: an optimizer step, ``load_state_dict``), its storage and its offset in it.
+    ``p.data = …`` and ``torch.nn.utils.vector_to_parameters`` give a parameter new values in
+    another storage and leave its version counter as it was: only the storage shows them. A
+    storage is named by its address, which stays unique while ``hold`` keeps a weak reference
+    to it (its memory is released, its address not reused). A tensor without a storage of its
+    own (a subclass) is named by its identity, which its values may then change under."""
+    try:
+        return (t._version, t.untyped_storage()._cdata, t.storage_offset())
+    except (RuntimeError, NotImplementedError, TypeError):
+        return (t._version, id(t), None)
+
+
+def hold(tensors) -> list:
+    """Weak references to the tensors' storages: while held, no new storage can take the
+    address a ``stamp`` names (see ``stamp``)."""
+    refs = []
+    for t in tensors:
+        try:
+            refs.append(StorageWeakRef(t.untyped_storage()))
+        except (RuntimeError, NotImplementedError, TypeError):
+            pass
+    return refs
+
+
+#: one recording at a time in the process: ``make_fx`` keeps its tracing state (the
+#: pre-dispatch mode stack, the fx patcher) in globals, and two threads recording at once
+#: corrupt each other's (tested: 8 threads' first calls released together)
+_RECORDING = threading.Lock()
 
 
 class Plans:
@@ -171,16 +209,17 @@ class Plans:
 
     def parameters_finite(self, state: list) -> bool:
         """Whether the parameters and buffers are finite — found again only when one changed
-        since the last time (``Tensor._version``: an optimizer step, a load): one fused pass
-        over them all. (An input is checked every call; a parameter only when it moved.)"""
-        versions = [(id(t), t._version) for t in state]
-        if self._checked is not None and versions == self._checked[0]:
-            return self._checked[1]
+        since the last time (``stamp``: an optimizer step, a load, ``p.data = …``): one fused
+        pass over them all. (An input is checked every call; a parameter only when it moved.)"""
+        stamps = [(id(t), *stamp(t)) for t in state]
+        checked = self._checked
+        if checked is not None and stamps == checked[0]:
+            return checked[1]
         floats = [t.detach() for t in state
                   if t.is_floating_point() and t.numel() and t.device.type != "meta"]
         finite = not floats or math.isfinite(float(torch.stack(
             [n.to(torch.float64) for n in torch._foreach_norm(floats)]).sum()))
-        self._checked = (versions, finite)
+        self._checked = (stamps, finite, hold(state))
         return finite
 
     def check_parameters(self, layer, state: list) -> None:
@@ -209,8 +248,11 @@ class Plans:
                 self.reads[key] = reads + 1
                 return layer.interpret(*inputs, **kwargs)
             self.reads.pop(key, None)
-            plan = self.plans[key] = record(layer, self.names(layer.declaration), state,
-                                            inputs, kwargs)
+            with _RECORDING:  # another thread may have recorded it while this one waited
+                plan = self.plans.get(key)
+                if plan is None:
+                    plan = self.plans[key] = record(layer, self.names(layer.declaration),
+                                                    state, inputs, kwargs)
         if plan.graph is None:
             return layer.interpret(*inputs, **kwargs)
         try:
@@ -286,7 +328,7 @@ def _fast_path(last, plans, n_inputs: int, kwargs: dict, state: list):
     env = {"_sa_D": declaration, "_sa_MISSED": _MISSED, "_sa_guard": last.guard.check,
            "_sa_M": _modes(declaration), "_sa_modes": _modes, "_sa_plan": plan,
            "_sa_plans": plans, "_sa_isfinite": isfinite, "_sa_constants": _constants,
-           "_sa_output": _output, "_sa_V": [t._version for t in state],
+           "_sa_output": _output, "_sa_stamp": stamp, "_sa_hold": hold,
            "_sa_Exception": Exception, "_sa_len": len, "_sa_float": float,
            "_sa_KeyError": KeyError, "_sa_id": id}
     ins = [f"_sa_i{i}" for i in range(n_inputs)]
@@ -343,25 +385,38 @@ def _fast_path(last, plans, n_inputs: int, kwargs: dict, state: list):
         values = _constants(plan, state)
         env.update(_sa_CV=list(values), _sa_CF=[_flags_pass(plan, values, constant_flags)],
                    _sa_flags_pass=_flags_pass, _sa_CFI=constant_flags,
-                   _sa_VC=[t._version for t in plan.captured])
+                   _sa_VC=[stamp(t) for t in plan.captured], _sa_WC=hold(plan.captured))
         for i, t in enumerate(plan.captured):
             env[f"_sa_C{i}"] = t
-    if st:  # a parameter changed in place (an optimizer step): found finite again
-        moved = " or ".join(f"{s}._version != _sa_V[{i}]" for i, s in enumerate(st))
+    if st:  # a parameter changed (an optimizer step, ``p.data = …``): found finite again
+        stamps = [stamp(t) for t in state]
+        env.update(_sa_V=[v for v, _, _ in stamps], _sa_P=[p for _, p, _ in stamps],
+                   _sa_O=[o for _, _, o in stamps], _sa_W=hold(state))
+        # ``stamp`` inlined: the version, the storage's address and the offset compared
+        moved = " or ".join(
+            f"{s}._version != _sa_V[{i}] or {s}.untyped_storage()._cdata != _sa_P[{i}] "
+            f"or {s}.storage_offset() != _sa_O[{i}]" if stamps[i][2] is not None
+            else f"_sa_stamp({s})[:2] != (_sa_V[{i}], _sa_P[{i}])" for i, s in enumerate(st))
+        now = ", ".join(st)
         lines += [f"    if {moved}:",
-                  f"        if not _sa_plans.parameters_finite([{', '.join(st)}]):",
-                  "            return _sa_MISSED",
-                  f"        _sa_V[:] = [{', '.join(f'{s}._version' for s in st)}]"]
-        if held:
-            refresh = [f"        _sa_CV[:] = _sa_constants(_sa_plan, [{', '.join(st)}])",
-                       "        _sa_CF[0] = _sa_flags_pass(_sa_plan, _sa_CV, _sa_CFI)"]
-            lines += refresh
-            if plan.captured:
-                cap = [f"_sa_C{i}" for i in range(len(plan.captured))]
-                lines += ["    if " + " or ".join(f"{c}._version != _sa_VC[{i}]"
-                                              for i, c in enumerate(cap)) + ":",
-                          f"        _sa_VC[:] = [{', '.join(f'{c}._version' for c in cap)}]",
-                          *refresh]
+                  f"        if not _sa_plans.parameters_finite([{now}]):",
+                  "            return _sa_MISSED"]
+        refresh = [f"        _sa_CV[:] = _sa_constants(_sa_plan, [{now}])",
+                   "        _sa_CF[0] = _sa_flags_pass(_sa_plan, _sa_CV, _sa_CFI)"] if held else []
+        # the stamps last: another thread that sees them new sees the constants new too
+        lines += refresh + [
+            f"        _sa_T = [_sa_stamp(t) for t in ({now},)]",
+            "        _sa_W[:] = _sa_hold([" + now + "])",
+            "        _sa_V[:] = [t[0] for t in _sa_T]",
+            "        _sa_P[:] = [t[1] for t in _sa_T]",
+            "        _sa_O[:] = [t[2] for t in _sa_T]"]
+        if held and plan.captured:
+            cap = [f"_sa_C{i}" for i in range(len(plan.captured))]
+            lines += ["    if " + " or ".join(f"_sa_stamp({c}) != _sa_VC[{i}]"
+                                          for i, c in enumerate(cap)) + ":",
+                      *refresh,
+                      f"        _sa_WC[:] = _sa_hold([{', '.join(cap)}])",
+                      f"        _sa_VC[:] = [{', '.join(f'_sa_stamp({c})' for c in cap)}]"]
     lines += ["    try:",
               f"        if not _sa_guard({', '.join(ins + st)}):",
               "            return _sa_MISSED",
@@ -444,11 +499,13 @@ def _inlined(graph: torch.fx.GraphModule, args: str, env: dict) -> list:
 
 def _constants(plan: Plan, state: list) -> list:
     """The values of what the plan's graph takes from the parameters alone, computed again
-    when one of them (or a tensor they captured) changed."""
-    versions = [t._version for t in (*state, *plan.captured)]
-    if versions != plan.constants_versions:
-        plan.constants_values = plan.constants_graph(*state)
-        plan.constants_versions = versions
+    when one of them (or a tensor they captured) changed (``stamp``)."""
+    tensors = (*state, *plan.captured)
+    stamps = [stamp(t) for t in tensors]
+    if stamps != plan.constants_versions:
+        values = plan.constants_graph(*state)
+        plan.constants_values, plan.constants_refs = values, hold(tensors)
+        plan.constants_versions = stamps  # last: a thread that sees it sees the values too
     return plan.constants_values
 
 
