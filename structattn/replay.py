@@ -128,7 +128,9 @@ def hold(tensors) -> list:
 
 #: one recording at a time in the process: ``make_fx`` keeps its tracing state (the
 #: pre-dispatch mode stack, the fx patcher) in globals, and two threads recording at once
-#: corrupt each other's (tested: 8 threads' first calls released together)
+#: corrupt each other's (tested: 8 threads' first calls released together); the fast path's
+#: code generation too (``ast`` and ``compile`` from two threads at once raised CPython
+#: 3.11's "AST constructor recursion depth mismatch")
 _RECORDING = threading.Lock()
 
 
@@ -264,7 +266,9 @@ class Plans:
         if all(type(x) is torch.Tensor for x in inputs) and all(
                 v is None or type(v) in (bool, int, float, str) for v in kwargs.values()):
             if plan.last is None:  # one per plan: the signature fixes what it guards
-                plan.last = _Last(layer, self, plan, inputs, kwargs, state)
+                with _RECORDING:  # generated code: CPython's compiler is not thread-safe
+                    if plan.last is None:
+                        plan.last = _Last(layer, self, plan, inputs, kwargs, state)
             self._last = plan.last
         return out
 
