@@ -1,7 +1,7 @@
 """Imports: the subpackages import on their own; the catalogue imports the core from its
 submodules, not through the package's top level, so it does not depend on the order of the
-imports in structattn/__init__.py; and the import graph of structattn/, models/ and inference/
-has no cycle.
+imports in structattn/__init__.py; and the import graph of structattn/ (the catalogue and the
+inference included) has no cycle.
 
 The import graph is read with ``ast`` (no module is executed): every ``import`` and ``from …
 import`` anywhere in a module, at the top level or inside a function, is an edge to the module
@@ -10,7 +10,7 @@ submodule ``package.name`` when there is one, else to the package (its ``__init_
 re-exports are in turn its edges). Importing ``a.b.c`` also runs the packages ``a`` and ``a.b``:
 those are edges too, except for the importing module's own enclosing packages, which are
 already being initialised when it runs — unless it names one of them explicitly
-(``import structattn`` inside ``models/x.py`` is an edge to ``structattn``). Imports by
+(``import structattn`` inside ``structattn/models/x.py`` is an edge to ``structattn``). Imports by
 ``importlib.import_module`` are not read, with one exception stated here: the catalogue's
 ``register`` imports each listed model file, so ``structattn.models`` has an edge to each.
 """
@@ -69,10 +69,8 @@ def test_catalogue_modules_import_before_the_package_is_initialised(tmp_path):
 
 # -- the import graph ---------------------------------------------------------------------
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-#: dotted package → folder (pyproject's package-dir: models/ and inference/ install inside
-#: structattn)
-PACKAGES = {"structattn": ROOT / "structattn", "structattn.models": ROOT / "models",
-            "structattn.inference": ROOT / "inference"}
+#: dotted package → folder (the catalogue and the inference are subpackages of structattn/)
+PACKAGES = {"structattn": ROOT / "structattn"}
 
 
 def discover(packages):

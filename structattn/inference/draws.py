@@ -56,7 +56,7 @@ class Draws:
         return out.mean(0), out.std(0) / out.shape[0] ** 0.5
 
     def to_arviz(self, group: str = "posterior", observed: dict | None = None):
-        """ArviZ data (``inference/_arviz.py``'s convention): latents (dims ``<z>_batch_k``,
+        """ArviZ data (``structattn/inference/_arviz.py``'s convention): latents (dims ``<z>_batch_k``,
         ``_node``, ``_feature``), edges (``<family>_batch_k``, ``_head``, ``_child``) and the
         output (``output_dim_k``) in ``group``; ``stats`` as sample_stats; ``observed`` as
         observed_data."""

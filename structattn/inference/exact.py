@@ -45,7 +45,7 @@ class ExactPosterior:
     free_energy: float | None = None
 
     def to_arviz(self):
-        """ArviZ data (``inference/_arviz.py``'s convention), a point result: one chain of one
+        """ArviZ data (``structattn/inference/_arviz.py``'s convention), a point result: one chain of one
         draw. Per edge family f: ``f`` the MAP edges (dims ``f_batch_k``, ``f_head``,
         ``f_child``), ``f_posterior`` the marginals (… ``f_parent``), ``f_value`` E[v] (…
         ``f_feature``); ``output``; ``free_energy`` in sample_stats."""

@@ -39,7 +39,7 @@ class MAPEstimate:
     gradient: float = float("nan")
 
     def to_arviz(self):
-        """ArviZ data (``inference/_arviz.py``'s convention), a point result: one chain of one
+        """ArviZ data (``structattn/inference/_arviz.py``'s convention), a point result: one chain of one
         draw. Each latent ``z`` (dims ``z_batch_k``, ``z_node``, ``z_feature``) in the posterior
         group; ``free_energy`` in sample_stats."""
         variables = {name: point(z) for name, z in self.latents.items()}

@@ -46,7 +46,7 @@ def _case():
     return m, (randn64(2, 5, 7),)
 
 
-#: the catalogue's statement (models/_catalogue.py)
+#: the catalogue's statement (structattn/models/_catalogue.py)
 ENTRY = Entry(alibi_attention, ALiBiAttention, case=_case,
               example=dict(d_model=8, heads=2),
               sizes={**TOKEN_SIZES, "block_size": 1})

@@ -275,7 +275,7 @@ def _case(recipe="original"):
     return m, (randn64(2, 7, 6), randn64(2, 3, 6))
 
 
-#: the catalogue's statement (models/_catalogue.py)
+#: the catalogue's statement (structattn/models/_catalogue.py)
 ENTRY = Entry(block_slot_attention, BlockSlotAttention, case=_case,
               example=dict(num_slots=3, dim=8, num_blocks=2, num_prototypes=3, iters=3, hidden_dim=16),
               sizes=dict(num_slots=1, dim=1, num_blocks=1, num_prototypes=0, iters=0,

@@ -74,7 +74,7 @@ def _case():
     return m, (randn64(2, 3, 7),)
 
 
-#: the catalogue's statement (models/_catalogue.py)
+#: the catalogue's statement (structattn/models/_catalogue.py)
 ENTRY = Entry(classification, Classification, case=_case,
               example=dict(d=8, num_classes=4),
               sizes=dict(d=1, num_classes=1))

@@ -62,7 +62,7 @@ def _case():
     return m, (randn64(2, 5, 7), randn64(2, 3, 11))
 
 
-#: the catalogue's statement (models/_catalogue.py)
+#: the catalogue's statement (structattn/models/_catalogue.py)
 ENTRY = Entry(cross_attention, CrossAttention, case=_case,
               example=dict(d_query=8, heads=2),
               sizes=dict(d_query=1, d_key=1, heads=1, d_k=1, d_v=1, d_out=1))

@@ -166,7 +166,7 @@ def _case(**kwargs):
     return m, (randn64(2, 6, 6),)
 
 
-#: the catalogue's statement (models/_catalogue.py): the default reading is mean field, an
+#: the catalogue's statement (structattn/models/_catalogue.py): the default reading is mean field, an
 #: approximation of the exact posterior; the generic tests also run the exact variant
 ENTRY = Entry(expanding_attention, ExpandingAttention, case=_case,
               example=dict(d_model=8, heads=2, a=2.0, b=2.0), exact=False,

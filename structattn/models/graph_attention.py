@@ -91,7 +91,7 @@ def _case():
     return m, (randn64(2, n, 7), edge_index)
 
 
-#: the catalogue's statement (models/_catalogue.py)
+#: the catalogue's statement (structattn/models/_catalogue.py)
 ENTRY = Entry(graph_attention, GraphAttention, case=_case,
               example=dict(d_model=8, heads=2),
               sizes=TOKEN_SIZES)

@@ -43,7 +43,7 @@ def _case():
     return m, (randn64(2, 4, 7),)
 
 
-#: the catalogue's statement (models/_catalogue.py)
+#: the catalogue's statement (structattn/models/_catalogue.py)
 ENTRY = Entry(multihop_attention, MultihopAttention, case=_case,
               example=dict(d_model=8, heads=2, causal=True),
               sizes=TOKEN_SIZES)

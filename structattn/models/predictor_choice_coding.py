@@ -141,7 +141,7 @@ def _case():
     return m, (randn64(2, 5),)
 
 
-#: the catalogue's statement (models/_catalogue.py)
+#: the catalogue's statement (structattn/models/_catalogue.py)
 ENTRY = Entry(predictor_choice_coding, PredictorChoiceCoding, case=_case,
               example=dict(layer_sizes=[6, 4, 3], predictors=3, steps=10),
               sizes=dict(layer_sizes=1, predictors=1, steps=0))

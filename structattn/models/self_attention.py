@@ -39,7 +39,7 @@ def _case():
     return m, (randn64(2, 5, 7),)
 
 
-#: the catalogue's statement (models/_catalogue.py)
+#: the catalogue's statement (structattn/models/_catalogue.py)
 ENTRY = Entry(self_attention, SelfAttention, case=_case,
               example=dict(d_model=8, heads=2, causal=True),
               sizes=TOKEN_SIZES)

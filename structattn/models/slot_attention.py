@@ -173,7 +173,7 @@ def _case():
     return m, (randn64(2, 7, 5), randn64(2, 3, 5))
 
 
-#: the catalogue's statement (models/_catalogue.py)
+#: the catalogue's statement (structattn/models/_catalogue.py)
 ENTRY = Entry(slot_attention, SlotAttention, case=_case,
               example=dict(num_slots=3, dim=8, iters=3, hidden_dim=16),
               sizes=dict(num_slots=1, dim=1, iters=0, hidden_dim=1))

@@ -1,0 +1,124 @@
+"""The release as a user gets it: ``python -m build`` makes a wheel and an sdist; the wheel,
+installed into an empty virtual environment with torch, imports every subpackage, compiles
+and runs every catalogue model, builds a C++ kernel from its own sources and renders from the
+command line — all from a directory outside the repository, so nothing of the clone can be
+imported by accident.
+
+Needs the package index (the build's own environment, the wheel's dependencies): marked
+``network``, deselected offline with ``-m "not slow and not network"``; ``.ci/run`` runs it.
+"""
+
+import os
+import pathlib
+import subprocess
+import sys
+import tarfile
+import textwrap
+import zipfile
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.network
+
+#: what the fresh environment runs, from a directory outside the repository
+PROBE = r"""
+import importlib, os, pathlib, pkgutil, sys
+import torch
+import structattn as sa
+here = pathlib.Path(sa.__file__).resolve().parent
+assert "site-packages" in str(here), here  # the installed wheel, not a clone
+imported = []
+for info in pkgutil.walk_packages(sa.__path__, "structattn."):
+    # the Triton kernels' modules import Triton, the ``gpu`` extra, which is not installed here
+    if info.name.startswith("structattn.triton_kernels."):
+        assert not sa.triton_kernels.available()
+        continue
+    importlib.import_module(info.name)
+    imported.append(info.name)
+packages = sorted(n for n in imported if n.count(".") == 1 and
+                  (here / n.split(".")[1] / "__init__.py").exists())
+print("PACKAGES", " ".join(packages))
+# every catalogue model, compiled and run on its own small case (read, record, replay), on
+# the Python readings (each kernel's build takes about a minute; one is built below)
+torch.manual_seed(0)
+with sa.kernels.disabled():
+    for name, entry in sorted(sa.models.CATALOGUE.items()):
+        model, inputs = entry.case()
+        layer = sa.compile(model)
+        for _ in range(3):
+            out = layer(*inputs)
+        out = out[0] if isinstance(out, tuple) else out
+        assert torch.isfinite(out).all(), name
+print("MODELS", len(sa.models.CATALOGUE))
+# a C++ kernel built from the wheel's own source, in an empty extensions directory
+source = here / "csrc" / "stick_breaking.cpp"
+assert source.exists(), source
+print("KERNEL", sa.kernels.stick_breaking() is not None, sa.kernels.build_error())
+"""
+
+
+#: the environment of every command: nothing of this session's Python paths (a clone on
+#: PYTHONPATH, or its egg-info, would satisfy pip and shadow the wheel)
+CLEAN = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
+
+
+def _run(cmd, **kw):
+    kw.setdefault("env", CLEAN)
+    proc = subprocess.run(cmd, capture_output=True, text=True, **kw)
+    assert proc.returncode == 0, f"{' '.join(map(str, cmd))}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc.stdout
+
+
+def _source_packages() -> set:
+    return {".".join(p.parent.relative_to(ROOT).parts)
+            for p in (ROOT / "structattn").rglob("__init__.py")}
+
+
+@pytest.fixture(scope="module")
+def dist(tmp_path_factory):
+    out = tmp_path_factory.mktemp("dist")
+    _run([sys.executable, "-m", "build", "--outdir", str(out), str(ROOT)], timeout=900)
+    (wheel,) = out.glob("structattn-*.whl")
+    (sdist,) = out.glob("structattn-*.tar.gz")
+    return wheel, sdist
+
+
+def test_the_wheel_and_the_sdist_hold_every_package_and_the_kernel_sources(dist):
+    wheel, sdist = dist
+    names = zipfile.ZipFile(wheel).namelist()
+    packages = {"/".join(n.split("/")[:-1]).replace("/", ".") for n in names
+                if n.endswith("/__init__.py")}
+    assert packages == _source_packages()
+    sources = {p.name for p in (ROOT / "structattn" / "csrc").glob("*.cpp")}
+    assert sources and {n.split("/")[-1] for n in names if n.startswith("structattn/csrc/")} \
+        == sources
+    with tarfile.open(sdist) as tar:
+        members = {m.split("/", 1)[1] for m in tar.getnames() if "/" in m}
+    assert {f"structattn/csrc/{s}" for s in sources} <= members
+    assert {p.replace(".", "/") + "/__init__.py" for p in _source_packages()} <= members
+
+
+def test_the_wheel_installs_imports_runs_and_renders_outside_the_repository(dist, tmp_path):
+    wheel, _ = dist
+    env_dir = tmp_path / "env"
+    _run([sys.executable, "-m", "venv", str(env_dir)], timeout=300)
+    python = env_dir / "bin" / "python"
+    pip = [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
+    import torch  # the same torch as this environment's: a local wheel, not a CUDA build
+    _run([*pip, f"torch=={torch.__version__.split('+')[0]}"], timeout=900)
+    _run([*pip, str(wheel)], timeout=900)
+    work = tmp_path / "elsewhere"
+    work.mkdir()
+    env = {**CLEAN, "TORCH_EXTENSIONS_DIR": str(tmp_path / "extensions"), "MPLBACKEND": "Agg"}
+    out = _run([str(python), "-c", textwrap.dedent(PROBE)], cwd=work, env=env, timeout=900)
+    lines = dict(line.split(" ", 1) for line in out.splitlines() if " " in line)
+    assert set(lines["PACKAGES"].split()) == {p for p in _source_packages() if p.count(".") == 1}
+    import structattn as sa
+    assert int(lines["MODELS"]) == len(sa.models.CATALOGUE)
+    assert lines["KERNEL"].startswith("True"), lines["KERNEL"]
+    # the command line: an SVG drawn from the installed catalogue
+    svg = work / "sa.svg"
+    _run([str(env_dir / "bin" / "structattn"), "render", "self_attention", "--out", str(svg)],
+         cwd=work, env=env, timeout=300)
+    assert svg.read_text().lstrip().startswith(("<?xml", "<svg"))
