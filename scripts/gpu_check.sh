@@ -3,13 +3,16 @@
 #   1. the CUDA tests (tests/test_cuda.py: the catalogue against Pyro on the GPU, against the
 #      CPU, replayed, in float32/bfloat16; tests/test_torch_compile.py's CUDA cases: one dynamo
 #      graph, inductor; FlexAttention's path);
-#   2. the GPU benchmarks: per-call cost, large self-attention fwd+bwd, the distance priors.
+#   2. the Triton kernels' tests on CUDA (tests/triton);
+#   3. the GPU benchmarks: the Triton kernels against FLA and FlashAttention, per-call cost,
+#      large self-attention fwd+bwd, the distance priors.
 # That machine has torch with CUDA but no network: Pyro, ArviZ and the other pure-Python
 # wheels travel in .gpu-wheels (made here with
 #   python -m pip download --no-deps -d .gpu-wheels pyro-ppl pyro-api graphviz arviz \
 #       xarray-einstats h5netcdf slot-attention einx frozendict vector-quantize-pytorch \
-#       loguru torch-einops-utils
-# — the last five are what slot-attention imports). Logs go to $OUT (default gpu-out/). Each step has its own time limit, so one that stalls
+#       loguru torch-einops-utils fla-core
+# — five of them are what slot-attention imports; fla-core carries the authors' Triton kernels
+# of FoX and stick-breaking that benchmarks/bench_gpu_kernels.py compares against). Logs go to $OUT (default gpu-out/). Each step has its own time limit, so one that stalls
 # does not take the others' results with it.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -36,6 +39,11 @@ step() {  # step NAME SECONDS COMMAND...: run with a limit, log to $OUT/NAME.txt
 
 step tests "${TESTS_S:-240}" "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_torch_compile.py \
   tests/models/test_expanding_attention.py -k "cuda" --durations=5
+# the Triton kernels on CUDA tensors (elsewhere they run under the interpreter)
+step triton "${TRITON_S:-240}" "$PY" -m pytest -q -p no:cacheprovider tests/triton --durations=5
+# against FLA (fla-core in .gpu-wheels) and FlashAttention: time and peak memory
+step gpu_kernels "${GPU_KERNELS_S:-240}" "$PY" benchmarks/bench_gpu_kernels.py \
+  --json "$OUT/gpu_kernels.json"
 step per_call "${PER_CALL_S:-150}" "$PY" benchmarks/bench_per_call.py --device cuda \
   --json "$OUT/per_call.json"
 step attention "${ATTENTION_S:-60}" "$PY" benchmarks/bench_attention.py --device cuda \

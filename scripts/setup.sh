@@ -4,7 +4,8 @@
 #   - a virtual environment in .venv with torch installed FIRST at a pinned version
 #     (TORCH_SPEC, default torch==2.13.0: on our CPU machines that is a local CPU wheel,
 #     whereas an unpinned torch pulls a multi-GB CUDA build);
-#   - structattn itself, editable, with its dev extras (pytest, hypothesis, ruff);
+#   - Triton (TRITON_SPEC, default triton==3.9.0), whose interpreter runs the GPU kernels' tests;
+#   - structattn itself, editable, with its dev and gpu extras (pytest, hypothesis, ruff, build);
 #   - the compiled CPU kernel (structattn/csrc, built once and cached; needs g++).
 # Safe to run again: it only installs what is missing.
 set -euo pipefail
@@ -43,13 +44,19 @@ if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
   echo "setup: installing ${TORCH_SPEC:-torch==2.13.0}"
   "${PIP[@]}" "${TORCH_SPEC:-torch==2.13.0}"
 fi
+# Triton: the GPU kernels' compiler, pinned like torch (the tests run its kernels on the CPU
+# under its interpreter); the gpu extra below then finds it installed.
+if ! .venv/bin/python -c "import triton" >/dev/null 2>&1; then
+  echo "setup: installing ${TRITON_SPEC:-triton==3.9.0}"
+  "${PIP[@]}" "${TRITON_SPEC:-triton==3.9.0}"
+fi
 # Re-running is cheap: the editable install is redone only when pyproject.toml changed.
 STAMP=.venv/.structattn-installed
 WANT="$(sha256sum pyproject.toml | cut -d' ' -f1)"
 if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ] \
     || ! .venv/bin/python -c "import structattn" >/dev/null 2>&1; then
-  echo "setup: installing structattn (editable) with dev extras"
-  "${PIP[@]}" -e ".[dev]"
+  echo "setup: installing structattn (editable) with its dev and gpu extras"
+  "${PIP[@]}" -e ".[dev,gpu]"
   echo "$WANT" > "$STAMP"
 else
   echo "setup: structattn already installed for this pyproject.toml"

@@ -42,7 +42,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
 
-from . import _validation, kernels
+from . import _validation, kernels, triton_kernels
 from .certified import Certified
 from .iterate import Trace
 from .latent import _overrides, iteration_overrides
@@ -192,7 +192,8 @@ class Plans:
         """The call's signature, or None when an argument is not hashable (no plan)."""
         key = [getattr(layer.declaration, "structure_version", 0), torch.is_grad_enabled(),
                torch.is_inference_mode_enabled(), torch.is_autocast_enabled(),
-               _validation.is_validating(), kernels._enabled()]
+               _validation.is_validating(), kernels._enabled(),
+               triton_kernels._cpu.__dict__.get("depth")]
         try:
             for x in inputs:
                 key.append((x.shape, x.dtype, x.device, x.requires_grad, x.layout)
@@ -292,6 +293,7 @@ def _modes(declaration) -> tuple:
             torch.is_inference_mode_enabled(), torch.is_autocast_enabled(),
             _validation._local.__dict__.get("override"), _validation._DEFAULT,
             _environ.get(_KERNELS_KEY), kernels._off.__dict__.get("depth"),
+            triton_kernels._cpu.__dict__.get("depth"),
             _overrides.__dict__.get("options"))  # replaced, never changed in place
 
 

@@ -1,4 +1,4 @@
-"""A log prior that separates as g_i + h_j, read on the CPU with h as a mask.
+"""A log prior that separates as g_i + h_j: on the CPU with h as a mask, on CUDA in Triton.
 
 ``out_i = Σ_j softmax_j(scale·⟨a_i, b_j⟩ + h_j) u_j`` over j ≤ i (or every j): g_i drops out
 of the softmax. FoX's forget gate (h_j = −Σ_{l≤j} log f_l) and ALiBi (h_j = m·j) are such
@@ -12,15 +12,18 @@ compiled kernel ``csrc/key_bias.cpp`` does the backward instead, with h's gradie
 same pass (``structattn.kernels.key_bias``): the forward is still PyTorch's fused kernel (a
 custom op around it, so that a recorded plan, ``torch.compile`` and the autograd rule see one
 operator). Without the kernel, the widened operator (``dense.with_parent_terms``: h riding in
-one more key dimension, ~12% slower) serves, as it serves every other device and half
-precision.
+one more key dimension, ~12% slower) serves, as it serves half precision on the CPU.
+
+On CUDA the Triton kernel (``structattn.triton_kernels.key_bias``) reads the prior as an
+additive term of each block's scores, forward and backward with h's gradient: no widened
+head; the widened operator serves where Triton is not installed.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .. import kernels
+from .. import kernels, triton_kernels
 from .._validation import is_exporting
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -67,10 +70,20 @@ def _asks_gradient(*tensors: torch.Tensor) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
+def _triton(a, b, u, h) -> bool:
+    """Whether the Triton kernel serves these factors (a CUDA device, Triton installed, the
+    kernels on; not in an exported program, which must run without structattn)."""
+    return (b.shape[-2] > 0 and triton_kernels.serves(a, b, u, h) and kernels._enabled()
+            and not (is_exporting() or torch.compiler.is_exporting()))
+
+
 def applies(a: torch.Tensor, b: torch.Tensor, u: torch.Tensor, h: torch.Tensor) -> bool:
-    """Whether this reading takes these factors: on the CPU, in single or double precision,
-    with no gradient asked of any of them — or with one, where the kernel is built (not in
-    an exported program, which must run without structattn)."""
+    """Whether this reading takes these factors: on CUDA, through the Triton kernel (any
+    float dtype; half precision computed in float32); on the CPU, in single or double
+    precision, with no gradient asked of any of them — or with one, where the kernel is
+    built (not in an exported program, which must run without structattn)."""
+    if _triton(a, b, u, h):
+        return True
     if not (a.device.type == "cpu" and a.dtype in (torch.float32, torch.float64)
             and u.dtype == a.dtype):
         return False
@@ -94,6 +107,15 @@ def key_bias_attention(a, b, u, h, scale: float, is_causal: bool) -> torch.Tenso
     (``applies``)."""
     lead = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2], u.shape[:-2], h.shape[:-1])
     C, P, d_v = a.shape[-2], b.shape[-2], u.shape[-1]
+    if _triton(a, b, u, h):  # (G, n, width) rows, computed in float32 at least
+        from ..triton_kernels.key_bias import forward
+
+        dtype = torch.promote_types(a.dtype, torch.float32)
+        flat = [x.expand(*lead, *x.shape[-2:]).reshape(-1, *x.shape[-2:]).to(dtype)
+                for x in (a, b, u)]
+        out = forward(*flat, h.to(dtype).expand(*lead, P).reshape(-1, P), float(scale),
+                      is_causal)[0]
+        return out.reshape(*lead, C, d_v).to(u.dtype)
     width = max(a.shape[-1], d_v)  # the fused kernel takes one width for a, b and u
     if a.shape[-1] < width:
         a, b = (torch.nn.functional.pad(x, (0, width - x.shape[-1])) for x in (a, b))

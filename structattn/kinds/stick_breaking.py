@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .. import kernels
+from .. import kernels, triton_kernels
 from .._validation import checks_on
 from .base import Operator, keep_nonfinite_rows
 
@@ -88,18 +88,24 @@ def _register(ops) -> None:
 
 
 def fused(a, b, v, scale: float, tol: float | None = None):
-    """``(out, leftover)`` of the CPU kernel for factors ``a (…, C, k)``, ``b (…, P, k)``,
+    """``(out, leftover)`` of a fused kernel for factors ``a (…, C, k)``, ``b (…, P, k)``,
     values ``v (…, P, d)`` (leading dims broadcast; children are the first C tokens),
-    stopping a scan at a stick ≤ ``tol`` (None: ``stop_mass``), or None where the kernel
-    does not apply (not the CPU, kernels off or unbuilt)."""
-    if a.device.type != "cpu" or (ops := _ops()) is None:
+    stopping a scan at a stick ≤ ``tol`` (None: ``stop_mass``), or None where no kernel
+    applies. On the CPU the C++ kernel (``csrc/stick_breaking.cpp``; None where kernels are
+    off or unbuilt); on CUDA the Triton kernel (``structattn.triton_kernels``; None without
+    Triton). Half precision is computed in float32."""
+    if triton_kernels.serves(a, b, v) and kernels._enabled():
+        from ..triton_kernels.stick_breaking import forward as op
+    elif a.device.type == "cpu" and (ops := _ops()) is not None:
+        op = ops.forward
+    else:
         return None
     lead = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2], v.shape[:-2])
     dtype = a.dtype if a.dtype in (torch.float32, torch.float64) else torch.float32
     flat = [t.expand(*lead, *t.shape[-2:]).reshape(-1, *t.shape[-2:]).to(dtype)
             for t in (a, b, v)]
     stop = stop_mass(dtype) if tol is None else tol
-    out, leftover, _ = ops.forward(*flat, float(scale), stop)
+    out, leftover, _ = op(*flat, float(scale), stop)
     C = a.shape[-2]
     return (out.reshape(*lead, C, v.shape[-1]).to(v.dtype),
             leftover.reshape(*lead, C).to(v.dtype))

@@ -1,0 +1,62 @@
+"""Triton kernels: the GPU's fused readings of the priors that PyTorch has no fused kernel for.
+
+Each kernel is a ``torch.library`` custom operator (``structattn_triton::…``) with a fake
+kernel and an autograd rule, so a compile-once plan, ``torch.compile`` and ``torch.export``
+see one node. On a CUDA device the library calls them; on the CPU the C++ kernels
+(``structattn.kernels``) serve and these never run — except under Triton's interpreter
+(``TRITON_INTERPRET=1``, set before Triton is imported), which runs them on CPU tensors, as the
+test suite does on machines without a GPU.
+
+- ``stick_breaking``: stick-breaking attention's forward and backward, scanned in key blocks
+  from the diagonal back in log space; O(N·d) memory, never the C×P table.
+
+Triton comes with the ``gpu`` extra (``pip install structattn[gpu]``). ``available()`` says
+whether it imports here; ``interpreted()`` whether its interpreter is on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.util
+import os
+import threading
+
+__all__ = ["available", "interpreted", "on_cpu", "serves"]
+
+
+@functools.cache
+def available() -> bool:
+    """Whether Triton is installed (it is imported only when a kernel is first called)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def interpreted() -> bool:
+    """Whether Triton's interpreter runs the kernels (on CPU tensors, slowly: for tests)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+_cpu = threading.local()
+
+
+@contextlib.contextmanager
+def on_cpu():
+    """A context in which the library calls the Triton kernels on CPU tensors too, where the
+    interpreter is on (``TRITON_INTERPRET=1``): how the tests check a whole layer through
+    them without a GPU. Per thread; part of a compiled module's signature."""
+    _cpu.depth = getattr(_cpu, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _cpu.depth -= 1
+
+
+def serves(*tensors) -> bool:
+    """Whether the library calls the Triton kernels for these tensors: on a CUDA device with
+    Triton installed, or on the CPU inside ``on_cpu()`` under the interpreter."""
+    if not tensors or not available():
+        return False
+    if all(t.is_cuda for t in tensors):
+        return True
+    return (getattr(_cpu, "depth", 0) > 0 and interpreted()
+            and all(t.device.type == "cpu" for t in tensors))

@@ -1,0 +1,229 @@
+"""Attention under a log prior g_i + h_j in Triton, forward and backward with h's gradient.
+
+``out_i = Σ_j softmax_j(scale·⟨a_i, b_j⟩ + h_j) u_j`` over j ≤ i (``causal``) or every j: g_i
+drops out of the softmax. FoX's forget gate (h_j = −Σ_{l≤j} log f_l) and ALiBi (h_j = m·j)
+are such priors. FlashAttention's scheme with h added to each block's scores: the forward
+keeps a running maximum and sum per child (online softmax) and stores log Σ_j e^{s_ij}
+(``lse``); the backward recomputes each block's probabilities from it, with
+Δ_i = dout_i·out_i:
+
+    ds_ij = p_ij (dout_i·u_j − Δ_i),   dh_j = Σ_i ds_ij,   da_i = scale Σ_j ds_ij b_j,
+    db_j = scale Σ_i ds_ij a_i,        du_j = Σ_i p_ij dout_i.
+
+One kernel per block of children (the output, then da), one per block of parents (db, du
+and dh): no atomics, never the C×P table. Causal children are aligned at the first token
+(j ≤ i), as ``scaled_dot_product_attention``'s ``is_causal``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _tile(A, B, H, g, rows, cols, ks, sag, sac, sak, sbg, sbp, sbk, shg, shp, a, C, P, K, scale,
+          CAUSAL: tl.constexpr):
+    """A block's scores s_ij + h_j ``(BM, BN)`` (−∞ off the support) and its parents' b."""
+    cmask = cols < P
+    b = tl.load(B + g * sbg + cols[:, None] * sbp + ks[None, :] * sbk,
+                mask=cmask[:, None] & (ks[None, :] < K), other=0.0)
+    h = tl.load(H + g * shg + cols * shp, mask=cmask, other=0.0)
+    s = tl.dot(a, tl.trans(b)) * scale + h[None, :]
+    allowed = cmask[None, :] & (rows[:, None] < C)
+    if CAUSAL:
+        allowed = allowed & (cols[None, :] <= rows[:, None])
+    return tl.where(allowed, s, -float("inf")), b
+
+
+@triton.jit
+def _forward(A, B, U, H, O, LSE, scale, C, P, K, D,
+             sag, sac, sak, sbg, sbp, sbk, sug, sup, sud, shg, shp, sog, soc, sod, slg, slc,
+             CAUSAL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+             BD: tl.constexpr):
+    m = tl.program_id(0)
+    g = tl.program_id(1)
+    rows = m * BM + tl.arange(0, BM)
+    ks = tl.arange(0, BK)
+    ds = tl.arange(0, BD)
+    rmask = rows < C
+    a = tl.load(A + g * sag + rows[:, None] * sac + ks[None, :] * sak,
+                mask=rmask[:, None] & (ks[None, :] < K), other=0.0)
+    top = tl.full([BM], -float("inf"), dtype=a.dtype)  # running max
+    total = tl.zeros([BM], dtype=a.dtype)  # running Σ e^{s − top}
+    acc = tl.zeros([BM, BD], dtype=a.dtype)
+    end = tl.minimum(m * BM + BM, P) if CAUSAL else P
+    for start in range(0, end, BN):
+        cols = start + tl.arange(0, BN)
+        s, b = _tile(A, B, H, g, rows, cols, ks, sag, sac, sak, sbg, sbp, sbk, shg, shp, a,
+                     C, P, K, scale, CAUSAL)
+        new = tl.maximum(top, tl.max(s, axis=1))
+        safe = tl.where(new == -float("inf"), 0.0, new)  # a row with nothing yet
+        p = tl.exp(s - safe[:, None])
+        shrink = tl.exp(top - safe)
+        u = tl.load(U + g * sug + cols[:, None] * sup + ds[None, :] * sud,
+                    mask=(cols[:, None] < P) & (ds[None, :] < D), other=0.0)
+        total = total * shrink + tl.sum(p, axis=1)
+        acc = acc * shrink[:, None] + tl.dot(p.to(u.dtype), u)
+        top = new
+    total = tl.where(rmask, total, 1.0)  # rows past the last child: nothing to divide
+    top = tl.where(rmask, top, 0.0)
+    tl.store(O + g * sog + rows[:, None] * soc + ds[None, :] * sod, acc / total[:, None],
+             mask=rmask[:, None] & (ds[None, :] < D))
+    tl.store(LSE + g * slg + rows * slc, top + tl.log(total), mask=rmask)
+
+
+@triton.jit
+def _children_backward(A, B, U, H, DO, LSE, DELTA, DA, scale, C, P, K, D,
+                       sag, sac, sak, sbg, sbp, sbk, sug, sup, sud, shg, shp, sdg, sdc, sdd,
+                       slg, slc, CAUSAL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                       BK: tl.constexpr, BD: tl.constexpr):
+    """da per block of children."""
+    m = tl.program_id(0)
+    g = tl.program_id(1)
+    rows = m * BM + tl.arange(0, BM)
+    ks = tl.arange(0, BK)
+    ds = tl.arange(0, BD)
+    rmask = rows < C
+    a = tl.load(A + g * sag + rows[:, None] * sac + ks[None, :] * sak,
+                mask=rmask[:, None] & (ks[None, :] < K), other=0.0)
+    do = tl.load(DO + g * sdg + rows[:, None] * sdc + ds[None, :] * sdd,
+                 mask=rmask[:, None] & (ds[None, :] < D), other=0.0)
+    lse = tl.load(LSE + g * slg + rows * slc, mask=rmask, other=0.0)
+    delta = tl.load(DELTA + g * slg + rows * slc, mask=rmask, other=0.0)
+    da = tl.zeros([BM, BK], dtype=a.dtype)
+    end = tl.minimum(m * BM + BM, P) if CAUSAL else P
+    for start in range(0, end, BN):
+        cols = start + tl.arange(0, BN)
+        s, b = _tile(A, B, H, g, rows, cols, ks, sag, sac, sak, sbg, sbp, sbk, shg, shp, a,
+                     C, P, K, scale, CAUSAL)
+        p = tl.exp(s - lse[:, None])
+        u = tl.load(U + g * sug + cols[:, None] * sup + ds[None, :] * sud,
+                    mask=(cols[:, None] < P) & (ds[None, :] < D), other=0.0)
+        dsc = p * (tl.dot(do, tl.trans(u)) - delta[:, None])
+        da += tl.dot(dsc, b)
+    tl.store(DA + g * sag + rows[:, None] * sac + ks[None, :] * sak, da * scale,
+             mask=rmask[:, None] & (ks[None, :] < K))
+
+
+@triton.jit
+def _parents_backward(A, B, U, H, DO, LSE, DELTA, DB, DU, DH, scale, C, P, K, D,
+                      sag, sac, sak, sbg, sbp, sbk, sug, sup, sud, shg, shp, sdg, sdc, sdd,
+                      slg, slc, CAUSAL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                      BK: tl.constexpr, BD: tl.constexpr):
+    """db, du and dh per block of parents, reading the children that see them."""
+    n = tl.program_id(0)
+    g = tl.program_id(1)
+    cols = n * BN + tl.arange(0, BN)
+    ks = tl.arange(0, BK)
+    ds = tl.arange(0, BD)
+    cmask = cols < P
+    b = tl.load(B + g * sbg + cols[:, None] * sbp + ks[None, :] * sbk,
+                mask=cmask[:, None] & (ks[None, :] < K), other=0.0)
+    u = tl.load(U + g * sug + cols[:, None] * sup + ds[None, :] * sud,
+                mask=cmask[:, None] & (ds[None, :] < D), other=0.0)
+    h = tl.load(H + g * shg + cols * shp, mask=cmask, other=0.0)
+    db = tl.zeros([BN, BK], dtype=b.dtype)
+    du = tl.zeros([BN, BD], dtype=u.dtype)
+    dh = tl.zeros([BN], dtype=b.dtype)
+    first = (n * BN // BM) * BM if CAUSAL else 0  # children before the block see none of it
+    for start in range(first, C, BM):
+        rows = start + tl.arange(0, BM)
+        rmask = rows < C
+        a = tl.load(A + g * sag + rows[:, None] * sac + ks[None, :] * sak,
+                    mask=rmask[:, None] & (ks[None, :] < K), other=0.0)
+        do = tl.load(DO + g * sdg + rows[:, None] * sdc + ds[None, :] * sdd,
+                     mask=rmask[:, None] & (ds[None, :] < D), other=0.0)
+        lse = tl.load(LSE + g * slg + rows * slc, mask=rmask, other=0.0)
+        delta = tl.load(DELTA + g * slg + rows * slc, mask=rmask, other=0.0)
+        s = tl.dot(a, tl.trans(b)) * scale + h[None, :]
+        allowed = cmask[None, :] & rmask[:, None]
+        if CAUSAL:
+            allowed = allowed & (cols[None, :] <= rows[:, None])
+        p = tl.exp(tl.where(allowed, s - lse[:, None], -float("inf")))
+        dsc = p * (tl.dot(do, tl.trans(u)) - delta[:, None])
+        du += tl.dot(tl.trans(p), do)
+        db += tl.dot(tl.trans(dsc), a)
+        dh += tl.sum(dsc, axis=0)
+    tl.store(DB + g * sbg + cols[:, None] * sbp + ks[None, :] * sbk, db * scale,
+             mask=cmask[:, None] & (ks[None, :] < K))
+    tl.store(DU + g * sug + cols[:, None] * sup + ds[None, :] * sud, du,
+             mask=cmask[:, None] & (ds[None, :] < D))
+    tl.store(DH + g * shg + cols * shp, dh, mask=cmask)
+
+
+#: children and parents per block; widths padded to a power of two ≥ 16 (tl.dot's least)
+BM, BN = 32, 32
+
+
+def _width(n: int) -> int:
+    return max(16, triton.next_power_of_2(n))
+
+
+@torch.library.custom_op("structattn_triton::key_bias_forward", mutates_args=())
+def forward(a: torch.Tensor, b: torch.Tensor, u: torch.Tensor, h: torch.Tensor, scale: float,
+            causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out (G, C, D), lse (G, C))`` for ``a (G, C, K)``, ``b (G, P, K)``, ``u (G, P, D)``,
+    ``h (G, P)``, one float dtype (float32 or float64)."""
+    G, C, K = a.shape
+    P, D = b.shape[1], u.shape[2]
+    out = u.new_empty(G, C, D)
+    lse = a.new_empty(G, C)
+    if C and G:
+        _forward[(triton.cdiv(C, BM), G)](
+            a, b, u, h, out, lse, scale, C, P, K, D, *a.stride(), *b.stride(), *u.stride(),
+            *h.stride(), *out.stride(), *lse.stride(), CAUSAL=causal, BM=BM, BN=BN,
+            BK=_width(K), BD=_width(D))
+    return out, lse
+
+
+@forward.register_fake
+def _(a, b, u, h, scale, causal):
+    return u.new_empty(a.shape[0], a.shape[1], u.shape[2]), a.new_empty(a.shape[:2])
+
+
+@torch.library.custom_op("structattn_triton::key_bias_backward", mutates_args=())
+def backward(dout: torch.Tensor, a: torch.Tensor, b: torch.Tensor, u: torch.Tensor,
+             h: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, scale: float,
+             causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(da, db, du, dh)`` of ``forward``'s output against ``dout``."""
+    G, C, K = a.shape
+    P, D = b.shape[1], u.shape[2]
+    dout = dout.contiguous()
+    delta = (dout * out).sum(-1).contiguous()  # Δ_i, laid out as lse
+    lse = lse.contiguous()
+    da, db, du = torch.zeros_like(a), torch.zeros_like(b), torch.zeros_like(u)
+    dh = torch.zeros_like(h)
+    if C and G and P:
+        common = dict(CAUSAL=causal, BM=BM, BN=BN, BK=_width(K), BD=_width(D))
+        strides = (*a.stride(), *b.stride(), *u.stride(), *h.stride(), *dout.stride(),
+                   *lse.stride())
+        _children_backward[(triton.cdiv(C, BM), G)](
+            a, b, u, h, dout, lse, delta, da, scale, C, P, K, D, *strides, **common)
+        _parents_backward[(triton.cdiv(P, BN), G)](
+            a, b, u, h, dout, lse, delta, db, du, dh, scale, C, P, K, D, *strides, **common)
+    return da, db, du, dh
+
+
+@backward.register_fake
+def _(dout, a, b, u, h, out, lse, scale, causal):
+    return (torch.empty_like(a), torch.empty_like(b), torch.empty_like(u),
+            torch.empty_like(h))
+
+
+def _setup(ctx, inputs, output):
+    a, b, u, h, scale, causal = inputs
+    out, lse = output
+    ctx.save_for_backward(a, b, u, h, out, lse)
+    ctx.scale, ctx.causal = scale, causal
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward_rule(ctx, dout, _):
+    a, b, u, h, out, lse = ctx.saved_tensors
+    da, db, du, dh = backward(dout, a, b, u, h, out, lse, ctx.scale, ctx.causal)
+    return da, db, du, dh, None, None
+
+
+forward.register_autograd(_backward_rule, setup_context=_setup)

@@ -1,0 +1,127 @@
+"""The Triton kernel of a log prior g_i + h_j (structattn/triton_kernels/key_bias.py: FoX,
+ALiBi), under the interpreter where there is no GPU: equal to the dense reading and to the CPU
+kernel, in the output and the gradients of a, b, u and h, causal and not, at sizes crossing its
+blocks of 32; whole FoX and ALiBi layers through it equal Pyro's enumeration, and their
+gradients — the forget gate's own parameters included — equal the dense reading's."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import structattn as sa
+from structattn import triton_kernels
+from structattn.kinds import key_bias
+
+f64 = torch.float64
+#: where the kernels run: the GPU where there is one, else the CPU under the interpreter
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _kb():
+    from structattn.triton_kernels import key_bias as kb
+    return kb
+
+
+def _dense(a, b, u, h, scale, causal):
+    s = scale * a @ b.transpose(-1, -2) + h.unsqueeze(-2)
+    if causal:
+        C, P = s.shape[-2:]
+        s = s.masked_fill(~torch.ones(C, P, dtype=torch.bool, device=s.device).tril(),
+                          float("-inf"))
+    return torch.softmax(s, -1) @ u
+
+
+@pytest.mark.parametrize("dtype, atol", [(f64, 1e-12), (torch.float32, 2e-5)])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "all"])
+@pytest.mark.parametrize("C, P, k, d", [(1, 1, 2, 3), (33, 33, 4, 5), (70, 70, 3, 17),
+                                         (40, 65, 16, 16)])
+def test_triton_key_bias_equals_the_dense_reading_and_the_cpu_kernel(C, P, k, d, causal, dtype,
+                                                                      atol):
+    torch.manual_seed(C + P + k + causal)
+    G = 2
+    a, b, u = (torch.randn(G, n, w, dtype=dtype, device=DEVICE)
+               for n, w in ((C, k), (P, k), (P, d)))
+    h = torch.randn(G, P, dtype=dtype, device=DEVICE)
+    kb = _kb()
+    out, lse = kb.forward(a, b, u, h, 0.6, causal)
+    leaves = [t.double().requires_grad_() for t in (a, b, u, h)]
+    want = _dense(*leaves, 0.6, causal)
+    torch.testing.assert_close(out.double(), want, rtol=0, atol=atol)
+    dout = torch.randn_like(out)
+    got = kb.backward(dout, a, b, u, h, out, lse, 0.6, causal)
+    grads = torch.autograd.grad((want * dout.double()).sum(), leaves)
+    for g, w in zip(got, grads, strict=True):
+        torch.testing.assert_close(g.double(), w, rtol=0, atol=10 * atol)
+    if dtype == f64 and k == d and key_bias._ops() is not None:  # the CPU twin (one width)
+        leaves = [t.cpu().requires_grad_() for t in (a, b, u, h)]
+        q, kk, v, hh = (x.unsqueeze(0) for x in leaves)
+        cpu = key_bias._ops().forward(q, kk, v, hh, 0.6, causal)[0][0]
+        torch.testing.assert_close(out.cpu(), cpu, rtol=0, atol=1e-12)
+        cpu_grads = torch.autograd.grad((cpu * dout.cpu()).sum(), leaves)
+        for g, w in zip(got, cpu_grads, strict=True):
+            torch.testing.assert_close(g.cpu(), w, rtol=0, atol=1e-10)
+
+
+def test_triton_key_bias_gradcheck_through_the_autograd_rule():
+    torch.manual_seed(2)
+    a, b, u = (torch.randn(1, 35, 2, dtype=f64, device=DEVICE, requires_grad=True) for _ in range(3))
+    h = torch.randn(1, 35, dtype=f64, device=DEVICE, requires_grad=True)
+    kb = _kb()
+    assert torch.autograd.gradcheck(lambda a, b, u, h: kb.forward(a, b, u, h, 0.7, True)[0],
+                                    (a, b, u, h), atol=1e-7)
+
+
+def test_triton_key_bias_op_passes_torch_library_opcheck():
+    torch.manual_seed(3)
+    a, b, u = (torch.randn(2, 34, 3, dtype=f64, device=DEVICE) for _ in range(3))
+    h = torch.randn(2, 34, dtype=f64, device=DEVICE)
+    torch.library.opcheck(_kb().forward, (a, b, u, h, 0.7, True),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+def _layer_params(m):
+    return [p for p in m.parameters() if p.requires_grad]
+
+
+@settings(max_examples=5, deadline=None)
+@given(model=st.sampled_from(["forgetting_attention", "alibi_attention"]), n=st.integers(1, 6),
+       heads=st.integers(1, 2), seed=st.integers(0, 10_000))
+def test_triton_fox_and_alibi_layers_equal_pyro_and_the_dense_gradients(model, n, heads, seed):
+    torch.manual_seed(seed)
+    m = getattr(sa.models, model)(6, heads=heads, d_k=2, dtype=f64, device=DEVICE)
+    x = torch.randn(1, n, 6, dtype=f64, device=DEVICE)
+    exact = sa.inference.exact(m, x)
+    with triton_kernels.on_cpu():
+        y = sa.compile(m)(x)
+    torch.testing.assert_close(y, exact.output, rtol=0, atol=1e-10)
+    params = _layer_params(m)
+    xs = x.clone().requires_grad_()
+    with triton_kernels.on_cpu():
+        got = torch.autograd.grad(sa.compile(m)(xs).square().sum(), [xs, *params])
+    with sa.kernels.disabled():  # the widened head: autograd through PyTorch's SDPA
+        want = torch.autograd.grad(sa.compile(m)(xs).square().sum(), [xs, *params])
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=1e-10)
+
+
+def test_triton_key_bias_is_one_node_of_a_plan_and_serves_half_precision():
+    torch.manual_seed(4)
+    m = sa.models.forgetting_attention(8, heads=2, d_k=4, dtype=f64, device=DEVICE)
+    x = torch.randn(2, 40, 8, dtype=f64, device=DEVICE)
+    layer = sa.compile(m)
+    with triton_kernels.on_cpu():
+        ys = [layer(x) for _ in range(3)]
+    (plan,) = layer.plans.values()
+    targets = [str(n.target) for n in plan.graph.graph.nodes if n.op == "call_function"]
+    assert sum("structattn_triton.key_bias_forward" in t for t in targets) == 1, targets
+    with sa.kernels.disabled():  # the widened head through PyTorch's SDPA
+        cpu = layer(x)
+    for y in ys:
+        torch.testing.assert_close(y, cpu, rtol=0, atol=1e-12)
+    m16 = sa.models.forgetting_attention(8, heads=2, d_k=4, dtype=torch.bfloat16, device=DEVICE)
+    m16.load_state_dict({k: v.to(torch.bfloat16) for k, v in m.state_dict().items()})
+    with triton_kernels.on_cpu():
+        y16 = sa.compile(m16)(x.to(torch.bfloat16))
+    assert y16.dtype == torch.bfloat16
+    torch.testing.assert_close(y16.double(), cpu, rtol=0, atol=0.1)
