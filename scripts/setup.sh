@@ -6,7 +6,7 @@
 #     whereas an unpinned torch pulls a multi-GB CUDA build);
 #   - Triton (TRITON_SPEC, default triton==3.9.0), whose interpreter runs the GPU kernels' tests;
 #   - structattn itself, editable, with its dev and gpu extras (pytest, hypothesis, ruff, build);
-#   - the compiled CPU kernel (structattn/csrc, built once and cached; needs g++).
+#   - the compiled CPU kernels (structattn/csrc, built once per torch version; needs g++).
 # Safe to run again: it only installs what is missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -61,12 +61,11 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ] \
 else
   echo "setup: structattn already installed for this pyproject.toml"
 fi
-# The compiled CPU kernel of expanding attention: built once per machine (about a minute),
-# cached by torch under ~/.cache/torch_extensions; without it the library falls back to
-# its Python loop (slower) and says so.
-if ! .venv/bin/python -c "import structattn.kernels as k, sys; sys.exit(0 if k.available() else 1)" \
-    >/dev/null 2>&1; then
-  echo "setup: WARNING: the compiled kernel could not be built (a C++ compiler is needed):" \
-       "$(.venv/bin/python -c 'import structattn.kernels as k; k.available(); print(k.build_error())' 2>/dev/null | head -c 300)" >&2
+# The compiled CPU kernels: built once per torch version (about a minute each) and kept under
+# ~/.cache/torch_extensions/structattn, shared by every environment with the same torch;
+# without them the library uses its Python readings (slower) and says so.
+if ! .venv/bin/python -m structattn.kernels build; then
+  echo "setup: WARNING: a compiled kernel could not be built (a C++ compiler is needed);" \
+       "the library uses its Python readings instead" >&2
 fi
 echo "setup: done ($(.venv/bin/python -c 'import torch, pyro; print("torch", torch.__version__, "pyro", pyro.__version__)'))"

@@ -13,8 +13,10 @@ Three kernels, each one source file in ``csrc/``:
   tile (``structattn.kinds.key_bias``).
 
 The build needs a C++ compiler and ``ninja`` (a dependency); it takes about a minute per
-kernel once per machine (``scripts/setup.sh`` does it ahead of time) and is cached under
-``TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``). Where it cannot be built,
+kernel, once per torch version (``python -m structattn.kernels build`` does it ahead of time,
+as ``scripts/setup.sh`` does), and is kept under ``TORCH_EXTENSIONS_DIR`` (default
+``~/.cache/torch_extensions``) in a directory named by a hash of what the library depends on
+(``cache_directory``): virtual environments with the same torch share it. Where it cannot be built,
 the library warns once per kernel and uses its Python reading, which computes the same thing
 (to rounding: in bfloat16 the kernels score in float32, the Python loop in bfloat16).
 ``STRUCTATTN_KERNELS=0`` in the environment, or ``with structattn.kernels.disabled():``,
@@ -24,15 +26,17 @@ turns the kernels off (e.g. to compare against the Python loop).
 from __future__ import annotations
 
 import contextlib
-import logging
+import hashlib
 import os
+import platform
+import sys
 import threading
 import warnings
 
 import torch
 
-__all__ = ["available", "disabled", "mean_field_windows", "stick_breaking", "key_bias", "with_rules",
-           "build_error"]
+__all__ = ["available", "build", "build_error", "cache_directory", "disabled", "key_bias",
+           "mean_field_windows", "stick_breaking", "with_rules"]
 
 #: kernel → (its source in csrc/, the name of its extension and op namespace, what falls back)
 _KERNELS = {
@@ -51,7 +55,6 @@ _lock = threading.Lock()
 #: kernel → its ops, why its build failed, whether it was tried
 _states: dict = {k: {"ops": None, "error": None, "tried": False, "rules": False} for k in _KERNELS}
 _off = threading.local()
-log = logging.getLogger("structattn.kernels")
 
 
 def _enabled() -> bool:
@@ -68,19 +71,70 @@ def disabled():
         _off.depth -= 1
 
 
+def _machine() -> str:
+    """What a ``-march=native`` build depends on: the CPU's instruction-set flags."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), platform.machine())
+    except OSError:
+        return platform.machine() + platform.processor()
+
+
+def cache_directory(kernel: str) -> str:
+    """Where ``kernel``'s library is built and kept: ``<root>/structattn/<name>-<key>``, root
+    ``TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``. The key hashes what the library
+    depends on — its source, the compiler flags, torch's version and C++ ABI, Python's, the
+    CPU's flags — and nothing of the environment's paths: a second virtual environment with
+    the same torch finds it built, and one with another torch builds its own."""
+    source, name, _ = _KERNELS[kernel]
+    with open(os.path.join(os.path.dirname(__file__), "csrc", source), "rb") as f:
+        digest = hashlib.sha256(f.read())
+    for part in (*_FLAGS.get(kernel, []), torch.__version__, str(torch._C._GLIBCXX_USE_CXX11_ABI),
+                 sys.version, _machine()):
+        digest.update(part.encode())
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "torch_extensions")
+    return os.path.join(root, "structattn", f"{name}-{digest.hexdigest()[:16]}")
+
+
 def _build(kernel: str = "mean_field"):
+    """Load ``kernel``'s library from its cache directory, building it there first if it is
+    not yet built (torch's C++ extension loader: about a minute)."""
     from torch.utils.cpp_extension import load
 
     source, name, _ = _KERNELS[kernel]
-    log.info("structattn: building the %s kernel (once per machine, about a minute)", kernel)
+    where = cache_directory(kernel)
+    library = os.path.join(where, f"{name}.so")
+    if os.path.exists(library):
+        torch.ops.load_library(library)
+        return getattr(torch.ops, name)
+    print(f"structattn: building the compiled {kernel.replace('_', '-')} kernel (about a minute, "
+          f"once per torch version) in {where}", file=sys.stderr, flush=True)
+    os.makedirs(where, exist_ok=True)
     with warnings.catch_warnings():  # the loader's own notes (compiler version, ABI)
         warnings.simplefilter("ignore")
         # -fopenmp: at::parallel_for spreads the work over torch's intra-op threads
         load(name=name, sources=[os.path.join(os.path.dirname(__file__), "csrc", source)],
              extra_cflags=["-O3", "-fopenmp", *_FLAGS.get(kernel, [])],
-             extra_ldflags=["-fopenmp"],
+             extra_ldflags=["-fopenmp"], build_directory=where,
              is_python_module=False, verbose=False)
     return getattr(torch.ops, name)
+
+
+def build() -> int:
+    """Build (or find built) every kernel; print where each is and return how many failed:
+    ``python -m structattn.kernels build``, for set-up scripts."""
+    failed = 0
+    for kernel in _KERNELS:
+        ops = _ops(kernel)
+        state = _states[kernel]
+        if ops is None:
+            failed += 1
+            why = state["error"] or "kernels are off (STRUCTATTN_KERNELS=0)"
+            print(f"structattn: {kernel}: not built: {why.splitlines()[0][:300]}")
+        else:
+            print(f"structattn: {kernel}: ready in {cache_directory(kernel)}")
+    return failed
 
 
 def _ops(kernel: str):
@@ -150,3 +204,18 @@ def build_error() -> str | None:
     """Why a build failed, or None."""
     errors = [s["error"] for s in _states.values() if s["error"]]
     return "; ".join(errors) if errors else None
+
+
+def main(argv=None) -> int:
+    """``python -m structattn.kernels build``: build the kernels ahead of their first use."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m structattn.kernels",
+                                     description="The compiled CPU kernels of structattn.")
+    parser.add_argument("command", choices=["build"], help="build (or find built) every kernel")
+    parser.parse_args(argv)
+    return 1 if build() else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -117,6 +117,15 @@ def test_the_wheel_installs_imports_runs_and_renders_outside_the_repository(dist
     import structattn as sa
     assert int(lines["MODELS"]) == len(sa.models.CATALOGUE)
     assert lines["KERNEL"].startswith("True"), lines["KERNEL"]
+    # a second environment (this one: another directory, the same torch) finds the kernel that
+    # the wheel's environment built, and does not build it again
+    library = next((tmp_path / "extensions").rglob("structattn_stick_breaking.so"))
+    built = library.stat().st_mtime_ns
+    second = subprocess.run(
+        [sys.executable, "-c", "import structattn.kernels as k; assert k.stick_breaking()"],
+        cwd=work, env=env, capture_output=True, text=True, timeout=600)
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert "building" not in second.stderr and library.stat().st_mtime_ns == built
     # the command line: an SVG drawn from the installed catalogue
     svg = work / "sa.svg"
     _run([str(env_dir / "bin" / "structattn"), "render", "self_attention", "--out", str(svg)],
