@@ -90,6 +90,11 @@ class CompiledModule(nn.Module):
                   trace_posteriors: bool = False, **kwargs):
         """One reading of the declaration under ``Marginalise``: what ``forward`` does on a
         signature's first call (and ``torch.compile`` / ``torch.export`` trace)."""
+        for name, flag in (("return_posterior", return_posterior), ("return_trace", return_trace),
+                           ("trace_posteriors", trace_posteriors)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{type(self.declaration).__name__}: {name} must be True or "
+                                f"False; got {flag!r} ({type(flag).__name__})")
         with Marginalise(record_posterior=return_posterior, record_trace=return_trace,
                          record_trace_posteriors=trace_posteriors,
                          declaration=self.declaration).direct() as reader:

@@ -247,3 +247,59 @@ def test_potential_after_value_is_refused():
 
     with pytest.raises(ValueError, match=r"edge family 'attn': potentials must be declared before"):
         sa.compile(program)(_x(1, 3, 4))
+
+
+# -- hyper-parameters refused at the factory, naming the argument and the class called ---------
+@pytest.mark.parametrize("weights, match", [
+    ((float("nan"), 1.0), r"hop_weights must be finite numbers .* got nan"),
+    ((1.0, float("inf")), r"hop_weights must be finite numbers .* got inf"),
+    ((0.0, 0.0, 0.0), r"hop_weights are all zero"),
+    ((1.0,), r"hop_weights must be \(w_0, …, w_K\) with K ≥ 1"),
+    ((True, 1.0), r"hop_weights must be finite numbers .* got True"),
+    ("ab", r"hop_weights must be finite numbers .* got 'a'"),
+    (3.0, r"hop_weights must be a sequence"),
+])
+def test_multihop_refuses_bad_hop_weights(weights, match):
+    with pytest.raises(ValueError, match=match):
+        sa.models.multihop_attention(8, hop_weights=weights)
+
+
+def test_multihop_takes_negative_and_zero_weights():
+    m = sa.models.multihop_attention(6, d_k=3, hop_weights=(0.0, -1.0, 2.0), dtype=torch.float64)
+    x = _x(2, 4, 6)
+    truth = sa.inference.exact(m, x)
+    torch.testing.assert_close(sa.compile(m)(x), truth.output, rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("bias", [float("nan"), float("inf"), -float("inf"), "3", None])
+def test_forgetting_attention_refuses_a_gate_bias_that_is_not_finite(bias):
+    with pytest.raises(ValueError, match=r"ForgettingAttention: gate_bias must be a finite number"):
+        sa.models.forgetting_attention(8, heads=2, gate_bias=bias)
+
+
+@pytest.mark.parametrize("temperature", [0, -1.0, float("nan")])
+def test_block_slot_attention_names_itself_for_a_bad_temperature(temperature):
+    with pytest.raises(ValueError, match=r"^BlockSlotAttention: temperature must be"):
+        sa.models.block_slot_attention(3, 8, num_blocks=2, num_prototypes=4,
+                                       temperature=temperature)
+    with pytest.raises(ValueError, match=r"^SlotAttention: temperature must be"):
+        sa.models.slot_attention(3, 8, temperature=temperature)
+
+
+@pytest.mark.parametrize("option", ["return_posterior", "return_trace", "trace_posteriors"])
+@pytest.mark.parametrize("value", ["yes", 1, None])
+def test_output_options_take_only_bool(option, value):
+    layer = sa.compile(sa.models.self_attention(8, heads=2))
+    x = torch.randn(1, 3, 8)
+    for _ in range(3):  # read, record, replay: refused on every path
+        with pytest.raises(TypeError, match=rf"SelfAttention: {option} must be True or False; "
+                                            rf"got {value!r}"):
+            layer(x, **{option: value})
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.uint8])
+def test_graph_attention_says_a_dense_mask_must_be_bool(dtype):
+    m = sa.models.graph_attention(8, heads=2)
+    adjacency = torch.ones(5, 5, dtype=dtype)
+    with pytest.raises(ValueError, match=r"looks like a dense \(n, n\) mask, which must be bool"):
+        sa.compile(m)(torch.randn(1, 5, 8), adjacency)

@@ -3,6 +3,8 @@ the past is a data-dependent forget gate."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -32,6 +34,10 @@ class ForgettingAttention(TokenAttention):
                  dtype=None, **kwargs):
         super().__init__(d_model, heads=heads, causal=True, device=device, dtype=dtype, **kwargs)
         window_options("ForgettingAttention", tol, block_size, True)
+        if isinstance(gate_bias, bool) or not isinstance(gate_bias, (int, float)) \
+                or not math.isfinite(gate_bias):
+            raise ValueError(f"ForgettingAttention: gate_bias must be a finite number (the forget "
+                             f"gates' initial logit b_h); got {gate_bias!r}")
         self.tol, self.block_size = tol, block_size
         kw = {"device": device, "dtype": dtype}
         self.W_f = nn.Parameter(torch.empty(self.heads, d_model, **kw))

@@ -36,6 +36,12 @@ class GraphAttention(TokenAttention):
             adjacency = edge_index_from_networkx(adjacency, x.shape[-2], x.device)
         if isinstance(adjacency, torch.Tensor) and adjacency.dtype == torch.bool:
             prior = Uniform(support=adjacency, causal=self.causal, empty=self.empty)
+        elif isinstance(adjacency, torch.Tensor) and not adjacency.is_floating_point() \
+                and adjacency.dim() == 2 and adjacency.shape[0] == adjacency.shape[1] != 2:
+            raise ValueError(
+                f"GraphAttention: adjacency of shape {tuple(adjacency.shape)} and dtype "
+                f"{adjacency.dtype} looks like a dense (n, n) mask, which must be bool "
+                f"(adjacency.bool()); an edge_index is int64 of shape (2, E)")
         elif isinstance(adjacency, torch.Tensor) and adjacency.dtype == torch.long:
             prior = Uniform(edge_index=adjacency, causal=self.causal, empty=self.empty)
         else:

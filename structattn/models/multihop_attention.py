@@ -15,15 +15,16 @@ class MultihopAttention(TokenAttention):
     """φ_i ~ Uniform (causal: j ≤ i); ψ = x_iᵀW_QᵀW_K x_j / τ;
     v_i = Σ_k w_k W_V x_{φ^k(i)} (φ^k: k steps along the edges) ⇒ y = W_O[Σ_k w_k P^k V X]_heads.
 
-    ``hop_weights``: (w_0, …, w_K); (0, 1, 1) is the paper's (P + P²)VX, (⅓, ⅓, ⅓) the
-    authors' code. Compiled as K attention calls on the values (P^k is never formed).
+    ``hop_weights``: (w_0, …, w_K), finite, not all zero (a weight may be negative: the
+    value is a linear combination of hops); (0, 1, 1) is the paper's (P + P²)VX, (⅓, ⅓, ⅓)
+    the authors' code. Compiled as K attention calls on the values (P^k is never formed).
     x: ``(*batch, n, d_model)`` → ``(*batch, n, d_model or heads·d_v)``.
     """
 
     def __init__(self, d_model, *, hop_weights=(0.0, 1.0, 1.0), heads=1, **kwargs):
         super().__init__(d_model, heads=heads, **kwargs)
+        Hops(self.W_v, hop_weights, heads=heads)  # validate the weights now
         self.hop_weights = tuple(float(w) for w in hop_weights)
-        Hops(self.W_v, self.hop_weights, heads=heads)  # validate the weights now
 
     def model(self, x):
         tokens = self.tokens(x)

@@ -56,12 +56,12 @@ class SlotAttention(sa.Declaration):
             ("num_slots", num_slots), ("dim", dim), ("hidden_dim", hidden_dim)))
         iters = check_size(owner, "iters", iters, 0)
         if recipe not in RECIPES:
-            raise ValueError(f"SlotAttention: recipe must be one of {RECIPES}; got {recipe!r}")
+            raise ValueError(f"{owner}: recipe must be one of {RECIPES}; got {recipe!r}")
         if not (isinstance(eps, (int, float)) and eps >= 0 and math.isfinite(eps)):
-            raise ValueError(f"SlotAttention: eps must be a finite number ≥ 0; got {eps!r}")
+            raise ValueError(f"{owner}: eps must be a finite number ≥ 0; got {eps!r}")
         sa.IterationOptions(steps=iters, grad=grad)  # check them now
         temperature = math.sqrt(dim) if temperature is None else temperature
-        sa.potentials.bilinear.check_temperature(temperature, "SlotAttention")
+        sa.potentials.bilinear.check_temperature(temperature, owner)
         kw = {"device": device, "dtype": dtype}
         self.num_slots, self.dim, self.iters, self.eps = num_slots, dim, iters, eps
         self.recipe, self.temperature, self.grad = recipe, temperature, grad
@@ -139,19 +139,19 @@ class SlotAttention(sa.Declaration):
         """The given slots (checked), or μ + σ·ε for ``num_slots`` (default: the constructor's)."""
         if not isinstance(inputs, torch.Tensor) or inputs.dim() != 3 or inputs.shape[-1] != self.dim:
             got = tuple(inputs.shape) if isinstance(inputs, torch.Tensor) else type(inputs).__name__
-            raise ValueError(f"SlotAttention: inputs must have shape (batch, n, {self.dim}); "
+            raise ValueError(f"{type(self).__name__}: inputs must have shape (batch, n, {self.dim}); "
                              f"got {got}")
         if num_slots is not None:
             num_slots = check_size(type(self).__name__, "num_slots", num_slots)
         b = inputs.shape[0]
         if slots is not None:
             if not isinstance(slots, torch.Tensor):
-                raise ValueError(f"SlotAttention: slots must be a tensor (batch, num_slots, dim); "
+                raise ValueError(f"{type(self).__name__}: slots must be a tensor (batch, num_slots, dim); "
                                  f"got {type(slots).__name__}")
             want = (b, num_slots or slots.shape[-2] if slots.dim() == 3 else -1, self.dim)
             if tuple(slots.shape) != want:
                 n_s = "num_slots" if num_slots is None else f"num_slots={num_slots}"
-                raise ValueError(f"SlotAttention: slots must have shape (batch={b}, {n_s}, "
+                raise ValueError(f"{type(self).__name__}: slots must have shape (batch={b}, {n_s}, "
                                  f"dim={self.dim}); got {tuple(slots.shape)}")
             return slots
         n_s = num_slots or self.num_slots

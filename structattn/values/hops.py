@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pyro
 import pyro.distributions as dist
 import torch
@@ -32,9 +34,23 @@ class Hops(Linear):
 
     def __init__(self, W_v: torch.Tensor, weights=(0.0, 1.0, 1.0), *, heads: int = 1):
         super().__init__(W_v, heads=heads)  # W_V and its checks: a Linear value per hop
-        weights = [float(w) for w in weights]
+        try:
+            given = tuple(weights)
+        except TypeError:
+            raise ValueError(f"Hops value: hop_weights must be a sequence (w_0, …, w_K) of finite "
+                             f"numbers; got {weights!r}") from None
+        bad = [w for w in given if isinstance(w, bool) or not isinstance(w, (int, float))
+               or not math.isfinite(w)]
+        if bad:
+            raise ValueError(f"Hops value: hop_weights must be finite numbers (a weight may be "
+                             f"negative or zero); got {bad[0]!r} in {given!r}")
+        weights = [float(w) for w in given]
         if len(weights) < 2:
-            raise ValueError(f"Hops value: weights must be (w_0, …, w_K) with K ≥ 1; got {weights}")
+            raise ValueError(f"Hops value: hop_weights must be (w_0, …, w_K) with K ≥ 1; got "
+                             f"{weights}")
+        if not any(weights):
+            raise ValueError(f"Hops value: hop_weights are all zero, so the value would be 0 for "
+                             f"every input; got {weights}")
         self.weights = weights
 
     def expectation(self, attend, children, parents):
