@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 
@@ -23,6 +24,17 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"must be a positive int; got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive int; got {value}")
+    return value
+
+
+def _finite_float(text: str) -> float:
+    """An argparse type for --scale and --threshold: a finite number, or a clean usage error."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number; got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number; got {text!r}")
     return value
 
 
@@ -81,12 +93,12 @@ def main(argv=None) -> int:
     r.add_argument("--heads", type=_positive_int, help="number of heads (catalogue example: 2)")
     r.add_argument("--top-k", type=_positive_int,
                    help="keep each child's k most probable parents")
-    r.add_argument("--threshold", type=float, default=0.0, help="drop lighter edges")
+    r.add_argument("--threshold", type=_finite_float, default=0.0, help="drop lighter edges")
     r.add_argument("--labels", action="store_true", help="print probabilities on MAP edges")
     r.add_argument("--max-nodes", type=_positive_int, default=64,
                    help="families with more nodes (parents + children) are plotted as "
                         "statistics (an image --out) or refused (default 64)")
-    r.add_argument("--scale", type=float, default=3.0,
+    r.add_argument("--scale", type=_finite_float, default=3.0,
                    help="scale of the random example inputs (sharper posteriors)")
     r.add_argument("--seed", type=int, default=0)
     sub.add_parser("list", help="list the catalogue")
@@ -98,9 +110,11 @@ def main(argv=None) -> int:
             doc = (sa.models.REGISTRY[name].__doc__ or "").strip().splitlines()
             print(f"{name:30s} {doc[0] if doc else ''}")
         return 0
+    from .drawing import RenderError
+
     try:
         print(render(args))
-    except ValueError as e:
+    except (ValueError, RenderError) as e:
         print(f"structattn render: {e}", file=sys.stderr)
         return 2
     return 0

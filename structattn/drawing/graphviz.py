@@ -18,7 +18,21 @@ from .networkx import to_networkx
 
 
 class RenderError(RuntimeError):
-    """Raised when graphviz cannot write an image (typically: no ``dot`` binary)."""
+    """Raised when a drawing cannot be written: no ``dot`` binary, a path that cannot be
+    written (it names the path), or graphviz failing on it."""
+
+
+def cannot_write(filename: str, err: Exception) -> RenderError:
+    """The library's one-line refusal of a path that cannot be written, naming it (and the
+    part of it that is a file where a directory is needed, if one is)."""
+    parent = os.path.dirname(os.path.abspath(filename))
+    while parent and not os.path.exists(parent) and parent != os.path.dirname(parent):
+        parent = os.path.dirname(parent)
+    if os.path.exists(parent) and not os.path.isdir(parent):
+        why = f"{parent!r} is a file, not a directory"
+    else:
+        why = getattr(err, "strerror", None) or (str(err).splitlines() or [type(err).__name__])[0]
+    return RenderError(f"cannot write {filename!r}: {why}")
 
 
 _COLOURS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2",
@@ -200,12 +214,22 @@ def save(dot: graphviz.Digraph, filename: str | os.PathLike) -> str:
     filename = os.fspath(filename)
     root, ext = os.path.splitext(filename)
     fmt = ext.lstrip(".").lower()
+    if fmt not in ("svg", "png", "pdf", "dot", "gv"):
+        raise ValueError(f"filename must end in .svg, .png, .pdf or .dot; got {filename!r}")
+    try:
+        return _write(dot, filename, root, fmt)
+    except OSError as e:  # a directory that is missing or a file, no permission, …
+        raise cannot_write(filename, e) from e
+    except graphviz.CalledProcessError as e:  # dot itself could not write it
+        raise cannot_write(filename, RuntimeError(
+            f"graphviz's dot failed: {(e.stderr or b'').decode(errors='replace').strip()}")) from e
+
+
+def _write(dot: graphviz.Digraph, filename: str, root: str, fmt: str) -> str:
     if fmt in ("dot", "gv"):
         with open(filename, "w") as fh:
             fh.write(dot.source)
         return filename
-    if fmt not in ("svg", "png", "pdf"):
-        raise ValueError(f"filename must end in .svg, .png, .pdf or .dot; got {filename!r}")
     try:
         return dot.render(outfile=filename, format=fmt, cleanup=True)
     except graphviz.ExecutableNotFound as e:

@@ -180,5 +180,10 @@ def plot_attention(model, *inputs, heads=None, batch_index: int = 0,
     fig.suptitle("\n".join(title), fontsize=11)
     fig.tight_layout()
     if filename is not None:
-        fig.savefig(os.fspath(filename), dpi=dpi)
+        try:
+            fig.savefig(os.fspath(filename), dpi=dpi)
+        except OSError as e:
+            from .graphviz import cannot_write
+
+            raise cannot_write(os.fspath(filename), e) from e
     return fig
