@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ._validation import check_like
+from ._validation import check_finite, check_like
 
 
 class Declaration(nn.Module):
@@ -71,6 +71,17 @@ class Declaration(nn.Module):
             elif not x.is_floating_point():
                 raise ValueError(f"{owner}: {arg} must be floating point (float32, float64, "
                                  f"bfloat16 or float16); got dtype {x.dtype}")
+
+    def check_finite_inputs(self, **inputs) -> None:
+        """With the checks on, a ValueError naming the argument (``name=tensor``; None is
+        skipped) that holds NaN or ±inf, with the index of its first such entry in the
+        argument's own shape: for models whose node sets are built from transformed arguments
+        (a LayerNorm, a reshape into units), whose own check would name the node set and its
+        indices instead. One finite sum per argument."""
+        owner = type(self).__name__
+        for arg, x in inputs.items():
+            if x is not None:
+                check_finite(f"{owner}: {arg}", x)
 
     def _reference_parameter(self) -> tuple[str, torch.Tensor] | None:
         """``(name, tensor)`` of the first floating-point parameter (else buffer), or None."""

@@ -1,5 +1,7 @@
 """Bad input gets a ValueError naming the node set / edge family, expected vs actual."""
 
+import re
+
 import pytest
 import torch
 
@@ -303,3 +305,45 @@ def test_graph_attention_says_a_dense_mask_must_be_bool(dtype):
     adjacency = torch.ones(5, 5, dtype=dtype)
     with pytest.raises(ValueError, match=r"looks like a dense \(n, n\) mask, which must be bool"):
         sa.compile(m)(torch.randn(1, 5, 8), adjacency)
+
+
+# -- a NaN in an argument is named as the argument, at its own index ----------------------------
+NAMED_ARGUMENTS = {
+    # model, inputs of the right shapes, the argument spoiled, its index, its size
+    "predictive_coding": (lambda: sa.models.predictive_coding([4, 5, 3]),
+                          lambda: (torch.randn(2, 4),), "PredictiveCoding: x", 0, (0, 1), 8),
+    "predictor_choice_coding": (lambda: sa.models.predictor_choice_coding([4, 5, 3]),
+                                lambda: (torch.randn(2, 4),), "PredictorChoiceCoding: x", 0,
+                                (0, 1), 8),
+    "classification": (lambda: sa.models.classification(6, 3), lambda: (torch.randn(2, 6),),
+                       "Classification: features", 0, (0, 1), 12),
+    "slot_attention": (lambda: sa.models.slot_attention(3, 8), lambda: (torch.randn(2, 12, 8),),
+                       "SlotAttention: inputs", 0, (0, 0, 1), 192),
+    "block_slot_attention": (lambda: sa.models.block_slot_attention(3, 8, num_blocks=2,
+                                                                    num_prototypes=4),
+                             lambda: (torch.randn(2, 12, 8),), "BlockSlotAttention: inputs", 0,
+                             (0, 0, 1), 192),
+}
+
+
+@pytest.mark.parametrize("name", sorted(NAMED_ARGUMENTS))
+def test_a_nan_argument_is_named_before_any_transformation(name):
+    """Predictive coding reshapes x into units (three indices), classification calls its
+    argument 'outputs', slot attention normalises first (one NaN read as 8): the message names
+    the argument the user passed, one NaN, at its index there — on a read and on a replay."""
+    build, inputs, what, arg, index, size = NAMED_ARGUMENTS[name]
+    torch.manual_seed(0)
+    m = build()
+    clean = inputs()
+    layer = sa.compile(m)
+    for _ in range(3):  # read, record, replay
+        layer(*clean)
+    bad = list(clean)
+    bad[arg] = clean[arg].clone()
+    bad[arg][index] = float("nan")
+    message = (rf"^{what} contains non-finite values \(NaN or inf\): 1 of {size} entries, the "
+               rf"first at index {re.escape(str(index))}\.")
+    with pytest.raises(ValueError, match=message):
+        layer(*bad)
+    with pytest.raises(ValueError, match=message):
+        sa.compile(m)(*bad)

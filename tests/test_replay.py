@@ -564,7 +564,9 @@ def test_the_fast_path_serves_calls_with_the_same_options_only():
     want = layer.interpret(x, return_posterior=True)
     assert torch.equal(out, want[0]) and torch.equal(post, want[1])
     assert torch.equal(layer(x), layer.interpret(x))  # no option: not this plan
-    assert torch.equal(layer(x, return_posterior=1)[1], post)  # an int for the bool: read
+    # an int for the bool is not this plan's call: read, and refused there (only bool is taken)
+    with pytest.raises(TypeError, match="return_posterior must be True or False; got 1"):
+        layer(x, return_posterior=1)
     assert plan.calls == calls + 1
 
 

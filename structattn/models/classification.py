@@ -49,6 +49,7 @@ class Classification(Declaration):
 
     def model(self, features):
         self.check_inputs(features=features)
+        self.check_finite_inputs(features=features)
         outputs = nodes("outputs", features, features=self.d)
         y = self.class_embeddings.expand(*features.shape[:-2], self.num_classes, self.d)
         classes = nodes("classes", y)

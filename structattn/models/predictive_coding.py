@@ -114,6 +114,7 @@ class PredictiveCoding(sa.Declaration):
     def model(self, x, y=None):
         L = len(self.layer_sizes) - 1
         self.check_inputs(x=x, y=y)
+        self.check_finite_inputs(x=x, y=y)
         self._check(x, y)
         below = sa.nodes("layer0", self._nodes(0, x))
         state, latents = x, []

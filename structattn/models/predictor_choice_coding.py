@@ -89,6 +89,7 @@ class PredictorChoiceCoding(sa.Declaration):
     def model(self, x, y=None):
         L = len(self.layer_sizes) - 1
         self.check_inputs(x=x, y=y)
+        self.check_finite_inputs(x=x, y=y)
         self._check(x, y)
         options = {"scale": None, "update": "gradient", "steps": self.steps,
                    "step_size": self.step_size / float(self.temperature), "grad": self.grad}

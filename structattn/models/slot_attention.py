@@ -84,6 +84,7 @@ class SlotAttention(sa.Declaration):
     # -- the declaration ---------------------------------------------------------------
     def model(self, inputs, slots=None, num_slots=None):
         self.check_inputs(inputs=inputs, slots=slots)
+        self.check_finite_inputs(inputs=inputs, slots=slots)
         init = self.initial_slots(inputs, slots, num_slots)
         x = self.norm_input(inputs)
         if self.recipe == "collapsed":
