@@ -85,7 +85,9 @@ def graph_to_dot(G: nx.MultiDiGraph, *, heads=None, threshold: float = 0.0,
                                       "fontsize": "10", "width": "0.45", "margin": "0.03"},
                            edge_attr={"dir": "forward"})
     kind = "inferred p(φ | x)" if inferred else "declared prior p(φ)"
-    title = [f"{G.graph.get('model', '')} — {kind}"]
+    index, size = G.graph.get("batch", (0, 1))
+    which = f", batch element {index} of {size} (batch_index={index})" if size > 1 else ""
+    title = [f"{G.graph.get('model', '')} — {kind}{which}"]
     counter = iter(range(10**9))
     families = G.graph["families"]
     max_heads = max((f["heads"] for f in families.values()), default=1)
@@ -197,6 +199,9 @@ def render(model, *inputs, heads=None, threshold: float = 0.0, top_k: int | None
     is refused before any O(C·P) work: a graph that large shows no structure, and
     ``plot_attention`` plots what it says (attention distance per head, MAP parents, windows
     per token). ``max_nodes=None`` draws any size.
+
+    Batched inputs: one batch element is drawn, ``batch_index`` of the flattened batch
+    (default 0); the title says which of how many.
     """
     if not inputs:  # drawn at the declaration's example inputs: say so if it has none
         require_example_inputs(as_declaration(model), "render")

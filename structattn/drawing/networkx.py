@@ -30,7 +30,8 @@ def to_networkx(model, *inputs, batch_index: int = 0, max_nodes: int | None = No
     given, ``posterior`` p(φ_i = j | x) (for latent node sets, at the compiled reading's
     final states). Without inputs the declaration's
     ``example_inputs()`` fix the sizes and only the declared structure is kept.
-    Batched inputs: element ``batch_index`` of the flattened batch is drawn. ``max_nodes``
+    Batched inputs: element ``batch_index`` of the flattened batch is drawn (the graph's
+    ``batch`` says which of how many). ``max_nodes``
     (optional): refuse families whose two rows (parents and children) hold more nodes,
     before any O(C·P) work.
 
@@ -69,6 +70,7 @@ def to_networkx(model, *inputs, batch_index: int = 0, max_nodes: int | None = No
                        memory=getattr(ns, "memory", False))
     for name, info, prior, post in family_tables(structure, batch_index, inferred):
         G.graph["families"][name] = info
+        G.graph["batch"] = (batch_index, info["batch"])
         weight = post if post is not None else prior  # (H, C, P)
         keep = prior > 0  # the support (and whatever an approximate posterior reaches)
         if post is not None:
@@ -121,7 +123,10 @@ def family_tables(structure, batch_index, inferred):
                 "value": fam.value.describe() if fam.value is not None else None}
         with torch.no_grad():
             prior = _select(structure.log_prior(name).exp(), batch_index)  # (H, C, P)
-            post = _select(structure.posterior(name), batch_index) if inferred else None
+            table = structure.posterior(name) if inferred else None
+            post = _select(table, batch_index) if inferred else None
+        # how many batch elements the inputs held (the prior alone has none)
+        info["batch"] = table[..., 0, 0, 0].numel() if table is not None else 1
         yield name, info, prior, post
         weights = getattr(fam.value, "weights", None) if fam.value is not None else None
         if not weights or fam.children is not fam.parents:

@@ -179,3 +179,14 @@ def test_multihop_is_drawn_hop_by_hop():
             for u, v, d in G.edges(data=True) if d["family"] == "attn.hop2"]
     assert len(hop2) == 2 * 15  # the causal support of a two-step walk: j ≤ i
     assert max(abs(w - float(P2[h, i, j])) for h, i, j, w in hop2) < 1e-12
+
+
+def test_a_batch_is_drawn_one_element_at_a_time_and_the_title_says_which():
+    m = sa.models.self_attention(8, heads=2)
+    x = torch.randn(3, 4, 8)
+    for i in range(3):
+        assert f"batch element {i} of 3 (batch_index={i})" in sa.render(m, x, batch_index=i).source
+    assert "batch element" not in sa.render(m, x[:1]).source  # one element: nothing to say
+    assert "batch element" not in sa.render(m).source  # the declared prior
+    with pytest.raises(ValueError, match=r"batch_index must be in \[0, 3\); got 3"):
+        sa.render(m, x, batch_index=3)
