@@ -106,8 +106,12 @@ class BlockSlotAttention(SlotAttention):
     last iteration's attention computed before that iteration's update, p(φ | x, z_{T−1}):
     ``trace.posteriors["assign"][-2]`` with ``return_trace=True, trace_posteriors=True``.
 
-    inputs ``(B, N, dim)``, slots ``(B, S, dim)`` (optional) → slots ``(B, S, dim)``; the
-    prototypes are ``(num_blocks, num_prototypes, dim / num_blocks)``.
+    inputs ``(B, N, input_dim)`` (default ``dim``; SysBinder's ``input_size``), slots
+    ``(B, S, dim)`` (optional; SysBinder's ``slot_size``) → slots ``(B, S, dim)``; the
+    prototypes are ``(num_blocks, num_prototypes, dim / num_blocks)``; each block's MLP is
+    ``hidden_dim // num_blocks`` wide in the original recipe (SysBinder's
+    ``mlp_hidden_size // num_blocks``), ``max(dim, hidden_dim) // num_blocks`` in the blockwise
+    one.
 
     ::
 
@@ -120,7 +124,7 @@ class BlockSlotAttention(SlotAttention):
 
     def __init__(self, num_slots, dim, *, num_blocks, num_prototypes, iters=3, eps=1e-8,
                  hidden_dim=128, recipe="original", temperature=None, memory_temperature=None,
-                 grad="unroll", device=None, dtype=None):
+                 grad="unroll", input_dim=None, device=None, dtype=None):
         if recipe not in RECIPES:
             raise ValueError(f"BlockSlotAttention: recipe must be one of {RECIPES}; got "
                              f"{recipe!r}")
@@ -133,9 +137,15 @@ class BlockSlotAttention(SlotAttention):
                              f"num_blocks={num_blocks}")
         if recipe == "collapsed" and num_prototypes == 0:
             raise ValueError("BlockSlotAttention: recipe='collapsed' needs num_prototypes ≥ 1")
+        hidden_dim = check_size(owner, "hidden_dim", hidden_dim)
+        if recipe == "original" and hidden_dim < num_blocks:
+            raise ValueError(f"BlockSlotAttention: hidden_dim={hidden_dim} must be ≥ "
+                             f"num_blocks={num_blocks} (each block's MLP is hidden_dim // "
+                             f"num_blocks wide, as SysBinder's mlp_hidden_size // num_blocks)")
         super().__init__(num_slots, dim, iters=iters, eps=eps, hidden_dim=hidden_dim,
                          recipe="collapsed" if recipe == "collapsed" else "original",
-                         temperature=temperature, grad=grad, device=device, dtype=dtype)
+                         temperature=temperature, grad=grad, input_dim=input_dim, device=device,
+                         dtype=dtype)
         self.recipe = recipe
         kw = {"device": device, "dtype": dtype}
         M, d = num_blocks, dim // num_blocks
@@ -149,7 +159,9 @@ class BlockSlotAttention(SlotAttention):
             return
         del self.gru, self.mlp
         self.gru = BlockGRUCell(M, d, **kw)
-        hidden = max(dim, hidden_dim) // M
+        # each block's MLP width: SysBinder's mlp_hidden_size // num_blocks (original); slot
+        # attention's max(dim, hidden_dim), split over the blocks (blockwise)
+        hidden = (hidden_dim if recipe == "original" else max(dim, hidden_dim)) // M
         self.mlp = nn.Sequential(BlockLinear(M, d, hidden, **kw), nn.ReLU(inplace=True),
                                  BlockLinear(M, hidden, d, **kw))
         if recipe == "original":
@@ -192,7 +204,7 @@ class BlockSlotAttention(SlotAttention):
         return memory
 
     def _original(self, x, init):
-        inputs = sa.nodes("inputs", x, features=self.dim)
+        inputs = sa.nodes("inputs", x, features=self.input_dim)
         v = self.to_v(x)  # (B, N, dim)
         has_memory = self.prototypes is not None
 
@@ -258,8 +270,10 @@ class BlockSlotAttention(SlotAttention):
             if tuple(v.shape) != tuple(mine[k].shape):
                 raise ValueError(f"BlockSlotAttention.load_sysbinder_state_dict: {k} needs "
                                  f"shape {tuple(mine[k].shape)}; SysBinder's gives "
-                                 f"{tuple(v.shape)} (sizes differ: num_slots, dim, num_blocks, "
-                                 f"num_prototypes, hidden_dim = SysBinder's mlp_hidden_size)")
+                                 f"{tuple(v.shape)} (the sizes must be SysBinder's: dim = its "
+                                 f"slot_size, input_dim = its input_size, num_blocks, "
+                                 f"num_prototypes = its num_prototypes, hidden_dim = its "
+                                 f"mlp_hidden_size)")
         self.load_state_dict(new)
 
 
@@ -279,5 +293,5 @@ def _case(recipe="original"):
 ENTRY = Entry(block_slot_attention, BlockSlotAttention, case=_case,
               example=dict(num_slots=3, dim=8, num_blocks=2, num_prototypes=3, iters=3, hidden_dim=16),
               sizes=dict(num_slots=1, dim=1, num_blocks=1, num_prototypes=0, iters=0,
-                         hidden_dim=1),
+                         hidden_dim=1, input_dim=1),
               variants={"blockwise": functools.partial(_case, recipe="blockwise")})

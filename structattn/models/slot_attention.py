@@ -30,7 +30,8 @@ class SlotAttention(sa.Declaration):
       z_s ← (μ/σ² + Σ_j p(φ_j = s) k_j/τ) / (1/σ² + Σ_j p(φ_j = s)/τ), and the free energy
       never increases (its MAP is ``structattn.inference.map_estimate``'s answer).
 
-    inputs: ``(B, N, dim)``; slots (optional initial slots): ``(B, S, dim)``, else
+    inputs: ``(B, N, input_dim)`` (``input_dim``: default ``dim``; ``to_k``/``to_v`` map it to
+    ``dim``); slots (optional initial slots): ``(B, S, dim)``, else
     μ + σ·ε with S = ``num_slots`` (per call) or the constructor's → slots ``(B, S, dim)``.
 
     Untrained, the collapsed recipe is plain EM and needs what EM needs: τ on the scale of
@@ -49,11 +50,12 @@ class SlotAttention(sa.Declaration):
     """
 
     def __init__(self, num_slots, dim, *, iters=3, eps=1e-8, hidden_dim=128, recipe="original",
-                 temperature=None, grad="unroll", device=None, dtype=None):
+                 temperature=None, grad="unroll", input_dim=None, device=None, dtype=None):
         super().__init__()
         owner = type(self).__name__
         num_slots, dim, hidden_dim = (check_size(owner, n, v) for n, v in (
             ("num_slots", num_slots), ("dim", dim), ("hidden_dim", hidden_dim)))
+        input_dim = dim if input_dim is None else check_size(owner, "input_dim", input_dim)
         iters = check_size(owner, "iters", iters, 0)
         if recipe not in RECIPES:
             raise ValueError(f"{owner}: recipe must be one of {RECIPES}; got {recipe!r}")
@@ -64,16 +66,17 @@ class SlotAttention(sa.Declaration):
         sa.potentials.bilinear.check_temperature(temperature, owner)
         kw = {"device": device, "dtype": dtype}
         self.num_slots, self.dim, self.iters, self.eps = num_slots, dim, iters, eps
+        self.input_dim = input_dim
         self.recipe, self.temperature, self.grad = recipe, temperature, grad
         self.scale = dim ** -0.5
         self.slots_mu = nn.Parameter(torch.randn(1, 1, dim, **kw))
         self.slots_logsigma = nn.Parameter(torch.zeros(1, 1, dim, **kw))
         nn.init.xavier_uniform_(self.slots_logsigma)
-        self.norm_input = nn.LayerNorm(dim, **kw)
-        self.to_k = nn.Linear(dim, dim, **kw)
+        self.norm_input = nn.LayerNorm(input_dim, **kw)
+        self.to_k = nn.Linear(input_dim, dim, **kw)
         if recipe == "original":
             self.to_q = nn.Linear(dim, dim, **kw)
-            self.to_v = nn.Linear(dim, dim, **kw)
+            self.to_v = nn.Linear(input_dim, dim, **kw)
             self.gru = nn.GRUCell(dim, dim, **kw)
             hidden_dim = max(dim, hidden_dim)
             self.mlp = nn.Sequential(nn.Linear(dim, hidden_dim, **kw), nn.ReLU(inplace=True),
@@ -92,7 +95,7 @@ class SlotAttention(sa.Declaration):
         return self._original(x, init)
 
     def _original(self, x, init):
-        inputs = sa.nodes("inputs", x, features=self.dim)
+        inputs = sa.nodes("inputs", x, features=self.input_dim)
         v = self.to_v(x)  # (B, N, dim)
 
         def gru_mlp(z, step):  # the original recipe's update, from the posterior over slots
@@ -138,9 +141,11 @@ class SlotAttention(sa.Declaration):
 
     def initial_slots(self, inputs, slots=None, num_slots=None):
         """The given slots (checked), or μ + σ·ε for ``num_slots`` (default: the constructor's)."""
-        if not isinstance(inputs, torch.Tensor) or inputs.dim() != 3 or inputs.shape[-1] != self.dim:
+        if not isinstance(inputs, torch.Tensor) or inputs.dim() != 3 \
+                or inputs.shape[-1] != self.input_dim:
             got = tuple(inputs.shape) if isinstance(inputs, torch.Tensor) else type(inputs).__name__
-            raise ValueError(f"{type(self).__name__}: inputs must have shape (batch, n, {self.dim}); "
+            raise ValueError(f"{type(self).__name__}: inputs must have shape (batch, n, "
+                             f"{self.input_dim}); "
                              f"got {got}")
         if num_slots is not None:
             num_slots = check_size(type(self).__name__, "num_slots", num_slots)
@@ -161,7 +166,8 @@ class SlotAttention(sa.Declaration):
         return mu + sigma * torch.randn(mu.shape, device=inputs.device, dtype=inputs.dtype)
 
     def example_inputs(self, n=6, batch=1):
-        return (self._randn(batch, n, self.dim), self._randn(batch, self.num_slots, self.dim))
+        return (self._randn(batch, n, self.input_dim),
+                self._randn(batch, self.num_slots, self.dim))
 
 
 def slot_attention(num_slots, dim, **kwargs) -> SlotAttention:
@@ -177,4 +183,4 @@ def _case():
 #: the catalogue's statement (structattn/models/_catalogue.py)
 ENTRY = Entry(slot_attention, SlotAttention, case=_case,
               example=dict(num_slots=3, dim=8, iters=3, hidden_dim=16),
-              sizes=dict(num_slots=1, dim=1, iters=0, hidden_dim=1))
+              sizes=dict(num_slots=1, dim=1, iters=0, hidden_dim=1, input_dim=1))

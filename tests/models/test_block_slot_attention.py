@@ -63,20 +63,22 @@ def block_layer_norm(x, M):
     return layer_norm(x.reshape(*x.shape[:-1], M, -1)).reshape(x.shape)
 
 
-def sysbinder_parameters(S, D, M, K, H, gen):
+def sysbinder_parameters(S, D, M, K, H, gen, I=None):
     """Random weights in the layout of SysBinder's ``state_dict()`` (sysbinder.py, utils.py):
     bias-free projections, a GRUCell whose matrices are masked block-diagonal, block linears
     ``w (M, d_in, d_out), b (1, M·d_out)``, the memory's prototypes (1, K, M, d) and its
-    4-layer MLP d → 4d → 4d → 4d → d."""
+    4-layer MLP d → 4d → 4d → 4d → d. ``I``: the inputs' width (SysBinder's input_size;
+    default D), which project_k and project_v map to D (its slot_size)."""
     d = D // M
+    I = D if I is None else I
 
     def r(*shape, s=0.5):
         return torch.randn(*shape, generator=gen, dtype=f64) * s
 
     p = {"slot_mu": r(1, 1, D), "slot_log_sigma": r(1, 1, D, s=0.1),
-         "norm_inputs.weight": 1 + r(D, s=0.1), "norm_inputs.bias": r(D, s=0.1),
+         "norm_inputs.weight": 1 + r(I, s=0.1), "norm_inputs.bias": r(I, s=0.1),
          "norm_slots.weight": 1 + r(D, s=0.1), "norm_slots.bias": r(D, s=0.1),
-         "project_q.weight": r(D, D), "project_k.weight": r(D, D), "project_v.weight": r(D, D),
+         "project_q.weight": r(D, D), "project_k.weight": r(D, I), "project_v.weight": r(D, I),
          "gru.gru.weight_ih": r(3 * D, D), "gru.gru.weight_hh": r(3 * D, D),
          "gru.gru.bias_ih": r(3 * D), "gru.gru.bias_hh": r(3 * D),
          "mlp.0.w": r(M, d, H // M), "mlp.0.b": r(1, H), "mlp.2.w": r(M, H // M, d),
@@ -91,8 +93,9 @@ def sysbinder_parameters(S, D, M, K, H, gen):
 def sysbinder_reference(p, inputs, slots, iters, M, eps=1e-8):
     """SysBinder.forward with given initial slots, written out: returns (slots, attn_vis), the
     last iteration's attention before its update."""
-    B, N, D = inputs.shape
-    S, d = slots.shape[1], D // M
+    B, N = inputs.shape[:2]
+    S, D = slots.shape[1:]
+    d = D // M
     mask = torch.block_diag(*[torch.ones(d, d, dtype=f64)] * M).repeat(3, 1)  # GRU block mask
     W_ih, W_hh = p["gru.gru.weight_ih"] * mask, p["gru.gru.weight_hh"] * mask
 
@@ -198,6 +201,29 @@ def test_original_recipe_normalises_each_block_without_affine_before_the_mlp():
     m1, p = sysbinder_model(M=4, D=8, iters=1, seed=2)
     x, z0 = torch.randn(1, 7, 8, dtype=f64), torch.randn(1, 3, 8, dtype=f64)
     assert (sa.compile(m1)(x, z0) - sysbinder_reference(p, x, z0, 1, M=4)[0]).abs().max() < 1e-12
+
+
+def test_sysbinder_at_its_own_sizes_inputs_narrower_than_slots_and_a_narrow_mlp():
+    """SysBinder's training script: inputs 192 wide, slots 2,048, mlp_hidden_size 192 over 8
+    blocks (each block's MLP 24 wide, narrower than its 256-wide block). Here the same ratios
+    at an eighth: inputs 24, slots 256, hidden 24, 8 blocks; SysBinder's weights load and give
+    its slots and attention to 1e-12."""
+    S, I, D, M, K, H = 3, 24, 256, 8, 4, 24
+    p = sysbinder_parameters(S, D, M, K, H, torch.Generator().manual_seed(3), I=I)
+    m = sa.models.block_slot_attention(S, D, num_blocks=M, num_prototypes=K, iters=3,
+                                       hidden_dim=H, input_dim=I, dtype=f64)
+    m.load_sysbinder_state_dict(p)
+    assert m.mlp[0].weight.shape == (M, H // M, D // M)  # 3 wide per block, as SysBinder's
+    x, z0 = torch.randn(2, 9, I, dtype=f64) * 2, torch.randn(2, S, D, dtype=f64)
+    want, attn_vis = sysbinder_reference(p, x, z0, 3, M=M)
+    out, trace = sa.compile(m)(x, z0, return_trace=True, trace_posteriors=True)
+    assert want.abs().max() > 0.5
+    assert (out - want).abs().max() < 1e-12
+    assert (trace.posteriors["assign"][-2].squeeze(-3) - attn_vis).abs().max() < 1e-12
+    # the model states its input width: a slot-wide input is refused, naming it
+    with pytest.raises(ValueError, match=rf"BlockSlotAttention: inputs must have shape "
+                                         rf"\(batch, n, {I}\)"):
+        sa.compile(m)(torch.randn(2, 9, D, dtype=f64), z0)
 
 
 def test_sysbinder_weights_of_other_sizes_are_refused():
