@@ -17,7 +17,6 @@ whether it imports here; ``interpreted()`` whether its interpreter is on.
 from __future__ import annotations
 
 import contextlib
-import functools
 import importlib.util
 import os
 import threading
@@ -25,10 +24,15 @@ import threading
 __all__ = ["available", "interpreted", "on_cpu", "serves"]
 
 
-@functools.cache
+_installed: list = []  # [whether Triton is installed], found once (a plain global: dynamo
+# traces it, where it warns of a functools cache)
+
+
 def available() -> bool:
     """Whether Triton is installed (it is imported only when a kernel is first called)."""
-    return importlib.util.find_spec("triton") is not None
+    if not _installed:
+        _installed.append(importlib.util.find_spec("triton") is not None)
+    return _installed[0]
 
 
 def interpreted() -> bool:
@@ -54,9 +58,9 @@ def on_cpu():
 def serves(*tensors) -> bool:
     """Whether the library calls the Triton kernels for these tensors: on a CUDA device with
     Triton installed, or on the CPU inside ``on_cpu()`` under the interpreter."""
-    if not tensors or not available():
+    if not tensors:
         return False
     if all(t.is_cuda for t in tensors):
-        return True
-    return (getattr(_cpu, "depth", 0) > 0 and interpreted()
+        return available()
+    return (getattr(_cpu, "depth", 0) > 0 and interpreted() and available()
             and all(t.device.type == "cpu" for t in tensors))

@@ -94,9 +94,9 @@ def test_triton_stops_where_every_stick_is_spent_and_the_backward_reads_the_same
 
 def test_triton_gradcheck_through_the_autograd_rule():
     torch.manual_seed(2)
-    a = torch.randn(1, 35, 2, dtype=f64, device=DEVICE, requires_grad=True)
-    b = torch.randn(1, 35, 2, dtype=f64, device=DEVICE, requires_grad=True)
-    v = torch.randn(1, 35, 2, dtype=f64, device=DEVICE, requires_grad=True)
+    a = torch.randn(1, 33, 1, dtype=f64, device=DEVICE, requires_grad=True)
+    b = torch.randn(1, 33, 1, dtype=f64, device=DEVICE, requires_grad=True)
+    v = torch.randn(1, 33, 1, dtype=f64, device=DEVICE, requires_grad=True)
     sb = _sb()
     assert torch.autograd.gradcheck(lambda a, b, v: sb.forward(a, b, v, 0.7, 0.0)[:2],
                                     (a, b, v), atol=1e-7)
