@@ -11,7 +11,9 @@ The posterior mass beyond a window W is
 With O ≤ T_i(W)·e^{S_i}, T_i(W) ≥ Σ_{W < d ≤ i} w_i(d) the prior's weight beyond the window
 (``log_tail_mass``) and S_i ≥ max_{d > W} s_id — Cauchy–Schwarz gives
 S_i(W) = |scale|·‖a_i‖·max_{j < i − W} ‖b_j‖, the longest key farther back than the window
-(a running max) — and u ↦ u/(I + u) increasing,
+(a running max), and where that cannot certify, the keys' per-block bounds give a tighter one
+(``block_tail_ceilings``: each block's element-wise range, tight where keys cluster) — and
+u ↦ u/(I + u) increasing,
 
     M_i(W) ≤ B_i(W) = σ(log T_i(W) + S_i − log I_i(W)),
 
@@ -99,6 +101,73 @@ def score_ceiling(a: torch.Tensor, b: torch.Tensor, scale: float):
         return ceiling + slack, slack
 
 
+#: the least block of keys ``block_tail_ceilings`` bounds at once (longer sequences take
+#: longer blocks: at most ``MAX_KEY_BLOCKS`` blocks)
+KEY_BLOCK = 32
+MAX_KEY_BLOCKS = 64
+
+
+def block_tail_ceilings(a: torch.Tensor, b: torch.Tensor, scale: float, widths,
+                        key_block: int | None = None) -> dict:
+    """``{W: S_i(W)}``, each ``(*lead, N)`` float64: an upper bound on every score child i can
+    have with a parent farther back than W (j < i − W), from per-block bounds of the keys.
+
+    The keys are cut into blocks β of ``key_block`` tokens, each summarised by the element-
+    wise minimum lo_β and maximum hi_β of its keys and its longest key. For j ∈ β, with
+    a = sign(scale)·a_i (the score is |scale|·⟨a, b_j⟩),
+
+        ⟨a, b_j⟩ = Σ_d a_d b_jd ≤ Σ_d max(a_d lo_βd, a_d hi_βd) = ⟨a⁺, hi_β⟩ − ⟨a⁻, lo_β⟩,
+
+    term by term (a_d b_jd is linear in b_jd ∈ [lo_βd, hi_βd], so at most its value at an
+    end; a⁺ = max(a, 0), a⁻ = max(−a, 0)), and ⟨a, b_j⟩ ≤ ‖a_i‖·max_{j∈β} ‖b_j‖
+    (Cauchy–Schwarz). The smaller of the two, U_iβ, bounds the block (the first is tight where
+    keys cluster, the second where they spread in many dimensions). The parents beyond W lie
+    in the blocks that start at or before i − W − 1 — a prefix of the blocks — so
+    S_i(W) = |scale|·max_{β ≤ ⌊(i−W−1)/key_block⌋} U_iβ: a running maximum over the blocks.
+    The first bound is one matrix product in the factors' precision (float32 at least), its
+    rounding charged to it: (γ_2k + 4u)·‖a_i‖₁·max_d max(|lo_βd|, |hi_βd|), γ_m = m·u/(1 − m·u)
+    the error bound of an m-term dot product, 4u the casts to that precision. Children are
+    taken in runs, so memory stays O(``RUN_ENTRIES``)."""
+    n, k = a.shape[-2:]
+    if key_block is None:
+        key_block = max(KEY_BLOCK, -(-n // MAX_KEY_BLOCKS))
+    wide = torch.float64
+    with torch.no_grad():
+        q = a.detach().to(wide) * (1.0 if scale >= 0 else -1.0)  # (*lead_a, N, k)
+        keys = b.detach().to(wide)  # (*lead_b, N, k)
+        nb = -(-n // key_block)
+        pad = nb * key_block - n
+        cut = torch.nn.functional.pad(keys, (0, 0, 0, pad)).unflatten(-2, (nb, key_block))
+        real = (torch.arange(nb * key_block, device=a.device) < n).reshape(nb, key_block, 1)
+        hi = cut.masked_fill(~real, -torch.inf).amax(-2)  # (*lead_b, nb, k)
+        lo = cut.masked_fill(~real, torch.inf).amin(-2)
+        longest = cut.norm(dim=-1).amax(-1)  # (*lead_b, nb): padding adds zeros
+        reach = torch.maximum(hi.abs(), lo.abs()).amax(-1)  # (*lead_b, nb)
+        low = torch.promote_types(a.dtype, torch.float32)  # the product's precision
+        unit = torch.finfo(low).eps / 2
+        gamma = 2 * k * unit / (1 - 2 * k * unit)  # (and the product's float64 conversion)
+        box_keys = torch.cat([hi, -lo], -1).to(low).transpose(-1, -2)  # (*lead_b, 2k, nb)
+        lead = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+        pos = torch.arange(n, device=a.device)
+        out = {w: torch.empty(*lead, n, dtype=wide, device=a.device) for w in widths}
+        rows = max(1, RUN_ENTRIES // max(1, lead.numel() * nb))
+        for r0 in range(0, n, rows):
+            r = slice(r0, min(n, r0 + rows))
+            qr = q[..., r, :]
+            box = (torch.cat([qr.clamp(min=0), (-qr).clamp(min=0)], -1).to(low)
+                   @ box_keys).to(wide)  # ⟨a⁺, hi⟩ − ⟨a⁻, lo⟩, (*lead, rows, nb)
+            # rounding: the product's (γ_2k) and the casts of a and of the box to its precision
+            box = box + (gamma + 4 * unit) * qr.abs().sum(-1, keepdim=True) * reach[..., None, :]
+            ball = qr.norm(dim=-1, keepdim=True) * longest[..., None, :]
+            prefix = torch.minimum(box, ball).cummax(-1).values * abs(scale)
+            for w in widths:
+                beyond = ((pos[r] - w - 1).clamp(min=0) // key_block)  # (rows,)
+                idx = beyond.expand(*prefix.shape[:-1])[..., None]
+                out[w][..., r] = prefix.expand(*lead, *prefix.shape[-2:]).gather(
+                    -1, idx).squeeze(-1)
+        return out
+
+
 def certify(a: torch.Tensor, b: torch.Tensor, scale: float, prior, eps: float, *,
             start: int = 16, cap: int | None = None, block: int = 32, first: int = 1,
             widest: int | None = None) -> Certified:
@@ -160,13 +229,24 @@ def certify(a: torch.Tensor, b: torch.Tensor, scale: float, prior, eps: float, *
                 runs.append(torch.logsumexp(s, -1))  # (*lead, run, B)
             return lay.unblock(torch.cat(runs, -2)[..., None])[..., 0] - slack
 
-        def tail_ceiling(width):  # S_i(W) = |scale|·‖a_i‖·max_{j < i − W} ‖b_j‖, plus slack
+        blocked: dict = {}  # the per-block ceilings (``block_tail_ceilings``), once needed
+
+        def tail_ceiling(width):  # S_i(W) ≥ every score beyond W, plus the rounding slack
             far = (pos - width - 1).clamp(min=0)
-            return abs(scale) * a_norm * b_run[..., far] + slack
+            ball = abs(scale) * a_norm * b_run[..., far]  # ‖a_i‖·max_{j < i − W} ‖b_j‖
+            if blocked:
+                ball = torch.minimum(ball, blocked[width])
+            return ball + slack
 
         def bound(width, log_in):
             out = tail_bound(log_in, tails[width], tail_ceiling(width))
             return torch.where(pos <= width, torch.zeros_like(out), out)  # all of it read
+
+        # the longest key beyond the window bounds every score there (Cauchy–Schwarz); where
+        # that cannot certify the narrowest width even at the best scores inside, the keys'
+        # per-block bounds may (they are tight where keys cluster)
+        if last > widths[0] and not bool((bound(widths[0], log_total + high) <= eps).all()):
+            blocked.update(block_tail_ceilings(a, b, scale, widths))
 
         # I_i(W) grows with W, so the evidence of any narrower window scored bounds every wider
         # one: score the first width, take the first width its evidence certifies, and score
