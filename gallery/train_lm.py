@@ -11,9 +11,12 @@ trains on any text file instead (its last 5% validates).
 **Model** (``ByteLM``): byte embedding (256) → ``--layers`` pre-LayerNorm blocks, each
 ``x ← x + attn(LN(x))``, ``x ← x + MLP(LN(x))`` (4× wide, GELU) → LayerNorm → a head tied to
 the embedding. No position embedding: every variant's order information is its own (its prior,
-or the causal mask). ``attn`` = ``sa.compile`` of (``ATTENTIONS``):
+its rotary potential, or the causal mask). ``attn`` = ``sa.compile`` of (``ATTENTIONS``):
 
-- ``causal``: ``self_attention(causal=True)`` — the usual layer, the baseline;
+- ``causal``: ``self_attention(causal=True)`` — causal attention with no positions (NoPE);
+- ``rope``: ``rope_attention`` — rotary positions on a causal uniform prior, the Transformer
+  baseline the priors' papers compare against; ``fox+rope``: the forget gate with rotary
+  positions (FoX's "Pro" recipe);
 - ``sliding``: a uniform prior over the ``--window`` previous tokens, declared here in ten
   lines (``SlidingWindow``: a window support, lowered as banded SDPA);
 - ``alibi``, ``relative`` (learned logits per clipped distance, ±``--window``), ``fox`` (the
@@ -160,6 +163,8 @@ def make_attention(name: str, d: int, heads: int, window: int, layer: int):
         "relative": lambda: models.relative_position_attention(d, max_distance=window,
                                                                causal=True, **kw),
         "fox": lambda: models.forgetting_attention(d, **kw),
+        "rope": lambda: models.rope_attention(d, **kw),  # the usual Transformer baseline
+        "fox+rope": lambda: models.forgetting_attention(d, rope_base=10000.0, **kw),  # FoX Pro
         "gaussian": lambda: models.generalised_gaussian_attention(d, width=float(window), **kw),
         "stick_breaking": lambda: models.stick_breaking_attention(d, **kw),
         "expanding_exact": lambda: models.expanding_attention(d, variant="exact", tol=1e-3,
@@ -172,8 +177,8 @@ def make_attention(name: str, d: int, heads: int, window: int, layer: int):
     return table[name]()
 
 
-ATTENTIONS = ["causal", "sliding", "alibi", "relative", "fox", "gaussian", "stick_breaking",
-              "expanding_exact", "expanding_mf"]
+ATTENTIONS = ["causal", "rope", "sliding", "alibi", "relative", "fox", "fox+rope", "gaussian",
+              "stick_breaking", "expanding_exact", "expanding_mf"]
 
 
 # -- the model --------------------------------------------------------------------------

@@ -50,6 +50,7 @@ for _name in (
     "predictive_coding",
     "predictor_choice_coding",
     "relative_position_attention",
+    "rope_attention",
     "self_attention",
     "slot_attention",
     "stick_breaking_attention",

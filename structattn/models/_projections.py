@@ -14,7 +14,7 @@ from structattn.family import edges, potential
 from structattn.family import value as expect
 from structattn.heads import merge_heads
 from structattn.nodes import nodes
-from structattn.potentials import Bilinear, Positional
+from structattn.potentials import Bilinear, Positional, Rotary
 from structattn.potentials.bilinear import check_temperature
 from structattn.values import Linear
 
@@ -42,6 +42,7 @@ class ProjectedAttention(Declaration):
             temperature = check_temperature(temperature, type(self).__name__, heads)
         kw = {"device": device, "dtype": dtype}
         self.heads, self.d_k, self.d_v = heads, d_k, d_v
+        self.rope_base = self.rope_dims = None  # rotary positions (TokenAttention's rope_base)
         # a learned temperature is τ = exp(log τ) > 0, initialised at √d_k
         self.log_temperature = (nn.Parameter(torch.full((), 0.5 * math.log(d_k), **kw))
                                 if learned else None)
@@ -66,7 +67,11 @@ class ProjectedAttention(Declaration):
         value (default: linear W_V x_j); heads merged, then W_O. ``inference``: the family's
         inference scheme (None: read exactly)."""
         phi = edges(name, children, parents, prior, heads=self.heads, inference=inference)
-        psi = Bilinear(self.W_q, self.W_k, heads=self.heads, temperature=self.temperature)
+        if self.rope_base is None:
+            psi = Bilinear(self.W_q, self.W_k, heads=self.heads, temperature=self.temperature)
+        else:  # rotary positions: queries and keys rotated by their positions
+            psi = Rotary(self.W_q, self.W_k, heads=self.heads, temperature=self.temperature,
+                         base=self.rope_base, dims=self.rope_dims)
         if positions is not None:
             psi = Positional(psi, positions)
         potential(phi, psi)
@@ -77,10 +82,13 @@ class ProjectedAttention(Declaration):
 
 class TokenAttention(ProjectedAttention):
     """Attention among one set of tokens x ``(*batch, n, d_model)`` (children = parents):
-    d_k defaults to d_model/heads, d_v to d_k, and W_O maps back to d_model."""
+    d_k defaults to d_model/heads, d_v to d_k, and W_O maps back to d_model. ``rope_base``
+    (e.g. 10000.0) puts rotary positions on the potential (``potentials.Rotary``; ``rope_dims``
+    of each head's d_k dimensions rotated, default all), under any prior."""
 
     def __init__(self, d_model, *, d_k=None, d_v=None, heads=1, causal=False, out_proj=True,
-                 temperature=None, device=None, dtype=None, name="attn"):
+                 temperature=None, rope_base=None, rope_dims=None, device=None, dtype=None,
+                 name="attn"):
         owner = type(self).__name__
         d_model, heads = check_size(owner, "d_model", d_model), check_size(owner, "heads", heads)
         if d_k is None and d_model % heads:
@@ -91,6 +99,13 @@ class TokenAttention(ProjectedAttention):
         super().__init__(d_model, d_model, d_k, d_v, heads, d_model if out_proj else None,
                          temperature, device, dtype, name)
         self.d_model, self.causal = d_model, causal
+        if rope_base is None and rope_dims is not None:
+            raise ValueError(f"{owner}: rope_dims={rope_dims!r} needs rope_base (rotary "
+                             f"positions are on with rope_base, e.g. 10000.0)")
+        if rope_base is not None:  # checked as the potential checks them
+            Rotary(self.W_q, self.W_k, heads=self.heads, base=rope_base, dims=rope_dims)
+            self.rope_base = float(rope_base)
+            self.rope_dims = self.d_k if rope_dims is None else int(rope_dims)
 
     def tokens(self, x):
         self.check_inputs(x=x)

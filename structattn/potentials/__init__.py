@@ -8,4 +8,5 @@ from .mapped import Mapped as Mapped
 from .positional import Positional as Positional
 from .positional import sinusoidal as sinusoidal
 from .prediction_error import PredictionError as PredictionError
+from .rotary import Rotary as Rotary
 from .squared_distance import SquaredDistance as SquaredDistance

@@ -42,9 +42,13 @@ def _family(potential_side, potential):
                                           heads=2),
     lambda: sa.potentials.Distance(precision=1.7, power=1),
     lambda: sa.potentials.Distance(precision=0.6, power=2),
+    lambda: sa.potentials.Rotary(torch.randn(8, 4, dtype=f64), torch.randn(8, 4, dtype=f64),
+                                 heads=2, temperature=1.3, base=10.0),
+    lambda: sa.potentials.Rotary(torch.randn(8, 4, dtype=f64), torch.randn(8, 4, dtype=f64),
+                                 heads=2, temperature=0.8, base=3.0, dims=2),
 ], ids=["bilinear", "bilinear-identity", "dot", "squared-distance", "squared-distance-heads",
         "bilinear-tau-per-head", "dot-tau-per-head", "squared-distance-tau-per-head",
-        "euclidean-distance", "distance-squared"])
+        "euclidean-distance", "distance-squared", "rotary", "rotary-partial"])
 def test_closed_form_expected_gradient_is_the_log_partition_gradient(side, make):
     """Lemma 7.1: Σ_i ∇ log Σ_j exp ψ_ij = E_post[∇ψ] — the closed form against autograd."""
     psi = make()

@@ -1,0 +1,54 @@
+"""Rotary self attention (RoPE; Su et al., RoFormer): the baseline the distance priors' papers
+compare against — a uniform (causal) prior and the query and key rotated by their positions."""
+
+from __future__ import annotations
+
+import torch
+
+from structattn.priors import Uniform
+
+from ._catalogue import TOKEN_SIZES, Entry, randn64
+from ._projections import TokenAttention
+
+
+class RoPEAttention(TokenAttention):
+    """φ_i ~ Uniform({j ≤ i} if causal else all); ψ(x_j, x_i) = (R_i W_Q x_i)ᵀ(R_j W_K x_j)/τ
+    with R_p the rotation by p·θ_k, θ_k = base^(−2k/dims) (``potentials.Rotary``), so ψ depends
+    on the positions through j − i only; v = W_V x_j; y_i = W_O [E v_i]_heads.
+
+    x: ``(*batch, n, d_model)`` → ``(*batch, n, d_model or heads·d_v)``. ``rope_base``
+    (default 10,000) and ``rope_dims`` (rotated dimensions per head, even; default d_k).
+    Rotary positions go with any prior: ``forgetting_attention(d, rope_base=10000.0)`` is
+    FoX with RoPE (FoX's "Pro" recipe), and likewise for ALiBi, stick-breaking and
+    expanding attention. Cost as self attention's, plus the rotation of Q and K.
+    """
+
+    def __init__(self, d_model, *, causal=True, rope_base=10000.0, **kwargs):
+        super().__init__(d_model, causal=causal, rope_base=rope_base, **kwargs)
+
+    def model(self, x):
+        tokens = self.tokens(x)
+        return self.attend(self.family_name, tokens, tokens, Uniform(causal=self.causal))
+
+
+def rope_attention(d_model, **kwargs) -> RoPEAttention:
+    """Rotary (RoPE) self attention; see :class:`RoPEAttention`."""
+    return RoPEAttention(d_model, **kwargs)
+
+
+def _case():
+    m = rope_attention(8, d_k=4, heads=2, rope_base=100.0, dtype=torch.float64)
+    return m, (randn64(2, 6, 8),)
+
+
+def _partial():
+    m = rope_attention(8, d_k=4, heads=2, rope_base=100.0, rope_dims=2, causal=False,
+                       dtype=torch.float64)
+    return m, (randn64(2, 6, 8),)
+
+
+#: the catalogue's statement (structattn/models/_catalogue.py)
+ENTRY = Entry(rope_attention, RoPEAttention, case=_case,
+              example=dict(d_model=8, heads=2),
+              variants={"partial": _partial},
+              sizes=TOKEN_SIZES)
