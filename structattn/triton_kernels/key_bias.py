@@ -21,20 +21,25 @@ import torch
 import triton
 import triton.language as tl
 
+from ._tiles import load_row, load_tile, store_tile
+
 
 @triton.jit
-def _tile(A, B, H, g, rows, cols, ks, sag, sac, sak, sbg, sbp, sbk, shg, shp, a, C, P, K, scale,
-          CAUSAL: tl.constexpr):
-    """A block's scores s_ij + h_j ``(BM, BN)`` (−∞ off the support) and its parents' b."""
-    cmask = cols < P
-    b = tl.load(B + g * sbg + cols[:, None] * sbp + ks[None, :] * sbk,
-                mask=cmask[:, None] & (ks[None, :] < K), other=0.0)
-    h = tl.load(H + g * shg + cols * shp, mask=cmask, other=0.0)
-    s = tl.dot(a, tl.trans(b)) * scale + h[None, :]
-    allowed = cmask[None, :] & (rows[:, None] < C)
+def _allowed(rows, cols, C, P, CAUSAL: tl.constexpr):
+    """Which (child, parent) pairs of a block are on the support."""
+    allowed = (cols[None, :] < P) & (rows[:, None] < C)
     if CAUSAL:
         allowed = allowed & (cols[None, :] <= rows[:, None])
-    return tl.where(allowed, s, -float("inf")), b
+    return allowed
+
+
+@triton.jit
+def _tile(a, B, H, g, rows, cols, ks, sbg, sbp, sbk, shg, shp, C, P, K, scale,
+          CAUSAL: tl.constexpr):
+    """A block's scores s_ij + h_j ``(BM, BN)`` (−∞ off the support) and its parents' b."""
+    b = load_tile(B, g, sbg, cols, sbp, P, ks, sbk, K)
+    s = tl.dot(a, tl.trans(b)) * scale + load_row(H, g, shg, cols, shp, P)[None, :]
+    return tl.where(_allowed(rows, cols, C, P, CAUSAL), s, -float("inf")), b
 
 
 @triton.jit
@@ -48,29 +53,26 @@ def _forward(A, B, U, H, O, LSE, scale, C, P, K, D,
     ks = tl.arange(0, BK)
     ds = tl.arange(0, BD)
     rmask = rows < C
-    a = tl.load(A + g * sag + rows[:, None] * sac + ks[None, :] * sak,
-                mask=rmask[:, None] & (ks[None, :] < K), other=0.0)
+    a = load_tile(A, g, sag, rows, sac, C, ks, sak, K)
     top = tl.full([BM], -float("inf"), dtype=a.dtype)  # running max
     total = tl.zeros([BM], dtype=a.dtype)  # running Σ e^{s − top}
     acc = tl.zeros([BM, BD], dtype=a.dtype)
     end = tl.minimum(m * BM + BM, P) if CAUSAL else P
     for start in range(0, end, BN):
         cols = start + tl.arange(0, BN)
-        s, b = _tile(A, B, H, g, rows, cols, ks, sag, sac, sak, sbg, sbp, sbk, shg, shp, a,
-                     C, P, K, scale, CAUSAL)
+        s, b = _tile(a, B, H, g, rows, cols, ks, sbg, sbp, sbk, shg, shp, C, P, K, scale,
+                     CAUSAL)
         new = tl.maximum(top, tl.max(s, axis=1))
         safe = tl.where(new == -float("inf"), 0.0, new)  # a row with nothing yet
         p = tl.exp(s - safe[:, None])
         shrink = tl.exp(top - safe)
-        u = tl.load(U + g * sug + cols[:, None] * sup + ds[None, :] * sud,
-                    mask=(cols[:, None] < P) & (ds[None, :] < D), other=0.0)
+        u = load_tile(U, g, sug, cols, sup, P, ds, sud, D)
         total = total * shrink + tl.sum(p, axis=1)
         acc = acc * shrink[:, None] + tl.dot(p.to(u.dtype), u)
         top = new
     total = tl.where(rmask, total, 1.0)  # rows past the last child: nothing to divide
     top = tl.where(rmask, top, 0.0)
-    tl.store(O + g * sog + rows[:, None] * soc + ds[None, :] * sod, acc / total[:, None],
-             mask=rmask[:, None] & (ds[None, :] < D))
+    store_tile(O, acc / total[:, None], g, sog, rows, soc, C, ds, sod, D)
     tl.store(LSE + g * slg + rows * slc, top + tl.log(total), mask=rmask)
 
 
@@ -85,26 +87,21 @@ def _children_backward(A, B, U, H, DO, LSE, DELTA, DA, scale, C, P, K, D,
     rows = m * BM + tl.arange(0, BM)
     ks = tl.arange(0, BK)
     ds = tl.arange(0, BD)
-    rmask = rows < C
-    a = tl.load(A + g * sag + rows[:, None] * sac + ks[None, :] * sak,
-                mask=rmask[:, None] & (ks[None, :] < K), other=0.0)
-    do = tl.load(DO + g * sdg + rows[:, None] * sdc + ds[None, :] * sdd,
-                 mask=rmask[:, None] & (ds[None, :] < D), other=0.0)
-    lse = tl.load(LSE + g * slg + rows * slc, mask=rmask, other=0.0)
-    delta = tl.load(DELTA + g * slg + rows * slc, mask=rmask, other=0.0)
+    a = load_tile(A, g, sag, rows, sac, C, ks, sak, K)
+    do = load_tile(DO, g, sdg, rows, sdc, C, ds, sdd, D)
+    lse = load_row(LSE, g, slg, rows, slc, C)
+    delta = load_row(DELTA, g, slg, rows, slc, C)
     da = tl.zeros([BM, BK], dtype=a.dtype)
     end = tl.minimum(m * BM + BM, P) if CAUSAL else P
     for start in range(0, end, BN):
         cols = start + tl.arange(0, BN)
-        s, b = _tile(A, B, H, g, rows, cols, ks, sag, sac, sak, sbg, sbp, sbk, shg, shp, a,
-                     C, P, K, scale, CAUSAL)
+        s, b = _tile(a, B, H, g, rows, cols, ks, sbg, sbp, sbk, shg, shp, C, P, K, scale,
+                     CAUSAL)
         p = tl.exp(s - lse[:, None])
-        u = tl.load(U + g * sug + cols[:, None] * sup + ds[None, :] * sud,
-                    mask=(cols[:, None] < P) & (ds[None, :] < D), other=0.0)
+        u = load_tile(U, g, sug, cols, sup, P, ds, sud, D)
         dsc = p * (tl.dot(do, tl.trans(u)) - delta[:, None])
         da += tl.dot(dsc, b)
-    tl.store(DA + g * sag + rows[:, None] * sac + ks[None, :] * sak, da * scale,
-             mask=rmask[:, None] & (ks[None, :] < K))
+    store_tile(DA, da * scale, g, sag, rows, sac, C, ks, sak, K)
 
 
 @triton.jit
@@ -118,39 +115,29 @@ def _parents_backward(A, B, U, H, DO, LSE, DELTA, DB, DU, DH, scale, C, P, K, D,
     cols = n * BN + tl.arange(0, BN)
     ks = tl.arange(0, BK)
     ds = tl.arange(0, BD)
-    cmask = cols < P
-    b = tl.load(B + g * sbg + cols[:, None] * sbp + ks[None, :] * sbk,
-                mask=cmask[:, None] & (ks[None, :] < K), other=0.0)
-    u = tl.load(U + g * sug + cols[:, None] * sup + ds[None, :] * sud,
-                mask=cmask[:, None] & (ds[None, :] < D), other=0.0)
-    h = tl.load(H + g * shg + cols * shp, mask=cmask, other=0.0)
+    b = load_tile(B, g, sbg, cols, sbp, P, ks, sbk, K)
+    u = load_tile(U, g, sug, cols, sup, P, ds, sud, D)
+    h = load_row(H, g, shg, cols, shp, P)
     db = tl.zeros([BN, BK], dtype=b.dtype)
     du = tl.zeros([BN, BD], dtype=u.dtype)
     dh = tl.zeros([BN], dtype=b.dtype)
     first = (n * BN // BM) * BM if CAUSAL else 0  # children before the block see none of it
     for start in range(first, C, BM):
         rows = start + tl.arange(0, BM)
-        rmask = rows < C
-        a = tl.load(A + g * sag + rows[:, None] * sac + ks[None, :] * sak,
-                    mask=rmask[:, None] & (ks[None, :] < K), other=0.0)
-        do = tl.load(DO + g * sdg + rows[:, None] * sdc + ds[None, :] * sdd,
-                     mask=rmask[:, None] & (ds[None, :] < D), other=0.0)
-        lse = tl.load(LSE + g * slg + rows * slc, mask=rmask, other=0.0)
-        delta = tl.load(DELTA + g * slg + rows * slc, mask=rmask, other=0.0)
+        a = load_tile(A, g, sag, rows, sac, C, ks, sak, K)
+        do = load_tile(DO, g, sdg, rows, sdc, C, ds, sdd, D)
+        lse = load_row(LSE, g, slg, rows, slc, C)
+        delta = load_row(DELTA, g, slg, rows, slc, C)
         s = tl.dot(a, tl.trans(b)) * scale + h[None, :]
-        allowed = cmask[None, :] & rmask[:, None]
-        if CAUSAL:
-            allowed = allowed & (cols[None, :] <= rows[:, None])
-        p = tl.exp(tl.where(allowed, s - lse[:, None], -float("inf")))
+        p = tl.exp(tl.where(_allowed(rows, cols, C, P, CAUSAL), s - lse[:, None],
+                            -float("inf")))
         dsc = p * (tl.dot(do, tl.trans(u)) - delta[:, None])
         du += tl.dot(tl.trans(p), do)
         db += tl.dot(tl.trans(dsc), a)
         dh += tl.sum(dsc, axis=0)
-    tl.store(DB + g * sbg + cols[:, None] * sbp + ks[None, :] * sbk, db * scale,
-             mask=cmask[:, None] & (ks[None, :] < K))
-    tl.store(DU + g * sug + cols[:, None] * sup + ds[None, :] * sud, du,
-             mask=cmask[:, None] & (ds[None, :] < D))
-    tl.store(DH + g * shg + cols * shp, dh, mask=cmask)
+    store_tile(DB, db * scale, g, sbg, cols, sbp, P, ks, sbk, K)
+    store_tile(DU, du, g, sug, cols, sup, P, ds, sud, D)
+    tl.store(DH + g * shg + cols * shp, dh, mask=cols < P)
 
 
 #: children and parents per block; widths padded to a power of two ≥ 16 (tl.dot's least)

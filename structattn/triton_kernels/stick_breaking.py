@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._tiles import add_tile, load_row, load_tile, store_tile
+
 
 @triton.jit
 def _logsigmoid(x):
@@ -39,11 +41,9 @@ def _logsigmoid(x):
 def _scores(a, B, g, cols, ks, sbg, sbp, sbk, rows, C, P, K, scale):
     """A block's break logits ``(BM, BN)``, where each pair is allowed (j < i), its parents'
     factors, and log σ(−s) (zero off the support)."""
-    cmask = cols < P
-    b = tl.load(B + g * sbg + cols[:, None] * sbp + ks[None, :] * sbk,
-                mask=cmask[:, None] & (ks[None, :] < K), other=0.0)
+    b = load_tile(B, g, sbg, cols, sbp, P, ks, sbk, K)
     s = tl.dot(a, tl.trans(b)) * scale
-    allowed = (cols[None, :] < rows[:, None]) & cmask[None, :] & (rows[:, None] < C)
+    allowed = (cols[None, :] < rows[:, None]) & (cols[None, :] < P) & (rows[:, None] < C)
     neg = tl.where(allowed, _logsigmoid(-s), 0.0)
     return s, allowed, b, neg
 
@@ -58,8 +58,7 @@ def _forward(A, B, V, O, L, N, scale, log_stop, C, P, K, D,
     ks = tl.arange(0, BK)
     ds = tl.arange(0, BD)
     rmask = rows < C
-    a = tl.load(A + g * sag + rows[:, None] * sac + ks[None, :] * sak,
-                mask=rmask[:, None] & (ks[None, :] < K), other=0.0)
+    a = load_tile(A, g, sag, rows, sac, C, ks, sak, K)
     acc = tl.zeros([BM, BD], dtype=a.dtype)
     carried = tl.zeros([BM], dtype=a.dtype)
     blocks = tl.cdiv(tl.minimum(m * BM + BM - 1, P), BN)  # parents j < i ≤ m·BM + BM − 1
@@ -70,15 +69,12 @@ def _forward(A, B, V, O, L, N, scale, log_stop, C, P, K, D,
         s, allowed, b, neg = _scores(a, B, g, cols, ks, sbg, sbp, sbk, rows, C, P, K, scale)
         after = tl.cumsum(neg, axis=1, reverse=True) - neg  # Σ over nearer parents in the block
         p = tl.where(allowed, tl.exp(_logsigmoid(s) + after + carried[:, None]), 0.0)
-        v = tl.load(V + g * svg + cols[:, None] * svp + ds[None, :] * svd,
-                    mask=(cols[:, None] < P) & (ds[None, :] < D), other=0.0)
-        acc += tl.dot(p, v)
+        acc += tl.dot(p, load_tile(V, g, svg, cols, svp, P, ds, svd, D))
         carried += tl.sum(neg, axis=1)
         t += 1
         stick = tl.max(tl.where(rmask, carried, -float("inf")), axis=0)
         alive = (t < blocks) & (stick > log_stop)
-    tl.store(O + g * sog + rows[:, None] * soc + ds[None, :] * sod, acc,
-             mask=rmask[:, None] & (ds[None, :] < D))
+    store_tile(O, acc, g, sog, rows, soc, C, ds, sod, D)
     tl.store(L + g * slg + rows * slc, tl.exp(carried), mask=rmask)
     tl.store(N + g * tl.num_programs(0) + m, t)
 
@@ -92,12 +88,9 @@ def _backward(A, B, V, DO, BASE, N, DA, DB, DV, scale, C, P, K, D,
     rows = m * BM + tl.arange(0, BM)
     ks = tl.arange(0, BK)
     ds = tl.arange(0, BD)
-    rmask = rows < C
-    a = tl.load(A + g * sag + rows[:, None] * sac + ks[None, :] * sak,
-                mask=rmask[:, None] & (ks[None, :] < K), other=0.0)
-    do = tl.load(DO + g * sdg + rows[:, None] * sdc + ds[None, :] * sdd,
-                 mask=rmask[:, None] & (ds[None, :] < D), other=0.0)
-    base = tl.load(BASE + g * swg + rows * swc, mask=rmask, other=0.0)
+    a = load_tile(A, g, sag, rows, sac, C, ks, sak, K)
+    do = load_tile(DO, g, sdg, rows, sdc, C, ds, sdd, D)
+    base = load_row(BASE, g, swg, rows, swc, C)
     da = tl.zeros([BM, BK], dtype=a.dtype)
     carried = tl.zeros([BM], dtype=a.dtype)
     suffix = tl.zeros([BM], dtype=a.dtype)
@@ -105,24 +98,18 @@ def _backward(A, B, V, DO, BASE, N, DA, DB, DV, scale, C, P, K, D,
     read = tl.load(N + g * tl.num_programs(0) + m)
     for t in range(0, read):
         cols = (blocks - 1 - t) * BN + tl.arange(0, BN)
-        cmask = cols < P
         s, allowed, b, neg = _scores(a, B, g, cols, ks, sbg, sbp, sbk, rows, C, P, K, scale)
         after = tl.cumsum(neg, axis=1, reverse=True) - neg
         p = tl.where(allowed, tl.exp(_logsigmoid(s) + after + carried[:, None]), 0.0)
-        v = tl.load(V + g * svg + cols[:, None] * svp + ds[None, :] * svd,
-                    mask=cmask[:, None] & (ds[None, :] < D), other=0.0)
-        u = tl.dot(do, tl.trans(v)) * p
+        u = tl.dot(do, tl.trans(load_tile(V, g, svg, cols, svp, P, ds, svd, D))) * p
         u_after = tl.cumsum(u, axis=1, reverse=True) - u + suffix[:, None]  # Σ_{j>l} u_ij
         dsc = tl.where(allowed, u - tl.sigmoid(s) * (base[:, None] - u_after), 0.0) * scale
         da += tl.dot(dsc, b)
-        tl.atomic_add(DB + g * sbg + cols[:, None] * sbp + ks[None, :] * sbk,
-                      tl.dot(tl.trans(dsc), a), mask=cmask[:, None] & (ks[None, :] < K))
-        tl.atomic_add(DV + g * svg + cols[:, None] * svp + ds[None, :] * svd,
-                      tl.dot(tl.trans(p), do), mask=cmask[:, None] & (ds[None, :] < D))
+        add_tile(DB, tl.dot(tl.trans(dsc), a), g, sbg, cols, sbp, P, ks, sbk, K)
+        add_tile(DV, tl.dot(tl.trans(p), do), g, svg, cols, svp, P, ds, svd, D)
         carried += tl.sum(neg, axis=1)
         suffix += tl.sum(u, axis=1)
-    tl.store(DA + g * sag + rows[:, None] * sac + ks[None, :] * sak, da,
-             mask=rmask[:, None] & (ks[None, :] < K))
+    store_tile(DA, da, g, sag, rows, sac, C, ks, sak, K)
 
 
 #: children and parents per block; the widths are padded to a power of two ≥ 16 (tl.dot's least)
