@@ -9,9 +9,11 @@ declaration once, non-strictly (as Python, on fake tensors), the way a plan is r
 with the message "structattn value check failed", not the reading's own (run the model
 under structattn for that).
 
-What cannot be exported is refused with the reason: a reading that branches on tensor values
-(expanding attention's mean-field windows, whose sizes depend on the data; a tolerance loop),
-and iterative models are exported at their fixed step count.
+What cannot be exported is refused in one line, before torch traces anything, with the
+reason: a family read by an inference scheme (expanding attention's mean-field windows, whose
+sizes depend on the data) or a prior with a certified ``tol`` (its window is chosen per call).
+Iterative models are exported at their fixed step count; graph attention with dynamic sizes
+(the number of nodes and of edges vary).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from torch import nn
 
 from . import _validation
 from .compiler import CompiledModule, compile
+from .kinds.window import Window
 
 __all__ = ["export"]
 
@@ -58,6 +61,56 @@ def _dynamic_shapes(dynamic, inputs: tuple):
     return (tuple(dynamic),)  # the program's forward takes *inputs: one entry for them all
 
 
+def _refuse_data_dependent(layer: CompiledModule, inputs: tuple, kwargs: dict) -> None:
+    """The library's one-line refusal of what has no single program, found from the
+    declaration's structure before torch traces anything: a family read by an inference
+    scheme (expanding attention's mean-field windows: their sizes depend on the data) or a
+    prior with a certified ``tol`` (its window is chosen from the data on every call)."""
+    from .readers import trace_structure
+
+    try:
+        structure = trace_structure(layer.declaration.model, *inputs, **kwargs)
+    except Exception:  # the reading's own error comes out of the export below
+        return
+    name = layer.declaration.display_name
+    for fam in structure.families.values():
+        if fam.inference is not None:
+            raise ValueError(
+                f"structattn.export: {name} cannot be exported: edge family {fam.name!r} is read "
+                f"by {type(fam.inference).__name__}, whose windows are sized from the data on "
+                f"every call, so no single program holds it; export its exact reading "
+                f"(e.g. variant='exact') or run it under structattn")
+        tol = getattr(fam.prior, "tol", None)
+        if tol is not None and isinstance(fam.support, Window):  # (stick-breaking's tol only
+            # stops a scan: its exported reading is the whole table)
+            raise ValueError(
+                f"structattn.export: {name} cannot be exported: edge family {fam.name!r} has a "
+                f"certified window (tol={tol:g}), chosen from the data on every call, so no "
+                f"single program holds it; export it without tol (all of the past) or run it "
+                f"under structattn")
+
+
+class _quiet_torch:
+    """torch's own logging held to errors while exporting: a refused export printed hundreds
+    of lines of warnings and graph dumps before the library's one-line message."""
+
+    NAMES = ("torch", "torch._dynamo", "torch._export", "torch.export",
+             "torch.fx.experimental.symbolic_shapes", "torch._subclasses")
+
+    def __enter__(self):
+        import logging
+
+        self.levels = [(logging.getLogger(n), logging.getLogger(n).level) for n in self.NAMES]
+        for logger, _ in self.levels:
+            logger.setLevel(logging.ERROR)
+        return self
+
+    def __exit__(self, *exc):
+        for logger, level in self.levels:
+            logger.setLevel(level)
+        return False
+
+
 def export(model, *example_inputs, dynamic=None, return_posterior: bool = False,
            **kwargs) -> torch.export.ExportedProgram:
     """``torch.export.export`` of the compiled ``model`` (a declaration, a Pyro program or a
@@ -77,11 +130,13 @@ def export(model, *example_inputs, dynamic=None, return_posterior: bool = False,
                          "program loaded without structattn could not rebuild; export the "
                          "output (and return_posterior=True) instead")
     layer = model if isinstance(model, CompiledModule) else compile(model)
+    _refuse_data_dependent(layer, example_inputs, kwargs)
     program = _Program(layer, {"return_posterior": return_posterior, **kwargs})
     try:
-        return torch.export.export(program, tuple(example_inputs),
-                                   dynamic_shapes=_dynamic_shapes(dynamic, example_inputs),
-                                   strict=False)
+        with _quiet_torch():
+            return torch.export.export(program, tuple(example_inputs),
+                                       dynamic_shapes=_dynamic_shapes(dynamic, example_inputs),
+                                       strict=False)
     except Exception as err:
         from .replay import _where
 

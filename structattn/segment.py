@@ -124,7 +124,7 @@ def _prepare(a, b, v, src, dst, num_children, scale, chunk_size, empty, who, bia
             f"{shape_str(lead)}), b {shape_str(b.shape)} (lead {shape_str(b.shape[:-2])}), v "
             f"{shape_str(v.shape)} (lead {shape_str(v.shape[:-2])})"
         )
-    if isinstance(num_children, bool) or not isinstance(num_children, int):
+    if isinstance(num_children, bool) or not isinstance(num_children, (int, torch.SymInt)):
         raise ValueError(f"{who}: num_children must be an int; got {type(num_children).__name__}")
     C, k = a.shape[-2], a.shape[-1]
     if C != num_children:

@@ -76,8 +76,11 @@ def test_every_catalogue_program_runs_without_structattn(tmp_path):
 
 def test_a_value_reading_model_is_refused_with_the_reason():
     model, inputs = CASES["expanding_attention"]()
-    with pytest.raises(ValueError, match=r"ExpandingAttention could not be exported: its reading "
-                                         r"structattn/windows/loop.py.*fixed-step or exact"):
+    # refused from its structure, in one line, before torch traces anything
+    with pytest.raises(ValueError, match=r"^structattn.export: ExpandingAttention cannot be "
+                                         r"exported: edge family 'attn' is read by "
+                                         r"MeanFieldWindows, whose windows are sized from the "
+                                         r"data .* export its exact reading"):
         sa.export(model, *inputs)
 
 
@@ -112,3 +115,44 @@ def test_export_refuses_a_trace():
     with pytest.raises(ValueError, match="return_trace returns a structattn Trace"):
         sa.export(m, torch.randn(1, 2, 4, dtype=torch.float64),
                   torch.randn(1, 3, 4, dtype=torch.float64), return_trace=True)
+
+
+REFUSED = {
+    "FoX tol": (lambda: sa.models.forgetting_attention(8, heads=2, tol=1e-3), "certified window"),
+    "ALiBi tol": (lambda: sa.models.alibi_attention(8, heads=2, tol=1e-3), "certified window"),
+    "BAM tol": (lambda: sa.models.generalised_gaussian_attention(8, heads=2, tol=1e-3),
+                "certified window"),
+    "expanding exact tol": (lambda: sa.models.expanding_attention(8, heads=2, variant="exact",
+                                                                  tol=1e-3), "certified window"),
+    "expanding mean field": (lambda: sa.models.expanding_attention(8, heads=2), "MeanFieldWindows"),
+    "expanding grad=last": (lambda: sa.models.expanding_attention(8, heads=2, grad="last"),
+                            "MeanFieldWindows"),
+}
+
+
+@pytest.mark.parametrize("dynamic", [None, True])
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_what_has_no_single_program_is_refused_in_one_line_and_prints_nothing(name, dynamic,
+                                                                              capfd):
+    build, reason = REFUSED[name]
+    with pytest.raises(ValueError) as refused:
+        sa.export(build(), torch.randn(1, 40, 8), dynamic=dynamic)
+    message = str(refused.value)
+    assert message.startswith("structattn.export: ") and "cannot be exported" in message
+    assert reason in message and "\n" not in message
+    assert "SymInt" not in message and "guard" not in message.lower()
+    out, err = capfd.readouterr()
+    assert out == "" and err == "", (out + err)[:2000]
+
+
+def test_graph_attention_exports_with_dynamic_nodes_and_edges():
+    m = sa.models.graph_attention(8, heads=2, dtype=torch.float64)
+    x, edge_index = m.example_inputs(n=6)
+    program = sa.export(m, x, edge_index, dynamic=True).module()
+    layer = sa.compile(m)
+    for n in (4, 11):
+        x, edge_index = m.example_inputs(n=n)
+        torch.testing.assert_close(program(x, edge_index), layer(x, edge_index), rtol=0, atol=0)
+    ring = torch.stack([torch.arange(9), (torch.arange(9) + 1) % 9])  # another edge count
+    x = torch.randn(1, 9, 8, dtype=torch.float64)
+    torch.testing.assert_close(program(x, ring), layer(x, ring), rtol=0, atol=0)
