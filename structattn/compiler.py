@@ -9,7 +9,7 @@ from torch.nn.modules import module as _module
 from .declaration import Declaration, as_declaration
 from .iterate import Engine
 from .readers.marginalise import Marginalise
-from .replay import MISSED, Plans
+from .replay import MAX_PLANS, MISSED, Plans
 
 
 class CompiledModule(nn.Module):
@@ -40,10 +40,14 @@ class CompiledModule(nn.Module):
     the order (output, posterior, trace).
     """
 
-    def __init__(self, declaration: Declaration, *, replay: bool = True):
+    def __init__(self, declaration: Declaration, *, replay: bool = True,
+                 max_plans: int = MAX_PLANS):
         super().__init__()
+        if isinstance(max_plans, bool) or not isinstance(max_plans, int) or max_plans < 0:
+            raise ValueError(f"compile: max_plans (how many input signatures are recorded) must "
+                             f"be an int ≥ 0; got {max_plans!r}")
         self.declaration = declaration
-        self._plans = Plans(replay)
+        self._plans = Plans(replay, max_plans=max_plans)
 
     @property
     def plans(self) -> dict:
@@ -135,7 +139,10 @@ class CompiledModule(nn.Module):
         return f"compiled from {type(self.declaration).__name__}"
 
 
-def compile(model, *, replay: bool = True) -> CompiledModule:  # noqa: A001 - DESIGN.md's name
+def compile(model, *, replay: bool = True, max_plans: int = MAX_PLANS  # noqa: A001
+            ) -> CompiledModule:
     """Compile a declaration (or a plain Pyro program using structattn primitives).
-    ``replay=False``: read the declaration on every call (no plans)."""
-    return CompiledModule(as_declaration(model), replay=replay)
+    ``replay=False``: read the declaration on every call (no plans). ``max_plans``: how many
+    input signatures (shapes, dtypes, options) the module records; calls with further ones
+    are read every time, and the module warns once when that starts."""
+    return CompiledModule(as_declaration(model), replay=replay, max_plans=max_plans)

@@ -35,6 +35,7 @@ from __future__ import annotations
 import math
 import os
 import threading
+import warnings
 from dataclasses import dataclass, field
 from math import isfinite
 
@@ -52,8 +53,9 @@ from .windows.history import MeanFieldHistory
 for _cls in (Trace, MeanFieldHistory, Certified):
     pytree.register_dataclass(_cls)
 
-#: how many signatures one module records before it reads new ones every call (like
-#: dynamo's cache size limit: a stream of ever-new shapes should not fill memory with graphs)
+#: how many signatures one module records by default before it reads new ones every call
+#: (``sa.compile(model, max_plans=…)``; like dynamo's cache size limit: a stream of ever-new
+#: shapes should not fill memory with graphs); it warns once when that happens
 MAX_PLANS = 32
 
 
@@ -140,8 +142,9 @@ class Plans:
     plan is recorded (recording costs tens of milliseconds: a shape seen once should not pay
     it)."""
 
-    def __init__(self, enabled: bool = True, record_after: int = 1):
-        self.enabled, self.record_after = enabled, record_after
+    def __init__(self, enabled: bool = True, record_after: int = 1, max_plans: int = MAX_PLANS):
+        self.enabled, self.record_after, self.max_plans = enabled, record_after, max_plans
+        self.full_warned = False  # whether the warning that no plan is left was given
         self.plans: dict = {}
         self.reads: dict = {}  # signature → readings so far
         self._modules = None  # (structure version, [(prefix, module)])
@@ -149,10 +152,10 @@ class Plans:
         self._last = None  # the last plan replayed, with its guard (``_replay_last``)
 
     def __deepcopy__(self, memo):
-        return Plans(self.enabled, self.record_after)
+        return Plans(self.enabled, self.record_after, self.max_plans)
 
     def __getstate__(self):
-        return {**Plans(self.enabled, self.record_after).__dict__}
+        return {**Plans(self.enabled, self.record_after, self.max_plans).__dict__}
 
     def clear(self) -> None:
         self.plans.clear()
@@ -245,9 +248,19 @@ class Plans:
         plan = self.plans.get(key)
         if plan is None:
             reads = self.reads.get(key, 0)
-            if reads < self.record_after or len(self.plans) >= MAX_PLANS:
-                if len(self.reads) >= 64 * MAX_PLANS:  # a stream of ever-new signatures
+            full = len(self.plans) >= self.max_plans
+            if reads < self.record_after or full:
+                if len(self.reads) >= 64 * max(1, self.max_plans):  # ever-new signatures
                     self.reads.clear()
+                if full and reads >= self.record_after and not self.full_warned:
+                    self.full_warned = True
+                    warnings.warn(
+                        f"structattn: {type(layer.declaration).__name__}'s compiled module holds "
+                        f"max_plans={self.max_plans} plans (one per input signature: shapes, "
+                        f"dtypes, options), so calls with a new signature are read from the "
+                        f"declaration every time, several times slower; compile with a larger "
+                        f"max_plans (sa.compile(model, max_plans=…)) or give the inputs fewer "
+                        f"shapes (pad them to a few lengths)", RuntimeWarning, stacklevel=4)
                 self.reads[key] = reads + 1
                 return layer.interpret(*inputs, **kwargs)
             self.reads.pop(key, None)

@@ -658,3 +658,31 @@ def test_a_plan_keeps_none_of_the_tracers_notes():
         assert all(not node.meta for node in g.graph.nodes)
     with torch.no_grad():
         assert torch.equal(layer(x), y)
+
+
+def test_a_full_plan_cache_reads_new_signatures_and_warns_once():
+    import warnings
+
+    m = sa.models.self_attention(8, heads=2, dtype=torch.float64)
+    layer = sa.compile(m, max_plans=2)
+    xs = [torch.randn(1, n, 8, dtype=torch.float64) for n in (3, 4, 5, 6)]
+    for x in xs[:2]:
+        for _ in range(2):  # read, record
+            layer(x)
+    assert len(layer.plans) == 2
+    with pytest.warns(RuntimeWarning, match=r"holds max_plans=2 plans .*sa.compile\(model, "
+                                            r"max_plans=…\)"):
+        for x in xs[2:]:
+            for _ in range(3):
+                assert torch.equal(layer(x), layer.interpret(x))  # read, every call
+    assert len(layer.plans) == 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per module
+        layer(xs[3])
+    with pytest.raises(ValueError, match=r"max_plans .* must be an int ≥ 0; got -1"):
+        sa.compile(m, max_plans=-1)
+    never = sa.compile(m, max_plans=0)
+    with pytest.warns(RuntimeWarning, match="max_plans=0"):
+        for _ in range(3):
+            never(xs[0])
+    assert not never.plans
