@@ -80,7 +80,7 @@ def _refuse_data_dependent(layer: CompiledModule, inputs: tuple, kwargs: dict) -
                 f"by {type(fam.inference).__name__}, whose windows are sized from the data on "
                 f"every call, so no single program holds it; export its exact reading "
                 f"(e.g. variant='exact') or run it under structattn")
-        tol = getattr(fam.prior, "tol", None)
+        tol = fam.prior.tol
         if tol is not None and isinstance(fam.support, Window):  # (stick-breaking's tol only
             # stops a scan: its exported reading is the whole table)
             raise ValueError(

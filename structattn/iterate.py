@@ -55,8 +55,9 @@ class Trace:
     largest round count and ``converged`` = every window settled.
 
     Certified truncation (a prior's ``tol``, e.g. ``BetaGeometric(tol=ε)`` read exactly):
-    ``truncation[family]``, a ``structattn.windows.Certified`` — the window read and the
-    certified bound on each token's posterior mass beyond it.
+    ``truncation[family]``, a ``structattn.certified.Certified`` (also
+    ``structattn.windows.CertifiedWindow``) — the window read and the certified bound on each
+    token's posterior mass beyond it.
 
     Stick-breaking (``structattn.priors.StickBreaking``): ``leftover[family]``, p(no parent |
     x) per child ``(*batch, H, C)``, the stick left after the scan (its value is zero).

@@ -347,3 +347,17 @@ def test_a_nan_argument_is_named_before_any_transformation(name):
         layer(*bad)
     with pytest.raises(ValueError, match=message):
         sa.compile(m)(*bad)
+
+
+def test_the_public_checks_name_their_owner_and_argument():
+    from structattn.checks import check_positive, check_size
+
+    assert check_size("MyModel", "heads", 4) == 4
+    with pytest.raises(ValueError, match=r"^MyModel: heads must be a positive int; got 0$"):
+        check_size("MyModel", "heads", 0)
+    assert check_positive("MyModel", "rate", 2) == 2.0
+    for bad in (0.0, -1.0, float("nan"), torch.tensor([1.0, -2.0])):
+        with pytest.raises(ValueError, match=r"^MyModel: rate must be finite and > 0"):
+            check_positive("MyModel", "rate", bad)
+    with pytest.raises(ValueError, match=r"^ExpandingAttention: a must be finite and > 0"):
+        sa.models.expanding_attention(8, a=-1.0)

@@ -74,7 +74,7 @@ class WindowOperator(Operator):
         if self._width is not False:
             return self._width
         f = self.family
-        width, eps = f.support.width, getattr(f.prior, "tol", None)
+        width, eps = f.support.width, f.prior.tol
         n = f.children.size
         if eps is not None and self.is_fused() and f.support.offset == 0 \
                 and n == f.parents.size and n > 1:

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from structattn._validation import check_size
+from structattn.checks import check_size
 from structattn.declaration import Declaration
 from structattn.family import edges, potential
 from structattn.family import value as expect

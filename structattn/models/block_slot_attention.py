@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import structattn as sa
-from structattn._validation import check_size
+from structattn.checks import check_size
 
 from ._catalogue import Entry, randn64
 from .slot_attention import SlotAttention

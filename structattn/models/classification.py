@@ -7,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-from structattn._validation import check_size
+from structattn.checks import check_size
 from structattn.compiler import compile as compile_model
 from structattn.declaration import Declaration
 from structattn.family import edges, potential

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from structattn._validation import check_size
+from structattn.checks import check_size
 from structattn.nodes import nodes
 from structattn.priors import Uniform
 

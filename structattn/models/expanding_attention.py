@@ -10,10 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from structattn._validation import check_size
+from structattn.checks import check_positive, check_size
 from structattn.nodes import nodes
 from structattn.priors import BetaGeometric
-from structattn.priors.beta_geometric import _positive
 from structattn.windows import MeanFieldWindows
 
 from ._catalogue import TOKEN_SIZES, Entry, randn64
@@ -81,7 +80,7 @@ class ExpandingAttention(TokenAttention):
         kw = {"device": kwargs.get("device"), "dtype": kwargs.get("dtype")}
         rows = []
         for name, v in (("a", a), ("b", b)):  # a float, or one value per head
-            v = _positive(name, v)
+            v = check_positive("ExpandingAttention", name, v)
             vals = v.detach().reshape(-1).tolist() if isinstance(v, torch.Tensor) else [v]
             if len(vals) not in (1, heads):
                 raise ValueError(f"ExpandingAttention: {name} must be a float or have one value "

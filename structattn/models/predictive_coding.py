@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import structattn as sa
-from structattn._validation import check_layer_sizes, check_size
+from structattn.checks import check_layer_sizes, check_size
 from structattn.potentials.prediction_error import ACTIVATIONS
 
 from ._catalogue import Entry, randn64

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from structattn._validation import check_size
+from structattn.checks import check_size
 from structattn.priors import RelativePosition
 
 from ._catalogue import TOKEN_SIZES, Entry, randn64

@@ -78,8 +78,15 @@ class Rotary(Bilinear):
     # -- the definition (the Pyro reading) ------------------------------------------------
     def at(self, children, parents, index):
         """ψ at the parent each child picked, in complex form (class docstring)."""
-        q = Bilinear.child_factor(self, children)  # (*batch, H, C, d_k): W_Q x, unrotated
-        k = gather_parents(Bilinear.parent_factor(self, parents), index)  # (…, H, C, d_k)
+        H = self.heads
+
+        def project(x, W):  # W x per head from the definition, (*batch, n, d) → (*batch, H, n, d_k)
+            if W is None:
+                return x.reshape(*x.shape[:-1], H, -1).movedim(-2, -3)
+            return torch.einsum("...nd,hkd->...hnk", x, W.reshape(H, -1, W.shape[-1]))
+
+        q = project(children, self.W_q)  # unrotated: the rotation is applied below, in C
+        k = gather_parents(project(parents, self.W_k), index)  # (…, H, C, d_k)
         C = q.shape[-2]
         pos_i = (torch.arange(C, device=q.device, dtype=torch.float64)
                  if self.child_positions is None else self.child_positions.to(q.device,

@@ -39,6 +39,12 @@ class Prior:
     leftover: bool = False
     #: the most potentials a family under this prior takes (None: any number)
     max_potentials: int | None = None
+    #: certified truncation (``structattn.certified``): the posterior mass a window may leave
+    #: out per child (None: the prior reads its whole support); read by the window operator
+    tol: float | None = None
+    #: the band's block of children where the prior is read through a window (its window
+    #: operator's ``band.BandLayout``); None where it never is
+    block_size: int | None = None
 
     # -- what a subclass states -------------------------------------------------
     def support(self, num_children: int, num_parents: int) -> Support:

@@ -113,3 +113,23 @@ def test_the_models_refuse_rope_dims_without_rope_base_and_check_positions():
 
     with pytest.raises(ValueError, match=r"rotary child_positions must be a tensor \(5,\)"):
         sa.compile(program)(torch.randn(1, 5, 6))
+
+
+def test_a_wrong_rotation_fails_compare(monkeypatch):
+    """The oracle evaluates ψ from its definition (complex form): a rotation planted with the
+    wrong angle, or no rotation, in the factors' reading is caught."""
+    torch.manual_seed(3)
+    m = sa.models.rope_attention(8, heads=2, d_k=4, rope_base=100.0, dtype=f64)
+    x = torch.randn(2, 6, 8, dtype=f64)
+    assert sa.inference.compare(m, x).passed
+    right = sa.potentials.Rotary.rotate
+
+    def one_percent_off(self, x, positions=None, inverse=False):
+        p = torch.arange(x.shape[-2], dtype=f64) if positions is None else positions.to(f64)
+        return right(self, x, p * 1.01, inverse=inverse)
+
+    monkeypatch.setattr(sa.potentials.Rotary, "rotate", one_percent_off)
+    assert not sa.inference.compare(m, x).passed
+    monkeypatch.setattr(sa.potentials.Rotary, "rotate",
+                        lambda self, x, positions=None, inverse=False: x)
+    assert not sa.inference.compare(m, x).passed

@@ -1,0 +1,28 @@
+"""The argument checks a declaration's constructor and ``model`` use, public for models of
+one's own (the catalogue's included): each raises a ``ValueError`` naming the owner, the
+argument, what it must be and what it got.
+
+- ``check_size(owner, name, value, least=1)``: a size (heads, widths, counts, steps), an int
+  ≥ ``least``; bools, floats and strings refused.
+- ``check_layer_sizes(owner, layer_sizes, order)``: a list of ≥ 2 positive ints.
+- ``check_finite(what, tensor)``: no NaN or ±inf (while checks are on; one fused pass).
+- ``check_positive(owner, name, value)``: a float, or a tensor () or (heads,), finite and
+  > 0 (a Beta parameter, a rate).
+"""
+
+from __future__ import annotations
+
+from ._validation import check_finite, check_layer_sizes, check_size
+from .priors.beta_geometric import _positive
+
+
+def check_positive(owner: str, name: str, value):
+    """``value`` (a float, or a floating-point tensor ``()`` or ``(heads,)``), checked finite
+    and > 0; returned as given (a float for a number)."""
+    try:
+        return _positive(name, value)
+    except ValueError as err:  # the prior's message, under the caller's name
+        raise ValueError(str(err).replace("BetaGeometric prior", owner, 1)) from None
+
+
+__all__ = ["check_finite", "check_layer_sizes", "check_positive", "check_size"]
