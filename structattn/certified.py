@@ -133,20 +133,23 @@ def block_tail_ceilings(a: torch.Tensor, b: torch.Tensor, scale: float, widths,
         key_block = max(KEY_BLOCK, -(-n // MAX_KEY_BLOCKS))
     wide = torch.float64
     with torch.no_grad():
-        q = a.detach().to(wide) * (1.0 if scale >= 0 else -1.0)  # (*lead_a, N, k)
-        keys = b.detach().to(wide)  # (*lead_b, N, k)
+        low = torch.promote_types(a.dtype, torch.float32)  # the products' precision
+        q = a.detach().to(low) * (1.0 if scale >= 0 else -1.0)  # (*lead_a, N, k), exact
+        keys = b.detach()  # (*lead_b, N, k): ranges and lengths are exact in any precision
         nb = -(-n // key_block)
-        pad = nb * key_block - n
-        cut = torch.nn.functional.pad(keys, (0, 0, 0, pad)).unflatten(-2, (nb, key_block))
-        real = (torch.arange(nb * key_block, device=a.device) < n).reshape(nb, key_block, 1)
-        hi = cut.masked_fill(~real, -torch.inf).amax(-2)  # (*lead_b, nb, k)
-        lo = cut.masked_fill(~real, torch.inf).amin(-2)
-        longest = cut.norm(dim=-1).amax(-1)  # (*lead_b, nb): padding adds zeros
-        reach = torch.maximum(hi.abs(), lo.abs()).amax(-1)  # (*lead_b, nb)
-        low = torch.promote_types(a.dtype, torch.float32)  # the product's precision
+        full = n // key_block  # the whole blocks; the last, shorter one (if any) on its own
+        parts = [keys[..., :full * key_block, :].unflatten(-2, (full, key_block))] if full \
+            else []
+        if full < nb:
+            parts.append(keys[..., full * key_block:, :].unsqueeze(-3))
+        hi = torch.cat([t.amax(-2) for t in parts], -2).to(low)  # (*lead_b, nb, k), exact
+        lo = torch.cat([t.amin(-2) for t in parts], -2).to(low)
+        longest = torch.cat([t.to(wide).norm(dim=-1).amax(-1) for t in parts], -1)  # (…, nb)
+        reach = torch.maximum(hi.abs(), lo.abs()).amax(-1).to(wide)  # (*lead_b, nb)
         unit = torch.finfo(low).eps / 2
-        gamma = 2 * k * unit / (1 - 2 * k * unit)  # (and the product's float64 conversion)
-        box_keys = torch.cat([hi, -lo], -1).to(low).transpose(-1, -2)  # (*lead_b, 2k, nb)
+        gamma = 2 * k * unit / (1 - 2 * k * unit)
+        up = 1 + 2 * gamma  # a norm or an absolute sum computed in ``low``, made an upper bound
+        hi_t, lo_t = hi.transpose(-1, -2), lo.transpose(-1, -2)  # (*lead_b, k, nb)
         lead = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
         pos = torch.arange(n, device=a.device)
         out = {w: torch.empty(*lead, n, dtype=wide, device=a.device) for w in widths}
@@ -154,11 +157,11 @@ def block_tail_ceilings(a: torch.Tensor, b: torch.Tensor, scale: float, widths,
         for r0 in range(0, n, rows):
             r = slice(r0, min(n, r0 + rows))
             qr = q[..., r, :]
-            box = (torch.cat([qr.clamp(min=0), (-qr).clamp(min=0)], -1).to(low)
-                   @ box_keys).to(wide)  # ⟨a⁺, hi⟩ − ⟨a⁻, lo⟩, (*lead, rows, nb)
-            # rounding: the product's (γ_2k) and the casts of a and of the box to its precision
-            box = box + (gamma + 4 * unit) * qr.abs().sum(-1, keepdim=True) * reach[..., None, :]
-            ball = qr.norm(dim=-1, keepdim=True) * longest[..., None, :]
+            box = (qr.clamp(min=0) @ hi_t - (-qr).clamp(min=0) @ lo_t).to(wide)  # (…, rows, nb)
+            # rounding: two k-term products and their difference, charged on Σ|a_d|·max|key|
+            l1 = qr.abs().sum(-1, keepdim=True).to(wide) * up
+            box = box + (gamma + 4 * unit) * l1 * reach[..., None, :]
+            ball = qr.norm(dim=-1, keepdim=True).to(wide) * up * longest[..., None, :]
             prefix = torch.minimum(box, ball).cummax(-1).values * abs(scale)
             for w in widths:
                 beyond = ((pos[r] - w - 1).clamp(min=0) // key_block)  # (rows,)
@@ -244,9 +247,16 @@ def certify(a: torch.Tensor, b: torch.Tensor, scale: float, prior, eps: float, *
 
         # the longest key beyond the window bounds every score there (Cauchy–Schwarz); where
         # that cannot certify the narrowest width even at the best scores inside, the keys'
-        # per-block bounds may (they are tight where keys cluster)
+        # per-block bounds may (they are tight where keys cluster) — computed only where the
+        # keys' range as one block already could (O(N·k)): their cost, about a forward at
+        # N = 4,096, is not paid where they cannot help (spread keys, a slow prior)
         if last > widths[0] and not bool((bound(widths[0], log_total + high) <= eps).all()):
-            blocked.update(block_tail_ceilings(a, b, scale, widths))
+            whole = block_tail_ceilings(a, b, scale, [widths[0]], key_block=n)
+            blocked[widths[0]] = whole[widths[0]]
+            hopeful = bool((bound(widths[0], log_total + high) <= eps).all())
+            blocked.clear()
+            if hopeful:
+                blocked.update(block_tail_ceilings(a, b, scale, widths))
 
         # I_i(W) grows with W, so the evidence of any narrower window scored bounds every wider
         # one: score the first width, take the first width its evidence certifies, and score
