@@ -30,7 +30,9 @@ parameter count only by their priors' own parameters (reported).
 **Training**: AdamW (lr ``--lr``, linear warm-up over 5% of the steps, cosine decay), random
 windows of ``--context`` + 1 bytes from the training bytes (a seeded generator), a budget of
 ``--steps`` steps or ``--minutes`` of training time, whichever comes first; validation bits
-per byte every ``--eval-every`` steps on fixed windows; a checkpoint (model, optimiser,
+per byte every ``--eval-every`` steps on fixed windows (the curve), and at the end on every
+validation byte once (``--final-eval whole``, the default: the table's figure, beside the
+compressors zlib, bz2 and xz on the same bytes); a checkpoint (model, optimiser,
 generator, step, elapsed time, history) every ``--save-every`` steps and at the end, which
 ``--resume`` continues from to the same numbers as an uninterrupted run (tested). Under
 ``torchrun`` (gloo) every rank draws the same global batch and trains on its share; DDP
@@ -233,6 +235,29 @@ def validation_windows(data: torch.Tensor, count: int, context: int):
     return chunk[:, :-1], chunk[:, 1:]
 
 
+def whole_windows(data: torch.Tensor, context: int):
+    """The whole validation set, once: consecutive windows of ``context`` bytes, each byte
+    predicted from the bytes before it in its window (the last partial window dropped)."""
+    count = (len(data) - 1) // context
+    idx = (torch.arange(count) * context)[:, None] + torch.arange(context + 1)
+    chunk = data[idx].long()
+    return chunk[:, :-1], chunk[:, 1:]
+
+
+def compression_anchors(data: torch.Tensor) -> dict:
+    """Bits per byte of general-purpose compressors on the same validation bytes: what a
+    model must beat before its figures say anything about language."""
+    import bz2
+    import lzma
+    import zlib
+
+    raw = bytes(data.tolist())
+    n = max(1, len(raw))
+    return {"zlib -9": 8 * len(zlib.compress(raw, 9)) / n,
+            "bz2 -9": 8 * len(bz2.compress(raw, 9)) / n,
+            "xz -9": 8 * len(lzma.compress(raw, preset=9)) / n}
+
+
 @torch.no_grad()
 def bits_per_byte(model, windows, batch_size=8) -> float:
     x, y = windows
@@ -334,8 +359,15 @@ def train(args, variant: str, data, out_dir: pathlib.Path | None, log=print) -> 
         progress.update(1)
     progress.close()
     save()
+    # the figure to read: every validation byte, once (the curve above samples windows)
+    whole = None
+    if args.final_eval == "whole":
+        whole_set = whole_windows(val_bytes, args.context)
+        whole = {"val_bpb": bits_per_byte(model, whole_set),
+                 "bytes": int(whole_set[1].numel())}
     result = {"variant": variant, "context": args.context, "params": params,
               "steps": step, "train_seconds": elapsed, "world_size": world,
+              "whole_validation": whole,
               "tokens_per_second": step * args.batch * args.context / max(elapsed, 1e-9),
               "peak_rss_mib": peak_rss_mib() - rss_before, "history": history,
               "final_val_bpb": history[-1]["val_bpb"] if history else None,
@@ -414,16 +446,26 @@ def report(out: pathlib.Path) -> list[str]:
     shortest = {}
     for r in results:
         shortest[r["context"]] = min(shortest.get(r["context"], math.inf), r["train_seconds"])
-    lines = ["| variant | context | params | steps | train s | val bits/byte (equal steps) | "
+    lines = ["| variant | context | params | steps | train s | bits/byte, whole validation set | "
+             "val bits/byte (equal steps, sampled windows) | "
              "val bits/byte at the shortest run's time | tokens/s | vs causal | peak RSS MiB |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    anchors = next((r["anchors"] for r in results if r.get("anchors")), None)
+    for name, bpb in (anchors or {}).items():
+        lines.append(f"| {name} (compressor) | — | — | — | — | {bpb:.3f} | — | — | — | — | — |")
+
+    def whole(r):
+        w = r.get("whole_validation")
+        return f"{w['val_bpb']:.3f}" if w else "—"
+
     for r in sorted(results, key=lambda r: (r["context"], r["final_val_bpb"] or 9)):
         rel = base.get(r["context"])
         ratio = "" if rel is None else f"{r['tokens_per_second'] / rel:.2f}×"
         cut = [e for e in r["history"] if e["seconds"] <= shortest[r["context"]] * 1.001]
         at_time = f"{cut[-1]['val_bpb']:.3f} (step {cut[-1]['step']})" if cut else "—"
         lines.append(f"| {r['variant']} | {r['context']} | {r['params']:,} | {r['steps']} | "
-                     f"{r['train_seconds']:.0f} | {r['final_val_bpb']:.3f} | {at_time} | "
+                     f"{r['train_seconds']:.0f} | {whole(r)} | {r['final_val_bpb']:.3f} | "
+                     f"{at_time} | "
                      f"{r['tokens_per_second']:.0f} | {ratio} | {r['peak_rss_mib']:.0f} |")
     written = [out / "lm_results.md"]
     written[0].write_text("\n".join(lines) + "\n")
@@ -478,7 +520,10 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--minutes", type=float, default=None, help="training-time budget")
     p.add_argument("--eval-every", type=int, default=100)
-    p.add_argument("--eval-windows", type=int, default=32)
+    p.add_argument("--eval-windows", type=int, default=32,
+                   help="validation windows sampled for the curve during training")
+    p.add_argument("--final-eval", choices=["whole", "windows"], default="whole",
+                   help="the final figure: every validation byte (default) or the windows")
     p.add_argument("--save-every", type=int, default=200)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--text", help="train on this text file instead of the standard library")
@@ -505,15 +550,25 @@ def main(argv=None):
     say(f"corpus: {manifest['files']} files, {manifest['train_bytes']:,} train / "
         f"{manifest['validation_bytes']:,} validation bytes, sha256 {manifest['sha256'][:16]}, "
         f"world size {world}")
+    anchors = compression_anchors(data[1]) if args.final_eval == "whole" else None
+    if anchors:
+        say("compressors on the validation bytes: " + ", ".join(
+            f"{k} {v:.3f} bits/byte" for k, v in anchors.items()))
     results = []
     for variant in args.attention:
         folder = out / f"{variant}_T{args.context}"
         folder.mkdir(exist_ok=True)
         r = train(args, variant, data, folder, log=say)
+        r["anchors"] = anchors
+        if rank == 0:
+            (folder / "result.json").write_text(json.dumps(r, indent=1))
         results.append(r)
+        whole = r["whole_validation"]
         say(f"[{variant}] T={args.context}: {r['steps']} steps, {r['train_seconds']:.1f} s, "
-              f"val {r['final_val_bpb']:.3f} bits/byte, {r['tokens_per_second']:.0f} tokens/s, "
-              f"peak RSS {r['peak_rss_mib']:.0f} MiB, {r['params']:,} parameters")
+            f"val {r['final_val_bpb']:.3f} bits/byte on the sampled windows"
+            + ("" if whole is None else f", {whole['val_bpb']:.3f} on every validation byte")
+            + f", {r['tokens_per_second']:.0f} tokens/s, peak RSS {r['peak_rss_mib']:.0f} MiB, "
+            f"{r['params']:,} parameters")
     if rank == 0:
         for path in report(out):
             print("wrote", path)

@@ -25,7 +25,8 @@ def lm():
 
 
 TINY = ["--context", "24", "--d-model", "16", "--layers", "1", "--heads", "2", "--batch", "2",
-        "--eval-every", "2", "--eval-windows", "2", "--max-files", "40", "--window", "8"]
+        "--eval-every", "2", "--eval-windows", "2", "--max-files", "40", "--window", "8",
+        "--final-eval", "windows"]
 
 
 def test_the_corpus_is_split_by_file_with_a_manifest(lm):
@@ -102,3 +103,24 @@ def test_two_ranks_under_torchrun(tmp_path):
     result = json.loads((tmp_path / "stick_breaking_T24" / "result.json").read_text())
     assert result["world_size"] == 2 and result["steps"] == 2
     assert all(math.isfinite(e["val_bpb"]) for e in result["history"])
+
+
+def test_the_final_figure_reads_every_validation_byte_beside_the_compressors(lm, tmp_path):
+    """--final-eval whole (the default): every validation byte once, in consecutive windows of
+    the context, each predicted from the bytes before it in its window; and zlib, bz2 and xz
+    on the same bytes in the table."""
+    import zlib
+
+    args = [a for a in TINY if a not in ("--final-eval", "windows")]
+    (r,) = lm.main([*args, "--steps", "2", "--attention", "rope", "--out", str(tmp_path)])
+    _, val, _ = lm.stdlib_corpus(max_files=40)
+    whole = r["whole_validation"]
+    assert whole["bytes"] == (len(val) - 1) // 24 * 24
+    assert 0 < whole["val_bpb"] < 9
+    x, y = lm.whole_windows(val, 24)  # consecutive: each window's targets follow its inputs
+    assert torch.equal(x[1:, 0], y[:-1, -1]) and torch.equal(y.flatten(), val[1:1 + y.numel()].long())
+    raw = bytes(val.tolist())
+    assert r["anchors"]["zlib -9"] == pytest.approx(8 * len(zlib.compress(raw, 9)) / len(raw))
+    assert set(r["anchors"]) == {"zlib -9", "bz2 -9", "xz -9"}
+    table = (tmp_path / "lm_results.md").read_text()
+    assert "| zlib -9 (compressor) |" in table and f"| {whole['val_bpb']:.3f} |" in table
