@@ -63,6 +63,7 @@ import torch.nn.functional as F
 import structattn as sa
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _results  # noqa: E402  (this script's own folder)
 from _device import cuda_peak_bytes, sync  # noqa: E402
 from _memory import peak_rss_kib, release_and_reset_peak, rss_kib  # noqa: E402
 
@@ -676,11 +677,10 @@ def main(argv=None) -> int:
             f"{os.cpu_count()} cores")
     results["meta"]["wall_s"] = time.perf_counter() - start
     log(f"\ntotal wall time {results['meta']['wall_s']:.0f} s")
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
-        log(f"results written to {args.json}")
+    written = _results.save("attention", results, args.json, quick=args.quick,
+                            device=getattr(args, "device", None))
+    if written:
+        log(f"results written to {written}")
     return 0
 
 

@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import statistics
 import sys
@@ -53,6 +52,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import _results  # noqa: E402  (this script's own folder)
 from _device import cuda_peak_bytes, sync  # noqa: E402  (the script's own folder)
 
 import structattn as sa  # noqa: E402
@@ -281,9 +281,7 @@ def main(argv=None):
     where = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU"
     log(f"torch {torch.__version__}, {torch.get_num_threads()} threads, float32, {where}")
     results = {"config": cfg, "runs": {n: run(n, cfg, log) for n in cfg["sizes"]}}
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(results, fh, indent=1, default=str)
+    _results.save("distance_priors", results, args.json, quick=args.quick, device=args.device)
     return results
 
 

@@ -33,7 +33,6 @@ expanding attention's mean field (certified windows, the default) with and witho
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -47,6 +46,7 @@ import structattn as sa  # noqa: E402
 from structattn import band  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _results  # noqa: E402  (this script's own folder)
 from _memory import measure_peak_mib  # noqa: E402
 
 
@@ -243,9 +243,7 @@ def run(args):
           f"{torch.get_num_threads()} threads, float32")
     for n in args.sizes:
         (measure_banded if args.vs_banded else measure)(args, n, results)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+    _results.save("expanding", results, args.json, quick=args.quick)
 
 
 def main():

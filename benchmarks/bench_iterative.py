@@ -34,6 +34,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import structattn as sa  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _results  # noqa: E402  (this script's own folder)
 from _memory import measure_peak_mib  # noqa: E402
 
 heads_of, merge = sa.split_heads, sa.merge_heads  # (…, n, H·d) ↔ (…, H, n, d)
@@ -281,9 +282,7 @@ def main(argv=None):
         "predictive_coding": section_pcn(cfg, log),
         "ground_truth": section_ground_truth(cfg, log),
     }
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(results, fh, indent=1)
+    _results.save("iterative", results, args.json, quick=args.quick)
     return results
 
 

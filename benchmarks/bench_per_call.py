@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import math
 import os
 import statistics
@@ -40,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import _results  # noqa: E402  (this script's own folder)
 from _device import sync  # noqa: E402  (the script's own folder)
 
 import structattn as sa  # noqa: E402
@@ -327,9 +327,7 @@ def main(argv=None):
     for name, fn in sections.items():
         if name not in args.skip:
             results[name] = fn(cfg, log)
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(results, fh, indent=1, default=str)
+    _results.save("per_call", results, args.json, quick=args.quick, device=args.device)
     return results
 
 

@@ -30,6 +30,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import structattn as sa  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _results  # noqa: E402  (this script's own folder)
 from _memory import measure_peak_mib  # noqa: E402
 
 heads_of, merge = sa.split_heads, sa.merge_heads  # (…, n, H·d) ↔ (…, H, n, d)
@@ -201,9 +202,7 @@ def main(argv=None):
         f"float32, CPU")
     results = {"config": cfg, "relative": section_relative(cfg, log),
                "multihop": section_multihop(cfg, log), "graph": section_graph(cfg, log)}
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(results, fh, indent=1)
+    _results.save("single_shot", results, args.json, quick=args.quick)
     return results
 
 

@@ -16,3 +16,24 @@ def test_benchmark_runs_quick(script, tmp_path):
                           str(tmp_path / "r.json")], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert (tmp_path / "r.json").exists()
+
+
+def test_results_carry_their_provenance(tmp_path, monkeypatch):
+    """A benchmark's JSON says what produced it; a quick smoke run without a path writes
+    nothing (the committed results are full runs only)."""
+    import json
+    import sys
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    sys.modules.pop("_results", None)
+    import _results
+
+    path = _results.save("toy", {"ratio": 1.0}, str(tmp_path / "toy.json"))
+    data = json.loads(pathlib.Path(path).read_text())
+    assert data["results"] == {"ratio": 1.0}
+    assert {"date", "commit", "torch", "python", "machine", "cores", "threads", "device"} \
+        <= set(data["provenance"])
+    monkeypatch.setattr(_results, "RESULTS", str(tmp_path / "results"))
+    assert _results.save("toy", {}, quick=True) is None
+    assert not (tmp_path / "results").exists()
+    assert _results.save("toy", {}) == str(tmp_path / "results" / "toy.json")
