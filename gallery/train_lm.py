@@ -32,7 +32,8 @@ windows of ``--context`` + 1 bytes from the training bytes (a seeded generator),
 ``--steps`` steps or ``--minutes`` of training time, whichever comes first; validation bits
 per byte every ``--eval-every`` steps on fixed windows (the curve), and at the end on every
 validation byte once (``--final-eval whole``, the default: the table's figure, beside the
-compressors zlib, bz2 and xz on the same bytes); a checkpoint (model, optimiser,
+compressors zlib, bz2 and xz on the same bytes), and with ``--eval-lengths`` in windows longer
+than the training length (``lm_extrapolation.png``); a checkpoint (model, optimiser,
 generator, step, elapsed time, history) every ``--save-every`` steps and at the end, which
 ``--resume`` continues from to the same numbers as an uninterrupted run (tested). Under
 ``torchrun`` (gloo) every rank draws the same global batch and trains on its share; DDP
@@ -365,9 +366,21 @@ def train(args, variant: str, data, out_dir: pathlib.Path | None, log=print) -> 
         whole_set = whole_windows(val_bytes, args.context)
         whole = {"val_bpb": bits_per_byte(model, whole_set),
                  "bytes": int(whole_set[1].numel())}
+    # length extrapolation: the same model read in windows longer than it was trained on
+    by_length = []
+    for length in args.eval_lengths or ():
+        part = val_bytes[:args.eval_bytes] if args.eval_bytes else val_bytes
+        windows_l = whole_windows(part, length)
+        if len(windows_l[0]) == 0:
+            continue
+        by_length.append({"context": length, "bytes": int(windows_l[1].numel()),
+                          "val_bpb": bits_per_byte(model, windows_l,
+                                                   batch_size=max(1, 4096 // length))})
+        log(f"[{variant}] read at {length} bytes: {by_length[-1]['val_bpb']:.3f} bits/byte "
+            f"({by_length[-1]['bytes']:,} bytes)")
     result = {"variant": variant, "context": args.context, "params": params,
               "steps": step, "train_seconds": elapsed, "world_size": world,
-              "whole_validation": whole,
+              "whole_validation": whole, "by_length": by_length,
               "tokens_per_second": step * args.batch * args.context / max(elapsed, 1e-9),
               "peak_rss_mib": peak_rss_mib() - rss_before, "history": history,
               "final_val_bpb": history[-1]["val_bpb"] if history else None,
@@ -483,6 +496,23 @@ def report(out: pathlib.Path) -> list[str]:
     written.append(out / "lm_val_bpb.png")
     fig.savefig(written[-1], dpi=110)
     plt.close(fig)
+    extrapolated = [r for r in results if r.get("by_length")]
+    if extrapolated:
+        fig, ax = plt.subplots(figsize=(7, 4.2))
+        for r in extrapolated:
+            pts = sorted(r["by_length"], key=lambda e: e["context"])
+            ax.plot([e["context"] for e in pts], [e["val_bpb"] for e in pts], marker="o",
+                    label=f"{r['variant']} (trained at {r['context']})")
+        ax.axvline(extrapolated[0]["context"], color="grey", lw=0.8, ls=":")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("evaluation window (bytes, log scale); dotted: the training length")
+        ax.set_ylabel("validation bits per byte")
+        ax.set_title("reading beyond the training length")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        written.append(out / "lm_extrapolation.png")
+        fig.savefig(written[-1], dpi=110)
+        plt.close(fig)
     expanding = [(r, e) for r in results for e in r["heads"] if "prior_pmf" in e]
     if expanding:
         heads = len(expanding[0][1]["a"])
@@ -524,6 +554,11 @@ def main(argv=None):
                    help="validation windows sampled for the curve during training")
     p.add_argument("--final-eval", choices=["whole", "windows"], default="whole",
                    help="the final figure: every validation byte (default) or the windows")
+    p.add_argument("--eval-lengths", type=int, nargs="*", default=None, metavar="N",
+                   help="also read the trained model in windows of these lengths (length "
+                        "extrapolation: e.g. 512 2048 8192)")
+    p.add_argument("--eval-bytes", type=int, default=None,
+                   help="the first N validation bytes for --eval-lengths (default: all)")
     p.add_argument("--save-every", type=int, default=200)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--text", help="train on this text file instead of the standard library")

@@ -124,3 +124,15 @@ def test_the_final_figure_reads_every_validation_byte_beside_the_compressors(lm,
     assert set(r["anchors"]) == {"zlib -9", "bz2 -9", "xz -9"}
     table = (tmp_path / "lm_results.md").read_text()
     assert "| zlib -9 (compressor) |" in table and f"| {whole['val_bpb']:.3f} |" in table
+
+
+def test_a_trained_model_is_read_beyond_its_training_length(lm, tmp_path):
+    """--eval-lengths: the final model read in windows longer than the training context, on
+    the first --eval-bytes validation bytes, with a picture of bits/byte against length."""
+    (r,) = lm.main([*TINY, "--steps", "2", "--attention", "fox", "--eval-lengths", "24", "96",
+                    "--eval-bytes", "2000", "--out", str(tmp_path)])
+    lengths = [e["context"] for e in r["by_length"]]
+    assert lengths == [24, 96]
+    assert [e["bytes"] for e in r["by_length"]] == [1999 // 24 * 24, 1999 // 96 * 96]
+    assert all(0 < e["val_bpb"] < 9 for e in r["by_length"])
+    assert (tmp_path / "lm_extrapolation.png").read_bytes()[:4] == b"\x89PNG"
