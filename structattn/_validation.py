@@ -163,6 +163,29 @@ def check_size(owner: str, name: str, value, least: int = 1) -> int:
     return int(value)
 
 
+def check_positive(owner: str, name: str, value):
+    """A float, or a floating-point tensor ``()`` or ``(heads,)`` (e.g. Beta parameters),
+    checked finite and > 0 — a tensor's values while checks are on, naming a diverged
+    parameter it was computed from — and returned (a float for a number); otherwise a
+    ValueError ``"<owner>: <name> must be finite and > 0 …"``."""
+    if isinstance(value, torch.Tensor):
+        if not value.is_floating_point() or value.dim() > 1:
+            raise ValueError(f"{owner}: {name} must be a float or a floating-point "
+                             f"tensor () or (heads,); got {value.dtype} of shape "
+                             f"{tuple(value.shape)}")
+        if checks_on() and not passes(((value > 0) & value.isfinite()).all()):
+            if not bool(value.isfinite().all()):  # computed from a parameter that diverged?
+                blame_parameters(f"{owner}: {name}")
+            raise ValueError(f"{owner}: {name} must be finite and > 0 (a Beta "
+                             f"parameter); got {value.detach().cpu().tolist()}")
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{owner}: {name} must be finite and > 0 (a Beta "
+                         f"parameter); got {value!r}")
+    return float(value)
+
+
 def check_layer_sizes(owner: str, layer_sizes, order: str) -> list[int]:
     """A network's layer sizes: a list or tuple of ≥ 2 positive ints (``order`` says which
     end is which, e.g. "input first"), returned as a list of ints; a ValueError otherwise,

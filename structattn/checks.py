@@ -12,17 +12,6 @@ argument, what it must be and what it got.
 
 from __future__ import annotations
 
-from ._validation import check_finite, check_layer_sizes, check_size
-from .priors.beta_geometric import _positive
-
-
-def check_positive(owner: str, name: str, value):
-    """``value`` (a float, or a floating-point tensor ``()`` or ``(heads,)``), checked finite
-    and > 0; returned as given (a float for a number)."""
-    try:
-        return _positive(name, value)
-    except ValueError as err:  # the prior's message, under the caller's name
-        raise ValueError(str(err).replace("BetaGeometric prior", owner, 1)) from None
-
+from ._validation import check_finite, check_layer_sizes, check_positive, check_size
 
 __all__ = ["check_finite", "check_layer_sizes", "check_positive", "check_size"]

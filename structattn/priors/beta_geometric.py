@@ -28,11 +28,9 @@ inference=structattn.windows.MeanFieldWindows(...))``.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from .._validation import blame_parameters, checks_on, passes
+from .._validation import check_positive, checks_on, passes
 from ..beta import beta_quantile, log_beta
 from ..kinds.window import Window
 from .base import Prior
@@ -45,23 +43,7 @@ _SCHEME_OPTIONS = ("inference", "expectation", "update", "max_iters", "converge_
 
 def _positive(name, value):
     """A float or a tensor (scalar or ``(heads,)``) of Beta parameters, checked > 0."""
-    if isinstance(value, torch.Tensor):
-        if not value.is_floating_point() or value.dim() > 1:
-            raise ValueError(f"BetaGeometric prior: {name} must be a float or a floating-point "
-                             f"tensor () or (heads,); got {value.dtype} of shape "
-                             f"{tuple(value.shape)}")
-        checking = checks_on()
-        if checking and not passes(((value > 0) & value.isfinite()).all()):
-            if not bool(value.isfinite().all()):  # computed from a parameter that diverged?
-                blame_parameters(f"BetaGeometric prior: {name}")
-            raise ValueError(f"BetaGeometric prior: {name} must be finite and > 0 (a Beta "
-                             f"parameter); got {value.detach().cpu().tolist()}")
-        return value
-    if isinstance(value, bool) or not isinstance(value, (int, float)) \
-            or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"BetaGeometric prior: {name} must be finite and > 0 (a Beta "
-                         f"parameter); got {value!r}")
-    return float(value)
+    return check_positive("BetaGeometric prior", name, value)
 
 
 class BetaGeometric(Prior):
