@@ -98,17 +98,6 @@ class KneserNey:
         return float(-np.log2(prob).mean())
 
 
-def compressors(data: bytes) -> dict:
-    import bz2
-    import lzma
-    import zlib
-
-    n = max(1, len(data))
-    return {"zlib -9": 8 * len(zlib.compress(data, 9)) / n,
-            "bz2 -9": 8 * len(bz2.compress(data, 9)) / n,
-            "xz -9": 8 * len(lzma.compress(data, preset=9)) / n}
-
-
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--orders", type=int, nargs="+", default=[4, 6],
@@ -121,7 +110,7 @@ def main(argv=None) -> dict:
     train, val, manifest = train_lm.stdlib_corpus(max_files=args.max_files)
     train_np, val_np = train.numpy(), val.numpy()
     result = {"manifest_sha256": manifest["sha256"], "validation_bytes": len(val_np),
-              "compressors": compressors(bytes(val_np.tolist())), "kneser_ney": {}}
+              "compressors": train_lm.compression_anchors(val), "kneser_ney": {}}
     for order in args.orders:
         bpb = KneserNey(train_np, order).bits(val_np)
         result["kneser_ney"][str(order)] = bpb

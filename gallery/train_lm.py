@@ -220,29 +220,27 @@ class ByteLM(nn.Module):
 # -- training ---------------------------------------------------------------------------
 
 
-def batch(data: torch.Tensor, size: int, context: int, gen: torch.Generator):
-    start = torch.randint(0, len(data) - context - 1, (size,), generator=gen)
-    idx = start[:, None] + torch.arange(context + 1)
-    chunk = data[idx].long()
+def windows_at(data: torch.Tensor, starts: torch.Tensor, context: int):
+    """``(x, y)``: the ``context`` bytes from each start and the bytes that follow each one."""
+    chunk = data[starts[:, None] + torch.arange(context + 1)].long()
     return chunk[:, :-1], chunk[:, 1:]
+
+
+def batch(data: torch.Tensor, size: int, context: int, gen: torch.Generator):
+    return windows_at(data, torch.randint(0, len(data) - context - 1, (size,), generator=gen),
+                      context)
 
 
 def validation_windows(data: torch.Tensor, count: int, context: int):
     """Fixed windows spread evenly over the validation bytes."""
     last = len(data) - context - 1
-    starts = torch.linspace(0, max(last, 0), count).long()
-    idx = starts[:, None] + torch.arange(context + 1)
-    chunk = data[idx].long()
-    return chunk[:, :-1], chunk[:, 1:]
+    return windows_at(data, torch.linspace(0, max(last, 0), count).long(), context)
 
 
 def whole_windows(data: torch.Tensor, context: int):
     """The whole validation set, once: consecutive windows of ``context`` bytes, each byte
     predicted from the bytes before it in its window (the last partial window dropped)."""
-    count = (len(data) - 1) // context
-    idx = (torch.arange(count) * context)[:, None] + torch.arange(context + 1)
-    chunk = data[idx].long()
-    return chunk[:, :-1], chunk[:, 1:]
+    return windows_at(data, torch.arange((len(data) - 1) // context) * context, context)
 
 
 def compression_anchors(data: torch.Tensor) -> dict:
@@ -299,8 +297,10 @@ def distributed():
     return int(os.environ.get("RANK", "0")), world
 
 
-def train(args, variant: str, data, out_dir: pathlib.Path | None, log=print) -> dict:
-    """Train one variant; returns its result (also written to ``out_dir/result.json``)."""
+def train(args, variant: str, data, out_dir: pathlib.Path | None, log=print,
+          anchors: dict | None = None) -> dict:
+    """Train one variant; returns its result (also written to ``out_dir/result.json``), with
+    ``anchors`` (the compressors on the same validation bytes) beside it."""
     rank, world = distributed()
     train_bytes, val_bytes, manifest = data
     rss_before = reset_peak_rss()
@@ -380,7 +380,7 @@ def train(args, variant: str, data, out_dir: pathlib.Path | None, log=print) -> 
             f"({by_length[-1]['bytes']:,} bytes)")
     result = {"variant": variant, "context": args.context, "params": params,
               "steps": step, "train_seconds": elapsed, "world_size": world,
-              "whole_validation": whole, "by_length": by_length,
+              "whole_validation": whole, "by_length": by_length, "anchors": anchors,
               "tokens_per_second": step * args.batch * args.context / max(elapsed, 1e-9),
               "peak_rss_mib": peak_rss_mib() - rss_before, "history": history,
               "final_val_bpb": history[-1]["val_bpb"] if history else None,
@@ -593,10 +593,7 @@ def main(argv=None):
     for variant in args.attention:
         folder = out / f"{variant}_T{args.context}"
         folder.mkdir(exist_ok=True)
-        r = train(args, variant, data, folder, log=say)
-        r["anchors"] = anchors
-        if rank == 0:
-            (folder / "result.json").write_text(json.dumps(r, indent=1))
+        r = train(args, variant, data, folder, log=say, anchors=anchors)
         results.append(r)
         whole = r["whole_validation"]
         say(f"[{variant}] T={args.context}: {r['steps']} steps, {r['train_seconds']:.1f} s, "
