@@ -38,14 +38,18 @@ def _logsigmoid(x):
 
 
 @triton.jit
-def _scores(a, B, g, cols, ks, sbg, sbp, sbk, rows, C, P, K, scale):
-    """A block's break logits ``(BM, BN)``, where each pair is allowed (j < i), its parents'
-    factors, and log σ(−s) (zero off the support)."""
+def _block(a, B, g, cols, ks, sbg, sbp, sbk, rows, C, P, K, scale, carried):
+    """A block of parents read by the forward and the backward alike: its break logits
+    ``(BM, BN)``, where each pair is allowed (j < i), its parents' factors, log σ(−s) (zero
+    off the support) and the posterior p_ij, from the log stick ``carried`` past the blocks
+    nearer the diagonal and the reverse cumulative sum over the nearer parents in the block."""
     b = load_tile(B, g, sbg, cols, sbp, P, ks, sbk, K)
     s = tl.dot(a, tl.trans(b)) * scale
     allowed = (cols[None, :] < rows[:, None]) & (cols[None, :] < P) & (rows[:, None] < C)
     neg = tl.where(allowed, _logsigmoid(-s), 0.0)
-    return s, allowed, b, neg
+    after = tl.cumsum(neg, axis=1, reverse=True) - neg
+    p = tl.where(allowed, tl.exp(_logsigmoid(s) + after + carried[:, None]), 0.0)
+    return s, allowed, b, neg, p
 
 
 @triton.jit
@@ -66,9 +70,8 @@ def _forward(A, B, V, O, L, N, scale, log_stop, C, P, K, D,
     alive = blocks > 0
     while alive:
         cols = (blocks - 1 - t) * BN + tl.arange(0, BN)
-        s, allowed, b, neg = _scores(a, B, g, cols, ks, sbg, sbp, sbk, rows, C, P, K, scale)
-        after = tl.cumsum(neg, axis=1, reverse=True) - neg  # Σ over nearer parents in the block
-        p = tl.where(allowed, tl.exp(_logsigmoid(s) + after + carried[:, None]), 0.0)
+        s, allowed, b, neg, p = _block(a, B, g, cols, ks, sbg, sbp, sbk, rows, C, P, K, scale,
+                                       carried)
         acc += tl.dot(p, load_tile(V, g, svg, cols, svp, P, ds, svd, D))
         carried += tl.sum(neg, axis=1)
         t += 1
@@ -98,9 +101,8 @@ def _backward(A, B, V, DO, BASE, N, DA, DB, DV, scale, C, P, K, D,
     read = tl.load(N + g * tl.num_programs(0) + m)
     for t in range(0, read):
         cols = (blocks - 1 - t) * BN + tl.arange(0, BN)
-        s, allowed, b, neg = _scores(a, B, g, cols, ks, sbg, sbp, sbk, rows, C, P, K, scale)
-        after = tl.cumsum(neg, axis=1, reverse=True) - neg
-        p = tl.where(allowed, tl.exp(_logsigmoid(s) + after + carried[:, None]), 0.0)
+        s, allowed, b, neg, p = _block(a, B, g, cols, ks, sbg, sbp, sbk, rows, C, P, K, scale,
+                                       carried)
         u = tl.dot(do, tl.trans(load_tile(V, g, svg, cols, svp, P, ds, svd, D))) * p
         u_after = tl.cumsum(u, axis=1, reverse=True) - u + suffix[:, None]  # Σ_{j>l} u_ij
         dsc = tl.where(allowed, u - tl.sigmoid(s) * (base[:, None] - u_after), 0.0) * scale

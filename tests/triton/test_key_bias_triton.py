@@ -13,6 +13,8 @@ import structattn as sa
 from structattn import triton_kernels
 from structattn.kinds import key_bias
 
+from .layers import assert_layer_equals_pyro_and_dense_gradients, assert_one_node_of_a_plan
+
 f64 = torch.float64
 #: where the kernels run: the GPU where there is one, else the CPU under the interpreter
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -80,10 +82,6 @@ def test_triton_key_bias_op_passes_torch_library_opcheck():
                           test_utils=("test_schema", "test_faketensor"))
 
 
-def _layer_params(m):
-    return [p for p in m.parameters() if p.requires_grad]
-
-
 @settings(max_examples=5, deadline=None)
 @given(model=st.sampled_from(["forgetting_attention", "alibi_attention"]), n=st.integers(1, 6),
        heads=st.integers(1, 2), seed=st.integers(0, 10_000))
@@ -91,34 +89,14 @@ def test_triton_fox_and_alibi_layers_equal_pyro_and_the_dense_gradients(model, n
     torch.manual_seed(seed)
     m = getattr(sa.models, model)(6, heads=heads, d_k=2, dtype=f64, device=DEVICE)
     x = torch.randn(1, n, 6, dtype=f64, device=DEVICE)
-    exact = sa.inference.exact(m, x)
-    with triton_kernels.on_cpu():
-        y = sa.compile(m)(x)
-    torch.testing.assert_close(y, exact.output, rtol=0, atol=1e-10)
-    params = _layer_params(m)
-    xs = x.clone().requires_grad_()
-    with triton_kernels.on_cpu():
-        got = torch.autograd.grad(sa.compile(m)(xs).square().sum(), [xs, *params])
-    with sa.kernels.disabled():  # the widened head: autograd through PyTorch's SDPA
-        want = torch.autograd.grad(sa.compile(m)(xs).square().sum(), [xs, *params])
-    for g, w in zip(got, want, strict=True):
-        torch.testing.assert_close(g, w, rtol=0, atol=1e-10)
+    assert_layer_equals_pyro_and_dense_gradients(m, x)
 
 
 def test_triton_key_bias_is_one_node_of_a_plan_and_serves_half_precision():
     torch.manual_seed(4)
     m = sa.models.forgetting_attention(8, heads=2, d_k=4, dtype=f64, device=DEVICE)
     x = torch.randn(2, 40, 8, dtype=f64, device=DEVICE)
-    layer = sa.compile(m)
-    with triton_kernels.on_cpu():
-        ys = [layer(x) for _ in range(3)]
-    (plan,) = layer.plans.values()
-    targets = [str(n.target) for n in plan.graph.graph.nodes if n.op == "call_function"]
-    assert sum("structattn_triton.key_bias_forward" in t for t in targets) == 1, targets
-    with sa.kernels.disabled():  # the widened head through PyTorch's SDPA
-        cpu = layer(x)
-    for y in ys:
-        torch.testing.assert_close(y, cpu, rtol=0, atol=1e-12)
+    cpu = assert_one_node_of_a_plan(m, x, "key_bias_forward")
     m16 = sa.models.forgetting_attention(8, heads=2, d_k=4, dtype=torch.bfloat16, device=DEVICE)
     m16.load_state_dict({k: v.to(torch.bfloat16) for k, v in m.state_dict().items()})
     with triton_kernels.on_cpu():

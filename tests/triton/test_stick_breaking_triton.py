@@ -10,10 +10,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import structattn as sa
-from structattn import triton_kernels
 from structattn.kinds.stick_breaking import _ops, stick_breaking_table, stop_mass
 
 from ..models.test_stick_breaking_attention import brute_force
+from .layers import assert_layer_equals_pyro_and_dense_gradients, assert_one_node_of_a_plan
 
 f64 = torch.float64
 #: where the kernels run: the GPU where there is one, else the CPU under the interpreter
@@ -117,31 +117,11 @@ def test_triton_layer_equals_pyro_enumerating_the_scan(n, heads, seed):
     torch.manual_seed(seed)
     m = sa.models.stick_breaking_attention(6, heads=heads, d_k=2, dtype=f64, device=DEVICE)
     x = torch.randn(1, n, 6, dtype=f64, device=DEVICE) * 2
-    exact = sa.inference.exact(m, x)
-    with triton_kernels.on_cpu():
-        y = sa.compile(m)(x)
-    torch.testing.assert_close(y, exact.output, rtol=0, atol=1e-10)
-    params = [m.W_q, m.W_k, m.W_v, m.W_o]
-    xs = x.clone().requires_grad_()
-    with triton_kernels.on_cpu():
-        got = torch.autograd.grad(sa.compile(m)(xs).square().sum(), [xs, *params])
-    with sa.kernels.disabled():
-        want = torch.autograd.grad(sa.compile(m)(xs).square().sum(), [xs, *params])
-    for g, w in zip(got, want, strict=True):
-        torch.testing.assert_close(g, w, rtol=0, atol=1e-10)
+    assert_layer_equals_pyro_and_dense_gradients(m, x)
 
 
 def test_triton_kernel_is_one_node_of_a_plan():
     torch.manual_seed(4)
     m = sa.models.stick_breaking_attention(8, heads=2, d_k=4, dtype=f64, device=DEVICE)
     x = torch.randn(2, 40, 8, dtype=f64, device=DEVICE)
-    layer = sa.compile(m)
-    with triton_kernels.on_cpu():
-        ys = [layer(x) for _ in range(3)]
-    (plan,) = layer.plans.values()
-    targets = [str(n.target) for n in plan.graph.graph.nodes if n.op == "call_function"]
-    assert sum("structattn_triton.stick_breaking_forward" in t for t in targets) == 1, targets
-    with sa.kernels.disabled():  # the dense reading
-        dense = layer(x)
-    for y in ys:
-        torch.testing.assert_close(y, dense, rtol=0, atol=1e-12)
+    assert_one_node_of_a_plan(m, x, "stick_breaking_forward")
