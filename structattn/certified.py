@@ -234,36 +234,33 @@ def certify(a: torch.Tensor, b: torch.Tensor, scale: float, prior, eps: float, *
 
         blocked: dict = {}  # the per-block ceilings (``block_tail_ceilings``), once needed
 
-        def tail_ceiling(width):  # S_i(W) ≥ every score beyond W, plus the rounding slack
+        def tail_ceiling(width, ceilings):  # S_i(W) ≥ every score beyond W, plus the slack
             far = (pos - width - 1).clamp(min=0)
             ball = abs(scale) * a_norm * b_run[..., far]  # ‖a_i‖·max_{j < i − W} ‖b_j‖
-            if blocked:
-                ball = torch.minimum(ball, blocked[width])
+            if width in ceilings:
+                ball = torch.minimum(ball, ceilings[width])
             return ball + slack
 
-        def bound(width, log_in):
-            out = tail_bound(log_in, tails[width], tail_ceiling(width))
+        def bound(width, log_in, ceilings=blocked):
+            out = tail_bound(log_in, tails[width], tail_ceiling(width, ceilings))
             return torch.where(pos <= width, torch.zeros_like(out), out)  # all of it read
+
+        def possible(width, ceilings=blocked):  # whether the best scores inside could certify
+            return bool((bound(width, log_total + high, ceilings) <= eps).all())
 
         # the longest key beyond the window bounds every score there (Cauchy–Schwarz); where
         # that cannot certify the narrowest width even at the best scores inside, the keys'
         # per-block bounds may (they are tight where keys cluster) — computed only where the
         # keys' range as one block already could (O(N·k)): their cost, about a forward at
         # N = 4,096, is not paid where they cannot help (spread keys, a slow prior)
-        if last > widths[0] and not bool((bound(widths[0], log_total + high) <= eps).all()):
-            whole = block_tail_ceilings(a, b, scale, [widths[0]], key_block=n)
-            blocked[widths[0]] = whole[widths[0]]
-            hopeful = bool((bound(widths[0], log_total + high) <= eps).all())
-            blocked.clear()
-            if hopeful:
-                blocked.update(block_tail_ceilings(a, b, scale, widths))
+        first_width = widths[0]
+        if last > first_width and not possible(first_width) and possible(
+                first_width, block_tail_ceilings(a, b, scale, [first_width], key_block=n)):
+            blocked.update(block_tail_ceilings(a, b, scale, widths))
 
         # I_i(W) grows with W, so the evidence of any narrower window scored bounds every wider
         # one: score the first width, take the first width its evidence certifies, and score
         # only the width below that one — unless even the best scores could not certify it
-        def possible(width):  # whether the best scores inside could certify this width
-            return bool((bound(width, log_total + high) <= eps).all())
-
         hopeless = last == n - 1 and not any(possible(w) for w in widths[:-1])
         if hopeless:  # only all of the past certifies (bound 0): nothing to score
             widths = [last]
