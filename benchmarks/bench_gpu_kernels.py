@@ -6,9 +6,13 @@ For each size (B, H, N, d) and dtype, one forward+backward of:
 - FoX: structattn's key-bias kernel (``structattn_triton::key_bias_forward``, the prior
   h_j = −Σ_{l≤j} log f_l from random gates) against FLA's ``parallel_forgetting_attn``;
 - stick-breaking: structattn's kernel (``structattn_triton::stick_breaking_forward``)
-  against FLA's ``parallel_stickbreaking_attn`` (the authors' kernel);
+  against FLA's ``parallel_stickbreaking_attn`` (the authors' kernel); structattn's scan stops
+  once every child's stick is below float32's rounding (its default), and "full scan" reads
+  every parent as FLA's does;
 
-printing each one's time and peak memory and its ratio to causal SDPA and to FLA. Targets
+printing each one's time and peak memory and its ratio to causal SDPA and to FLA. The
+factors reach every kernel in the benchmark's dtype; float32 rows run with TF32 products
+(``torch.set_float32_matmul_precision("high")``), as FLA's kernels use them. Targets
 (issue: GPU kernels): FoX ≤ 1.1× FLA and ≤ 1.2× causal SDPA; stick-breaking ≤ 1.1× FLA with
 peak memory ≤ 1.2× causal SDPA's.
 
@@ -35,6 +39,7 @@ if not torch.cuda.is_available():  # before Triton's decorators run: the interpr
 import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _results  # noqa: E402
 from _device import cuda_peak_bytes, sync  # noqa: E402
 
 
@@ -60,15 +65,15 @@ def _inputs(B, H, N, d, dtype, device):
 
 def methods(B, H, N, d, dtype, device, fla):
     """name → a function running one forward+backward."""
+    from structattn.kinds.stick_breaking import stop_mass
     from structattn.triton_kernels import key_bias, stick_breaking
 
     q, k, v, log_f, do = _inputs(B, H, N, d, dtype, device)
     scale = d ** -0.5
-    work = torch.promote_types(dtype, torch.float32)  # what the library hands the kernels
-    h = -torch.cumsum(log_f, -1).reshape(B * H, N)  # FoX's prior over the parents
+    h = -torch.cumsum(log_f, -1).reshape(B * H, N)  # FoX's prior over the parents (float32)
 
-    def flat(x):
-        return x.reshape(B * H, N, d).to(work)
+    def flat(x):  # what the library hands the kernels: (B·H, N, d) rows in their dtype
+        return x.reshape(B * H, N, d)
 
     def sdpa():
         F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(do)
@@ -77,11 +82,14 @@ def methods(B, H, N, d, dtype, device, fla):
         out = key_bias.forward(flat(q), flat(k), flat(v), h, scale, True)[0]
         out.to(dtype).reshape(B, H, N, d).backward(do)
 
-    def sb():
-        out = stick_breaking.forward(flat(q), flat(k), flat(v), scale, 0.0)[0]
+    stop = stop_mass(torch.float32)
+
+    def sb(stop=stop):
+        out = stick_breaking.forward(flat(q), flat(k), flat(v), scale, stop)[0]
         out.to(dtype).reshape(B, H, N, d).backward(do)
 
-    out = {"causal SDPA": sdpa, "FoX (structattn)": fox, "stick-breaking (structattn)": sb}
+    out = {"causal SDPA": sdpa, "FoX (structattn)": fox, "stick-breaking (structattn)": sb,
+           "stick-breaking, full scan (structattn)": lambda: sb(0.0)}
     if fla is not None:
         fla_fox, fla_sb = fla
         qt, kt, vt = (x.detach().transpose(1, 2).contiguous().requires_grad_() for x in (q, k, v))
@@ -101,8 +109,10 @@ def measure(fn, device, rounds, block):
     """Median seconds per call over ``rounds`` blocks of ``block`` calls, and peak bytes."""
     try:
         fn()  # warm-up: compiles the Triton kernels
-    except NotImplementedError as err:  # e.g. a kernel without a backward
-        return None, None, str(err).splitlines()[0][:80]
+    except Exception as err:  # a kernel without a backward or this dtype, out of memory …
+        if torch.device(device).type == "cuda":
+            torch.cuda.empty_cache()
+        return None, None, f"{type(err).__name__}: {str(err).splitlines()[0][:100]}"
     sync(device)
     times = []
     for _ in range(rounds):
@@ -120,13 +130,18 @@ def main(argv=None):
     p.add_argument("--quick", action="store_true", help="tiny sizes, one round (smoke test)")
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--no-fla", action="store_true",
+                   help="leave FLA out (its autotuning compiles ~27 kernels per size and dtype)")
+    p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"],
+                   choices=["bfloat16", "float16", "float32"])
     args = p.parse_args(argv)
     device = torch.device(args.device)
     if args.quick or device.type != "cuda":
         sizes, dtypes, rounds, block = [(1, 2, 40, 16)], [torch.float32], 1, 1
     else:
         sizes = [(8, 8, 1024, 64), (4, 8, 4096, 64), (1, 4, 16384, 128)]
-        dtypes, rounds, block = [torch.bfloat16, torch.float32], 5, 3
+        dtypes, rounds, block = [getattr(torch, d) for d in args.dtypes], 5, 3
+        torch.set_float32_matmul_precision("high")  # TF32 products in the float32 rows
     from structattn import triton_kernels
 
     if not triton_kernels.available():
@@ -135,21 +150,29 @@ def main(argv=None):
             with open(args.json, "w") as f:
                 json.dump({"device": str(device), "rows": [], "note": "no Triton"}, f)
         return
-    fla, why = _fla()
+    fla, why = (None, "left out (--no-fla)") if args.no_fla else _fla()
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else \
         "CPU, Triton's interpreter (times mean nothing)"
     print(f"torch {torch.__version__}, {where}; FLA: {'yes' if fla else why}", flush=True)
     rows = []
-    for B, H, N, d in sizes:
-        for dtype in dtypes:
+
+    import triton
+
+    def save():  # after every size: a run cut short keeps what it measured
+        _results.save("gpu_kernels", {"device": where, "triton": triton.__version__,
+                                      "fla": fla is not None, "rows": rows},
+                      args.json, quick=args.quick or device.type != "cuda", device=device)
+
+    for dtype in dtypes:
+        for B, H, N, d in sizes:
             found = {}
             for name, fn in methods(B, H, N, d, dtype, device, fla).items():
                 t, peak, note = measure(fn, device, rounds, block)
                 found[name] = (t, peak, note)
             base_t, base_m = found["causal SDPA"][:2]
             for name, (t, peak, note) in found.items():
-                fla_name = name.replace("structattn", "FLA")
-                fla_t = found.get(fla_name, (None,))[0] if fla_name != name else None
+                fla_name = name.split(" (")[0].split(",")[0] + " (FLA)"
+                fla_t = found.get(fla_name, (None,))[0] if "structattn" in name else None
                 row = {"B": B, "H": H, "N": N, "d": d, "dtype": str(dtype).split(".")[-1],
                        "method": name, "seconds": t, "peak_bytes": peak, "note": note,
                        "vs_sdpa": t / base_t if t and base_t else None,
@@ -163,10 +186,8 @@ def main(argv=None):
                 ms = "—" if t is None else f"{1e3 * t:.2f} ms"
                 print(f"B={B} H={H} N={N} d={d} {row['dtype']:>8}  {name:<28} {ms}{ratio}{mem}"
                       f"{'  (' + note + ')' if note else ''}", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": where, "torch": torch.__version__, "fla": fla is not None,
-                       "rows": rows}, f, indent=1)
+            save()
+    save()
 
 
 if __name__ == "__main__":

@@ -97,27 +97,49 @@ def cache_directory(kernel: str) -> str:
     return os.path.join(root, "structattn", f"{name}-{digest.hexdigest()[:16]}")
 
 
+@contextlib.contextmanager
+def _exclusive(where: str):
+    """Hold ``where/.lock`` exclusively: processes that first call a kernel at once (DDP ranks,
+    pytest-xdist workers) build it once, the others waiting and then loading it, never a
+    library half written. Where the lock cannot be taken (a read-only cache, no ``fcntl``),
+    nothing is held."""
+    try:
+        import fcntl
+
+        os.makedirs(where, exist_ok=True)
+        lock = open(os.path.join(where, ".lock"), "a")  # noqa: SIM115 (closed below)
+    except (ImportError, OSError):
+        yield
+        return
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+    finally:
+        lock.close()  # releases the lock
+
+
 def _build(kernel: str = "mean_field"):
     """Load ``kernel``'s library from its cache directory, building it there first if it is
-    not yet built (torch's C++ extension loader: about a minute)."""
+    not yet built (torch's C++ extension loader: about a minute), under the directory's lock."""
     from torch.utils.cpp_extension import load
 
     source, name, _ = _KERNELS[kernel]
     where = cache_directory(kernel)
     library = os.path.join(where, f"{name}.so")
-    if os.path.exists(library):
-        torch.ops.load_library(library)
-        return getattr(torch.ops, name)
-    print(f"structattn: building the compiled {kernel.replace('_', '-')} kernel (about a minute, "
-          f"once per torch version) in {where}", file=sys.stderr, flush=True)
-    os.makedirs(where, exist_ok=True)
-    with warnings.catch_warnings():  # the loader's own notes (compiler version, ABI)
-        warnings.simplefilter("ignore")
-        # -fopenmp: at::parallel_for spreads the work over torch's intra-op threads
-        load(name=name, sources=[os.path.join(os.path.dirname(__file__), "csrc", source)],
-             extra_cflags=["-O3", "-fopenmp", *_FLAGS.get(kernel, [])],
-             extra_ldflags=["-fopenmp"], build_directory=where,
-             is_python_module=False, verbose=False)
+    with _exclusive(where):
+        if os.path.exists(library):
+            torch.ops.load_library(library)
+            return getattr(torch.ops, name)
+        print(f"structattn: building the compiled {kernel.replace('_', '-')} kernel (about a "
+              f"minute, once per torch version) in {where}", file=sys.stderr, flush=True)
+        os.makedirs(where, exist_ok=True)
+        with warnings.catch_warnings():  # the loader's own notes (compiler version, ABI)
+            warnings.simplefilter("ignore")
+            # -fopenmp: at::parallel_for spreads the work over torch's intra-op threads
+            load(name=name, sources=[os.path.join(os.path.dirname(__file__), "csrc", source)],
+                 extra_cflags=["-O3", "-fopenmp", *_FLAGS.get(kernel, [])],
+                 extra_ldflags=["-fopenmp"], build_directory=where,
+                 is_python_module=False, verbose=False)
     return getattr(torch.ops, name)
 
 

@@ -36,3 +36,44 @@ def test_the_build_command_names_each_kernel(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for kernel in kernels._KERNELS:
         assert f"structattn: {kernel}: ready in {kernels.cache_directory(kernel)}" in proc.stdout
+
+
+def test_callers_starting_at_once_build_a_kernel_once_and_load_it_whole(monkeypatch, tmp_path):
+    """Two callers finding no library at the same moment (DDP ranks, pytest-xdist workers):
+    one builds under the cache directory's lock; the other waits, then loads the finished
+    library — never one the linker is still writing."""
+    import threading
+    import time
+
+    import torch.utils.cpp_extension
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    builds, loads = [], []
+
+    def build(name, sources, build_directory, **_):  # a link that takes a while
+        builds.append(name)
+        with open(os.path.join(build_directory, f"{name}.so"), "w") as f:
+            f.write("half")
+            f.flush()
+            time.sleep(0.3)
+            f.write(" whole")
+
+    def load_library(path):
+        with open(path) as f:
+            loads.append(f.read())
+
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", build)
+    monkeypatch.setattr(torch.ops, "load_library", load_library)
+    together = threading.Barrier(2)
+
+    def call():
+        together.wait()
+        kernels._build("stick_breaking")
+
+    threads = [threading.Thread(target=call) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert builds == ["structattn_stick_breaking"]
+    assert loads == ["half whole"]

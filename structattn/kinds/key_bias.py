@@ -79,7 +79,7 @@ def _triton(a, b, u, h) -> bool:
 
 def applies(a: torch.Tensor, b: torch.Tensor, u: torch.Tensor, h: torch.Tensor) -> bool:
     """Whether this reading takes these factors: on CUDA, through the Triton kernel (any
-    float dtype; half precision computed in float32); on the CPU, in single or double
+    float dtype; half precision on the tensor cores, its scores and sums in float32); on the CPU, in single or double
     precision, with no gradient asked of any of them — or with one, where the kernel is
     built (not in an exported program, which must run without structattn)."""
     if _triton(a, b, u, h):
@@ -107,14 +107,14 @@ def key_bias_attention(a, b, u, h, scale: float, is_causal: bool) -> torch.Tenso
     (``applies``)."""
     lead = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2], u.shape[:-2], h.shape[:-1])
     C, P, d_v = a.shape[-2], b.shape[-2], u.shape[-1]
-    if _triton(a, b, u, h):  # (G, n, width) rows, computed in float32 at least
+    if _triton(a, b, u, h):  # (G, n, width) rows in their dtype; h in float32 at least
         from ..triton_kernels.key_bias import forward
 
-        dtype = torch.promote_types(a.dtype, torch.float32)
+        dtype = torch.promote_types(torch.promote_types(a.dtype, b.dtype), u.dtype)
         flat = [x.expand(*lead, *x.shape[-2:]).reshape(-1, *x.shape[-2:]).to(dtype)
                 for x in (a, b, u)]
-        out = forward(*flat, h.to(dtype).expand(*lead, P).reshape(-1, P), float(scale),
-                      is_causal)[0]
+        bias = h.to(torch.promote_types(dtype, torch.float32)).expand(*lead, P).reshape(-1, P)
+        out = forward(*flat, bias, float(scale), is_causal)[0]
         return out.reshape(*lead, C, d_v).to(u.dtype)
     width = max(a.shape[-1], d_v)  # the fused kernel takes one width for a, b and u
     if a.shape[-1] < width:

@@ -93,18 +93,20 @@ def fused(a, b, v, scale: float, tol: float | None = None):
     stopping a scan at a stick ≤ ``tol`` (None: ``stop_mass``), or None where no kernel
     applies. On the CPU the C++ kernel (``csrc/stick_breaking.cpp``; None where kernels are
     off or unbuilt); on CUDA the Triton kernel (``structattn.triton_kernels``; None without
-    Triton). Half precision is computed in float32."""
+    Triton). The Triton kernel takes half precision as it is (its scores and sums in float32);
+    the C++ kernel computes it in float32."""
+    lead = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2], v.shape[:-2])
+    dtype = torch.promote_types(torch.promote_types(a.dtype, b.dtype), v.dtype)
     if triton_kernels.serves(a, b, v) and kernels._enabled():
         from ..triton_kernels.stick_breaking import forward as op
     elif a.device.type == "cpu" and (ops := _ops()) is not None:
         op = ops.forward
+        dtype = torch.promote_types(dtype, torch.float32)
     else:
         return None
-    lead = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2], v.shape[:-2])
-    dtype = a.dtype if a.dtype in (torch.float32, torch.float64) else torch.float32
     flat = [t.expand(*lead, *t.shape[-2:]).reshape(-1, *t.shape[-2:]).to(dtype)
             for t in (a, b, v)]
-    stop = stop_mass(dtype) if tol is None else tol
+    stop = stop_mass(torch.promote_types(dtype, torch.float32)) if tol is None else tol
     out, leftover, _ = op(*flat, float(scale), stop)
     C = a.shape[-2]
     return (out.reshape(*lead, C, v.shape[-1]).to(v.dtype),

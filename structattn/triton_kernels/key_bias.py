@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._tiles import load_row, load_tile, store_tile
+from ._tiles import dot, load_row, load_tile, scalar, settings, statistics, store_tile, width
 
 
 @triton.jit
@@ -35,18 +35,21 @@ def _allowed(rows, cols, C, P, CAUSAL: tl.constexpr):
 
 @triton.jit
 def _tile(a, B, H, g, rows, cols, ks, sbg, sbp, sbk, shg, shp, C, P, K, scale,
-          CAUSAL: tl.constexpr):
+          CAUSAL: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """A block's scores s_ij + h_j ``(BM, BN)`` (−∞ off the support) and its parents' b."""
     b = load_tile(B, g, sbg, cols, sbp, P, ks, sbk, K)
-    s = tl.dot(a, tl.trans(b)) * scale + load_row(H, g, shg, cols, shp, P)[None, :]
+    h = load_row(H, g, shg, cols, shp, P)
+    s = dot(a, tl.trans(b), PRECISION, UPCAST) * scale + h[None, :]
     return tl.where(_allowed(rows, cols, C, P, CAUSAL), s, -float("inf")), b
 
 
 @triton.jit
-def _forward(A, B, U, H, O, LSE, scale, C, P, K, D,
+def _forward(A, B, U, H, O, LSE, SCALE, C, P, K, D,
              sag, sac, sak, sbg, sbp, sbk, sug, sup, sud, shg, shp, sog, soc, sod, slg, slc,
              CAUSAL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-             BD: tl.constexpr):
+             BD: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr,
+             UPCAST: tl.constexpr):
+    scale = tl.load(SCALE)  # in the accumulators' dtype (a float argument is float32)
     m = tl.program_id(0)
     g = tl.program_id(1)
     rows = m * BM + tl.arange(0, BM)
@@ -54,21 +57,21 @@ def _forward(A, B, U, H, O, LSE, scale, C, P, K, D,
     ds = tl.arange(0, BD)
     rmask = rows < C
     a = load_tile(A, g, sag, rows, sac, C, ks, sak, K)
-    top = tl.full([BM], -float("inf"), dtype=a.dtype)  # running max
-    total = tl.zeros([BM], dtype=a.dtype)  # running Σ e^{s − top}
-    acc = tl.zeros([BM, BD], dtype=a.dtype)
+    top = tl.full([BM], -float("inf"), dtype=ACC)  # running max
+    total = tl.zeros([BM], dtype=ACC)  # running Σ e^{s − top}
+    acc = tl.zeros([BM, BD], dtype=ACC)
     end = tl.minimum(m * BM + BM, P) if CAUSAL else P
     for start in range(0, end, BN):
         cols = start + tl.arange(0, BN)
         s, b = _tile(a, B, H, g, rows, cols, ks, sbg, sbp, sbk, shg, shp, C, P, K, scale,
-                     CAUSAL)
+                     CAUSAL, PRECISION, UPCAST)
         new = tl.maximum(top, tl.max(s, axis=1))
         safe = tl.where(new == -float("inf"), 0.0, new)  # a row with nothing yet
         p = tl.exp(s - safe[:, None])
         shrink = tl.exp(top - safe)
         u = load_tile(U, g, sug, cols, sup, P, ds, sud, D)
         total = total * shrink + tl.sum(p, axis=1)
-        acc = acc * shrink[:, None] + tl.dot(p.to(u.dtype), u)
+        acc = acc * shrink[:, None] + dot(p.to(u.dtype), u, PRECISION, UPCAST)
         top = new
     total = tl.where(rmask, total, 1.0)  # rows past the last child: nothing to divide
     top = tl.where(rmask, top, 0.0)
@@ -77,11 +80,13 @@ def _forward(A, B, U, H, O, LSE, scale, C, P, K, D,
 
 
 @triton.jit
-def _children_backward(A, B, U, H, DO, LSE, DELTA, DA, scale, C, P, K, D,
+def _children_backward(A, B, U, H, DO, LSE, DELTA, DA, SCALE, C, P, K, D,
                        sag, sac, sak, sbg, sbp, sbk, sug, sup, sud, shg, shp, sdg, sdc, sdd,
                        slg, slc, CAUSAL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                       BK: tl.constexpr, BD: tl.constexpr):
+                       BK: tl.constexpr, BD: tl.constexpr, ACC: tl.constexpr,
+                       PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """da per block of children."""
+    scale = tl.load(SCALE)  # in the accumulators' dtype (a float argument is float32)
     m = tl.program_id(0)
     g = tl.program_id(1)
     rows = m * BM + tl.arange(0, BM)
@@ -91,25 +96,27 @@ def _children_backward(A, B, U, H, DO, LSE, DELTA, DA, scale, C, P, K, D,
     do = load_tile(DO, g, sdg, rows, sdc, C, ds, sdd, D)
     lse = load_row(LSE, g, slg, rows, slc, C)
     delta = load_row(DELTA, g, slg, rows, slc, C)
-    da = tl.zeros([BM, BK], dtype=a.dtype)
+    da = tl.zeros([BM, BK], dtype=ACC)
     end = tl.minimum(m * BM + BM, P) if CAUSAL else P
     for start in range(0, end, BN):
         cols = start + tl.arange(0, BN)
         s, b = _tile(a, B, H, g, rows, cols, ks, sbg, sbp, sbk, shg, shp, C, P, K, scale,
-                     CAUSAL)
+                     CAUSAL, PRECISION, UPCAST)
         p = tl.exp(s - lse[:, None])
         u = load_tile(U, g, sug, cols, sup, P, ds, sud, D)
-        dsc = p * (tl.dot(do, tl.trans(u)) - delta[:, None])
-        da += tl.dot(dsc, b)
+        dsc = p * (dot(do, tl.trans(u), PRECISION, UPCAST) - delta[:, None])
+        da += dot(dsc.to(b.dtype), b, PRECISION, UPCAST)
     store_tile(DA, da * scale, g, sag, rows, sac, C, ks, sak, K)
 
 
 @triton.jit
-def _parents_backward(A, B, U, H, DO, LSE, DELTA, DB, DU, DH, scale, C, P, K, D,
+def _parents_backward(A, B, U, H, DO, LSE, DELTA, DB, DU, DH, SCALE, C, P, K, D,
                       sag, sac, sak, sbg, sbp, sbk, sug, sup, sud, shg, shp, sdg, sdc, sdd,
                       slg, slc, CAUSAL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                      BK: tl.constexpr, BD: tl.constexpr):
+                      BK: tl.constexpr, BD: tl.constexpr, ACC: tl.constexpr,
+                      PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """db, du and dh per block of parents, reading the children that see them."""
+    scale = tl.load(SCALE)  # in the accumulators' dtype (a float argument is float32)
     n = tl.program_id(0)
     g = tl.program_id(1)
     cols = n * BN + tl.arange(0, BN)
@@ -118,9 +125,9 @@ def _parents_backward(A, B, U, H, DO, LSE, DELTA, DB, DU, DH, scale, C, P, K, D,
     b = load_tile(B, g, sbg, cols, sbp, P, ks, sbk, K)
     u = load_tile(U, g, sug, cols, sup, P, ds, sud, D)
     h = load_row(H, g, shg, cols, shp, P)
-    db = tl.zeros([BN, BK], dtype=b.dtype)
-    du = tl.zeros([BN, BD], dtype=u.dtype)
-    dh = tl.zeros([BN], dtype=b.dtype)
+    db = tl.zeros([BN, BK], dtype=ACC)
+    du = tl.zeros([BN, BD], dtype=ACC)
+    dh = tl.zeros([BN], dtype=ACC)
     first = (n * BN // BM) * BM if CAUSAL else 0  # children before the block see none of it
     for start in range(first, C, BM):
         rows = start + tl.arange(0, BM)
@@ -128,46 +135,48 @@ def _parents_backward(A, B, U, H, DO, LSE, DELTA, DB, DU, DH, scale, C, P, K, D,
         do = load_tile(DO, g, sdg, rows, sdc, C, ds, sdd, D)
         lse = load_row(LSE, g, slg, rows, slc, C)
         delta = load_row(DELTA, g, slg, rows, slc, C)
-        s = tl.dot(a, tl.trans(b)) * scale + h[None, :]
+        s = dot(a, tl.trans(b), PRECISION, UPCAST) * scale + h[None, :]
         p = tl.exp(tl.where(_allowed(rows, cols, C, P, CAUSAL), s - lse[:, None],
                             -float("inf")))
-        dsc = p * (tl.dot(do, tl.trans(u)) - delta[:, None])
-        du += tl.dot(tl.trans(p), do)
-        db += tl.dot(tl.trans(dsc), a)
+        dsc = p * (dot(do, tl.trans(u), PRECISION, UPCAST) - delta[:, None])
+        du += dot(tl.trans(p.to(do.dtype)), do, PRECISION, UPCAST)
+        db += dot(tl.trans(dsc.to(a.dtype)), a, PRECISION, UPCAST)
         dh += tl.sum(dsc, axis=0)
     store_tile(DB, db * scale, g, sbg, cols, sbp, P, ks, sbk, K)
     store_tile(DU, du, g, sug, cols, sup, P, ds, sud, D)
     tl.store(DH + g * shg + cols * shp, dh, mask=cols < P)
 
 
-#: children and parents per block; widths padded to a power of two ≥ 16 (tl.dot's least)
-BM, BN = 32, 32
-
-
-def _width(n: int) -> int:
-    return max(16, triton.next_power_of_2(n))
-
-
 @torch.library.custom_op("structattn_triton::key_bias_forward", mutates_args=())
 def forward(a: torch.Tensor, b: torch.Tensor, u: torch.Tensor, h: torch.Tensor, scale: float,
             causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out (G, C, D), lse (G, C))`` for ``a (G, C, K)``, ``b (G, P, K)``, ``u (G, P, D)``,
-    ``h (G, P)``, one float dtype (float32 or float64)."""
+    """``(out (G, C, D), lse (G, C))`` for ``a (G, C, K)``, ``b (G, P, K)``, ``u (G, P, D)`` of
+    one float dtype (half precision, float32 or float64) and ``h (G, P)`` in float32 or
+    float64; ``lse`` in float32 (float64 for float64 inputs)."""
     G, C, K = a.shape
     P, D = b.shape[1], u.shape[2]
     out = u.new_empty(G, C, D)
-    lse = a.new_empty(G, C)
+    lse = a.new_empty(G, C, dtype=statistics(a.dtype))
     if C and G:
-        _forward[(triton.cdiv(C, BM), G)](
-            a, b, u, h, out, lse, scale, C, P, K, D, *a.stride(), *b.stride(), *u.stride(),
-            *h.stride(), *out.stride(), *lse.stride(), CAUSAL=causal, BM=BM, BN=BN,
-            BK=_width(K), BD=_width(D))
+        common = _common(a.dtype, K, D, causal)
+        _forward[(triton.cdiv(C, common["BM"]), G)](
+            a, b, u, h, out, lse, scalar(scale, a), C, P, K, D, *a.stride(), *b.stride(),
+            *u.stride(), *h.stride(), *out.stride(), *lse.stride(), **common)
     return out, lse
+
+
+
+
+def _common(dtype: torch.dtype, K: int, D: int, causal: bool, children: int = 128,
+            parents: int = 64) -> dict:
+    BK, BD = width(K), width(D)
+    return dict(settings(dtype, max(BK, BD), children, parents), CAUSAL=causal, BK=BK, BD=BD)
 
 
 @forward.register_fake
 def _(a, b, u, h, scale, causal):
-    return u.new_empty(a.shape[0], a.shape[1], u.shape[2]), a.new_empty(a.shape[:2])
+    return (u.new_empty(a.shape[0], a.shape[1], u.shape[2]),
+            a.new_empty(a.shape[:2], dtype=statistics(a.dtype)))
 
 
 @torch.library.custom_op("structattn_triton::key_bias_backward", mutates_args=())
@@ -178,19 +187,23 @@ def backward(dout: torch.Tensor, a: torch.Tensor, b: torch.Tensor, u: torch.Tens
     G, C, K = a.shape
     P, D = b.shape[1], u.shape[2]
     dout = dout.contiguous()
-    delta = (dout * out).sum(-1).contiguous()  # Δ_i, laid out as lse
+    stat = statistics(a.dtype)
+    delta = (dout.to(stat) * out.to(stat)).sum(-1).contiguous()  # Δ_i, laid out as lse
     lse = lse.contiguous()
     da, db, du = torch.zeros_like(a), torch.zeros_like(b), torch.zeros_like(u)
-    dh = torch.zeros_like(h)
+    dh = torch.zeros_like(h, dtype=stat)
     if C and G and P:
-        common = dict(CAUSAL=causal, BM=BM, BN=BN, BK=_width(K), BD=_width(D))
         strides = (*a.stride(), *b.stride(), *u.stride(), *h.stride(), *dout.stride(),
                    *lse.stride())
-        _children_backward[(triton.cdiv(C, BM), G)](
+        # da per block of children, then db, du, dh per block of parents: square blocks,
+        # each program holding more accumulators than the forward's
+        common = _common(a.dtype, K, D, causal, 64, 64)
+        scale = scalar(scale, a)
+        _children_backward[(triton.cdiv(C, common["BM"]), G)](
             a, b, u, h, dout, lse, delta, da, scale, C, P, K, D, *strides, **common)
-        _parents_backward[(triton.cdiv(P, BN), G)](
+        _parents_backward[(triton.cdiv(P, common["BN"]), G)](
             a, b, u, h, dout, lse, delta, db, du, dh, scale, C, P, K, D, *strides, **common)
-    return da, db, du, dh
+    return da, db, du, dh.to(h.dtype)
 
 
 @backward.register_fake

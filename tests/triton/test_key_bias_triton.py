@@ -18,6 +18,8 @@ from .layers import assert_layer_equals_pyro_and_dense_gradients, assert_one_nod
 f64 = torch.float64
 #: where the kernels run: the GPU where there is one, else the CPU under the interpreter
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+#: on a GPU, sizes crossing the GPU's wider blocks (64 and 128) and its head widths
+GPU_SIZES = [(200, 300, 64, 64), (300, 300, 128, 128)] if DEVICE.type == "cuda" else []
 
 
 def _kb():
@@ -37,7 +39,7 @@ def _dense(a, b, u, h, scale, causal):
 @pytest.mark.parametrize("dtype, atol", [(f64, 1e-12), (torch.float32, 2e-5)])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "all"])
 @pytest.mark.parametrize("C, P, k, d", [(1, 1, 2, 3), (33, 33, 4, 5), (70, 70, 3, 17),
-                                         (40, 65, 16, 16)])
+                                         (40, 65, 16, 16), *GPU_SIZES])
 def test_triton_key_bias_equals_the_dense_reading_and_the_cpu_kernel(C, P, k, d, causal, dtype,
                                                                       atol):
     torch.manual_seed(C + P + k + causal)
@@ -103,3 +105,35 @@ def test_triton_key_bias_is_one_node_of_a_plan_and_serves_half_precision():
         y16 = sa.compile(m16)(x.to(torch.bfloat16))
     assert y16.dtype == torch.bfloat16
     torch.testing.assert_close(y16.double(), cpu, rtol=0, atol=0.1)
+
+
+#: half precision against float64 on the same (rounded) inputs: outputs to 2⁻⁶ (bfloat16) or
+#: 2⁻⁹ (float16) times (1 + their largest entry); gradients to 2⁻⁵ or 2⁻⁸ of their norm (each
+#: ds_ij is rounded to the factors' dtype before its product with them, as FlashAttention's
+#: are: a few entries of a gradient lose more than the rest, the whole no more)
+HALF = [(torch.bfloat16, 2 ** -6, 2 ** -5), (torch.float16, 2 ** -9, 2 ** -8)]
+
+
+@pytest.mark.parametrize("dtype, atol, grad_rtol", HALF)
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "all"])
+@pytest.mark.parametrize("C, P, k, d", [(70, 70, 16, 16), (40, 65, 3, 17), *GPU_SIZES])
+def test_triton_key_bias_takes_half_precision_as_it_is(C, P, k, d, causal, dtype, atol,
+                                                     grad_rtol):
+    """bfloat16 and float16 factors reach the kernel unconverted (the tensor cores' dtype on a
+    GPU); the output keeps their dtype, the statistics and h's gradient are float32."""
+    torch.manual_seed(C + k)
+    G = 2
+    a, b, u = (torch.randn(G, n, w, device=DEVICE).to(dtype) for n, w in ((C, k), (P, k), (P, d)))
+    h = torch.randn(G, P, device=DEVICE)
+    kb = _kb()
+    out, lse = kb.forward(a, b, u, h, 0.6, causal)
+    assert (out.dtype, lse.dtype) == (dtype, torch.float32)
+    leaves = [t.double().requires_grad_() for t in (a, b, u, h)]
+    want = _dense(*leaves, 0.6, causal)
+    torch.testing.assert_close(out.double(), want, rtol=0, atol=atol * (1 + want.abs().max().item()))
+    dout = torch.randn_like(out)
+    got = kb.backward(dout, a, b, u, h, out, lse, 0.6, causal)
+    assert [g.dtype for g in got] == [dtype, dtype, dtype, torch.float32]
+    grads = torch.autograd.grad((want * dout.double()).sum(), leaves)
+    for g, w in zip(got, grads, strict=True):
+        assert (g.double() - w).norm() <= grad_rtol * w.norm(), (g.dtype, g.shape)

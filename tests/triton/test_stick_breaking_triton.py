@@ -18,6 +18,8 @@ from .layers import assert_layer_equals_pyro_and_dense_gradients, assert_one_nod
 f64 = torch.float64
 #: where the kernels run: the GPU where there is one, else the CPU under the interpreter
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+#: on a GPU, sizes crossing the GPU's wider blocks (64 and 128) and its head widths
+GPU_SIZES = [(200, 300, 64, 64), (300, 300, 128, 128)] if DEVICE.type == "cuda" else []
 
 
 def _sb():
@@ -34,7 +36,7 @@ def _dense(a, b, v, scale):
 
 @pytest.mark.parametrize("dtype, atol", [(torch.float64, 1e-12), (torch.float32, 2e-5)])
 @pytest.mark.parametrize("C, P, k, d", [(1, 1, 2, 3), (33, 33, 4, 5), (70, 70, 3, 17),
-                                         (40, 65, 16, 16)])
+                                         (40, 65, 16, 16), *GPU_SIZES])
 def test_triton_equals_the_dense_reading_and_the_cpu_kernel(C, P, k, d, dtype, atol):
     """Outputs, leftover and the gradients of both (a, b, v) — float64 to 1e-12, float32 to
     2e-5 (the interpreter's float32 dot and exp against the dense reading's)."""
@@ -74,8 +76,10 @@ def test_triton_stops_where_every_stick_is_spent_and_the_backward_reads_the_same
     v = torch.randn(G, N, dv, dtype=f64, device=DEVICE)
     sb = _sb()
     out, left, nread = sb.forward(a, b, v, 0.5, stop_mass(f64))
-    blocks = (torch.arange(nread.shape[1], device=DEVICE) * sb.BM + sb.BM - 1).clamp(max=N) \
-        .add(sb.BN - 1) // sb.BN
+    launch = sb._common(f64, k, dv)  # the blocks the forward and the backward read
+    BM, BN = launch["BM"], launch["BN"]
+    blocks = (torch.arange(nread.shape[1], device=DEVICE) * BM + BM - 1).clamp(max=N) \
+        .add(BN - 1) // BN
     if reach == "short":
         assert (nread[0, 2:] < blocks[2:]).all()
     else:
@@ -125,3 +129,35 @@ def test_triton_kernel_is_one_node_of_a_plan():
     m = sa.models.stick_breaking_attention(8, heads=2, d_k=4, dtype=f64, device=DEVICE)
     x = torch.randn(2, 40, 8, dtype=f64, device=DEVICE)
     assert_one_node_of_a_plan(m, x, "stick_breaking_forward")
+
+
+#: half precision against float64 on the same (rounded) inputs: outputs to 2⁻⁶ (bfloat16) or
+#: 2⁻⁹ (float16) times (1 + their largest entry); gradients to 2⁻⁵ or 2⁻⁸ of their norm (each
+#: ds_ij is rounded to the factors' dtype before its product with them, as FlashAttention's
+#: are: a few entries of a gradient lose more than the rest, the whole no more)
+HALF = [(torch.bfloat16, 2 ** -6, 2 ** -5), (torch.float16, 2 ** -9, 2 ** -8)]
+
+
+@pytest.mark.parametrize("dtype, atol, grad_rtol", HALF)
+@pytest.mark.parametrize("C, P, k, d", [(70, 70, 16, 16), (40, 65, 3, 17), *GPU_SIZES])
+def test_triton_takes_half_precision_as_it_is(C, P, k, d, dtype, atol, grad_rtol):
+    """bfloat16 and float16 factors reach the kernel unconverted (the tensor cores' dtype on a
+    GPU); the output and the leftover stick are float32, the gradients the factors' dtype."""
+    torch.manual_seed(C + k)
+    G = 2
+    a, b, v = (torch.randn(G, n, w, device=DEVICE).to(dtype) for n, w in ((C, k), (P, k), (P, d)))
+    sb = _sb()
+    out, left, nread = sb.forward(a, b, v, 0.6, 0.0)
+    assert (out.dtype, left.dtype) == (torch.float32, torch.float32)
+    leaves = [t.double().requires_grad_() for t in (a, b, v)]
+    want_out, want_left = _dense(*leaves, 0.6)
+    torch.testing.assert_close(out.double(), want_out, rtol=0,
+                               atol=atol * (1 + want_out.abs().max().item()))
+    torch.testing.assert_close(left.double(), want_left, rtol=0, atol=atol)
+    dout, dleft = torch.randn_like(out), torch.randn_like(left)
+    got = sb.backward(dout, dleft, a, b, v, 0.6, out, left, nread)
+    assert [g.dtype for g in got] == [dtype] * 3
+    grads = torch.autograd.grad((want_out * dout.double()).sum()
+                                + (want_left * dleft.double()).sum(), leaves)
+    for g, w in zip(got, grads, strict=True):
+        assert (g.double() - w).norm() <= grad_rtol * w.norm(), (g.dtype, g.shape)
