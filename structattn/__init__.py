@@ -5,6 +5,7 @@ to an attention layer; check the layer against Pyro; draw the structure.
 """
 import importlib as _importlib
 
+from . import block_sparse as block_sparse
 from . import checks as checks
 from . import kernels as kernels
 from . import kinds as kinds

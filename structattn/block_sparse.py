@@ -1,0 +1,340 @@
+"""Certified block-sparse reading: each block of children reads the key blocks that may hold
+posterior mass, wherever they lie, and skips the others with the mass left out certified ≤ ε.
+
+Children and parents are the same N tokens, each child reading j ≤ i, cut into blocks of L
+tokens. The prior's log weight separates as g_i + h_j (``Prior.terms``: ALiBi, a forget gate;
+h = 0 for the uniform causal prior), so a child's posterior is softmax_j(h_j + s_ij) with
+s_ij = scale·⟨a_i, b_j⟩. For child i in block c and an earlier key block β < c, cut into
+sub-blocks σ (``parts`` of them), with H_σ = max_{j∈σ} h_j, n_σ its tokens and S_iσ ≥ every
+s_ij there (``certified.key_block_ceilings``: the keys' box, ball and centred-ball bounds,
+rounding charged), the unnormalised posterior mass of β is at most e^{T_iβ},
+T_iβ = log Σ_{σ⊂β} n_σ e^{H_σ + S_iσ}. Reading a
+set R of key blocks (the diagonal block c always), with I_i = Σ_{j∈R, j≤i} e^{h_j + s_ij} read
+exactly (less its rounding slack: a lower bound), u ↦ u/(I + u) increasing gives the bound on
+the posterior mass of the blocks skipped:
+
+    M_i ≤ B_i = σ(log Σ_{β∉R} e^{T_iβ} − log I_i).
+
+It is the window's certificate (``structattn.certified``) with one ceiling per key block
+instead of one for the whole tail: a far block that may matter is read, and the blocks
+between are skipped. It needs no prior at all — a certificate for ordinary causal attention.
+
+Choice: per child block c, the earlier key blocks in decreasing order of max_{i∈c} T_iβ; read
+the first m of them for m = 0, 1, 2, 3, 4, 5, 7, 9, 12, … (steps of a quarter) until every
+child's B_i ≤ ε. The bound of every m
+comes from one reverse cumulative log-sum of e^T in that order, and I only grows with m, so
+each round scores just the blocks it adds, for the child blocks not yet certified. A child
+block of eight or more earlier blocks that would need more than ¾ of them — even if every block
+read held its ceiling's mass, or once the rounds pass ¾ — reads all of them (bound 0), so a
+hopeless certificate costs no more than a few rounds. Every head (each leading index) chooses
+its own blocks: a slow head does not hold the others.
+
+The reading (``block_sparse_attention``) then gathers, per child block, its chosen key blocks
+and attends over them and its own block, differentiably in a, b, v and h. It gathers copies
+of the keys and values it reads (O(blocks read·L·d) memory, kept for the backward). A head
+that reads more than half of its past reads all of it through the fused key-bias reading
+(``kinds.key_bias``: O(N·d) memory), bound 0.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ._validation import check_size
+from .certified import RUN_ENTRIES, key_block_ceilings, score_ceiling
+
+__all__ = ["BlockSparse", "block_sparse_attention", "certify_blocks"]
+
+
+@dataclass
+class BlockSparse:
+    """What the certified block-sparse reading chose. ``read``: ``(*lead, nc, nb)`` bool, the
+    key blocks each block of children reads (its own included); ``bound``: ``(*lead, N)``
+    float64, the certified upper bound on each child's posterior mass in the blocks skipped;
+    ``eps``: the bound asked for; ``block``: the tokens per block; ``skipped``: the fraction of
+    the (child block, earlier key block) pairs skipped; ``certified``: every bound ≤ eps."""
+
+    read: torch.Tensor
+    bound: torch.Tensor
+    eps: float
+    block: int
+    skipped: float
+    certified: bool
+
+
+def _check(a, b, eps, block):
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < 1:
+        raise ValueError(f"certify_blocks: eps (the posterior mass the skipped blocks may hold) "
+                         f"must be in (0, 1); got {eps!r}")
+    if a.dim() < 2 or b.dim() < 2 or a.shape[-2:] != b.shape[-2:]:
+        raise ValueError(f"certify_blocks: a and b must be (…, N, k) factors of the same N "
+                         f"tokens; got {tuple(a.shape)} and {tuple(b.shape)}")
+    if a.shape[-2] == 0:
+        raise ValueError("certify_blocks: a and b hold no tokens (N = 0)")
+    return check_size("certify_blocks", "block", block)
+
+
+def _flat(x: torch.Tensor, lead, *tail) -> torch.Tensor:
+    """``x`` broadcast to ``(*lead, *tail)`` and flattened to ``(G, *tail)``."""
+    return x.expand(*lead, *tail).reshape(-1, *tail)
+
+
+def _blocks(x: torch.Tensor, nb: int, L: int, fill: float = 0.0) -> torch.Tensor:
+    """``(G, N, …)`` → ``(G, nb, L, …)``, padded at the end with ``fill``."""
+    pad = nb * L - x.shape[1]
+    if pad:
+        x = torch.cat([x, x.new_full((x.shape[0], pad, *x.shape[2:]), fill)], 1)
+    return x.unflatten(1, (nb, L))
+
+
+def certify_blocks(a: torch.Tensor, b: torch.Tensor, scale: float, h: torch.Tensor | None,
+                   eps: float, *, block: int = 64, parts: int = 4) -> BlockSparse:
+    """The key blocks each block of children must read for its posterior mass in the others
+    to be certified ≤ ``eps`` (module docstring).
+
+    Args:
+        a: ``(*lead, N, k)`` the children's factors (queries).
+        b: ``(*lead, N, k)`` the parents' factors (keys) of the same N tokens.
+        scale: the scores' factor, s_ij = scale·⟨a_i, b_j⟩.
+        h: ``(*lead, N)`` the prior's per-parent log term (broadcasts), or None (uniform).
+        eps: in (0, 1).
+        block: tokens per block, children and keys alike.
+        parts: each key block's bound is the sum of ``parts`` sub-blocks' (where ``block``
+            divides so), whose key ranges and prior maxima are tighter.
+
+    Returns:
+        A ``BlockSparse``; ``order`` and ``count`` (the blocks read, in the order chosen)
+        ride along as attributes for the reading.
+
+    Raises:
+        ValueError: eps outside (0, 1), a block < 1, factors of different tokens.
+    """
+    L = _check(a, b, eps, block)
+    n, k = a.shape[-2:]
+    L = min(L, n)
+    nb = math.ceil(n / L)
+    wide = torch.float64
+    lead = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2],
+                                  () if h is None else h.shape[:-1])
+    dev = a.device
+    with torch.no_grad():
+        low = torch.promote_types(a.dtype, torch.float32)  # the products' precision
+        A, B = _flat(a.detach(), lead, n, k).to(low), _flat(b.detach(), lead, n, k).to(low)
+        G = A.shape[0]
+        hh = (torch.zeros(G, n, dtype=wide, device=dev) if h is None
+              else _flat(h.detach().to(wide), lead, n))
+        # each key block's bound as the sum of its sub-blocks' (``parts`` of L / parts tokens:
+        # the keys' ranges, and h's maximum, are tighter over fewer tokens)
+        sub = L // parts if L % parts == 0 and L >= parts else L
+        ns = math.ceil(n / sub)
+        ceil = key_block_ceilings(A, B, scale, sub)  # (G, N, ns)
+        _, slack = score_ceiling(a.detach().expand(*lead, n, k).reshape(G, n, k),
+                                 b.detach().expand(*lead, n, k).reshape(G, n, k), scale)
+        hb = _blocks(hh, nb, L, float("-inf"))  # (G, nb, L)
+        tokens = torch.full((ns,), float(sub), dtype=wide, device=dev)
+        tokens[-1] = n - (ns - 1) * sub
+        Ts = tokens.log() + _blocks(hh, ns, sub, float("-inf")).amax(-1)[:, None, :] + ceil
+        per = L // sub  # sub-blocks per block (the last block may hold fewer)
+        Ts = torch.cat([Ts, Ts.new_full((G, n, nb * per - ns), float("-inf"))], -1)
+        T = Ts.unflatten(-1, (nb, per)).logsumexp(-1)  # (G, N, nb)
+        child_block = torch.arange(n, device=dev) // L
+        earlier = torch.arange(nb, device=dev)[None, :] < child_block[:, None]  # (N, nb)
+        T = T.masked_fill(~earlier, float("-inf"))
+        # per child block, the earlier key blocks by their largest term (ties: nearest first)
+        Tc = _blocks(T, nb, L, float("-inf")).amax(2)  # (G, nc, nb)
+        order = nb - 1 - Tc.flip(-1).sort(dim=-1, descending=True, stable=True).indices
+        mine = order[:, child_block]  # (G, N, nb): each child's block order
+        To = T.gather(-1, mine)
+        tail = torch.cat([To.flip(-1).logcumsumexp(-1).flip(-1),
+                          To.new_full((G, n, 1), float("-inf"))], -1)  # [m]: log Σ_{r ≥ m}
+
+        # the diagonal block, read by every child block: its exact log mass
+        Ab, Bb = _blocks(A, nb, L), _blocks(B, nb, L)  # (G, nb, L, k)
+        s = (Ab @ Bb.transpose(-1, -2)).to(wide) * scale + hb[:, :, None, :]
+        pos = torch.arange(nb * L, device=dev).view(nb, L)
+        causal = pos[:, None, :] <= pos[:, :, None]  # (nb, L, L): j ≤ i in the block
+        log_in = s.masked_fill(~causal, float("-inf")).logsumexp(-1).flatten(1)[:, :n]
+
+        earlier_blocks = torch.arange(nb, device=dev)  # child block c has c earlier blocks
+        # a child block that could not certify reading ¾ of its earlier blocks even if each
+        # held its ceiling's mass reads all of them, unscored: "whole" (bound 0)
+        hopeless = _hopeless(To, tail, log_in - slack, eps, nb, L)  # (G, nc)
+        count = torch.where(hopeless, earlier_blocks, 0)
+        done = hopeless.clone()
+        bound = torch.zeros(G, n, dtype=wide, device=dev)
+        m_prev, m = 0, 0
+        while True:
+            if m > m_prev:
+                log_in = _add_blocks(log_in, Ab, Bb, hb, order, ~done, m_prev, m, scale,
+                                     n, L)
+            bd = torch.sigmoid(tail[..., min(m, nb)] - (log_in - slack))  # (G, N)
+            ok = _blocks(bd <= eps, nb, L, True).all(-1)  # (G, nc)
+            new = ok & ~done
+            count = torch.where(new, min(m, nb), count)
+            bound = torch.where(new[:, child_block], bd, bound)
+            done |= ok
+            # past ¾ of eight or more earlier blocks: read them all, bound 0
+            late = ~done & (4 * min(m, nb) > 3 * earlier_blocks) & (earlier_blocks >= 8)
+            count = torch.where(late, earlier_blocks, count)
+            done |= late
+            if bool(done.all()) or m >= nb:
+                break
+            m_prev, m = m, max(m + 1, math.ceil(1.25 * m))
+        count = torch.minimum(count, torch.arange(nb, device=dev))  # at most the earlier blocks
+        read = torch.zeros(G, nb, nb, dtype=torch.bool, device=dev)
+        ranks = torch.arange(nb, device=dev)
+        read.scatter_(-1, order, (ranks[None, None, :] < count[..., None]))
+        read |= torch.eye(nb, dtype=torch.bool, device=dev)
+        earlier_pairs = nb * (nb - 1) / 2
+        skipped = 0.0 if earlier_pairs == 0 else 1 - float(count.sum()) / (G * earlier_pairs)
+    out = BlockSparse(read.reshape(*lead, nb, nb), bound.reshape(*lead, n), float(eps), L,
+                      skipped, bool((bound <= eps).all()))
+    out.order, out.count = order, count  # (G, nc, nb), (G, nc): for the reading
+    return out
+
+
+def _hopeless(To, tail, log_in, eps, nb, L) -> torch.Tensor:
+    """``(G, nc)`` bool: the child blocks (of eight earlier blocks or more) whose bound stays
+    above ``eps`` after reading ¾ of their earlier blocks even if every block read held its
+    ceiling's mass (the most I_i could grow by): no certificate spares them a quarter."""
+    G, n, _ = To.shape
+    half = (torch.arange(n, device=To.device) // L) * 3 // 4  # (N,): ¾ of the earlier blocks
+    # log Σ_{r < m} e^{To_r} at m = ¾ c, per child
+    upto = torch.cat([To.new_full((G, n, 1), float("-inf")), To.logcumsumexp(-1)], -1)
+    best = torch.logaddexp(log_in, upto.gather(-1, half.expand(G, n)[..., None]).squeeze(-1))
+    beyond = tail.gather(-1, half.expand(G, n)[..., None]).squeeze(-1)
+    bd = torch.sigmoid(beyond - best)
+    return ~_blocks(bd <= eps, nb, L, True).all(-1) & (torch.arange(nb, device=To.device) >= 8)
+
+
+def _add_blocks(log_in, Ab, Bb, hb, order, pending, m_prev, m, scale, n, L):
+    """``log_in`` with the key blocks of ranks m_prev … m − 1 added, for the pending
+    (g, child block) pairs: their exact log mass, in runs of ``RUN_ENTRIES`` scores."""
+    wide = torch.float64
+    G, nb = pending.shape
+    g_idx, c_idx = pending.nonzero(as_tuple=True)
+    width = min(m, nb) - m_prev
+    if width <= 0 or g_idx.numel() == 0:
+        return log_in
+    out = _blocks(log_in, nb, L, float("-inf")).clone()  # (G, nb, L)
+    step = max(1, RUN_ENTRIES // (L * L * width))
+    for lo in range(0, g_idx.numel(), step):
+        g, c = g_idx[lo:lo + step], c_idx[lo:lo + step]
+        beta = order[g, c, m_prev:m_prev + width]  # (p, width)
+        allowed = beta < c[:, None]  # only earlier blocks: later ranks may be past them
+        keys = Bb[g[:, None], beta].flatten(1, 2)  # (p, width·L, k)
+        s = (Ab[g, c] @ keys.transpose(-1, -2)).to(wide) * scale  # (p, L, width·L)
+        s = s + hb[g[:, None], beta].flatten(1, 2)[:, None, :]
+        s = s.masked_fill(~allowed.repeat_interleave(L, -1)[:, None, :], float("-inf"))
+        out[g, c] = torch.logaddexp(out[g, c], s.logsumexp(-1))
+    return out.flatten(1)[:, :n]
+
+
+def block_sparse_attention(a: torch.Tensor, b: torch.Tensor, v: torch.Tensor, scale: float,
+                           h: torch.Tensor | None, eps: float, *,
+                           block: int = 64) -> tuple[torch.Tensor, BlockSparse]:
+    """Causal attention under the log prior g_i + h_j, reading only the key blocks that
+    ``certify_blocks`` keeps: each child's posterior mass in the blocks skipped is ≤ ``eps``.
+
+    Args:
+        a: ``(*lead, N, k)`` queries; b: ``(*lead, N, k)`` keys; v: ``(*lead, N, d)`` values
+            (leading dims broadcast).
+        scale: the scores' factor.
+        h: ``(*lead, N)`` the prior's per-parent log term (``Prior.terms(N, N, device)[1]``),
+            or None for the uniform causal prior.
+        eps: the posterior mass each child may leave out, in (0, 1).
+        block: tokens per block.
+
+    Returns:
+        ``(out, report)``: ``out`` ``(*lead, N, d)``, child i's posterior expectation of v
+        over the blocks read (renormalised there; at most 2·eps·max‖v_j‖ from the exact one),
+        differentiable in a, b, v and h; ``report`` the ``BlockSparse`` choice.
+
+    The child blocks are read in groups of the same number of key blocks (the rounds' counts),
+    each group in runs of at most ``RUN_ENTRIES`` scores: the scores never
+    exceed what the blocks read hold.
+    """
+    cert = certify_blocks(a, b, scale, h, eps, block=block)
+    n, k, d = a.shape[-2], a.shape[-1], v.shape[-1]
+    L = cert.block
+    nb = math.ceil(n / L)
+    lead = cert.bound.shape[:-1]
+    dev = a.device
+    A, B, V = _flat(a, lead, n, k), _flat(b, lead, n, k), _flat(v, lead, n, d)
+    G = A.shape[0]
+    work = torch.promote_types(torch.promote_types(A.dtype, B.dtype), torch.float32)
+    hh = (torch.zeros(G, n, dtype=work, device=dev) if h is None
+          else _flat(h, lead, n).to(work))
+    # a row (head) that reads more than half of its past reads all of it, fused: O(N·d)
+    earlier = nb * (nb - 1) // 2
+    whole = cert.count.sum(-1) * 2 > earlier  # (G,)
+    rows = torch.arange(G, device=dev)
+    parts, which = [], []
+    if bool(whole.any()):
+        w = rows[whole]
+        parts.append(_whole_past(A[w], B[w], V[w], scale, hh[w]).to(v.dtype))
+        which.append(w)
+        cert.count[w] = torch.arange(nb, device=dev)
+        read = cert.read.view(G, nb, nb)
+        read[w] = torch.ones(nb, nb, dtype=torch.bool, device=dev).tril()
+        cert.bound.view(G, n)[w] = 0.0
+        cert.skipped = 1 - float(cert.count.sum()) / (G * earlier) if earlier else 0.0
+    if not bool(whole.all()):
+        s = rows[~whole]
+        parts.append(_sparse(A[s], B[s], V[s], hh[s], cert.order[s], cert.count[s], scale, n,
+                             L, work).to(v.dtype))
+        which.append(s)
+    out = torch.cat(parts)[torch.cat(which).argsort()]  # (G, N, d)
+    return out.reshape(*lead, n, d), cert
+
+
+def _sparse(A, B, V, hh, order, count, scale, n, L, work):
+    """``(G, N, d)``: each child block reading its first ``count`` key blocks of ``order``
+    and its own, in groups of the same count, each in runs of ``RUN_ENTRIES`` scores."""
+    G, d = A.shape[0], V.shape[-1]
+    nb = math.ceil(n / L)
+    Ab, Bb, Vb = _blocks(A, nb, L), _blocks(B, nb, L), _blocks(V, nb, L)  # (G, nb, L, ·)
+    hb = _blocks(hh, nb, L)  # (G, nb, L): padding keys are masked in _read
+    count = count.flatten()  # (G·nc,), pair f = g·nb + c
+    pieces, which = [], []
+    for m in count.unique().tolist():
+        pairs = (count == m).nonzero().squeeze(-1)
+        step = max(1, RUN_ENTRIES // (L * L * (m + 1)))
+        for lo in range(0, pairs.numel(), step):
+            f = pairs[lo:lo + step]
+            pieces.append(_read(Ab, Bb, Vb, hb, order, f // nb, f % nb, m, scale, n, L, work))
+            which.append(f)
+    out = torch.cat(pieces)[torch.cat(which).argsort()]  # (G·nc, L, d), pair order
+    return out.view(G, nb * L, d)[:, :n]
+
+
+def _read(Ab, Bb, Vb, hb, order, g, c, m, scale, n, L, work):
+    """``(p, L, d)``: the child blocks ``c`` of rows ``g`` reading their first ``m`` key blocks
+    of ``order`` and their own block, softmax over the scores plus h, causal in their own."""
+    dev = Ab.device
+    blocks = torch.cat([order[g, c, :m], c[:, None]], -1)  # (p, m + 1)
+    keys = Bb[g[:, None], blocks].flatten(1, 2).to(work)  # (p, (m + 1)·L, k)
+    vals = Vb[g[:, None], blocks].flatten(1, 2).to(work)
+    s = Ab[g, c].to(work) @ keys.transpose(-1, -2) * scale  # (p, L, (m + 1)·L)
+    s = s + hb[g[:, None], blocks].flatten(1, 2)[:, None, :]
+    parent = ((blocks * L)[..., None] + torch.arange(L, device=dev)).flatten(1)  # (p, ·)
+    child = (c * L)[:, None] + torch.arange(L, device=dev)  # (p, L)
+    allowed = (parent[:, None, :] < n) & (parent[:, None, :] <= child[:, :, None])
+    p = torch.softmax(s.masked_fill(~allowed, float("-inf")), -1)  # every row has its own
+    return p @ vals
+
+
+def _whole_past(a, b, v, scale, h):
+    """``(G, N, d)``: causal attention under g_i + h_j over all of the past — the key-bias
+    reading where it applies (O(N·d) memory, ``kinds.key_bias``), else the dense table."""
+    from .kinds.key_bias import applies, key_bias_attention
+
+    n = a.shape[-2]
+    if applies(a, b, v, h):
+        return key_bias_attention(a, b, v, h, float(scale), True)
+    s = scale * a @ b.transpose(-1, -2) + h.unsqueeze(-2).to(a.dtype)
+    causal = torch.ones(n, n, dtype=torch.bool, device=a.device).tril()
+    return torch.softmax(s.masked_fill(~causal, float("-inf")), -1) @ v
