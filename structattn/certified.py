@@ -344,6 +344,19 @@ def certify(a: torch.Tensor, b: torch.Tensor, scale: float, prior, eps: float, *
     return Certified(width, bd, window, float(eps), skipped_pairs(n, width), ok)
 
 
+def certificate_option(owner: str, certificate, tol) -> str:
+    """``certificate`` checked: ``"window"`` (one band back from each child, ``certify``) or
+    ``"blocks"`` (the key blocks each block of children needs, wherever they lie, per head:
+    ``structattn.block_sparse``), the latter with a ``tol``; a ValueError names ``owner``."""
+    if certificate not in ("window", "blocks"):
+        raise ValueError(f"{owner}: certificate must be 'window' or 'blocks'; got "
+                         f"{certificate!r}")
+    if certificate == "blocks" and tol is None:
+        raise ValueError(f"{owner}: certificate='blocks' reads the key blocks certified for a "
+                         f"tol; give tol (e.g. 1e-4)")
+    return certificate
+
+
 def window_options(owner: str, tol, block_size, causal: bool) -> tuple[float | None, int]:
     """``(tol, block_size)`` of a distance prior over the past, checked: ``tol`` None (read
     the whole past) or in (0, 1), the posterior mass a certified window may leave out;

@@ -57,7 +57,9 @@ class Trace:
     Certified truncation (a prior's ``tol``, e.g. ``BetaGeometric(tol=ε)`` read exactly):
     ``truncation[family]``, a ``structattn.certified.Certified`` (also
     ``structattn.windows.CertifiedWindow``) — the window read and the certified bound on each
-    token's posterior mass beyond it.
+    token's posterior mass beyond it — or, with ``certificate="blocks"``, a
+    ``structattn.block_sparse.BlockSparse``: the key blocks each block of tokens read, per
+    head, and the bound on each token's posterior mass in the others.
 
     Stick-breaking (``structattn.priors.StickBreaking``): ``leftover[family]``, p(no parent |
     x) per child ``(*batch, H, C)``, the stick left after the scan (its value is zero).

@@ -79,9 +79,10 @@ def _triton(a, b, u, h) -> bool:
 
 def applies(a: torch.Tensor, b: torch.Tensor, u: torch.Tensor, h: torch.Tensor) -> bool:
     """Whether this reading takes these factors: on CUDA, through the Triton kernel (any
-    float dtype; half precision on the tensor cores, its scores and sums in float32); on the CPU, in single or double
-    precision, with no gradient asked of any of them — or with one, where the kernel is
-    built (not in an exported program, which must run without structattn)."""
+    float dtype; half precision on the tensor cores, its scores and sums in float32); on the
+    CPU, in single or double precision, with no gradient asked of any of them — or with one,
+    where the kernel is built (not in an exported program, which must run without
+    structattn)."""
     if _triton(a, b, u, h):
         return True
     if not (a.device.type == "cpu" and a.dtype in (torch.float32, torch.float64)

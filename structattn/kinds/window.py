@@ -5,7 +5,9 @@ block mask on CUDA. The prior gives its log weights on the band (``Prior.
 log_weights_on_band``: from its distance table ``log_by_distance`` where it states one, as
 the geometric–Beta prior of expanding attention does, else from ``log_weight``, as a forget
 gate). A prior with a certified ``tol`` and no width of its own reads the window certified
-for the call (``structattn.certified``), or all of the past through the dense operator.
+for the call (``structattn.certified``), or all of the past through the dense operator; one
+whose ``certificate`` is "blocks" reads the key blocks certified for each block of children,
+per head (``structattn.block_sparse``).
 
 The children may be the last C of the P parent tokens (a decoding step): child i sits at
 position P − C + i (``offset`` = P − C); the dense reading serves that case.
@@ -19,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from .. import band
+from ..block_sparse import block_sparse_attention, certify_blocks
 from ..certified import certify
 from .base import Operator, Support
 from .dense import with_parent_terms
@@ -94,6 +97,24 @@ class WindowOperator(Operator):
     def reports(self) -> dict:
         return {} if self.truncation is None else {"truncation": self.truncation}
 
+    def _blocks(self) -> bool:
+        """Whether the certified block-sparse reading applies: the prior asks for it
+        (``certificate="blocks"`` with a ``tol``) and separates as g_i + h_j, over all of the
+        past j ≤ i of the same tokens, with one factorised potential."""
+        f = self.family
+        n = f.children.size
+        return (f.prior.tol is not None and f.prior.certificate == "blocks"
+                and self.is_fused() and f.support.offset == 0 and f.support.first == 0
+                and f.support.width is None and n == f.parents.size and n > 1
+                and f.tables.separable() is not None)
+
+    def _block_terms(self):
+        """``(a, b, scale, h)``: the factors and the prior's per-parent term (float32 at least:
+        h grows along the sequence)."""
+        a, b, scale = self.fused_factors()  # (*batch, H, N, k)
+        h = self.family.tables.separable()[1]
+        return a, b, scale, h.to(torch.promote_types(a.dtype, torch.float32))
+
     def _banded(self) -> bool:
         """Whether the band applies: one factorised potential, the children are all the
         parents (no offset) and the window is shorter than the past."""
@@ -148,11 +169,28 @@ class WindowOperator(Operator):
         return s["p"]
 
     def dense_posterior(self):
+        if self._blocks():  # the posterior renormalised on the key blocks certified
+            a, b, scale, h = self._block_terms()
+            if self.truncation is None:
+                self.truncation = certify_blocks(a, b, scale, h, self.family.prior.tol,
+                                                 block=self.family.prior.block_size)
+            n = a.shape[-2]
+            blk = torch.arange(n, device=a.device) // self.truncation.block
+            read = self.truncation.read[..., blk, :][..., blk]
+            past = torch.ones(n, n, dtype=torch.bool, device=a.device).tril()
+            s = scale * a @ b.transpose(-1, -2) + h.unsqueeze(-2).to(a.dtype)
+            return torch.softmax(s.masked_fill(~(read & past), float("-inf")), -1)
         if not self._banded():
             return super().dense_posterior()
         return self._setup()["layout"].to_dense(self._band_posterior())
 
     def attend(self, u):
+        if self._blocks():
+            a, b, scale, h = self._block_terms()
+            out, self.truncation = block_sparse_attention(a, b, u, scale, h,
+                                                          self.family.prior.tol,
+                                                          block=self.family.prior.block_size)
+            return out
         if not self._banded():
             return super().attend(u)
         s = self._setup()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from structattn.certified import window_options
+from structattn.certified import certificate_option, window_options
 from structattn.priors import ALiBi
 from structattn.priors.relative import alibi_slopes
 
@@ -16,23 +16,27 @@ class ALiBiAttention(TokenAttention):
     """φ_i ~ Categorical(softmax_j −m_h |i − j|) per head h (slopes m_h = 2^(−8h/H), fixed);
     ψ = x_iᵀW_QᵀW_K x_j / τ; v = W_V x_j. Causal by default, as in Press et al. (2022).
     ``tol`` (causal): read only a window whose posterior mass beyond it is certified ≤ tol
-    per token (``structattn.certified``); ``block_size``: that band's block of tokens.
+    per token (``structattn.certified``); ``block_size``: that band's block of tokens;
+    ``certificate="blocks"``: read instead the key blocks each block of tokens needs,
+    wherever they lie, per head (``structattn.block_sparse``: the slow heads no longer hold
+    the fast ones).
 
     x: ``(*batch, n, d_model)`` → ``(*batch, n, d_model or heads·d_v)``.
     """
 
-    def __init__(self, d_model, *, heads=1, causal=True, tol=None, block_size=64, device=None,
-                 dtype=None, **kwargs):
+    def __init__(self, d_model, *, heads=1, causal=True, tol=None, block_size=64,
+                 certificate="window", device=None, dtype=None, **kwargs):
         super().__init__(d_model, heads=heads, causal=causal, device=device, dtype=dtype, **kwargs)
         self.register_buffer("slopes", alibi_slopes(heads).to(
             device=device, dtype=dtype))
         window_options("ALiBiAttention", tol, block_size, causal)
+        self.certificate = certificate_option("ALiBiAttention", certificate, tol)
         self.tol, self.block_size = tol, block_size
 
     def model(self, x):
         tokens = self.tokens(x)
         prior = ALiBi(self.heads, slopes=self.slopes, causal=self.causal, tol=self.tol,
-                      block_size=self.block_size)
+                      block_size=self.block_size, certificate=self.certificate)
         return self.attend(self.family_name, tokens, tokens, prior)
 
 

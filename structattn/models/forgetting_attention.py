@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from structattn.certified import window_options
+from structattn.certified import certificate_option, window_options
 from structattn.priors.forgetting import ForgettingGate
 
 from ._catalogue import TOKEN_SIZES, Entry, randn64
@@ -27,13 +27,15 @@ class ForgettingAttention(TokenAttention):
     ``gate_bias``: b_h's initial value (σ(3) ≈ 0.95: the gates start mostly open).
     ``tol``: read only a window whose posterior mass beyond it is certified ≤ tol per token
     (``structattn.certified``: FoX's adaptive pruning, with a proof); ``block_size``: that
-    band's block of tokens.
+    band's block of tokens; ``certificate="blocks"``: read instead the key blocks each block
+    of tokens needs, wherever they lie, per head (``structattn.block_sparse``).
     """
 
-    def __init__(self, d_model, *, heads=1, gate_bias=3.0, tol=None, block_size=64, device=None,
-                 dtype=None, **kwargs):
+    def __init__(self, d_model, *, heads=1, gate_bias=3.0, tol=None, block_size=64,
+                 certificate="window", device=None, dtype=None, **kwargs):
         super().__init__(d_model, heads=heads, causal=True, device=device, dtype=dtype, **kwargs)
         window_options("ForgettingAttention", tol, block_size, True)
+        self.certificate = certificate_option("ForgettingAttention", certificate, tol)
         if isinstance(gate_bias, bool) or not isinstance(gate_bias, (int, float)) \
                 or not math.isfinite(gate_bias):
             raise ValueError(f"ForgettingAttention: gate_bias must be a finite number (the forget "
@@ -50,7 +52,8 @@ class ForgettingAttention(TokenAttention):
 
     def model(self, x):
         tokens = self.tokens(x)
-        prior = ForgettingGate(self.log_gates(x), tol=self.tol, block_size=self.block_size)
+        prior = ForgettingGate(self.log_gates(x), tol=self.tol, block_size=self.block_size,
+                               certificate=self.certificate)
         return self.attend(self.family_name, tokens, tokens, prior)
 
 

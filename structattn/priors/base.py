@@ -45,6 +45,10 @@ class Prior:
     #: the band's block of children where the prior is read through a window (its window
     #: operator's ``band.BandLayout``); None where it never is
     block_size: int | None = None
+    #: how a ``tol`` is read: "window" (the shortest band certified for every child and head,
+    #: ``structattn.certified``) or "blocks" (the key blocks each block of children needs,
+    #: per head, ``structattn.block_sparse``: a prior whose log weight separates as g_i + h_j)
+    certificate: str = "window"
 
     # -- what a subclass states -------------------------------------------------
     def support(self, num_children: int, num_parents: int) -> Support:

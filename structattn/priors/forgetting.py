@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .._validation import checks_on, passes, shape_str
-from ..certified import window_options
+from ..certified import certificate_option, window_options
 from ..kinds.window import Window
 from .base import Prior
 from .uniform import dense_support
@@ -23,11 +23,14 @@ class ForgettingGate(Prior):
     against ``(*batch, heads)``; N is the number of parents, children are its first C tokens.
     ``tol`` ∈ (0, 1): the compiled reading reads the shortest window whose posterior mass
     beyond it is certified ≤ tol for every child (``structattn.certified``, from the gates'
-    own tail: FoX's pruning, with a proof), in blocks of ``block_size`` children; the model,
-    and so Pyro's reading, is still all of the past.
+    own tail: FoX's pruning, with a proof), in blocks of ``block_size`` children; with
+    ``certificate="blocks"``, the key blocks each block of children needs instead, wherever
+    they lie, per head (``structattn.block_sparse``). The model, and so Pyro's reading, is
+    still all of the past.
     """
 
-    def __init__(self, log_f: torch.Tensor, *, tol: float | None = None, block_size: int = 64):
+    def __init__(self, log_f: torch.Tensor, *, tol: float | None = None, block_size: int = 64,
+                 certificate: str = "window"):
         if not isinstance(log_f, torch.Tensor) or log_f.dim() < 1 or not log_f.is_floating_point():
             got = shape_str(log_f.shape) if isinstance(log_f, torch.Tensor) else type(log_f).__name__
             raise ValueError(f"ForgettingGate prior: log_f must be a float tensor (…, N) of log "
@@ -40,6 +43,7 @@ class ForgettingGate(Prior):
         self.log_f = log_f
         self.tol, self.block_size = window_options("ForgettingGate prior", tol,
                                                              block_size, True)
+        self.certificate = certificate_option("ForgettingGate prior", certificate, tol)
 
     def cumulative(self, dtype=None) -> torch.Tensor:
         """c_k = Σ_{l ≤ k} log f_l, ``(…, N)``, summed in ``dtype`` (None: log_f's, at least

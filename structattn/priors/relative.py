@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .._validation import checks_on, passes, shape_str
-from ..certified import window_options
+from ..certified import certificate_option, window_options
 from ..kinds.window import Window
 from .base import Prior
 from .uniform import dense_support
@@ -57,11 +57,13 @@ class ALiBi(Prior):
 
     ``tol`` ∈ (0, 1) (causal only): the compiled reading reads the shortest window whose
     posterior mass beyond it is certified ≤ tol for every child (``structattn.certified``;
-    the trace's ``truncation[family]`` reports it), in blocks of ``block_size`` children; the
-    model, and so Pyro's reading, is still all of the past."""
+    the trace's ``truncation[family]`` reports it), in blocks of ``block_size`` children; with
+    ``certificate="blocks"``, the key blocks each block of children needs, per head
+    (``structattn.block_sparse``). The model, and so Pyro's reading, is still all of the
+    past."""
 
     def __init__(self, heads: int = 1, *, slopes: torch.Tensor | None = None, causal: bool = False,
-                 tol: float | None = None, block_size: int = 64):
+                 tol: float | None = None, block_size: int = 64, certificate: str = "window"):
         slopes = alibi_slopes(heads) if slopes is None else torch.as_tensor(slopes)
         checking = checks_on()
         if slopes.dim() != 1 or (checking and not passes(((slopes >= 0) & slopes.isfinite()).all())):
@@ -69,6 +71,7 @@ class ALiBi(Prior):
         self.slopes, self.causal = slopes, bool(causal)
         self.tol, self.block_size = window_options("ALiBi prior", tol, block_size,
                                                              self.causal)
+        self.certificate = certificate_option("ALiBi prior", certificate, tol)
 
     def support(self, num_children, num_parents):
         if self.tol is not None:  # all of the past, j ≤ i, read through a certified window

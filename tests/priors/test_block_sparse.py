@@ -189,3 +189,45 @@ def test_bad_arguments_are_refused():
         certify_blocks(a, torch.randn(1, 9, 3), 1.0, None, 0.1)
     with pytest.raises(ValueError, match="no tokens"):
         certify_blocks(torch.randn(1, 0, 3), torch.randn(1, 0, 3), 1.0, None, 0.1)
+
+
+@pytest.mark.parametrize("model", ["forgetting_attention", "alibi_attention"])
+@pytest.mark.parametrize("tol", [0.05, 1e-4])
+@torch.no_grad()
+def test_a_layer_with_block_certificates_stays_within_its_bound_of_pyro(model, tol):
+    """``certificate="blocks"`` on FoX and ALiBi layers: each token's posterior is within the
+    reported bound of Pyro's exact enumeration over the whole past (total variation), the
+    trace reports the blocks, and the per-head values move by at most 2·bound·max|v|."""
+    torch.manual_seed(7)
+    m = getattr(sa.models, model)(8, heads=2, d_k=4, tol=tol, certificate="blocks",
+                                  block_size=4, dtype=torch.float64)
+    x = torch.randn(2, 48, 8, dtype=torch.float64)
+    x[:, 1:] = 0.8 * x[:, :-1] + 0.2 * x[:, 1:]  # nearby tokens alike
+    x = 3 * x
+    exact = sa.inference.exact(m, x)
+    y, p, trace = sa.compile(m)(x, return_posterior=True, return_trace=True)
+    cert = trace.truncation[m.family_name]
+    assert isinstance(cert, sa.block_sparse.BlockSparse) and cert.certified
+    assert (cert.bound <= tol).all()
+    want = exact.marginals[m.family_name]
+    tv = (p - want).abs().sum(-1) / 2  # (2, H, N)
+    assert (tv <= cert.bound + 1e-12).all()
+    torch.testing.assert_close(sa.compile(m)(x), y, atol=1e-12, rtol=0)  # the same reading
+
+
+def test_a_layer_with_block_certificates_trains():
+    torch.manual_seed(8)
+    m = sa.models.alibi_attention(4, heads=2, d_k=2, tol=1e-3, certificate="blocks",
+                                  block_size=4, dtype=torch.float64)
+    x = (torch.randn(1, 24, 4, dtype=torch.float64).cumsum(-2) * 0.3).requires_grad_()
+    layer = sa.compile(m)
+    assert torch.autograd.gradcheck(lambda xx, wq: layer(xx), (x, m.W_q))
+
+
+def test_block_certificates_need_a_tol_and_a_known_name():
+    with pytest.raises(ValueError, match="certificate='blocks' reads the key blocks"):
+        sa.models.forgetting_attention(8, certificate="blocks")
+    with pytest.raises(ValueError, match="certificate must be 'window' or 'blocks'"):
+        sa.models.alibi_attention(8, tol=0.1, certificate="band")
+    with pytest.raises(ValueError, match="ALiBi prior: certificate"):
+        sa.priors.ALiBi(2, causal=True, tol=0.1, certificate=None)
