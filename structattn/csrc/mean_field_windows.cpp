@@ -14,7 +14,9 @@
 //           ceiling and rounding slack, certified.score_ceiling), per child (and, when
 //           recording, the per-step history (max_iters, G, N) of each child's window, α, β,
 //           E[φ]).
-//           Without high and slack it computes them (certified.score_ceiling's formula).
+//           Without high and slack it computes them, tighter: the slack as
+//           certified.score_ceiling's, the unseen parents' ceiling from the longest key
+//           farther back than the window (windows.scores.BandScores.tail_ceiling's formula).
 //   attend: out_i = Σ_{d ≤ W_i} softmax_d(ψ_{i,i−d} + d·e_i) u_{i−d}   (G, N, dv), with
 //           e_i = E[ln q_i] under each child's Beta(α_i, β_i) at its fixed point.
 //   infer:  solve, then attend — the no-grad reading in one call (one node of a recorded
@@ -206,22 +208,28 @@ void solve_impl(const at::Tensor& a, const at::Tensor& b, int64_t offset, double
   T* Mout = o.m;
   int64_t* Sout = o.steps;
   bool* Done = o.settled;
-  // Without a given ceiling: certified.score_ceiling's, per child, in double —
-  // S_i = |scale|·‖a_i‖·max_j ‖b_j‖, slack γ_k·S_i + 4·tiny (γ_k = k·u/(1 − k·u), the error
-  // bound of a k-term dot product in T), high = S_i + slack
-  std::vector<double> b_norm_max;
+  // Without a given ceiling, in double (windows.scores.BandScores.ceiling's formula): the
+  // rounding slack of the window's scores from the longest key of all, γ_k·S_i + 4·tiny with
+  // S_i = |scale|·‖a_i‖·max_j ‖b_j‖ (γ_k = k·u/(1 − k·u), the error bound of a k-term dot
+  // product in T), and the unseen parents' ceiling per window from the longest key farther
+  // back than it, high = |scale|·‖a_i‖·max_{j ≤ i − W − 1} ‖b_j‖ + slack (a running max: a
+  // long key nearby does not weigh on the tail)
+  std::vector<double> b_run;  // (G, P): max_{j' ≤ j} ‖b_j'‖; its last entry the longest
   const double unit = static_cast<double>(std::numeric_limits<T>::epsilon()) / 2;
   const double gamma = static_cast<double>(k) * unit / (1 - static_cast<double>(k) * unit);
   const double tiny4 = 4 * static_cast<double>(std::numeric_limits<T>::min());
   if (High == nullptr) {
-    b_norm_max.assign(G, 0.0);
-    for (int64_t g = 0; g < G; ++g)
+    b_run.assign(G * P, 0.0);
+    for (int64_t g = 0; g < G; ++g) {
+      double run = 0;
       for (int64_t j = 0; j < P; ++j) {
         const T* bj = B + (g * P + j) * k;
         double ss = 0;
         for (int64_t l = 0; l < k; ++l) ss += static_cast<double>(bj[l]) * bj[l];
-        b_norm_max[g] = std::max(b_norm_max[g], std::sqrt(ss));
+        run = std::max(run, std::sqrt(ss));
+        b_run[g * P + j] = run;
       }
+    }
   }
   T* Bound = o.bound;
   int64_t* HW = record ? o.h_win : nullptr;
@@ -244,16 +252,23 @@ void solve_impl(const at::Tensor& a, const at::Tensor& b, int64_t offset, double
         const int64_t cap_i = C[i];
         const T* ai = A + c * k;
         const T* bg = B + g * P * k;
-        T high_c, slack_c;
+        T high_c = 0, slack_c = 0;
+        double a_norm = 0, sl = 0;
         if (High != nullptr) {
           high_c = High[c], slack_c = Slack[c];
         } else {
           double ss = 0;
           for (int64_t l = 0; l < k; ++l) ss += static_cast<double>(ai[l]) * ai[l];
-          const double ceiling = std::sqrt(ss) * std::abs(scale_d) * b_norm_max[g];
-          const double sl = ceiling * gamma + tiny4;
-          high_c = static_cast<T>(ceiling + sl), slack_c = static_cast<T>(sl);
+          a_norm = std::sqrt(ss);
+          sl = a_norm * std::abs(scale_d) * b_run[g * P + P - 1] * gamma + tiny4;
+          slack_c = static_cast<T>(sl);
         }
+        // the ceiling of the parents beyond window w (none given: the running max's)
+        auto ceiling_at = [&](int64_t width) {
+          if (High != nullptr) return;
+          const int64_t far = std::min(std::max<int64_t>(i - width - 1, 0), P - 1);
+          high_c = static_cast<T>(a_norm * std::abs(scale_d) * b_run[g * P + far] + sl);
+        };
         int64_t have = 0, typical_w = 0;  // the window the typical score was taken over
         T typical = 0;
         T m_prev = std::numeric_limits<T>::quiet_NaN();
@@ -263,8 +278,9 @@ void solve_impl(const at::Tensor& a, const at::Tensor& b, int64_t offset, double
           T log_z, mean;
           posterior_moments(s, w, e, log_z, mean);
           m = mean;
-          // certified: every unseen parent of the whole past at the child's score ceiling,
-          // against the window's mass less the rounding slack
+          // certified: every unseen parent of the whole past at its score ceiling beyond the
+          // window, against the window's mass less the rounding slack
+          ceiling_at(w);
           bound = beyond_mass(w, i, e, log_z - slack_c, high_c);
           const T new_alpha = (conjugate ? pa : alpha) + mean - T(1);
           const T new_beta = (conjugate ? pb : beta) + T(1);

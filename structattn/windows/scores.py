@@ -33,6 +33,7 @@ class BandScores:
         self.slot = torch.arange(lay.width, device=a.device).to(work)  # (L,)
         self._factors = (a, b, scale)
         self._ceiling = None
+        self._runs = None
 
     def _window(self, rows, win):
         """The scores of blocks ``rows`` (None: all) and the mask of slots beyond each child's
@@ -83,18 +84,43 @@ class BandScores:
         high, slack = self._ceiling
         return (high, slack) if rows is None else (high[rows], slack[rows])
 
+    def tail_ceiling(self, rows, win):
+        """``(k, B)``: an upper bound on every score a child can have with a parent farther
+        back than its window W_i, |scale|·‖a_i‖·max_{j ≤ i − W_i − 1} ‖b_j‖ (Cauchy–Schwarz
+        with the longest key beyond the window: a running max, so a long key nearby does not
+        weigh on the tail), plus the rounding slack — in float64, then the band's dtype, as
+        the compiled kernel computes it."""
+        lay = self.layout
+        if self._runs is None:
+            a, b, scale = self._factors
+            wide = torch.float64
+            lead = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+            n = a.shape[-2]
+            a_norm = a.detach().to(wide).norm(dim=-1).expand(*lead, n) * abs(scale)
+            b_run = b.detach().to(wide).norm(dim=-1).cummax(-1).values.expand(*lead, n)
+            _, slack = score_ceiling(*self._factors)  # (*lead, N) float64
+            self._runs = (lay.children(a_norm[..., None])[..., 0].reshape(-1, lay.block),
+                          lay.children(slack.expand(*lead, n)[..., None])[..., 0]
+                          .reshape(-1, lay.block), b_run.reshape(-1, n))
+        a_norm, slack, b_run = self._runs
+        r = torch.arange(a_norm.shape[0], device=a_norm.device) if rows is None else rows
+        nb = lay.num_blocks
+        pos = lay.child_positions(a_norm.device)[r % nb]  # (k, B)
+        far = (pos - win - 1).clamp(0, b_run.shape[-1] - 1)
+        return (a_norm[r] * b_run[(r // nb)[:, None], far] + slack[r]).to(self.scores.dtype)
+
     def certified_mass(self, rows, win, e_ln_q, past):
         """A certified upper bound on the mean-field posterior's mass beyond each child's
         window among all of its ``past`` parents, ``(k, B)``: the φ-update at the current
         E[ln q] puts p(φ_i = d) ∝ exp(ψ_{i,i−d} + d·E[ln q_i]), and every unseen ψ is at most
-        the child's ceiling S_i (Cauchy–Schwarz), so the unseen mass is at most
-        e^{S_i}·Σ_{W<d≤past} e^{d·E[ln q_i]} against the window's (computed, less the rounding
-        slack) — ``beyond_mass`` with the ceiling for the typical likelihood."""
+        the ceiling beyond the window (``tail_ceiling``), so the unseen mass is at most
+        e^{S_i(W)}·Σ_{W<d≤past} e^{d·E[ln q_i]} against the window's (computed, less the
+        rounding slack) — ``beyond_mass`` with the ceiling for the typical likelihood."""
         scores, beyond = self._window(rows, win)
         s = scores.masked_fill(beyond, float("-inf"))
-        high, slack = self.ceiling(rows)
+        _, slack = self.ceiling(rows)
         log_in = torch.logsumexp(torch.addcmul(s, self.dist, e_ln_q[..., None]), -1) - slack
-        return _beyond(log_in, win, e_ln_q, past, high)
+        return _beyond(log_in, win, e_ln_q, past, self.tail_ceiling(rows, win))
 
     def outer_evidence(self, rows, win):
         """The evidence alone — softmax of ψ over 1 ≤ d ≤ W_i, the prior left out — on the

@@ -27,8 +27,10 @@ def brute_mean_field(s, a, b, *, tol=0.05, max_window=None, max_iters=50, conver
     """One head, one sequence, child by child (each has its own q_i, so each iterates alone
     until |ΔE[φ_i]| ≤ converge_tol·max(1, E[φ_i]) with its window no longer growing):
     scores ``s`` (N, N) → (posterior (N, N), final windows, iterations per child, and the
-    certified bound per child at its last step). ``ceiling``: per child (high, slack), the
-    largest score it can have plus rounding, and the rounding (the certified rule's)."""
+    certified bound per child at its last step). ``ceiling``: per child (reach, runs, slack):
+    |scale|·‖a_i‖, the running maximum max_{j ≤ l} ‖b_j‖ over l, and the window scores'
+    rounding; a parent farther back than window W scores at most reach_i·runs[i − W − 1]
+    (the certified rule's)."""
     N = s.shape[0]
     cap = max(1, N - 1 if max_window is None else min(N - 1, max_window))
 
@@ -51,7 +53,8 @@ def brute_mean_field(s, a, b, *, tol=0.05, max_window=None, max_iters=50, conver
     def certified(i, win, e, lik, ds):
         """Every unseen parent of the whole past at the ceiling, against the window's mass
         less the rounding slack."""
-        high, slack = ceiling[0][i], ceiling[1][i]
+        reach, runs, slack = ceiling[0][i], ceiling[1], ceiling[2][i]
+        high = reach * runs[max(i - win - 1, 0)] + slack
         inside = sum(math.exp(lik[k] + (ds[k] - 1) * e - slack) for k in range(win))
         outside = math.exp(high) * sum(math.exp((d - 1) * e) for d in range(win + 1, i + 1))
         return outside / (outside + inside)
@@ -109,16 +112,17 @@ f64 = torch.float64
 
 
 def ceilings(x, W, heads):
-    """Per head and child (high, slack) of the Bilinear potential's factors z = W x / √d_k,
-    z: the largest score |scale|·‖z_i‖·max_j ‖z_j‖ plus the float64 dot product's rounding
-    γ_k times it (and that rounding)."""
+    """Per head of the Bilinear potential's factors z = W x / √d_k: per child
+    |scale|·‖z_i‖ (reach), the running maximum of the keys' lengths max_{j ≤ l} ‖z_j‖ over l
+    (runs), and the float64 dot product's rounding γ_k·|scale|·‖z_i‖·max_j ‖z_j‖ (slack)."""
     z = (x @ W.T).unflatten(-1, (heads, -1)).transpose(-2, -3)  # (*batch, H, N, d_k)
     k = z.shape[-1]
     unit = torch.finfo(f64).eps / 2
     gamma = k * unit / (1 - k * unit)
-    top = z.norm(dim=-1) * z.norm(dim=-1).amax(-1, keepdim=True) / math.sqrt(k)
-    slack = gamma * top + 4 * torch.finfo(f64).tiny
-    return top + slack, slack
+    reach = z.norm(dim=-1) / math.sqrt(k)
+    runs = z.norm(dim=-1).cummax(-1).values
+    slack = gamma * reach * runs[..., -1:] + 4 * torch.finfo(f64).tiny
+    return reach, runs, slack
 
 
 @pytest.mark.parametrize("expectation,update,rule", [
@@ -148,13 +152,13 @@ def test_mean_field_fixed_point_equals_the_brute_force(n, block, expectation, up
                                              return_trace=True)
     trace = history(trace)
     s = scores_of(x, W, heads)
-    high, slack = ceilings(x, W, heads)
+    reach, runs, slack = ceilings(x, W, heads)
     for bi in range(2):
         for h in range(heads):
             want, win, its, bounds = brute_mean_field(
                 s[bi, h], float(a[h]), float(b[h]), tol=0.1, expectation=expectation,
                 update=update, window_rule=rule, initial_window=start,
-                ceiling=(high[bi, h].tolist(), slack[bi, h].tolist()))
+                ceiling=(reach[bi, h].tolist(), runs[bi, h].tolist(), slack[bi, h].tolist()))
             torch.testing.assert_close(post[bi, h], want, atol=1e-10, rtol=0)
             assert trace.windows[-1][bi, h].tolist() == win
             assert trace.child_iterations[bi, h].tolist() == its
