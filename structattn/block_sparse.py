@@ -32,8 +32,8 @@ its own blocks: a slow head does not hold the others.
 The reading (``block_sparse_attention``) then gathers, per child block, its chosen key blocks
 and attends over them and its own block, differentiably in a, b, v and h. It gathers copies
 of the keys and values it reads (O(blocks read·L·d) memory, kept for the backward). A head
-that reads more than half of its past reads all of it through the fused key-bias reading
-(``kinds.key_bias``: O(N·d) memory), bound 0.
+that reads more than half of its past reads all of it (``whole_past``: in a layer, the fused
+key-bias reading, ``kinds.key_bias``: O(N·d) memory), bound 0.
 """
 
 from __future__ import annotations
@@ -279,8 +279,8 @@ def _add_blocks(log_in, Ab, Bb, hb, order, pending, m_prev, m, scale, L):
 
 
 def block_sparse_attention(a: torch.Tensor, b: torch.Tensor, v: torch.Tensor, scale: float,
-                           h: torch.Tensor | None, eps: float, *,
-                           block: int = 64) -> tuple[torch.Tensor, BlockSparse]:
+                           h: torch.Tensor | None, eps: float, *, block: int = 64,
+                           whole_past=None) -> tuple[torch.Tensor, BlockSparse]:
     """Causal attention under the log prior g_i + h_j, reading only the key blocks that
     ``certify_blocks`` keeps: each child's posterior mass in the blocks skipped is ≤ ``eps``.
 
@@ -292,6 +292,9 @@ def block_sparse_attention(a: torch.Tensor, b: torch.Tensor, v: torch.Tensor, sc
             or None for the uniform causal prior.
         eps: the posterior mass each child may leave out, in (0, 1).
         block: tokens per block.
+        whole_past: ``(a, b, v, scale, h) → out`` for ``(G, N, ·)`` rows, how a head that
+            reads more than half of its past reads all of it (default: causal SDPA without a
+            prior, the dense table with one; the layers pass the fused key-bias reading).
 
     Returns:
         ``(out, report)``: ``out`` ``(*lead, N, d)``, child i's posterior expectation of v
@@ -320,7 +323,8 @@ def block_sparse_attention(a: torch.Tensor, b: torch.Tensor, v: torch.Tensor, sc
     parts, which = [], []
     if bool(whole.any()):
         w = rows[whole]
-        parts.append(_whole_past(A[w], B[w], V[w], scale, hh[w]).to(v.dtype))
+        reader = _whole_past if whole_past is None else whole_past
+        parts.append(reader(A[w], B[w], V[w], scale, hh[w]).to(v.dtype))
         which.append(w)
         cert.count[w] = torch.arange(nb, device=dev)
         read = cert.read.view(G, nb, nb)
@@ -373,13 +377,12 @@ def _read(Ab, Bb, Vb, hb, order, g, c, m, scale, n, L, work):
 
 
 def _whole_past(a, b, v, scale, h):
-    """``(G, N, d)``: causal attention under g_i + h_j over all of the past — the key-bias
-    reading where it applies (O(N·d) memory, ``kinds.key_bias``), else the dense table."""
-    from .kinds.key_bias import applies, key_bias_attention
-
+    """``(G, N, d)``: causal attention under g_i + h_j over all of the past — without a prior
+    (h = 0) causal SDPA (its fused kernel: O(N·d) memory), else the dense table."""
     n = a.shape[-2]
-    if applies(a, b, v, h):
-        return key_bias_attention(a, b, v, h, float(scale), True)
+    if not bool(h.any()):
+        return torch.nn.functional.scaled_dot_product_attention(
+            a[None], b[None], v[None], is_causal=True, scale=scale)[0]
     s = scale * a @ b.transpose(-1, -2) + h.unsqueeze(-2).to(a.dtype)
     causal = torch.ones(n, n, dtype=torch.bool, device=a.device).tril()
     return torch.softmax(s.masked_fill(~causal, float("-inf")), -1) @ v

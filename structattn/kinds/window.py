@@ -25,6 +25,7 @@ from ..block_sparse import block_sparse_attention, certify_blocks
 from ..certified import certify
 from .base import Operator, Support
 from .dense import with_parent_terms
+from .key_bias import applies, key_bias_attention
 
 
 def keep_from_position(n: int, device, dtype) -> torch.Tensor:
@@ -187,9 +188,9 @@ class WindowOperator(Operator):
     def attend(self, u):
         if self._blocks():
             a, b, scale, h = self._block_terms()
-            out, self.truncation = block_sparse_attention(a, b, u, scale, h,
-                                                          self.family.prior.tol,
-                                                          block=self.family.prior.block_size)
+            out, self.truncation = block_sparse_attention(
+                a, b, u, scale, h, self.family.prior.tol, block=self.family.prior.block_size,
+                whole_past=_whole_past)
             return out
         if not self._banded():
             return super().attend(u)
@@ -213,6 +214,17 @@ class WindowOperator(Operator):
             out = band.attend(a, b, wide, s["scale"], s["geometry"], s["layout"])
             return _kept(out[..., :u.shape[-1]], s["keep"])
         return _kept(band.attend(a, b, u, s["scale"], self._bias(), s["layout"]), s["keep"])
+
+
+def _whole_past(a, b, u, scale, h):
+    """All of the past j ≤ i under g_i + h_j: the fused key-bias reading where it applies
+    (O(N·d) memory), else the dense table."""
+    if applies(a, b, u, h):
+        return key_bias_attention(a, b, u, h, float(scale), True)
+    n = a.shape[-2]
+    s = scale * a @ b.transpose(-1, -2) + h.unsqueeze(-2).to(a.dtype)
+    causal = torch.ones(n, n, dtype=torch.bool, device=a.device).tril()
+    return torch.softmax(s.masked_fill(~causal, float("-inf")), -1) @ u
 
 
 def _kept(out: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
