@@ -39,6 +39,7 @@ key-bias reading, ``kinds.key_bias``: O(N·d) memory), bound 0.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -280,7 +281,8 @@ def _add_blocks(log_in, Ab, Bb, hb, order, pending, m_prev, m, scale, L):
 
 def block_sparse_attention(a: torch.Tensor, b: torch.Tensor, v: torch.Tensor, scale: float,
                            h: torch.Tensor | None, eps: float, *, block: int = 64,
-                           whole_past=None) -> tuple[torch.Tensor, BlockSparse]:
+                           whole_past: Callable | None = None
+                           ) -> tuple[torch.Tensor, BlockSparse]:
     """Causal attention under the log prior g_i + h_j, reading only the key blocks that
     ``certify_blocks`` keeps: each child's posterior mass in the blocks skipped is ≤ ``eps``.
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 from torch.nn.modules import module as _module
@@ -139,10 +141,39 @@ class CompiledModule(nn.Module):
         return f"compiled from {type(self.declaration).__name__}"
 
 
-def compile(model, *, replay: bool = True, max_plans: int = MAX_PLANS  # noqa: A001
+def compile(model: Declaration | Callable, *, replay: bool = True, max_plans: int = MAX_PLANS  # noqa: A001
             ) -> CompiledModule:
-    """Compile a declaration (or a plain Pyro program using structattn primitives).
-    ``replay=False``: read the declaration on every call (no plans). ``max_plans``: how many
-    input signatures (shapes, dtypes, options) the module records; calls with further ones
-    are read every time, and the module warns once when that starts."""
+    """Compile a declaration (or a plain Pyro program using structattn primitives) into a
+    ``torch.nn.Module`` that marginalises its edge families in closed form.
+
+    Args:
+        model: a ``structattn.Declaration`` (e.g. a catalogue model) or a function using
+            ``structattn.nodes``/``edges``/``potential``/``value``.
+        replay: record a plan per input signature and replay it (False: read the
+            declaration on every call).
+        max_plans: how many input signatures (shapes, dtypes, options) the module records;
+            calls with further ones are read every time, and the module warns once when that
+            starts.
+
+    Returns:
+        A ``CompiledModule``: ``layer(*inputs)`` → the model's output with every value
+        replaced by its posterior expectation; ``return_posterior``/``return_trace`` add the
+        posteriors and the iterations' trace.
+
+    Example:
+        Causal attention declared as a model, compiled, and checked against Pyro:
+
+        >>> import torch, structattn as sa
+        >>> def attention(x):
+        ...     tokens = sa.nodes("x", x)
+        ...     phi = sa.edges("attn", tokens, tokens, sa.priors.Uniform(causal=True))
+        ...     sa.potential(phi, sa.potentials.DotProduct())
+        ...     return sa.value(phi, sa.values.Identity())
+        >>> x = torch.randn(2, 5, 4, dtype=torch.float64)
+        >>> layer = sa.compile(attention)
+        >>> layer(x).shape  # (batch, heads, tokens, d_v)
+        torch.Size([2, 1, 5, 4])
+        >>> torch.allclose(layer(x), sa.inference.exact(attention, x).output)
+        True
+    """
     return CompiledModule(as_declaration(model), replay=replay, max_plans=max_plans)

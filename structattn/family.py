@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
+from typing import Any
 
 import pyro
 import pyro.distributions as dist
@@ -240,14 +241,41 @@ _edges_effect = effectful(_sample_edges, type="structattn_edges")
 
 
 def edges(name: str, children: NodeSet, parents: NodeSet, prior: Prior, *, heads: int = 1,
-          inference: InferenceScheme | None = None):
+          inference: InferenceScheme | None = None) -> Any:
     """Declare the edge family ``name``: for each child i (and head), φ_i ~ prior over parents.
 
-    children, parents: node sets from ``structattn.nodes``; prior: a
-    ``structattn.priors.Prior``; inference: how the compiled module marginalises it when
-    not exactly (``structattn.scheme``, e.g. ``structattn.windows.MeanFieldWindows()``;
-    Pyro's reading is exact whatever it says). Returns a handle for ``potential`` and
-    ``value``.
+    Args:
+        name: the family's name, unique in the model (its Pyro site is ``name``).
+        children: the node set whose tokens choose a parent (``structattn.nodes``), C tokens.
+        parents: the node set chosen from, P tokens.
+        prior: p(φ_i = j), a ``structattn.priors.Prior`` (its support and log weights).
+        heads: independent edge variables per child, one per head.
+        inference: how the compiled module marginalises the family when not exactly
+            (``structattn.scheme``, e.g. ``structattn.windows.MeanFieldWindows()``); Pyro's
+            reading is exact whatever it says. None: exactly.
+
+    Returns:
+        The family's handle, for ``potential`` and ``value``.
+
+    Raises:
+        ValueError: an empty name, node sets not from ``structattn.nodes``, a prior that is
+            not a ``Prior``, or one that cannot relate these node sets.
+
+    Example:
+        Causal attention declared as a model, compiled, and checked against Pyro:
+
+        >>> import torch, structattn as sa
+        >>> def attention(x):
+        ...     tokens = sa.nodes("x", x)
+        ...     phi = sa.edges("attn", tokens, tokens, sa.priors.Uniform(causal=True))
+        ...     sa.potential(phi, sa.potentials.DotProduct())
+        ...     return sa.value(phi, sa.values.Identity())
+        >>> x = torch.randn(2, 5, 4, dtype=torch.float64)
+        >>> layer = sa.compile(attention)
+        >>> layer(x).shape  # (batch, heads, tokens, d_v)
+        torch.Size([2, 1, 5, 4])
+        >>> torch.allclose(layer(x), sa.inference.exact(attention, x).output)
+        True
     """
     if not isinstance(name, str) or not name:
         raise ValueError(f"an edge family needs a non-empty string name; got {name!r}")
@@ -276,15 +304,28 @@ def edges(name: str, children: NodeSet, parents: NodeSet, prior: Prior, *, heads
     return _edges_effect(family, name=name)
 
 
-def potential(edge, potential: Potential) -> None:
-    """Add the log-potential ψ(x_{φ_i}, x_i) of an edge family (a ``pyro.factor`` site)."""
+def potential(edge: Any, potential: Potential) -> None:
+    """Add the log-potential ψ(x_{φ_i}, x_i) of an edge family (a ``pyro.factor`` site).
+
+    Args:
+        edge: the family's handle (``structattn.edges``).
+        potential: a ``structattn.potentials.Potential``: its scores ``(*batch, heads, C, P)``,
+            added to the prior's log weights before the posterior over φ_i.
+    """
     edge.add_potential(potential)
 
 
-def value(edge, value: Value) -> torch.Tensor:
-    """The value v_i(x, φ_i) of an edge family, ``(*batch, heads, children, d_v)``.
+def value(edge: Any, value: Value) -> torch.Tensor:
+    """The value v_i(x, φ_i) of an edge family.
 
     In the Pyro reading this is the value at the sampled edge; compiled, it is its
     posterior expectation E_{p(φ_i | x)}[v_i(x, φ_i)].
+
+    Args:
+        edge: the family's handle (``structattn.edges``).
+        value: a ``structattn.values.Value``, what a child receives from its parent.
+
+    Returns:
+        ``(*batch, heads, children, d_v)``.
     """
     return edge.expect(value)

@@ -102,9 +102,24 @@ def nodes(name: str, states: torch.Tensor, *, features: int | None = None,
           memory: bool = False) -> NodeSet:
     """Declare an observed node set ``name`` with states ``(*batch, n, features)``.
 
-    ``features`` (optional) is the expected size of the last dimension; a
-    mismatch is a ``ValueError`` naming the node set. ``memory=True`` marks stored patterns
-    or prototypes (observed, but parameters rather than data): the drawings show them apart.
+    Args:
+        name: the node set's name (its Pyro site).
+        states: ``(*batch, n, features)``, the n nodes' observed states.
+        features: the expected size of the last dimension (None: any).
+        memory: stored patterns or prototypes (observed, but parameters rather than data):
+            the drawings show them apart.
+
+    Returns:
+        The ``NodeSet``, for ``structattn.edges``.
+
+    Raises:
+        ValueError: states that are not a float tensor of at least two dimensions, or
+            whose last dimension is not ``features``, naming the node set.
+
+    Example:
+        >>> import torch, structattn as sa
+        >>> sa.nodes("x", torch.zeros(2, 5, 4)).size  # the number of nodes
+        5
     """
     if direct_readers():  # a compiled module: no Pyro message needed
         ns = _make_node_set(name, states, features, True)

@@ -391,7 +391,7 @@ def segment_attention(a, b, v, src, dst, num_children, scale=1.0, *, chunk_size=
 
 def segment_attention_naive(a, b, v, src, dst, num_children, scale=1.0, *, chunk_size=None, empty="error",
                             return_posterior=False, bias=None, checked=False):
-    """The naive twin of :func:`segment_attention`; must agree whenever the fast one does not raise.
+    """The naive twin of ``segment_attention``; must agree whenever the fast one does not raise.
 
     Plain differentiable torch ops (gather, scatter-max, ``index_add``), no custom
     Function: autograd keeps O(E·(k + d_v)) for backward. ``chunk_size`` is validated

@@ -44,7 +44,7 @@ class AbsolutePositionAttention(TokenAttention):
 
 
 def absolute_position_attention(d_model, **kwargs) -> AbsolutePositionAttention:
-    """Absolute-position self attention; see :class:`AbsolutePositionAttention`."""
+    """Absolute-position self attention; see ``AbsolutePositionAttention``."""
     return AbsolutePositionAttention(d_model, **kwargs)
 
 

@@ -41,7 +41,7 @@ class ALiBiAttention(TokenAttention):
 
 
 def alibi_attention(d_model, **kwargs) -> ALiBiAttention:
-    """ALiBi self attention; see :class:`ALiBiAttention`."""
+    """ALiBi self attention; see ``ALiBiAttention``."""
     return ALiBiAttention(d_model, **kwargs)
 
 

@@ -278,7 +278,7 @@ class BlockSlotAttention(SlotAttention):
 
 
 def block_slot_attention(num_slots, dim, *, num_blocks, num_prototypes, **kwargs):
-    """Block-slot attention; see :class:`BlockSlotAttention`."""
+    """Block-slot attention; see ``BlockSlotAttention``."""
     return BlockSlotAttention(num_slots, dim, num_blocks=num_blocks, num_prototypes=num_prototypes,
                               **kwargs)
 

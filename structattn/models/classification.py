@@ -66,7 +66,7 @@ class Classification(Declaration):
 
 
 def classification(d, num_classes=4, **kwargs) -> Classification:
-    """The classification-layer declaration; see :class:`Classification`."""
+    """The classification-layer declaration; see ``Classification``."""
     return Classification(d, num_classes, **kwargs)
 
 

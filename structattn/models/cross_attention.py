@@ -53,7 +53,7 @@ class CrossAttention(ProjectedAttention):
 
 
 def cross_attention(d_query, d_key=None, **kwargs) -> CrossAttention:
-    """The cross-attention declaration; see :class:`CrossAttention`."""
+    """The cross-attention declaration; see ``CrossAttention``."""
     return CrossAttention(d_query, d_key, **kwargs)
 
 

@@ -153,7 +153,7 @@ class ExpandingAttention(TokenAttention):
 
 
 def expanding_attention(d_model, **kwargs) -> ExpandingAttention:
-    """The expanding-attention declaration; see :class:`ExpandingAttention`."""
+    """The expanding-attention declaration; see ``ExpandingAttention``."""
     return ExpandingAttention(d_model, **kwargs)
 
 

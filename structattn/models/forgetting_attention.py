@@ -58,7 +58,7 @@ class ForgettingAttention(TokenAttention):
 
 
 def forgetting_attention(d_model, **kwargs) -> ForgettingAttention:
-    """Forgetting attention (FoX); see :class:`ForgettingAttention`."""
+    """Forgetting attention (FoX); see ``ForgettingAttention``."""
     return ForgettingAttention(d_model, **kwargs)
 
 

@@ -51,7 +51,7 @@ class GeneralisedGaussianAttention(TokenAttention):
 
 def generalised_gaussian_attention(d_model, **kwargs) -> GeneralisedGaussianAttention:
     """Generalised-Gaussian distance-prior attention (BAM); see
-    :class:`GeneralisedGaussianAttention`."""
+    ``GeneralisedGaussianAttention``."""
     return GeneralisedGaussianAttention(d_model, **kwargs)
 
 

@@ -62,7 +62,7 @@ class GraphAttention(TokenAttention):
 
 
 def graph_attention(d_model, **kwargs) -> GraphAttention:
-    """Graph attention over a dense mask or an edge list; see :class:`GraphAttention`."""
+    """Graph attention over a dense mask or an edge list; see ``GraphAttention``."""
     return GraphAttention(d_model, **kwargs)
 
 

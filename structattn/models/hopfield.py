@@ -136,7 +136,7 @@ def _inverse_temperature(beta, temperature, d_k) -> float:
 
 
 def hopfield(d_query, d_key=None, **kwargs) -> Hopfield:
-    """The modern Hopfield layer; see :class:`Hopfield`."""
+    """The modern Hopfield layer; see ``Hopfield``."""
     return Hopfield(d_query, d_key, **kwargs)
 
 

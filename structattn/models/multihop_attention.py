@@ -34,7 +34,7 @@ class MultihopAttention(TokenAttention):
 
 
 def multihop_attention(d_model, **kwargs) -> MultihopAttention:
-    """Multihop self attention; see :class:`MultihopAttention`."""
+    """Multihop self attention; see ``MultihopAttention``."""
     return MultihopAttention(d_model, **kwargs)
 
 

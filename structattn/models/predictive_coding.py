@@ -165,7 +165,7 @@ class PredictiveCoding(sa.Declaration):
 def predictive_coding(layer_sizes, **kwargs) -> PredictiveCoding:
     """A predictive-coding network with attention over incoming units or blocks of units
     (``attention=True``, ``blocks=``) or the standard precision-weighted one; see
-    :class:`PredictiveCoding`."""
+    ``PredictiveCoding``."""
     return PredictiveCoding(layer_sizes, **kwargs)
 
 

@@ -132,7 +132,7 @@ class PredictorChoiceCoding(sa.Declaration):
 def predictor_choice_coding(layer_sizes, **kwargs) -> PredictorChoiceCoding:
     """The authors' predictive-coding network: each layer picks one of K whole-layer predictors
     tanh(W_k z) of the layer above, with a Euclidean (or squared) error; generative, the label
-    on top; see :class:`PredictorChoiceCoding`."""
+    on top; see ``PredictorChoiceCoding``."""
     return PredictorChoiceCoding(layer_sizes, **kwargs)
 
 

@@ -33,7 +33,7 @@ class RelativePositionAttention(TokenAttention):
 
 
 def relative_position_attention(d_model, **kwargs) -> RelativePositionAttention:
-    """Relative-position self attention; see :class:`RelativePositionAttention`."""
+    """Relative-position self attention; see ``RelativePositionAttention``."""
     return RelativePositionAttention(d_model, **kwargs)
 
 

@@ -32,7 +32,7 @@ class RoPEAttention(TokenAttention):
 
 
 def rope_attention(d_model, **kwargs) -> RoPEAttention:
-    """Rotary (RoPE) self attention; see :class:`RoPEAttention`."""
+    """Rotary (RoPE) self attention; see ``RoPEAttention``."""
     return RoPEAttention(d_model, **kwargs)
 
 

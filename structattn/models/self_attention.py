@@ -30,7 +30,7 @@ class SelfAttention(TokenAttention):
 
 
 def self_attention(d_model, **kwargs) -> SelfAttention:
-    """The self-attention declaration; see :class:`SelfAttention`."""
+    """The self-attention declaration; see ``SelfAttention``."""
     return SelfAttention(d_model, **kwargs)
 
 

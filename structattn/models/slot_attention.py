@@ -171,7 +171,7 @@ class SlotAttention(sa.Declaration):
 
 
 def slot_attention(num_slots, dim, **kwargs) -> SlotAttention:
-    """Slot attention; see :class:`SlotAttention`."""
+    """Slot attention; see ``SlotAttention``."""
     return SlotAttention(num_slots, dim, **kwargs)
 
 

@@ -35,7 +35,7 @@ class StickBreakingAttention(TokenAttention):
 
 
 def stick_breaking_attention(d_model, **kwargs) -> StickBreakingAttention:
-    """Stick-breaking attention; see :class:`StickBreakingAttention`."""
+    """Stick-breaking attention; see ``StickBreakingAttention``."""
     return StickBreakingAttention(d_model, **kwargs)
 
 
