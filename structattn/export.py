@@ -83,9 +83,10 @@ def _refuse_data_dependent(layer: CompiledModule, inputs: tuple, kwargs: dict) -
         tol = fam.prior.tol
         if tol is not None and isinstance(fam.support, Window):  # (stick-breaking's tol only
             # stops a scan: its exported reading is the whole table)
+            what = "key blocks" if fam.prior.certificate == "blocks" else "window"
             raise ValueError(
-                f"structattn.export: {name} cannot be exported: edge family {fam.name!r} has a "
-                f"certified window (tol={tol:g}), chosen from the data on every call, so no "
+                f"structattn.export: {name} cannot be exported: edge family {fam.name!r} has "
+                f"certified {what} (tol={tol:g}), chosen from the data on every call, so no "
                 f"single program holds it; export it without tol (all of the past) or run it "
                 f"under structattn")
 
