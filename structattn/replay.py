@@ -26,8 +26,9 @@ grad-mode switches and random draws replay as they ran — and later calls run o
   declaration (``Declaration.__setattr__`` bumps its ``structure_version``). Parameter values
   are inputs of the graph, so training never re-records. ``CompiledModule.reset()`` drops
   every plan (e.g. after changing an attribute of a plain sub-module).
-- **Threads**: one recording at a time in the process (``_RECORDING``: ``make_fx``'s tracing
-  state is global); replays and readings run concurrently.
+- **Threads**: one recording or reading at a time in the process (``_RECORDING``:
+  ``make_fx``'s tracing state is global, and its patch of ``nn.Module.__call__`` reaches every
+  thread's calls); replays run concurrently.
 """
 
 from __future__ import annotations
@@ -128,12 +129,21 @@ def hold(tensors) -> list:
     return refs
 
 
-#: one recording at a time in the process: ``make_fx`` keeps its tracing state (the
-#: pre-dispatch mode stack, the fx patcher) in globals, and two threads recording at once
-#: corrupt each other's (tested: 8 threads' first calls released together); the fast path's
-#: code generation too (``ast`` and ``compile`` from two threads at once raised CPython
-#: 3.11's "AST constructor recursion depth mismatch")
-_RECORDING = threading.Lock()
+#: one recording or reading at a time in the process: ``make_fx`` keeps its tracing state
+#: (the pre-dispatch mode stack, the fx patcher) in globals, and two threads recording at once
+#: corrupt each other's (tested: 8 threads' first calls released together); while one records,
+#: fx's patch of ``nn.Module.__call__`` routes another thread's reading through its tracer,
+#: and the two hung (seen once in eight threads' first calls of a shared layer); the fast
+#: path's code generation too (``ast`` and ``compile`` from two threads at once raised
+#: CPython 3.11's "AST constructor recursion depth mismatch"). Re-entrant: a reading may call
+#: another compiled module.
+_RECORDING = threading.RLock()
+
+
+def _read(layer, inputs: tuple, kwargs: dict):
+    """The declaration read for one call (no plan), one reading or recording at a time."""
+    with _RECORDING:
+        return layer.interpret(*inputs, **kwargs)
 
 
 class Plans:
@@ -241,10 +251,10 @@ class Plans:
         if _validation.is_validating():
             self.check_parameters(layer, state)
         elif not self.parameters_finite(state):  # unchecked plans hold no carrier for them:
-            return layer.interpret(*inputs, **kwargs)  # the reading carries NaN its own way
+            return _read(layer, inputs, kwargs)  # the reading carries NaN its own way
         key = self.signature(layer, inputs, kwargs, state) if self.enabled else None
         if key is None:
-            return layer.interpret(*inputs, **kwargs)
+            return _read(layer, inputs, kwargs)
         plan = self.plans.get(key)
         if plan is None:
             reads = self.reads.get(key, 0)
@@ -262,7 +272,7 @@ class Plans:
                         f"max_plans (sa.compile(model, max_plans=…)) or give the inputs fewer "
                         f"shapes (pad them to a few lengths)", RuntimeWarning, stacklevel=4)
                 self.reads[key] = reads + 1
-                return layer.interpret(*inputs, **kwargs)
+                return _read(layer, inputs, kwargs)
             self.reads.pop(key, None)
             with _RECORDING:  # another thread may have recorded it while this one waited
                 plan = self.plans.get(key)
@@ -270,13 +280,13 @@ class Plans:
                     plan = self.plans[key] = record(layer, self.names(layer.declaration),
                                                     state, inputs, kwargs)
         if plan.graph is None:
-            return layer.interpret(*inputs, **kwargs)
+            return _read(layer, inputs, kwargs)
         try:
             out = replay(plan, state, inputs)
         except Exception:  # e.g. an index out of range, which the checks (read after the
             out = _FAILED  # graph) would have refused: the reading raises their message
         if out is _FAILED:
-            return layer.interpret(*inputs, **kwargs)
+            return _read(layer, inputs, kwargs)
         if all(type(x) is torch.Tensor for x in inputs) and all(
                 v is None or type(v) in (bool, int, float, str) for v in kwargs.values()):
             if plan.last is None:  # one per plan: the signature fixes what it guards
