@@ -40,14 +40,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from ._validation import check_size
 from .certified import RUN_ENTRIES, key_block_ceilings, score_ceiling
 
-__all__ = ["BlockSparse", "block_sparse_attention", "certify_blocks"]
+__all__ = ["BlockSparse", "block_sparse_attention", "causal_posterior", "certify_blocks"]
 
 
 @dataclass
@@ -56,7 +56,10 @@ class BlockSparse:
     key blocks each block of children reads (its own included); ``bound``: ``(*lead, N)``
     float64, the certified upper bound on each child's posterior mass in the blocks skipped;
     ``eps``: the bound asked for; ``block``: the tokens per block; ``skipped``: the fraction of
-    the (child block, earlier key block) pairs skipped; ``certified``: every bound ≤ eps."""
+    the (child block, earlier key block) pairs skipped; ``certified``: every bound ≤ eps.
+    For the reading: ``order`` ``(G, nc, nb)``, each child block's key blocks in the order
+    chosen, and ``count`` ``(G, nc)``, how many of them it reads (G: the flattened leading
+    dims)."""
 
     read: torch.Tensor
     bound: torch.Tensor
@@ -64,6 +67,8 @@ class BlockSparse:
     block: int
     skipped: float
     certified: bool
+    order: torch.Tensor | None = field(default=None, repr=False)
+    count: torch.Tensor | None = field(default=None, repr=False)
 
 
 def _check(a, b, eps, block):
@@ -107,8 +112,7 @@ def certify_blocks(a: torch.Tensor, b: torch.Tensor, scale: float, h: torch.Tens
             divides so), whose key ranges and prior maxima are tighter.
 
     Returns:
-        A ``BlockSparse``; ``order`` and ``count`` (the blocks read, in the order chosen)
-        ride along as attributes for the reading.
+        A ``BlockSparse``, with the blocks read in the order chosen (``order``, ``count``).
 
     Raises:
         ValueError: eps outside (0, 1), a block < 1, factors of different tokens.
@@ -153,10 +157,8 @@ def certify_blocks(a: torch.Tensor, b: torch.Tensor, scale: float, h: torch.Tens
         read |= torch.eye(nb, dtype=torch.bool, device=dev)
         earlier_pairs = nb * (nb - 1) / 2
         skipped = 0.0 if earlier_pairs == 0 else 1 - float(count.sum()) / (G * earlier_pairs)
-    out = BlockSparse(read.reshape(*lead, nb, nb), bound.reshape(*lead, n), float(eps), L,
-                      skipped, bool((bound <= eps).all()))
-    out.order, out.count = order, count  # (G, nc, nb), (G, nc): for the reading
-    return out
+    return BlockSparse(read.reshape(*lead, nb, nb), bound.reshape(*lead, n), float(eps), L,
+                       skipped, bool((bound <= eps).all()), order, count)
 
 
 def _plan(A, B, hh, slack, scale, L, nb, parts, sel) -> dict:
@@ -165,7 +167,8 @@ def _plan(A, B, hh, slack, scale, L, nb, parts, sel) -> dict:
     ``(G, |sel|, nb)`` the key blocks by decreasing max over the block's children, ``tail``
     ``(G, R, nb + 1)`` [m]: log Σ of e^T beyond the first m in that order, ``upto`` the same
     before them, ``log_in`` ``(G, R)`` the computed log mass of each child's own block and
-    ``slack`` its rounding (``log_in − slack`` is a lower bound of the true one)."""
+    ``slack`` its rounding (``log_in − slack`` is a lower bound of the true one); ``Bb``,
+    ``hb`` the keys and h in blocks ``(G, nb, L, ·)``."""
     wide = torch.float64
     G, n, _ = A.shape
     dev = A.device
@@ -200,7 +203,7 @@ def _plan(A, B, hh, slack, scale, L, nb, parts, sel) -> dict:
     r = torch.arange(L, device=dev)
     log_in = s.masked_fill(r[None, :] > r[:, None], float("-inf")).logsumexp(-1).flatten(1)
     return {"T": T, "order": order, "tail": tail, "upto": upto, "log_in": log_in,
-            "slack": slack[:, rows]}
+            "slack": slack[:, rows], "Bb": Bb, "hb": hb}
 
 
 def _rounds(A, B, hh, slack, scale, eps, L, nb, parts):
@@ -212,8 +215,7 @@ def _rounds(A, B, hh, slack, scale, eps, L, nb, parts):
     sel = torch.arange(nb, device=dev)
     plan = _plan(A, B, hh, slack, scale, L, nb, parts, sel)
     order, tail, log_in, slack = plan["order"], plan["tail"], plan["log_in"], plan["slack"]
-    Ab, Bb = _blocks(A, nb, L), _blocks(B, nb, L)  # (G, nb, L, k)
-    hb = _blocks(hh, nb, L, float("-inf"))  # (G, nb, L)
+    Ab, Bb, hb = _blocks(A, nb, L), plan["Bb"], plan["hb"]  # (G, nb, L, ·)
     earlier_blocks = sel  # child block c has c earlier blocks
     # a child block that could not certify reading ¾ of its earlier blocks even if each held
     # its ceiling's mass reads all of them, unscored: "whole" (bound 0)
@@ -378,13 +380,21 @@ def _read(Ab, Bb, Vb, hb, order, g, c, m, scale, n, L, work):
     return p @ vals
 
 
+def causal_posterior(a, b, scale, h, read=None) -> torch.Tensor:
+    """``(…, N, N)``: softmax_j(scale·⟨a_i, b_j⟩ + h_j) over j ≤ i, and only over the pairs
+    ``read`` (``(…, N, N)`` bool) where given — the dense table, N×N memory."""
+    n = a.shape[-2]
+    allowed = torch.ones(n, n, dtype=torch.bool, device=a.device).tril()
+    if read is not None:
+        allowed = allowed & read
+    s = scale * a @ b.transpose(-1, -2) + h.unsqueeze(-2).to(a.dtype)
+    return torch.softmax(s.masked_fill(~allowed, float("-inf")), -1)
+
+
 def _whole_past(a, b, v, scale, h):
     """``(G, N, d)``: causal attention under g_i + h_j over all of the past — without a prior
     (h = 0) causal SDPA (its fused kernel: O(N·d) memory), else the dense table."""
-    n = a.shape[-2]
     if not bool(h.any()):
         return torch.nn.functional.scaled_dot_product_attention(
             a[None], b[None], v[None], is_causal=True, scale=scale)[0]
-    s = scale * a @ b.transpose(-1, -2) + h.unsqueeze(-2).to(a.dtype)
-    causal = torch.ones(n, n, dtype=torch.bool, device=a.device).tril()
-    return torch.softmax(s.masked_fill(~causal, float("-inf")), -1) @ v
+    return causal_posterior(a, b, scale, h) @ v

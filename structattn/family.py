@@ -262,20 +262,18 @@ def edges(name: str, children: NodeSet, parents: NodeSet, prior: Prior, *, heads
             not a ``Prior``, or one that cannot relate these node sets.
 
     Example:
-        Causal attention declared as a model, compiled, and checked against Pyro:
+        A family of two heads over the tokens' past, as the declaration states it
+        (``structattn.compile`` shows the same model compiled):
 
         >>> import torch, structattn as sa
         >>> def attention(x):
         ...     tokens = sa.nodes("x", x)
-        ...     phi = sa.edges("attn", tokens, tokens, sa.priors.Uniform(causal=True))
-        ...     sa.potential(phi, sa.potentials.DotProduct())
-        ...     return sa.value(phi, sa.values.Identity())
-        >>> x = torch.randn(2, 5, 4, dtype=torch.float64)
-        >>> layer = sa.compile(attention)
-        >>> layer(x).shape  # (batch, heads, tokens, d_v)
-        torch.Size([2, 1, 5, 4])
-        >>> torch.allclose(layer(x), sa.inference.exact(attention, x).output)
-        True
+        ...     phi = sa.edges("attn", tokens, tokens, sa.priors.Uniform(causal=True), heads=2)
+        ...     sa.potential(phi, sa.potentials.DotProduct(heads=2))
+        ...     return sa.value(phi, sa.values.Identity(heads=2))
+        >>> family = sa.trace_structure(attention, torch.randn(1, 5, 4)).families["attn"]
+        >>> family.heads, family.support.describe()
+        (2, 'j ≤ i')
     """
     if not isinstance(name, str) or not name:
         raise ValueError(f"an edge family needs a non-empty string name; got {name!r}")

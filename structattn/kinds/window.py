@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from .. import band
-from ..block_sparse import block_sparse_attention, certify_blocks
+from ..block_sparse import block_sparse_attention, causal_posterior, certify_blocks
 from ..certified import certify
 from .base import Operator, Support
 from .dense import with_parent_terms
@@ -175,12 +175,9 @@ class WindowOperator(Operator):
             if self.truncation is None:
                 self.truncation = certify_blocks(a, b, scale, h, self.family.prior.tol,
                                                  block=self.family.prior.block_size)
-            n = a.shape[-2]
-            blk = torch.arange(n, device=a.device) // self.truncation.block
+            blk = torch.arange(a.shape[-2], device=a.device) // self.truncation.block
             read = self.truncation.read[..., blk, :][..., blk]
-            past = torch.ones(n, n, dtype=torch.bool, device=a.device).tril()
-            s = scale * a @ b.transpose(-1, -2) + h.unsqueeze(-2).to(a.dtype)
-            return torch.softmax(s.masked_fill(~(read & past), float("-inf")), -1)
+            return causal_posterior(a, b, scale, h, read)
         if not self._banded():
             return super().dense_posterior()
         return self._setup()["layout"].to_dense(self._band_posterior())
@@ -221,10 +218,7 @@ def _whole_past(a, b, u, scale, h):
     (O(N·d) memory), else the dense table."""
     if applies(a, b, u, h):
         return key_bias_attention(a, b, u, h, float(scale), True)
-    n = a.shape[-2]
-    s = scale * a @ b.transpose(-1, -2) + h.unsqueeze(-2).to(a.dtype)
-    causal = torch.ones(n, n, dtype=torch.bool, device=a.device).tril()
-    return torch.softmax(s.masked_fill(~causal, float("-inf")), -1) @ u
+    return causal_posterior(a, b, scale, h) @ u
 
 
 def _kept(out: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:

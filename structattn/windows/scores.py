@@ -32,7 +32,6 @@ class BandScores:
         self.offset = (lay.reach + torch.arange(lay.block, device=a.device)).to(work)  # (B,)
         self.slot = torch.arange(lay.width, device=a.device).to(work)  # (L,)
         self._factors = (a, b, scale)
-        self._ceiling = None
         self._runs = None
 
     def _window(self, rows, win):
@@ -73,16 +72,23 @@ class BandScores:
         typical = torch.where(count > 0, mu + var / 2, s.gather(-1, top)[..., 0])
         return _beyond(log_in, win, e_ln_q, caps, typical)
 
-    def ceiling(self, rows):
-        """Each child's largest possible score plus its rounding slack, and the slack
-        (``certified.score_ceiling``), blocked ``(k, B)`` for the blocks ``rows``."""
-        if self._ceiling is None:
-            lay, work = self.layout, self.scores.dtype
-            high, slack = score_ceiling(*self._factors)  # (*batch, H, N)
-            self._ceiling = tuple(lay.children(t[..., None])[..., 0].reshape(-1, lay.block)
-                                  .to(work) for t in (high, slack))
-        high, slack = self._ceiling
-        return (high, slack) if rows is None else (high[rows], slack[rows])
+    def _bounds(self):
+        """Blocked ``(G, B)`` float64, once per band: |scale|·‖a_i‖ and the window scores'
+        rounding slack (``certified.score_ceiling``'s), and the keys' running maximum length
+        max_{j' ≤ j} ‖b_j'‖ ``(G_lead, N)``."""
+        if self._runs is None:
+            lay = self.layout
+            a, b, scale = self._factors
+            wide = torch.float64
+            lead = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+            n = a.shape[-2]
+            a_norm = a.detach().to(wide).norm(dim=-1).expand(*lead, n) * abs(scale)
+            b_run = b.detach().to(wide).norm(dim=-1).cummax(-1).values.expand(*lead, n)
+            _, slack = score_ceiling(*self._factors)  # (*lead, N) float64
+            self._runs = tuple(lay.children(t.expand(*lead, n)[..., None])[..., 0]
+                               .reshape(-1, lay.block) for t in (a_norm, slack)) \
+                + (b_run.reshape(-1, n),)
+        return self._runs
 
     def tail_ceiling(self, rows, win):
         """``(k, B)``: an upper bound on every score a child can have with a parent farther
@@ -91,18 +97,7 @@ class BandScores:
         weigh on the tail), plus the rounding slack — in float64, then the band's dtype, as
         the compiled kernel computes it."""
         lay = self.layout
-        if self._runs is None:
-            a, b, scale = self._factors
-            wide = torch.float64
-            lead = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
-            n = a.shape[-2]
-            a_norm = a.detach().to(wide).norm(dim=-1).expand(*lead, n) * abs(scale)
-            b_run = b.detach().to(wide).norm(dim=-1).cummax(-1).values.expand(*lead, n)
-            _, slack = score_ceiling(*self._factors)  # (*lead, N) float64
-            self._runs = (lay.children(a_norm[..., None])[..., 0].reshape(-1, lay.block),
-                          lay.children(slack.expand(*lead, n)[..., None])[..., 0]
-                          .reshape(-1, lay.block), b_run.reshape(-1, n))
-        a_norm, slack, b_run = self._runs
+        a_norm, slack, b_run = self._bounds()
         r = torch.arange(a_norm.shape[0], device=a_norm.device) if rows is None else rows
         nb = lay.num_blocks
         pos = lay.child_positions(a_norm.device)[r % nb]  # (k, B)
@@ -118,7 +113,8 @@ class BandScores:
         rounding slack) — ``beyond_mass`` with the ceiling for the typical likelihood."""
         scores, beyond = self._window(rows, win)
         s = scores.masked_fill(beyond, float("-inf"))
-        _, slack = self.ceiling(rows)
+        slack = self._bounds()[1]
+        slack = (slack if rows is None else slack[rows]).to(s.dtype)
         log_in = torch.logsumexp(torch.addcmul(s, self.dist, e_ln_q[..., None]), -1) - slack
         return _beyond(log_in, win, e_ln_q, past, self.tail_ceiling(rows, win))
 
