@@ -47,7 +47,10 @@ from structattn import band  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _results  # noqa: E402  (this script's own folder)
+from _device import cuda_peak_bytes, sync  # noqa: E402
 from _memory import measure_peak_mib  # noqa: E402
+
+DEVICE = torch.device("cpu")  # --device
 
 
 def make_data(n, d, mean_distance, seed, uniform_up_to=None):
@@ -95,7 +98,7 @@ def sliding_window(m, x, window):
     dist = layout.distance(x.device)
     pos = layout.child_positions(x.device)[:, :, None]
     inside = (dist >= 1) & (dist <= window) & (dist <= pos)
-    bias = torch.zeros(inside.shape).masked_fill(~inside, float("-inf"))
+    bias = torch.zeros(inside.shape, device=x.device).masked_fill(~inside, float("-inf"))
     bias = torch.where(inside.any(-1, keepdim=True), bias, torch.zeros_like(bias))
     return band.attend(q, k, v, 1.0, bias, layout) @ m.W_o.T
 
@@ -127,13 +130,16 @@ def interleaved(variants: dict, params, x, repeats: int, forward_too: bool = Fal
     for r in range(repeats):
         order = list(variants.items())
         for name, fn in (order if r % 2 == 0 else order[::-1]):
+            sync(DEVICE)
             t = time.perf_counter()
             fwd_bwd(fn, params, x)
+            sync(DEVICE)
             both[name].append(time.perf_counter() - t)
             if forward_too:
                 t = time.perf_counter()
                 with torch.no_grad():
                     fn(x)
+                sync(DEVICE)
                 fwd[name].append(time.perf_counter() - t)
     return both, fwd
 
@@ -187,8 +193,11 @@ def measure(args, n, results):
     m = build(args.d, args.sharpness, args.a, args.b, "mean_field", args.tol)
     m_exact = build(args.d, args.sharpness, args.a, args.b, "exact", args.exact_tol)
     m_last = build(args.d, args.sharpness, args.a, args.b, "mean_field", args.tol, "last")
+    x, parent, has = x.to(DEVICE), parent.to(DEVICE), has.to(DEVICE)
+    for module in (m, m_exact, m_last):
+        module.to(DEVICE)
     layer, layer_exact, layer_last = sa.compile(m), sa.compile(m_exact), sa.compile(m_last)
-    true_window = int((torch.arange(n) - parent)[has].max())
+    true_window = int((torch.arange(n, device=DEVICE) - parent)[has].max())
     with torch.no_grad(), sa.validation(False):
         _, post, trace = layer(x, return_posterior=True, return_trace=True) \
             if n <= 4096 else (None, None, layer(x, return_trace=True)[1])
@@ -200,7 +209,8 @@ def measure(args, n, results):
     variants = {
         "expanding (mean-field)": lambda x: layer(x),
         "expanding (mean-field, grad='last')": lambda x: layer_last(x),
-        "  the same, Python loop (no kernel)": lambda x: loop(layer_last, x),
+        **({"  the same, Python loop (no kernel)": lambda x: loop(layer_last, x)}
+           if DEVICE.type == "cpu" else {}),  # (elsewhere the loop is the only path)
         f"expanding (exact, tol {args.exact_tol})": lambda x: layer_exact(x),
         "full causal SDPA": lambda x: full_causal(m, x),
         f"sliding window (oracle, w={true_window})": lambda x: sliding_window(m, x,
@@ -209,7 +219,9 @@ def measure(args, n, results):
     params = list(m.parameters()) + list(m_exact.parameters()) + list(m_last.parameters())
     with sa.validation(False):
         times, _ = interleaved(variants, params, x, args.repeats)
-        peaks = {name: measure_peak_mib(lambda fn=fn: fwd_bwd(fn, params, x))
+        peaks = {name: (measure_peak_mib(lambda fn=fn: fwd_bwd(fn, params, x))
+                        if DEVICE.type == "cpu" else
+                        cuda_peak_bytes(lambda fn=fn: fwd_bwd(fn, params, x), DEVICE) / 2**20)
                  for name, fn in variants.items()}
     base = statistics.median(times["full causal SDPA"])
     print(f"\nN = {n}: inferred windows mean {trace.mean_window:.1f}, max "
@@ -236,14 +248,18 @@ def measure(args, n, results):
 
 
 def run(args):
+    global DEVICE
+    DEVICE = torch.device(args.device)
     torch.set_num_threads(args.threads)
-    results = {"config": vars(args), "rows": []}
+    results = {"config": {**vars(args), "device": str(DEVICE)}, "rows": []}
+    where = torch.cuda.get_device_name(DEVICE) if DEVICE.type == "cuda" else \
+        f"{torch.get_num_threads()} threads"
     print(f"# expanding attention vs full causal SDPA — d={args.d}, mean distance "
           f"{args.mean_distance}, prior a={args.a}, b={args.b}, tol {args.tol}, "
-          f"{torch.get_num_threads()} threads, float32")
+          f"{where}, float32")
     for n in args.sizes:
         (measure_banded if args.vs_banded else measure)(args, n, results)
-    _results.save("expanding", results, args.json, quick=args.quick)
+    _results.save("expanding", results, args.json, quick=args.quick, device=args.device)
 
 
 def main():
@@ -263,6 +279,7 @@ def main():
     ap.add_argument("--vs-banded", action="store_true",
                     help="parents 1–32 back, against banded SDPA told w = 64")
     ap.add_argument("--json")
+    ap.add_argument("--device", default="cpu", help="cpu (default) or cuda (not --vs-banded)")
     args = ap.parse_args()
     if args.quick:
         args.sizes, args.repeats = [512], 1

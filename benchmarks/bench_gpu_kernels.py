@@ -125,6 +125,24 @@ def measure(fn, device, rounds, block):
     return statistics.median(times), peak, None
 
 
+def _load_tuned(path: str) -> dict:
+    """The settings ``tune_key_bias.py`` found (the largest N's per kernel, dtype and width),
+    put into ``key_bias.TUNED``; {} where the file is missing."""
+    if not os.path.exists(path):
+        print(f"--tuned: {path} not found; the default settings run", flush=True)
+        return {}
+    from structattn.triton_kernels import key_bias
+
+    with open(path) as f:
+        best = json.load(f)["best"]
+    for name, cfg in sorted(best.items(), key=lambda kv: int(kv[0].split(",")[3])):
+        kernel, dtype, w, _ = name.split(",")
+        key_bias.TUNED[(kernel, getattr(torch, dtype), int(w))] = {
+            k: cfg[k] for k in ("BM", "BN", "num_warps", "num_stages")}
+    print(f"tuned settings: {key_bias.TUNED}", flush=True)
+    return dict(key_bias.TUNED)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="tiny sizes, one round (smoke test)")
@@ -134,12 +152,18 @@ def main(argv=None):
                    help="leave FLA out (its autotuning compiles ~27 kernels per size and dtype)")
     p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"],
                    choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--tuned", metavar="PATH",
+                   help="the key-bias kernel's launch settings from tune_key_bias.py")
+    p.add_argument("--sizes", nargs="+", metavar="B,H,N,d", help="these sizes only")
     args = p.parse_args(argv)
+    tuned = _load_tuned(args.tuned) if args.tuned else {}
     device = torch.device(args.device)
     if args.quick or device.type != "cuda":
         sizes, dtypes, rounds, block = [(1, 2, 40, 16)], [torch.float32], 1, 1
     else:
         sizes = [(8, 8, 1024, 64), (4, 8, 4096, 64), (1, 4, 16384, 128)]
+        if args.sizes:
+            sizes = [tuple(int(v) for v in s.split(",")) for s in args.sizes]
         dtypes, rounds, block = [getattr(torch, d) for d in args.dtypes], 5, 3
         torch.set_float32_matmul_precision("high")  # TF32 products in the float32 rows
     from structattn import triton_kernels
@@ -160,7 +184,9 @@ def main(argv=None):
 
     def save():  # after every size: a run cut short keeps what it measured
         _results.save("gpu_kernels", {"device": where, "triton": triton.__version__,
-                                      "fla": fla is not None, "rows": rows},
+                                      "fla": fla is not None, "rows": rows,
+                                      "tuned": {",".join(map(str, k)): v
+                                                for k, v in tuned.items()}},
                       args.json, quick=args.quick or device.type != "cuda", device=device)
 
     for dtype in dtypes:

@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # The checks that need a CUDA device, in one run on a GPU machine (../shared/GPU.md):
 #   1. the Triton kernels' tests on CUDA (tests/triton);
-#   2. the Triton kernels against FLA and FlashAttention (benchmarks/bench_gpu_kernels.py);
-#   3. the CUDA tests (tests/test_cuda.py: the catalogue against Pyro on the GPU, against the
-#      CPU, replayed, in float32/bfloat16; tests/test_torch_compile.py's CUDA cases: one dynamo
-#      graph, inductor; FlexAttention's path);
-#   4. per-call cost and the distance priors' layers with --device cuda.
+#   2. the CUDA tests (tests/test_cuda.py: the catalogue against Pyro on the GPU, against the
+#      CPU, replayed, in float32/bfloat16, checks that never wait for the GPU;
+#      tests/test_torch_compile.py's CUDA cases: one dynamo graph, inductor; FlexAttention's
+#      path);
+#   3. the key-bias kernel's launch settings (benchmarks/tune_key_bias.py), then the Triton
+#      kernels against FLA and FlashAttention with them (benchmarks/bench_gpu_kernels.py);
+#   4. checks on and off, per-call cost and the distance priors' layers with --device cuda.
 # The device tool brings back at most eight files: wrap $OUT in one archive afterwards.
 # That machine has torch with CUDA but no network: Pyro, ArviZ and the other pure-Python
 # wheels travel in .gpu-wheels (made here with
@@ -48,14 +50,20 @@ step() {  # step NAME SECONDS COMMAND...: run with a limit (0: skip), log to $OU
 
 # the Triton kernels on CUDA tensors (elsewhere they run under the interpreter)
 step triton "${TRITON_S:-110}" "$PY" -m pytest -q -p no:cacheprovider -p no:benchmark $XDIST tests/triton --durations=5
-# against FLA (fla-core in .gpu-wheels) and FlashAttention: time and peak memory
-step gpu_kernels "${GPU_KERNELS_S:-230}" "$PY" benchmarks/bench_gpu_kernels.py \
-  --json "$OUT/gpu_kernels.json"
 step tests "${TESTS_S:-90}" "$PY" -m pytest -q -p no:cacheprovider -p no:benchmark $XDIST tests/test_cuda.py \
   tests/test_torch_compile.py tests/models/test_expanding_attention.py -k "cuda" --durations=5
+# the key-bias kernel's launch settings, one kernel at a time; then against FLA (fla-core in
+# .gpu-wheels) and FlashAttention, with those settings: time and peak memory
+step tune "${TUNE_S:-110}" "$PY" benchmarks/tune_key_bias.py --json "$OUT/tuned.json" \
+  --budget "${TUNE_BUDGET_S:-90}"
+step gpu_kernels "${GPU_KERNELS_S:-230}" "$PY" benchmarks/bench_gpu_kernels.py \
+  --tuned "$OUT/tuned.json" --dtypes ${GPU_DTYPES:-bfloat16 float32} --json "$OUT/gpu_kernels.json"
 step per_call "${PER_CALL_S:-40}" "$PY" benchmarks/bench_per_call.py --device cuda \
   --json "$OUT/per_call.json"
-step distance_priors "${DISTANCE_S:-50}" "$PY" benchmarks/bench_distance_priors.py --device cuda \
-  --long --json "$OUT/distance_priors.json"
 step attention "${ATTENTION_S:-30}" "$PY" benchmarks/bench_attention.py --device cuda \
   --json "$OUT/attention.json"
+step distance_priors "${DISTANCE_S:-50}" "$PY" benchmarks/bench_distance_priors.py --device cuda \
+  --sizes ${DISTANCE_SIZES:-1024 4096 16384} --json "$OUT/distance_priors.json"
+# expanding attention's mean field on CUDA (its Python loop: the C++ kernel is the CPU's)
+step expanding "${EXPANDING_S:-40}" "$PY" benchmarks/bench_expanding.py --device cuda \
+  --sizes ${EXPANDING_SIZES:-4096} --repeats 1 --json "$OUT/expanding.json"

@@ -50,6 +50,7 @@ from .nodes import nodes as nodes
 from .readers import Structure as Structure
 from .readers import trace_structure as trace_structure
 from .scheme import InferenceScheme as InferenceScheme
+from .verdicts import raise_pending as raise_pending
 from .windows import MeanFieldHistory as MeanFieldHistory
 from .windows import MeanFieldWindows as MeanFieldWindows
 

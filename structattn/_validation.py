@@ -18,13 +18,24 @@ import torch
 from ._direct import direct_readers
 
 _DEFAULT = True  # the process-wide default (set_validation)
+_QUEUED = True  # whether a replayed call on a GPU queues its verdicts (structattn.verdicts)
 _local = threading.local()  # per-thread overrides (the validation() context manager)
 
 
-def set_validation(enabled: bool) -> None:
-    """Turn the value checks on or off by default, in every thread (on by default)."""
-    global _DEFAULT
+def set_validation(enabled: bool, queued: bool | None = None) -> None:
+    """Turn the value checks on or off by default, in every thread (on by default).
+
+    Args:
+        enabled: whether value checks (NaN inputs, empty supports, parameter ranges) run.
+        queued: on a GPU, whether a replayed call queues its checks' verdicts and returns
+            without waiting for them (True, the default: a failed check raises at the next
+            call of the layer after the GPU ran it, or at ``structattn.raise_pending()``;
+            ``structattn.verdicts``), or waits for them in the call (False). None: unchanged.
+    """
+    global _DEFAULT, _QUEUED
     _DEFAULT = bool(enabled)
+    if queued is not None:
+        _QUEUED = bool(queued)
     _local.__dict__.pop("override", None)
 
 

@@ -232,7 +232,7 @@ def block_tail_ceilings(a: torch.Tensor, b: torch.Tensor, scale: float, widths,
 
 def certify(a: torch.Tensor, b: torch.Tensor, scale: float, prior, eps: float, *,
             start: int = 16, cap: int | None = None, block: int = 32, first: int = 1,
-            widest: int | None = None) -> Certified:
+            widest: int | None = None, per_lead: bool = False) -> Certified:
     """The shortest window of the sequence ``start``, 2·``start``, … (at most ``cap``, the
     longest past by default) whose certified posterior tail is ≤ ``eps`` for every child.
 
@@ -242,7 +242,12 @@ def certify(a: torch.Tensor, b: torch.Tensor, scale: float, prior, eps: float, *
     Prior``; a stationary prior by its ``log_by_distance`` alone); ``block``: the band's
     block of children; ``widest``: the widest window worth a band — the sequence jumps from
     the last width within it to the longest past, which needs no scoring when it is the
-    whole past (no ``cap``): every bound is 0 there."""
+    whole past (no ``cap``): every bound is 0 there. ``per_lead``: for a reading that gives
+    each leading index (head) a window of its own (``window.amax(-1)``, a band per head on
+    the GPU): a head that only all of the past certifies (ALiBi's slow head) reads all of it
+    and the others are still certified narrow, where otherwise it would hold them all; the
+    shared ``width`` is then the longest past, ``bound`` each child's at its head's width and
+    ``skipped`` the heads' mean."""
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < 1:
         raise ValueError(f"certify: eps (the posterior mass a window may leave out) must be in "
                          f"(0, 1); got {eps!r}")
@@ -304,8 +309,13 @@ def certify(a: torch.Tensor, b: torch.Tensor, scale: float, prior, eps: float, *
             out = tail_bound(log_in, tails[width], tail_ceiling(width, ceilings))
             return torch.where(pos <= width, torch.zeros_like(out), out)  # all of it read
 
+        active = None  # the leading indices that must certify below all of the past (None: all)
+
+        def among(ok):  # ``ok`` (*lead, N) for the active leading indices only
+            return ok if active is None else ok[active]
+
         def possible(width, ceilings=blocked):  # whether the best scores inside could certify
-            return bool((bound(width, log_total + high, ceilings) <= eps).all())
+            return bool(among(bound(width, log_total + high, ceilings) <= eps).all())
 
         # the longest key beyond the window bounds every score there (Cauchy–Schwarz); where
         # that cannot certify the narrowest width even at the best scores inside, the keys'
@@ -320,13 +330,18 @@ def certify(a: torch.Tensor, b: torch.Tensor, scale: float, prior, eps: float, *
         # I_i(W) grows with W, so the evidence of any narrower window scored bounds every wider
         # one: score the first width, take the first width its evidence certifies, and score
         # only the width below that one — unless even the best scores could not certify it
+        if per_lead and last == n - 1 and len(widths) > 1:  # the heads that any narrower
+            can = torch.stack([(bound(w, log_total + high) <= eps).all(-1)  # width may certify
+                               for w in widths[:-1]]).any(0)
+            if bool(can.any()) and not bool(can.all()):
+                active = can
         hopeless = last == n - 1 and not any(possible(w) for w in widths[:-1])
         if hopeless:  # only all of the past certifies (bound 0): nothing to score
             widths = [last]
         scored = {last: log_total + high} if hopeless else {widths[0]: log_inside(widths[0])}
         while True:
             bounds = [bound(w, scored[max(v for v in scored if v <= w)]) for w in widths]
-            k = next((k for k, bd in enumerate(bounds) if bool((bd <= eps).all())),
+            k = next((k for k, bd in enumerate(bounds) if bool(among(bd <= eps).all())),
                      len(widths) - 1)
             below = widths[k - 1] if k else None
             if below is None or below in scored or not possible(below):
@@ -340,8 +355,18 @@ def certify(a: torch.Tensor, b: torch.Tensor, scale: float, prior, eps: float, *
         for w, bw in zip(widths[:k + 1], bounds[:k + 1], strict=True):
             window = torch.where((window < 0) & (bw <= eps), w, window)
         window = torch.where(window < 0, width, window)
+        skipped = skipped_pairs(n, width)
+        if active is not None:  # the other heads read all of the past (bound 0)
+            window = torch.where(active[..., None], window, last)
+            width, bd = last, bounds[-1]
+        if per_lead:  # each head reads its own width: its children's bounds at it
+            own = window.amax(-1, keepdim=True)
+            for w, bw in zip(widths, bounds, strict=True):
+                bd = torch.where(own == w, bw, bd)
+            heads = own.flatten().tolist()
+            skipped = sum(skipped_pairs(n, w) for w in heads) / len(heads)
     ok = bool((bd <= eps).all())
-    return Certified(width, bd, window, float(eps), skipped_pairs(n, width), ok)
+    return Certified(width, bd, window, float(eps), skipped, ok)
 
 
 def certificate_option(owner: str, certificate, tol) -> str:

@@ -8,10 +8,13 @@ argument, what it must be and what it got.
 - ``check_finite(what, tensor)``: no NaN or ±inf (while checks are on; one fused pass).
 - ``check_positive(owner, name, value)``: a float, or a tensor () or (heads,), finite and
   > 0 (a Beta parameter, a rate).
+- ``raise_pending()``: on a GPU, wait for the queued verdicts of the checks of replayed calls
+  and raise the first failure (``structattn.verdicts``).
 """
 
 from __future__ import annotations
 
 from ._validation import check_finite, check_layer_sizes, check_positive, check_size
+from .verdicts import raise_pending
 
-__all__ = ["check_finite", "check_layer_sizes", "check_positive", "check_size"]
+__all__ = ["check_finite", "check_layer_sizes", "check_positive", "check_size", "raise_pending"]

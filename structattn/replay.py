@@ -38,6 +38,7 @@ import os
 import threading
 import warnings
 from dataclasses import dataclass, field
+from functools import partial
 from math import isfinite
 
 import torch
@@ -48,6 +49,7 @@ from . import _validation, kernels, triton_kernels
 from .certified import Certified
 from .iterate import Trace
 from .latent import _overrides, iteration_overrides
+from .verdicts import DEVICES, Verdicts, call_failed, parameters_failed
 from .windows.history import MeanFieldHistory
 
 # what a reading returns beside tensors: flattened so that their tensors are graph outputs
@@ -160,6 +162,7 @@ class Plans:
         self._modules = None  # (structure version, [(prefix, module)])
         self._checked = None  # (the parameter versions last looked at, whether all were finite)
         self._last = None  # the last plan replayed, with its guard (``_replay_last``)
+        self.verdicts = Verdicts()  # its calls' checks in flight on a GPU (``structattn.verdicts``)
 
     def __deepcopy__(self, memo):
         return Plans(self.enabled, self.record_after, self.max_plans)
@@ -223,30 +226,43 @@ class Plans:
             return None
         return tuple(key)
 
-    def parameters_finite(self, state: list) -> bool:
+    def parameters_finite(self, state: list, module=None) -> bool:
         """Whether the parameters and buffers are finite — found again only when one changed
         since the last time (``stamp``: an optimizer step, a load, ``p.data = …``): one fused
-        pass over them all. (An input is checked every call; a parameter only when it moved.)"""
+        pass over them all. (An input is checked every call; a parameter only when it moved.)
+        ``module``, their declaration, while validating on a GPU: the verdict is queued
+        (``structattn.verdicts``; a failure raises naming the parameter) and True returned."""
         stamps = [(id(t), *stamp(t)) for t in state]
         checked = self._checked
         if checked is not None and stamps == checked[0]:
             return checked[1]
         floats = [t.detach() for t in state
                   if t.is_floating_point() and t.numel() and t.device.type != "meta"]
-        finite = not floats or math.isfinite(float(torch.stack(
-            [n.to(torch.float64) for n in torch._foreach_norm(floats)]).sum()))
+        total = torch.stack([n.to(torch.float64) for n in torch._foreach_norm(floats)]).sum() \
+            if floats else None
+        if total is None:
+            finite = True
+        elif (module is not None and _validation._QUEUED and total.device.type in DEVICES
+              and _validation.is_validating()):
+            self.verdicts.put((total,), ("finite",),
+                              partial(parameters_failed, module, self, stamps, hold(state)))
+            finite = True
+        else:
+            finite = math.isfinite(float(total))
         self._checked = (stamps, finite, hold(state))
         return finite
 
     def check_parameters(self, layer, state: list) -> None:
         """While validating: a ValueError naming the first non-finite parameter, if any."""
-        if not self.parameters_finite(state):
+        if not self.parameters_finite(state, layer.declaration):
             _validation.check_parameters(layer.declaration)
 
     # -- one call ------------------------------------------------------------------------
     def __call__(self, layer, inputs: tuple, kwargs: dict):
         """A call that ``_Last.run`` (tried first, by ``CompiledModule.forward``) did not
         serve: its signature's plan, recorded when due, or a reading."""
+        if self.verdicts.queue:  # an earlier call's failed check raises first
+            self.verdicts.settle()
         state = self.state(layer.declaration)
         if _validation.is_validating():
             self.check_parameters(layer, state)
@@ -279,10 +295,13 @@ class Plans:
                 if plan is None:
                     plan = self.plans[key] = record(layer, self.names(layer.declaration),
                                                     state, inputs, kwargs)
+            queue = None  # the recording call checks in the call
+        else:
+            queue = (self.verdicts, layer, inputs, kwargs)
         if plan.graph is None:
             return _read(layer, inputs, kwargs)
         try:
-            out = replay(plan, state, inputs)
+            out = replay(plan, state, inputs, queue=queue)
         except Exception:  # e.g. an index out of range, which the checks (read after the
             out = _FAILED  # graph) would have refused: the reading raises their message
         if out is _FAILED:
@@ -343,15 +362,17 @@ class _Last:
         self.plan = plan
         self.guard = TensorGuards(*tensors, dynamic_dims_sizes=[list(t.shape) for t in tensors],
                                   dynamic_dims_strides=[[None] * t.dim() for t in tensors])
-        self.run = _fast_path(self, plans, len(inputs), kwargs, state)
+        self.run = _fast_path(self, plans, len(inputs), kwargs, state,
+                              queueable=any(t.device.type in DEVICES for t in tensors))
 
 
-def _fast_path(last, plans, n_inputs: int, kwargs: dict, state: list):
+def _fast_path(last, plans, n_inputs: int, kwargs: dict, state: list, queueable: bool = False):
     """Generate ``run(layer, inputs, kwargs)`` for ``last`` (``kwargs``: the options of its
     calls, plain values compared by type and value): its plan replayed, a re-reading when a
     check fails, or ``MISSED`` when the call is not this plan's. The plan's graph is inlined
     (``_inlined``); every name of the prologue and epilogue starts with ``_sa_``, which no
-    node of an fx graph is called, so the graph's locals cannot shadow them."""
+    node of an fx graph is called, so the graph's locals cannot shadow them. ``queueable``:
+    the plan runs on a GPU, where its checks' verdicts are queued (``structattn.verdicts``)."""
     declaration, plan = last.declaration, last.plan
     _, dicts, shared = plans._modules
     env = {"_sa_D": declaration, "_sa_MISSED": _MISSED, "_sa_guard": last.guard.check,
@@ -359,7 +380,9 @@ def _fast_path(last, plans, n_inputs: int, kwargs: dict, state: list):
            "_sa_plans": plans, "_sa_isfinite": isfinite, "_sa_constants": _constants,
            "_sa_output": _output, "_sa_stamp": stamp, "_sa_hold": hold,
            "_sa_Exception": Exception, "_sa_len": len, "_sa_float": float,
-           "_sa_KeyError": KeyError, "_sa_id": id}
+           "_sa_KeyError": KeyError, "_sa_id": id, "_sa_Q": plans.verdicts,
+           "_sa_VAL": _validation, "_sa_partial": partial, "_sa_call_failed": call_failed,
+           "_sa_read": _read}
     ins = [f"_sa_i{i}" for i in range(n_inputs)]
     st = [f"_sa_s{i}" for i in range(len(state))]
     env.update(_sa_type=type, _sa_bool=bool, _sa_int=int, _sa_float=float, _sa_str=str)
@@ -371,6 +394,8 @@ def _fast_path(last, plans, n_inputs: int, kwargs: dict, state: list):
         same_options = " or _sa_kw != _sa_K or any(_sa_type(v) is not _sa_type(_sa_K[k]) " \
                        "for k, v in _sa_kw.items())"
     lines = ["def run(_sa_layer, _sa_inputs, _sa_kw):",  # (``layer.declaration``: __getattr__'s)
+             "    if _sa_Q.queue:  # an earlier call's failed check raises first",
+             "        _sa_Q.settle()",
              f"    if _sa_layer._modules.get('declaration') is not _sa_D "
              f"or _sa_len(_sa_inputs) != {n_inputs} or _sa_len(_sa_kw) != {len(kwargs)}"
              f"{same_options}:",
@@ -428,7 +453,7 @@ def _fast_path(last, plans, n_inputs: int, kwargs: dict, state: list):
             else f"_sa_stamp({s})[:2] != (_sa_V[{i}], _sa_P[{i}])" for i, s in enumerate(st))
         now = ", ".join(st)
         lines += [f"    if {moved}:",
-                  f"        if not _sa_plans.parameters_finite([{now}]):",
+                  f"        if not _sa_plans.parameters_finite([{now}], _sa_D):",
                   "            return _sa_MISSED"]
         refresh = [f"        _sa_CV[:] = _sa_constants(_sa_plan, [{now}])",
                    "        _sa_CF[0] = _sa_flags_pass(_sa_plan, _sa_CV, _sa_CFI)"] if held else []
@@ -461,9 +486,19 @@ def _fast_path(last, plans, n_inputs: int, kwargs: dict, state: list):
     checks = [f"not _sa_isfinite(_sa_float(_sa_result[{n + k}]))" if kind == "finite"
               else f"not _sa_result[{n + k}]" for k, kind in enumerate(plan.flags)
               if k not in constant_flags]
+    queued = [f"_sa_result[{n + k}]" for k in range(len(plan.flags)) if k not in constant_flags]
     if constant_flags:
         checks.insert(0, "not _sa_CF[0]")
-    if checks:
+    if queueable and queued:  # on a GPU: the verdicts go to the host without waiting
+        env["_sa_KINDS"] = tuple(kind for k, kind in enumerate(plan.flags)
+                                 if k not in constant_flags)
+        lines += ["        if _sa_VAL._QUEUED:",
+                  f"            _sa_Q.put(({', '.join(queued)},), _sa_KINDS, _sa_partial("
+                  f"_sa_call_failed, _sa_read, _sa_layer, _sa_inputs, _sa_kw))",
+                  f"            _sa_failed = {'not _sa_CF[0]' if constant_flags else 'False'}",
+                  "        else:",
+                  f"            _sa_failed = {' or '.join(checks)}"]
+    elif checks:
         lines += [f"        _sa_failed = {' or '.join(checks)}"]
     reread = "        return _sa_layer.interpret(*_sa_inputs, **_sa_kw)"
     lines += ["    except _sa_Exception:  # inside the graph: the reading raises the check's message",
@@ -1012,19 +1047,23 @@ def _impure(node) -> bool:
     return torch.Tag.nondeterministic_seeded in tags or node.is_impure()
 
 
-def replay(plan: Plan, state: list, inputs: tuple, split: bool = True):
+def replay(plan: Plan, state: list, inputs: tuple, split: bool = True, queue=None):
     """Run the plan's graph on the current parameters and these inputs (``split=False``:
     known to be tensors); ``_FAILED`` when a value check failed (the caller re-reads the call,
-    which raises its message)."""
+    which raises its message). ``queue``: ``(verdicts, layer, inputs, kwargs)``, where the
+    verdicts go on a GPU (``structattn.verdicts``) instead of being read here."""
     tensors = _split(inputs)[0] if split else inputs
     if plan.constants_graph is not None:
         result = plan.graph.forward(*state, *tensors, *_constants(plan, state))
     else:
         result = plan.graph.forward(*state, *tensors)
     if plan.flags:
-        n = len(plan.flags)
-        for kind, flag in zip(plan.flags, result[-n:], strict=True):
-            if not (isfinite(float(flag)) if kind == "finite" else flag):
-                return _FAILED
+        flags = result[len(result) - len(plan.flags):]
+        if queue is not None and _validation._QUEUED and flags[0].device.type in DEVICES:
+            verdicts, layer, args, kwargs = queue
+            verdicts.put(flags, plan.flags, partial(call_failed, _read, layer, args, kwargs))
+        elif not all(isfinite(float(f)) if kind == "finite" else bool(f)
+                     for kind, f in zip(plan.flags, flags, strict=True)):
+            return _FAILED
     plan.calls += 1
     return result[0] if plan.single else _output(plan, result)

@@ -154,13 +154,50 @@ def test_a_cpu_input_to_a_cuda_layer_is_refused_by_name():
 
 
 def test_nan_on_cuda_is_refused():
+    """Read and recorded calls check in the call; a replayed one queues its verdict
+    (``structattn.verdicts``): the error comes at the next call or at ``raise_pending()``."""
     m = sa.models.self_attention(7, d_k=3, heads=2, device="cuda")
     x = torch.randn(2, 5, 7, device="cuda")
-    x[1, 2, 3] = float("nan")
+    bad = x.clone()
+    bad[1, 2, 3] = float("nan")
     layer = sa.compile(m)
-    for _ in range(3):  # read, record, replay: the check is in the plan
+    for _ in range(2):  # read, record (whose replay fails its flag: read again, raising)
         with pytest.raises(ValueError, match=r"contains non-finite values"):
-            layer(x)
+            layer(bad)
+    assert torch.isnan(layer(bad)).any()  # replayed: returned, its verdict on its way
+    with pytest.raises(ValueError, match=r"'x' contains non-finite values .* \(1, 2, 3\)"):
+        sa.raise_pending()
+    layer(bad)
+    torch.cuda.synchronize()
+    with pytest.raises(ValueError, match=r"contains non-finite values") as err:
+        layer(x)  # the next call, once the GPU has run the bad one
+    assert "earlier call" in "".join(err.value.__notes__)
+    sa.set_validation(True, queued=False)
+    try:
+        with pytest.raises(ValueError, match=r"contains non-finite values"):
+            layer(bad)
+    finally:
+        sa.set_validation(True, queued=True)
+
+
+def test_a_replayed_call_with_checks_on_does_not_wait_for_the_gpu():
+    """Forward and backward of a replayed call, checks on, under CUDA's sync debug mode set to
+    raise on any synchronisation; a parameter step (its check queued too) included."""
+    m = sa.models.self_attention(64, d_k=16, heads=4, device="cuda")
+    layer = sa.compile(m)
+    x = torch.randn(8, 128, 64, device="cuda", requires_grad=True)
+    for _ in range(3):
+        layer(x).sum().backward()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            layer(x).sum().backward()
+            with torch.no_grad():
+                m.W_q.add_(1e-3)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    sa.raise_pending()
 
 
 def test_state_dict_saved_on_cuda_loads_on_cpu(tmp_path):

@@ -77,6 +77,13 @@ def _triton(a, b, u, h) -> bool:
             and not (is_exporting() or torch.compiler.is_exporting()))
 
 
+def band_applies(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether a band per leading index (``key_bias_attention``'s ``window``) can be read for
+    these factors: the Triton kernel serves them."""
+    return b.shape[-2] > 0 and triton_kernels.serves(a, b) and kernels._enabled() and not (
+        is_exporting() or torch.compiler.is_exporting())
+
+
 def applies(a: torch.Tensor, b: torch.Tensor, u: torch.Tensor, h: torch.Tensor) -> bool:
     """Whether this reading takes these factors: on CUDA, through the Triton kernel (any
     float dtype; half precision on the tensor cores, its scores and sums in float32); on the
@@ -95,7 +102,8 @@ def applies(a: torch.Tensor, b: torch.Tensor, u: torch.Tensor, h: torch.Tensor) 
     return not exporting and _ops() is not None
 
 
-def key_bias_attention(a, b, u, h, scale: float, is_causal: bool) -> torch.Tensor:
+def key_bias_attention(a, b, u, h, scale: float, is_causal: bool,
+                       window: torch.Tensor | None = None) -> torch.Tensor:
     """``softmax_j(scale·⟨a_i, b_j⟩ + h_j)`` over j ≤ i (``is_causal``) or every j, times u.
 
     Args:
@@ -103,11 +111,16 @@ def key_bias_attention(a, b, u, h, scale: float, is_causal: bool) -> torch.Tenso
             u: ``(*lead, P, d_v)`` values (the leading dims broadcast).
         h: ``(*lead, P)`` the prior's per-parent term (broadcasts against the leading dims).
         scale: a float (``Operator.fused_factors`` folds a learned one into ``a``).
+        window: ``(*lead)`` ints, with ``is_causal`` and the Triton kernel only (``band_applies``):
+            each leading index's children read i − window ≤ j ≤ i (a certified band per head).
 
     Returns ``(*lead, C, d_v)``; differentiable in a, b, u and h where the kernel is built
     (``applies``)."""
     lead = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2], u.shape[:-2], h.shape[:-1])
     C, P, d_v = a.shape[-2], b.shape[-2], u.shape[-1]
+    if window is not None and not (is_causal and _triton(a, b, u, h)):
+        raise ValueError("key_bias_attention: a window per leading index needs is_causal and "
+                         "the Triton kernel (a CUDA device; band_applies)")
     if _triton(a, b, u, h):  # (G, n, width) rows in their dtype; h in float32 at least
         from ..triton_kernels.key_bias import forward
 
@@ -115,7 +128,9 @@ def key_bias_attention(a, b, u, h, scale: float, is_causal: bool) -> torch.Tenso
         flat = [x.expand(*lead, *x.shape[-2:]).reshape(-1, *x.shape[-2:]).to(dtype)
                 for x in (a, b, u)]
         bias = h.to(torch.promote_types(dtype, torch.float32)).expand(*lead, P).reshape(-1, P)
-        out = forward(*flat, bias, float(scale), is_causal)[0]
+        if window is not None:
+            window = window.expand(lead).reshape(-1).to(torch.int32)
+        out = forward(*flat, bias, float(scale), is_causal, window)[0]
         return out.reshape(*lead, C, d_v).to(u.dtype)
     width = max(a.shape[-1], d_v)  # the fused kernel takes one width for a, b and u
     if a.shape[-1] < width:

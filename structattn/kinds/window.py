@@ -25,7 +25,7 @@ from ..block_sparse import block_sparse_attention, causal_posterior, certify_blo
 from ..certified import certify
 from .base import Operator, Support
 from .dense import with_parent_terms
-from .key_bias import applies, key_bias_attention
+from .key_bias import applies, band_applies, key_bias_attention
 
 
 def keep_from_position(n: int, device, dtype) -> torch.Tensor:
@@ -70,6 +70,7 @@ class WindowOperator(Operator):
         #: certified truncation's choice (``structattn.certified.Certified``) when the
         #: prior asks for one (``tol``) and the band applies; the trace reports it
         self.truncation = None
+        self._windows = False  # each head's window (``_head_windows``), not chosen yet
 
     def _chosen_width(self) -> int | None:
         """The window the band reads: the support's, or — when the prior states a certified
@@ -85,12 +86,14 @@ class WindowOperator(Operator):
             a, b, scale = self.fused_factors()  # (*batch, H, N, k)
             block = f.prior.block_size
             # a band wider than half the sequence reads more pairs than the causal kernel does
-            # (N·L against N²/2), and slower ones: beyond it, read all of the past
-            widest = None if width is not None else max(
+            # (N·L against N²/2), and slower ones: beyond it, read all of the past (the band
+            # per head reads from each child's window on, in the kernel's blocks)
+            per_head = self._per_head()
+            widest = None if width is not None else n // 2 if per_head else max(
                 (w for w in (2 ** e for e in range(n.bit_length()))
                  if 2 * band.BandLayout.for_window(n, w, block).width <= n), default=0)
             self.truncation = certify(a, b, scale, f.prior, eps, cap=width, block=block,
-                                      first=f.support.first, widest=widest)
+                                      first=f.support.first, widest=widest, per_lead=per_head)
             width = self.truncation.width
         self._width = width
         return width
@@ -108,6 +111,34 @@ class WindowOperator(Operator):
                 and self.is_fused() and f.support.offset == 0 and f.support.first == 0
                 and f.support.width is None and n == f.parents.size and n > 1
                 and f.tables.separable() is not None)
+
+    def _per_head(self) -> bool:
+        """Whether each head reads a band of its own (the Triton kernel's ``window``: on the
+        GPU): the prior separates as g_i + h_j over j ≤ i of the same tokens, one factorised
+        potential, and the kernel serves the factors."""
+        f = self.family
+        n = f.children.size
+        if not (self.is_fused() and f.support.offset == 0 and f.support.first == 0
+                and n == f.parents.size and n > 1 and f.tables.separable() is not None) \
+                or self._blocks():
+            return False
+        a, b, _ = self.fused_factors()
+        return band_applies(a, b)
+
+    def _head_windows(self) -> torch.Tensor | None:
+        """Each head's window ``(*batch, H)`` (the longest its children need: certified per
+        head, or the support's), or None: every head reads all of its past."""
+        if self._windows is False:
+            width, n = self._chosen_width(), self.family.children.size
+            if self.truncation is not None:
+                windows = self.truncation.window.amax(-1)
+                self._windows = None if bool((windows >= n - 1).all()) else windows
+            elif width is None or width >= n - 1:
+                self._windows = None
+            else:
+                a = self.fused_factors()[0]
+                self._windows = torch.full(a.shape[:-2], width, dtype=torch.long, device=a.device)
+        return self._windows
 
     def _block_terms(self):
         """``(a, b, scale, h)``: the factors and the prior's per-parent term (float32 at least:
@@ -170,6 +201,12 @@ class WindowOperator(Operator):
         return s["p"]
 
     def dense_posterior(self):
+        if self._per_head() and self._head_windows() is not None:  # a band per head
+            a, b, scale, h = self._block_terms()
+            n = a.shape[-2]
+            i, j = torch.arange(n, device=a.device)[:, None], torch.arange(n, device=a.device)
+            read = j >= i - self._head_windows()[..., None, None]  # (*batch, H, N, N)
+            return causal_posterior(a, b, scale, h, read)
         if self._blocks():  # the posterior renormalised on the key blocks certified
             a, b, scale, h = self._block_terms()
             if self.truncation is None:
@@ -189,6 +226,9 @@ class WindowOperator(Operator):
                 a, b, u, scale, h, self.family.prior.tol, block=self.family.prior.block_size,
                 whole_past=_whole_past)
             return out
+        if self._per_head() and self._head_windows() is not None:
+            a, b, scale, h = self._block_terms()
+            return key_bias_attention(a, b, u, h, float(scale), True, self._head_windows())
         if not self._banded():
             return super().attend(u)
         s = self._setup()

@@ -21,33 +21,100 @@ import torch
 import triton
 import triton.language as tl
 
+from . import interpreted
 from ._tiles import dot, load_row, load_tile, scalar, settings, statistics, store_tile, width
 
 
 @triton.jit
-def _allowed(rows, cols, C, P, CAUSAL: tl.constexpr):
-    """Which (child, parent) pairs of a block are on the support."""
+def _allowed(rows, cols, C, P, w, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr):
+    """Which (child, parent) pairs of a block are on the support (``WINDOWED``: i − w ≤ j)."""
     allowed = (cols[None, :] < P) & (rows[:, None] < C)
     if CAUSAL:
         allowed = allowed & (cols[None, :] <= rows[:, None])
+    if WINDOWED:
+        allowed = allowed & (cols[None, :] >= rows[:, None] - w)
     return allowed
 
 
 @triton.jit
-def _tile(a, B, H, g, rows, cols, ks, sbg, sbp, sbk, shg, shp, C, P, K, scale,
-          CAUSAL: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """A block's scores s_ij + h_j ``(BM, BN)`` (−∞ off the support) and its parents' b."""
-    b = load_tile(B, g, sbg, cols, sbp, P, ks, sbk, K)
-    h = load_row(H, g, shg, cols, shp, P)
-    s = dot(a, tl.trans(b), PRECISION, UPCAST) * scale + h[None, :]
-    return tl.where(_allowed(rows, cols, C, P, CAUSAL), s, -float("inf")), b
+def _window(WIN, g, WINDOWED: tl.constexpr):
+    """Row ``g``'s window w (distances 0..w read), 0 when not ``WINDOWED``."""
+    if WINDOWED:
+        return tl.load(WIN + g)
+    else:
+        return 0
 
 
 @triton.jit
-def _forward(A, B, U, H, O, LSE, SCALE, C, P, K, D,
+def _first_parent(m, w, BM: tl.constexpr, BN: tl.constexpr, WINDOWED: tl.constexpr):
+    """The first parent a block of children reads (its window's start), on a block edge."""
+    if WINDOWED:
+        return (tl.maximum(m * BM - w, 0) // BN) * BN
+    else:
+        return 0
+
+
+@triton.jit
+def _tile(a, B, H, g, rows, cols, ks, sbg, sbp, sbk, shg, shp, C, P, K, scale, w,
+          CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, MASKED: tl.constexpr,
+          PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """A block's scores s_ij + h_j ``(BM, BN)`` (``MASKED``: −∞ off the support; a block
+    inside it for every child skips the mask) and its parents' b."""
+    b = load_tile(B, g, sbg, cols, sbp, P, ks, sbk, K)
+    h = load_row(H, g, shg, cols, shp, P)
+    s = dot(a, tl.trans(b), PRECISION, UPCAST) * scale + h[None, :]
+    if MASKED:
+        s = tl.where(_allowed(rows, cols, C, P, w, CAUSAL, WINDOWED), s, -float("inf"))
+    return s, b
+
+
+@triton.jit
+def _parent_spans(m, w, C, P, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr,
+                  BM: tl.constexpr, BN: tl.constexpr):
+    """A block of children's parents as three spans of whole blocks ``lo ≤ inner_lo ≤
+    inner_hi ≤ end``: [lo, inner_lo) crosses some child's window edge, [inner_lo, inner_hi)
+    lies on every child's support (no mask), [inner_hi, end) crosses the diagonal or the
+    last parent."""
+    lo = _first_parent(m, w, BM, BN, WINDOWED)
+    if CAUSAL:
+        end = tl.minimum(m * BM + BM, P)
+        inner_hi = tl.minimum((m * BM // BN) * BN, end)  # blocks ending before the first child
+    else:
+        end = P
+        inner_hi = (P // BN) * BN
+    inner_lo = lo
+    if WINDOWED:  # blocks starting at or after the last child's window start
+        edge = tl.maximum(m * BM + BM - 1 - w, 0)
+        inner_lo = tl.minimum(tl.maximum((edge + BN - 1) // BN * BN, lo), inner_hi)
+    return lo, inner_lo, inner_hi, end
+
+
+@triton.jit
+def _forward_span(acc, top, total, a, B, U, H, g, rows, ks, ds, lo, hi, sbg, sbp, sbk, sug, sup,
+                  sud, shg, shp, C, P, K, D, scale, w, CAUSAL: tl.constexpr,
+                  WINDOWED: tl.constexpr, MASKED: tl.constexpr, BN: tl.constexpr,
+                  PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """The online softmax over the parent blocks [lo, hi)."""
+    for start in range(lo, hi, BN):
+        cols = start + tl.arange(0, BN)
+        s, b = _tile(a, B, H, g, rows, cols, ks, sbg, sbp, sbk, shg, shp, C, P, K, scale, w,
+                     CAUSAL, WINDOWED, MASKED, PRECISION, UPCAST)
+        new = tl.maximum(top, tl.max(s, axis=1))
+        safe = tl.where(new == -float("inf"), 0.0, new)  # a row with nothing yet
+        p = tl.exp(s - safe[:, None])
+        shrink = tl.exp(top - safe)
+        u = load_tile(U, g, sug, cols, sup, P, ds, sud, D)
+        total = total * shrink + tl.sum(p, axis=1)
+        acc = acc * shrink[:, None] + dot(p.to(u.dtype), u, PRECISION, UPCAST)
+        top = new
+    return acc, top, total
+
+
+@triton.jit
+def _forward(A, B, U, H, O, LSE, SCALE, WIN, C, P, K, D,
              sag, sac, sak, sbg, sbp, sbk, sug, sup, sud, shg, shp, sog, soc, sod, slg, slc,
-             CAUSAL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-             BD: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr,
+             CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+             BK: tl.constexpr, BD: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr,
              UPCAST: tl.constexpr):
     scale = tl.load(SCALE)  # in the accumulators' dtype (a float argument is float32)
     m = tl.program_id(0)
@@ -60,19 +127,17 @@ def _forward(A, B, U, H, O, LSE, SCALE, C, P, K, D,
     top = tl.full([BM], -float("inf"), dtype=ACC)  # running max
     total = tl.zeros([BM], dtype=ACC)  # running Σ e^{s − top}
     acc = tl.zeros([BM, BD], dtype=ACC)
-    end = tl.minimum(m * BM + BM, P) if CAUSAL else P
-    for start in range(0, end, BN):
-        cols = start + tl.arange(0, BN)
-        s, b = _tile(a, B, H, g, rows, cols, ks, sbg, sbp, sbk, shg, shp, C, P, K, scale,
-                     CAUSAL, PRECISION, UPCAST)
-        new = tl.maximum(top, tl.max(s, axis=1))
-        safe = tl.where(new == -float("inf"), 0.0, new)  # a row with nothing yet
-        p = tl.exp(s - safe[:, None])
-        shrink = tl.exp(top - safe)
-        u = load_tile(U, g, sug, cols, sup, P, ds, sud, D)
-        total = total * shrink + tl.sum(p, axis=1)
-        acc = acc * shrink[:, None] + dot(p.to(u.dtype), u, PRECISION, UPCAST)
-        top = new
+    w = _window(WIN, g, WINDOWED)
+    lo, inner_lo, inner_hi, end = _parent_spans(m, w, C, P, CAUSAL, WINDOWED, BM, BN)
+    acc, top, total = _forward_span(acc, top, total, a, B, U, H, g, rows, ks, ds, lo, inner_lo,
+                                    sbg, sbp, sbk, sug, sup, sud, shg, shp, C, P, K, D, scale, w,
+                                    CAUSAL, WINDOWED, True, BN, PRECISION, UPCAST)
+    acc, top, total = _forward_span(acc, top, total, a, B, U, H, g, rows, ks, ds, inner_lo,
+                                    inner_hi, sbg, sbp, sbk, sug, sup, sud, shg, shp, C, P, K, D,
+                                    scale, w, CAUSAL, WINDOWED, False, BN, PRECISION, UPCAST)
+    acc, top, total = _forward_span(acc, top, total, a, B, U, H, g, rows, ks, ds, inner_hi, end,
+                                    sbg, sbp, sbk, sug, sup, sud, shg, shp, C, P, K, D, scale, w,
+                                    CAUSAL, WINDOWED, True, BN, PRECISION, UPCAST)
     total = tl.where(rmask, total, 1.0)  # rows past the last child: nothing to divide
     top = tl.where(rmask, top, 0.0)
     store_tile(O, acc / total[:, None], g, sog, rows, soc, C, ds, sod, D)
@@ -80,11 +145,28 @@ def _forward(A, B, U, H, O, LSE, SCALE, C, P, K, D,
 
 
 @triton.jit
-def _children_backward(A, B, U, H, DO, LSE, DELTA, DA, SCALE, C, P, K, D,
+def _children_span(da, a, do, lse, delta, B, U, H, g, rows, ks, ds, lo, hi, sbg, sbp, sbk, sug,
+                   sup, sud, shg, shp, C, P, K, D, scale, w, CAUSAL: tl.constexpr,
+                   WINDOWED: tl.constexpr, MASKED: tl.constexpr, BN: tl.constexpr,
+                   PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """da's terms from the parent blocks [lo, hi)."""
+    for start in range(lo, hi, BN):
+        cols = start + tl.arange(0, BN)
+        s, b = _tile(a, B, H, g, rows, cols, ks, sbg, sbp, sbk, shg, shp, C, P, K, scale, w,
+                     CAUSAL, WINDOWED, MASKED, PRECISION, UPCAST)
+        p = tl.exp(s - lse[:, None])
+        u = load_tile(U, g, sug, cols, sup, P, ds, sud, D)
+        dsc = p * (dot(do, tl.trans(u), PRECISION, UPCAST) - delta[:, None])
+        da += dot(dsc.to(b.dtype), b, PRECISION, UPCAST)
+    return da
+
+
+@triton.jit
+def _children_backward(A, B, U, H, DO, LSE, DELTA, DA, SCALE, WIN, C, P, K, D,
                        sag, sac, sak, sbg, sbp, sbk, sug, sup, sud, shg, shp, sdg, sdc, sdd,
-                       slg, slc, CAUSAL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                       BK: tl.constexpr, BD: tl.constexpr, ACC: tl.constexpr,
-                       PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+                       slg, slc, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr,
+                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr,
+                       ACC: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """da per block of children."""
     scale = tl.load(SCALE)  # in the accumulators' dtype (a float argument is float32)
     m = tl.program_id(0)
@@ -97,25 +179,52 @@ def _children_backward(A, B, U, H, DO, LSE, DELTA, DA, SCALE, C, P, K, D,
     lse = load_row(LSE, g, slg, rows, slc, C)
     delta = load_row(DELTA, g, slg, rows, slc, C)
     da = tl.zeros([BM, BK], dtype=ACC)
-    end = tl.minimum(m * BM + BM, P) if CAUSAL else P
-    for start in range(0, end, BN):
-        cols = start + tl.arange(0, BN)
-        s, b = _tile(a, B, H, g, rows, cols, ks, sbg, sbp, sbk, shg, shp, C, P, K, scale,
-                     CAUSAL, PRECISION, UPCAST)
-        p = tl.exp(s - lse[:, None])
-        u = load_tile(U, g, sug, cols, sup, P, ds, sud, D)
-        dsc = p * (dot(do, tl.trans(u), PRECISION, UPCAST) - delta[:, None])
-        da += dot(dsc.to(b.dtype), b, PRECISION, UPCAST)
+    w = _window(WIN, g, WINDOWED)
+    lo, inner_lo, inner_hi, end = _parent_spans(m, w, C, P, CAUSAL, WINDOWED, BM, BN)
+    da = _children_span(da, a, do, lse, delta, B, U, H, g, rows, ks, ds, lo, inner_lo, sbg, sbp,
+                        sbk, sug, sup, sud, shg, shp, C, P, K, D, scale, w, CAUSAL, WINDOWED,
+                        True, BN, PRECISION, UPCAST)
+    da = _children_span(da, a, do, lse, delta, B, U, H, g, rows, ks, ds, inner_lo, inner_hi, sbg,
+                        sbp, sbk, sug, sup, sud, shg, shp, C, P, K, D, scale, w, CAUSAL,
+                        WINDOWED, False, BN, PRECISION, UPCAST)
+    da = _children_span(da, a, do, lse, delta, B, U, H, g, rows, ks, ds, inner_hi, end, sbg, sbp,
+                        sbk, sug, sup, sud, shg, shp, C, P, K, D, scale, w, CAUSAL, WINDOWED,
+                        True, BN, PRECISION, UPCAST)
     store_tile(DA, da * scale, g, sag, rows, sac, C, ks, sak, K)
 
 
 @triton.jit
-def _parents_backward(A, B, U, H, DO, LSE, DELTA, DB, DU, DH, SCALE, C, P, K, D,
+def _parents_span(db, du, dh, b, u, h, cols, A, DO, LSE, DELTA, g, ks, ds, lo, hi, sag, sac, sak,
+                  sdg, sdc, sdd, slg, slc, C, P, K, D, scale, w, CAUSAL: tl.constexpr,
+                  WINDOWED: tl.constexpr, MASKED: tl.constexpr, BM: tl.constexpr,
+                  PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """db, du and dh's terms from the child blocks [lo, hi)."""
+    for start in range(lo, hi, BM):
+        rows = start + tl.arange(0, BM)
+        a = load_tile(A, g, sag, rows, sac, C, ks, sak, K)
+        do = load_tile(DO, g, sdg, rows, sdc, C, ds, sdd, D)
+        lse = load_row(LSE, g, slg, rows, slc, C)
+        delta = load_row(DELTA, g, slg, rows, slc, C)
+        s = dot(a, tl.trans(b), PRECISION, UPCAST) * scale + h[None, :] - lse[:, None]
+        if MASKED:
+            s = tl.where(_allowed(rows, cols, C, P, w, CAUSAL, WINDOWED), s, -float("inf"))
+        p = tl.exp(s)
+        dsc = p * (dot(do, tl.trans(u), PRECISION, UPCAST) - delta[:, None])
+        du += dot(tl.trans(p.to(do.dtype)), do, PRECISION, UPCAST)
+        db += dot(tl.trans(dsc.to(a.dtype)), a, PRECISION, UPCAST)
+        dh += tl.sum(dsc, axis=0)
+    return db, du, dh
+
+
+@triton.jit
+def _parents_backward(A, B, U, H, DO, LSE, DELTA, DB, DU, DH, SCALE, WIN, C, P, K, D,
                       sag, sac, sak, sbg, sbp, sbk, sug, sup, sud, shg, shp, sdg, sdc, sdd,
-                      slg, slc, CAUSAL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                      BK: tl.constexpr, BD: tl.constexpr, ACC: tl.constexpr,
-                      PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """db, du and dh per block of parents, reading the children that see them."""
+                      slg, slc, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr,
+                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr,
+                      ACC: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """db, du and dh per block of parents, reading the children that see them: the child
+    blocks crossing the diagonal, then those past it on every parent's support (no mask:
+    whole blocks before the last child), then those crossing the window's far edge."""
     scale = tl.load(SCALE)  # in the accumulators' dtype (a float argument is float32)
     n = tl.program_id(0)
     g = tl.program_id(1)
@@ -128,20 +237,26 @@ def _parents_backward(A, B, U, H, DO, LSE, DELTA, DB, DU, DH, SCALE, C, P, K, D,
     db = tl.zeros([BN, BK], dtype=ACC)
     du = tl.zeros([BN, BD], dtype=ACC)
     dh = tl.zeros([BN], dtype=ACC)
+    w = _window(WIN, g, WINDOWED)
     first = (n * BN // BM) * BM if CAUSAL else 0  # children before the block see none of it
-    for start in range(first, C, BM):
-        rows = start + tl.arange(0, BM)
-        a = load_tile(A, g, sag, rows, sac, C, ks, sak, K)
-        do = load_tile(DO, g, sdg, rows, sdc, C, ds, sdd, D)
-        lse = load_row(LSE, g, slg, rows, slc, C)
-        delta = load_row(DELTA, g, slg, rows, slc, C)
-        s = dot(a, tl.trans(b), PRECISION, UPCAST) * scale + h[None, :]
-        p = tl.exp(tl.where(_allowed(rows, cols, C, P, CAUSAL), s - lse[:, None],
-                            -float("inf")))
-        dsc = p * (dot(do, tl.trans(u), PRECISION, UPCAST) - delta[:, None])
-        du += dot(tl.trans(p.to(do.dtype)), do, PRECISION, UPCAST)
-        db += dot(tl.trans(dsc.to(a.dtype)), a, PRECISION, UPCAST)
-        dh += tl.sum(dsc, axis=0)
+    last = tl.minimum(n * BN + BN + w, C) if WINDOWED else C  # nor those beyond its window
+    # child blocks after every parent of the block (causal), within C (rows past the last
+    # child would read lse = 0: no mask there) and inside every parent's window
+    inner_lo = tl.minimum(((n * BN + BN - 1 + BM - 1) // BM) * BM, last) if CAUSAL else first
+    inner_hi = tl.maximum(tl.minimum((last // BM) * BM, (C // BM) * BM), inner_lo)
+    if WINDOWED:  # blocks whose last child reaches back to the block's first parent
+        reach = n * BN + w - BM + 1
+        inner_hi = tl.maximum(tl.minimum(inner_hi, tl.where(reach >= 0, (reach // BM + 1) * BM,
+                                                            0)), inner_lo)
+    db, du, dh = _parents_span(db, du, dh, b, u, h, cols, A, DO, LSE, DELTA, g, ks, ds, first,
+                               inner_lo, sag, sac, sak, sdg, sdc, sdd, slg, slc, C, P, K, D, scale,
+                               w, CAUSAL, WINDOWED, True, BM, PRECISION, UPCAST)
+    db, du, dh = _parents_span(db, du, dh, b, u, h, cols, A, DO, LSE, DELTA, g, ks, ds, inner_lo,
+                               inner_hi, sag, sac, sak, sdg, sdc, sdd, slg, slc, C, P, K, D, scale,
+                               w, CAUSAL, WINDOWED, False, BM, PRECISION, UPCAST)
+    db, du, dh = _parents_span(db, du, dh, b, u, h, cols, A, DO, LSE, DELTA, g, ks, ds, inner_hi,
+                               last, sag, sac, sak, sdg, sdc, sdd, slg, slc, C, P, K, D, scale,
+                               w, CAUSAL, WINDOWED, True, BM, PRECISION, UPCAST)
     store_tile(DB, db * scale, g, sbg, cols, sbp, P, ks, sbk, K)
     store_tile(DU, du, g, sug, cols, sup, P, ds, sud, D)
     tl.store(DH + g * shg + cols * shp, dh, mask=cols < P)
@@ -149,32 +264,50 @@ def _parents_backward(A, B, U, H, DO, LSE, DELTA, DB, DU, DH, SCALE, C, P, K, D,
 
 @torch.library.custom_op("structattn_triton::key_bias_forward", mutates_args=())
 def forward(a: torch.Tensor, b: torch.Tensor, u: torch.Tensor, h: torch.Tensor, scale: float,
-            causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+            causal: bool, window: torch.Tensor | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out (G, C, D), lse (G, C))`` for ``a (G, C, K)``, ``b (G, P, K)``, ``u (G, P, D)`` of
     one float dtype (half precision, float32 or float64) and ``h (G, P)`` in float32 or
-    float64; ``lse`` in float32 (float64 for float64 inputs)."""
+    float64; ``lse`` in float32 (float64 for float64 inputs). ``window`` ``(G,)`` int32, with
+    ``causal``: row g's children read the parents i − window_g ≤ j ≤ i only (a band per head)."""
     G, C, K = a.shape
     P, D = b.shape[1], u.shape[2]
     out = u.new_empty(G, C, D)
     lse = a.new_empty(G, C, dtype=statistics(a.dtype))
     if C and G:
-        common = _common(a.dtype, K, D, causal)
+        common = _common(a.dtype, K, D, causal, window)
         _forward[(triton.cdiv(C, common["BM"]), G)](
-            a, b, u, h, out, lse, scalar(scale, a), C, P, K, D, *a.stride(), *b.stride(),
-            *u.stride(), *h.stride(), *out.stride(), *lse.stride(), **common)
+            a, b, u, h, out, lse, scalar(scale, a), _win(window, a), C, P, K, D, *a.stride(),
+            *b.stride(), *u.stride(), *h.stride(), *out.stride(), *lse.stride(), **common)
     return out, lse
 
 
+#: launch settings measured on a GPU (``benchmarks/tune_key_bias.py``) that replace
+#: ``settings``'s: ``(kernel, dtype, padded width) → {BM, BN, num_warps, num_stages}``, kernel
+#: "forward", "children" (da) or "parents" (db, du, dh)
+TUNED: dict = {}
 
 
-def _common(dtype: torch.dtype, K: int, D: int, causal: bool, children: int = 128,
-            parents: int = 64) -> dict:
+def _common(dtype: torch.dtype, K: int, D: int, causal: bool, window, children: int = 128,
+            parents: int = 64, kernel: str = "forward") -> dict:
     BK, BD = width(K), width(D)
-    return dict(settings(dtype, max(BK, BD), children, parents), CAUSAL=causal, BK=BK, BD=BD)
+    out = dict(settings(dtype, max(BK, BD), children, parents), CAUSAL=causal, BK=BK, BD=BD,
+               WINDOWED=window is not None)
+    tuned = TUNED.get((kernel, dtype, max(BK, BD)))
+    if tuned and not interpreted():
+        out.update(tuned)
+    return out
+
+
+def _win(window: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    """The windows as the kernels read them (int32), or a placeholder where there are none."""
+    if window is None:
+        return torch.zeros(1, dtype=torch.int32, device=like.device)
+    return window.to(torch.int32).contiguous()
 
 
 @forward.register_fake
-def _(a, b, u, h, scale, causal):
+def _(a, b, u, h, scale, causal, window=None):
     return (u.new_empty(a.shape[0], a.shape[1], u.shape[2]),
             a.new_empty(a.shape[:2], dtype=statistics(a.dtype)))
 
@@ -182,7 +315,8 @@ def _(a, b, u, h, scale, causal):
 @torch.library.custom_op("structattn_triton::key_bias_backward", mutates_args=())
 def backward(dout: torch.Tensor, a: torch.Tensor, b: torch.Tensor, u: torch.Tensor,
              h: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, scale: float,
-             causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+             causal: bool, window: torch.Tensor | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(da, db, du, dh)`` of ``forward``'s output against ``dout``."""
     G, C, K = a.shape
     P, D = b.shape[1], u.shape[2]
@@ -197,33 +331,35 @@ def backward(dout: torch.Tensor, a: torch.Tensor, b: torch.Tensor, u: torch.Tens
                    *lse.stride())
         # da per block of children, then db, du, dh per block of parents: square blocks,
         # each program holding more accumulators than the forward's
-        common = _common(a.dtype, K, D, causal, 64, 64)
-        scale = scalar(scale, a)
-        _children_backward[(triton.cdiv(C, common["BM"]), G)](
-            a, b, u, h, dout, lse, delta, da, scale, C, P, K, D, *strides, **common)
-        _parents_backward[(triton.cdiv(P, common["BN"]), G)](
-            a, b, u, h, dout, lse, delta, db, du, dh, scale, C, P, K, D, *strides, **common)
+        children = _common(a.dtype, K, D, causal, window, 64, 64, "children")
+        parents = _common(a.dtype, K, D, causal, window, 64, 64, "parents")
+        scale, win = scalar(scale, a), _win(window, a)
+        _children_backward[(triton.cdiv(C, children["BM"]), G)](
+            a, b, u, h, dout, lse, delta, da, scale, win, C, P, K, D, *strides, **children)
+        _parents_backward[(triton.cdiv(P, parents["BN"]), G)](
+            a, b, u, h, dout, lse, delta, db, du, dh, scale, win, C, P, K, D, *strides,
+            **parents)
     return da, db, du, dh.to(h.dtype)
 
 
 @backward.register_fake
-def _(dout, a, b, u, h, out, lse, scale, causal):
+def _(dout, a, b, u, h, out, lse, scale, causal, window=None):
     return (torch.empty_like(a), torch.empty_like(b), torch.empty_like(u),
             torch.empty_like(h))
 
 
 def _setup(ctx, inputs, output):
-    a, b, u, h, scale, causal = inputs
+    a, b, u, h, scale, causal, window = inputs
     out, lse = output
-    ctx.save_for_backward(a, b, u, h, out, lse)
+    ctx.save_for_backward(a, b, u, h, out, lse, window)
     ctx.scale, ctx.causal = scale, causal
     ctx.mark_non_differentiable(lse)
 
 
 def _backward_rule(ctx, dout, _):
-    a, b, u, h, out, lse = ctx.saved_tensors
-    da, db, du, dh = backward(dout, a, b, u, h, out, lse, ctx.scale, ctx.causal)
-    return da, db, du, dh, None, None
+    a, b, u, h, out, lse, window = ctx.saved_tensors
+    da, db, du, dh = backward(dout, a, b, u, h, out, lse, ctx.scale, ctx.causal, window)
+    return da, db, du, dh, None, None, None
 
 
 forward.register_autograd(_backward_rule, setup_context=_setup)

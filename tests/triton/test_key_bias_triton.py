@@ -27,12 +27,16 @@ def _kb():
     return kb
 
 
-def _dense(a, b, u, h, scale, causal):
+def _dense(a, b, u, h, scale, causal, window=None):
     s = scale * a @ b.transpose(-1, -2) + h.unsqueeze(-2)
     if causal:
         C, P = s.shape[-2:]
         s = s.masked_fill(~torch.ones(C, P, dtype=torch.bool, device=s.device).tril(),
                           float("-inf"))
+    if window is not None:  # row g reads i − window_g ≤ j only
+        i = torch.arange(s.shape[-2], device=s.device)[:, None]
+        j = torch.arange(s.shape[-1], device=s.device)
+        s = s.masked_fill(j < i - window.to(s.device)[:, None, None], float("-inf"))
     return torch.softmax(s, -1) @ u
 
 
@@ -65,6 +69,35 @@ def test_triton_key_bias_equals_the_dense_reading_and_the_cpu_kernel(C, P, k, d,
         cpu_grads = torch.autograd.grad((cpu * dout.cpu()).sum(), leaves)
         for g, w in zip(got, cpu_grads, strict=True):
             torch.testing.assert_close(g.cpu(), w, rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("dtype, atol", [(f64, 1e-12), (torch.float32, 2e-5)])
+@pytest.mark.parametrize("C, windows", [(1, [0, 3]), (70, [0, 69]), (97, [5, 40]),
+                                        (130, [31, 32]), (130, [33, 100])])
+def test_triton_key_bias_reads_a_band_per_row(C, windows, dtype, atol):
+    """A window per row g (a head's certified width): children read i − w_g ≤ j ≤ i only, in
+    the output and every gradient, at widths inside, on and across the blocks' edges — the
+    backward's blocks of parents read only the children whose window reaches them."""
+    torch.manual_seed(C + sum(windows))
+    G, k, d = len(windows), 5, 7
+    a, b, u = (torch.randn(G, C, w, dtype=dtype, device=DEVICE) for w in (k, k, d))
+    h = torch.randn(G, C, dtype=dtype, device=DEVICE)
+    window = torch.tensor(windows, dtype=torch.int32, device=DEVICE)
+    kb = _kb()
+    out, lse = kb.forward(a, b, u, h, 0.6, True, window)
+    leaves = [t.double().requires_grad_() for t in (a, b, u, h)]
+    want = _dense(*leaves, 0.6, True, window)
+    torch.testing.assert_close(out.double(), want, rtol=0, atol=atol)
+    dout = torch.randn_like(out)
+    got = kb.backward(dout, a, b, u, h, out, lse, 0.6, True, window)
+    grads = torch.autograd.grad((want * dout.double()).sum(), leaves)
+    for g, w in zip(got, grads, strict=True):
+        torch.testing.assert_close(g.double(), w, rtol=0, atol=10 * atol)
+    if dtype == f64:  # through the autograd rule, window and all
+        leaves = [t.clone().requires_grad_() for t in (a, b, u, h)]
+        y = kb.forward(*leaves, 0.6, True, window)[0]
+        for g, w in zip(torch.autograd.grad((y * dout).sum(), leaves), got, strict=True):
+            torch.testing.assert_close(g, w, rtol=0, atol=0)
 
 
 def test_triton_key_bias_gradcheck_through_the_autograd_rule():
