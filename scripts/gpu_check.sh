@@ -57,7 +57,8 @@ step tests "${TESTS_S:-90}" "$PY" -m pytest -q -p no:cacheprovider -p no:benchma
 step tune "${TUNE_S:-110}" "$PY" benchmarks/tune_key_bias.py --json "$OUT/tuned.json" \
   --budget "${TUNE_BUDGET_S:-90}"
 step gpu_kernels "${GPU_KERNELS_S:-230}" "$PY" benchmarks/bench_gpu_kernels.py \
-  --tuned "$OUT/tuned.json" --dtypes ${GPU_DTYPES:-bfloat16 float32} --json "$OUT/gpu_kernels.json"
+  --tuned "$OUT/tuned.json" --dtypes ${GPU_DTYPES:-bfloat16 float32} ${GPU_SIZES:+--sizes $GPU_SIZES} \
+  --json "$OUT/gpu_kernels.json"
 step per_call "${PER_CALL_S:-40}" "$PY" benchmarks/bench_per_call.py --device cuda \
   --json "$OUT/per_call.json"
 step attention "${ATTENTION_S:-30}" "$PY" benchmarks/bench_attention.py --device cuda \

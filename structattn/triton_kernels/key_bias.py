@@ -42,7 +42,7 @@ def _window(WIN, g, WINDOWED: tl.constexpr):
     if WINDOWED:
         return tl.load(WIN + g)
     else:
-        return 0
+        return tl.full([], 0, tl.int32)
 
 
 @triton.jit
@@ -51,7 +51,7 @@ def _first_parent(m, w, BM: tl.constexpr, BN: tl.constexpr, WINDOWED: tl.constex
     if WINDOWED:
         return (tl.maximum(m * BM - w, 0) // BN) * BN
     else:
-        return 0
+        return tl.full([], 0, tl.int32)
 
 
 @triton.jit
