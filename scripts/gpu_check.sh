@@ -49,7 +49,8 @@ step() {  # step NAME SECONDS COMMAND...: run with a limit (0: skip), log to $OU
 }
 
 # the Triton kernels on CUDA tensors (elsewhere they run under the interpreter)
-step triton "${TRITON_S:-110}" "$PY" -m pytest -q -p no:cacheprovider -p no:benchmark $XDIST tests/triton --durations=5
+step triton "${TRITON_S:-110}" "$PY" -m pytest -q -p no:cacheprovider -p no:benchmark $XDIST \
+  ${TRITON_TESTS:-tests/triton} --durations=5
 step tests "${TESTS_S:-90}" "$PY" -m pytest -q -p no:cacheprovider -p no:benchmark $XDIST tests/test_cuda.py \
   tests/test_torch_compile.py tests/models/test_expanding_attention.py -k "cuda" --durations=5
 # the key-bias kernel's launch settings, one kernel at a time; then against FLA (fla-core in
@@ -60,7 +61,7 @@ step gpu_kernels "${GPU_KERNELS_S:-230}" "$PY" benchmarks/bench_gpu_kernels.py \
   --tuned "$OUT/tuned.json" --dtypes ${GPU_DTYPES:-bfloat16 float32} ${GPU_SIZES:+--sizes $GPU_SIZES} \
   --json "$OUT/gpu_kernels.json"
 step per_call "${PER_CALL_S:-40}" "$PY" benchmarks/bench_per_call.py --device cuda \
-  --json "$OUT/per_call.json"
+  ${PER_CALL_SKIP:+--skip $PER_CALL_SKIP} --json "$OUT/per_call.json"
 step attention "${ATTENTION_S:-30}" "$PY" benchmarks/bench_attention.py --device cuda \
   --json "$OUT/attention.json"
 step distance_priors "${DISTANCE_S:-50}" "$PY" benchmarks/bench_distance_priors.py --device cuda \

@@ -12,7 +12,8 @@ is read when its event has passed:
   error of an earlier call that failed, re-reading that call's inputs so that the message is
   the check's own, naming the argument;
 - at ``structattn.raise_pending()``, which waits for every queued verdict of every module;
-- when a module holds ``DEPTH`` calls in flight, the oldest is waited for.
+- when a module holds ``DEPTH`` calls in flight, the oldest is waited for (each in flight
+  holds a slot: pinned host memory and an event, made once and reused).
 
 So a bad input raises at the latest at the first call of its layer after the next
 synchronisation (``loss.item()``, ``torch.cuda.synchronize()``), or at ``raise_pending()``; the
@@ -54,15 +55,41 @@ class _Done:
 _DONE = _Done()
 
 
+class _Slot:
+    """Where one call's verdicts land: pinned host copies and a CUDA event, made once and
+    reused once read (a pinned allocation and an event per call cost more than the copy)."""
+
+    __slots__ = ("host", "event", "device")
+
+    def __init__(self):
+        self.host, self.event, self.device = None, None, None
+
+    def fill(self, flags) -> tuple:
+        """Copy ``flags`` to the host without waiting; ``(host copies, event)``."""
+        device = flags[0].device
+        host = self.host
+        if host is None or len(host) != len(flags) or any(
+                h.dtype != f.dtype for h, f in zip(host, flags, strict=True)):
+            host = self.host = [torch.empty((), dtype=f.dtype, pin_memory=True) for f in flags]
+        for h, f in zip(host, flags, strict=True):
+            h.copy_(f, non_blocking=True)
+        if self.event is None or self.device != device:
+            self.event, self.device = torch.cuda.Event(), device
+        self.event.record(torch.cuda.current_stream(device))
+        return host, self.event
+
+
 class Verdicts:
     """One compiled module's queued verdicts: ``(event, host copies, kinds, what raises the
-    error)`` per call, oldest first."""
+    error, slot)`` per call, oldest first; at most ``DEPTH`` in flight."""
 
-    __slots__ = ("queue", "lock", "__weakref__")
+    __slots__ = ("queue", "lock", "free", "made", "__weakref__")
 
     def __init__(self):
         self.queue: collections.deque = collections.deque()
         self.lock = threading.Lock()
+        self.free: list = []  # slots read and free again
+        self.made = 0
 
     def __reduce__(self):  # a copy or a pickle starts empty, as the plans do
         return (Verdicts, ())
@@ -70,25 +97,29 @@ class Verdicts:
     def put(self, flags, kinds: tuple, fail) -> None:
         """Queue verdicts ``flags`` (device tensors; ``kinds``: "finite" — a sum that must be
         finite — or "true"), copied to the host without waiting; ``fail()`` raises their error
-        (``call_failed``, ``parameters_failed``)."""
-        device = flags[0].device
-        if device.type == "cuda":
-            host = [torch.empty((), dtype=f.dtype, pin_memory=True) for f in flags]
-            for h, f in zip(host, flags, strict=True):
-                h.copy_(f, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(device))
+        (``call_failed``, ``parameters_failed``). With ``DEPTH`` in flight, the oldest is
+        waited for first."""
+        while True:
+            with self.lock:
+                slot = self.free.pop() if self.free else None
+                if slot is None and self.made < DEPTH:
+                    slot, self.made = _Slot(), self.made + 1
+                oldest = self.queue[0][0] if slot is None and self.queue else None
+            if slot is not None:
+                break
+            if oldest is not None:
+                oldest.synchronize()
+            self.settle()  # frees the oldest's slot (or raises its error)
+        if flags[0].device.type == "cuda":
+            host, event = slot.fill(flags)
         else:  # a device without streams (the CPU, in the tests): read when settled
             host, event = list(flags), _DONE
         with self.lock:
-            self.queue.append((event, host, kinds, fail))
-            full = len(self.queue) > DEPTH
-        if len(self.queue) == 1:
+            self.queue.append((event, host, kinds, fail, slot))
+            first = len(self.queue) == 1
+        if first:
             with _holders_lock:
                 _holders.add(self)
-        if full:
-            self.queue[0][0].synchronize()
-            self.settle()
 
     def settle(self, wait: bool = False) -> None:
         """Read the verdicts whose events have passed (``wait``: all of them, waiting), oldest
@@ -103,9 +134,12 @@ class Verdicts:
                 elif not entry[0].query():
                     return
                 self.queue.popleft()
-            event, host, kinds, fail = entry
-            if not all(isfinite(float(h)) if kind == "finite" else bool(h)
-                       for h, kind in zip(host, kinds, strict=True)):
+            event, host, kinds, fail, slot = entry
+            passed = all(isfinite(float(h)) if kind == "finite" else bool(h)
+                         for h, kind in zip(host, kinds, strict=True))
+            with self.lock:
+                self.free.append(slot)
+            if not passed:
                 fail()
 
 

@@ -9,6 +9,7 @@ inductor: tests/test_torch_compile.py, on each device).
 """
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -189,8 +190,10 @@ def test_a_replayed_call_with_checks_on_does_not_wait_for_the_gpu():
     for _ in range(3):
         layer(x).sum().backward()
     torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
     try:
+        with warnings.catch_warnings():  # "a prototype feature" (a UserWarning)
+            warnings.simplefilter("ignore", UserWarning)
+            torch.cuda.set_sync_debug_mode("error")
         for _ in range(3):
             layer(x).sum().backward()
             with torch.no_grad():

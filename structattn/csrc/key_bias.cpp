@@ -24,7 +24,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <bit>
+#include <cstring>
 #include <tuple>
 
 namespace {
@@ -75,7 +75,9 @@ inline T vexp(T x) {
   const T n = (xc * T(1.4426950408889634) + magic) - magic;
   const T r = (xc - n * T(0.693145751953125)) - n * T(1.428606820309417e-06);
   const T p = taylor<T, B::kTerms>(r);
-  const T scale = std::bit_cast<T>(static_cast<I>((static_cast<I>(n) + B::kBias) << B::kMant));
+  const I bits = static_cast<I>((static_cast<I>(n) + B::kBias) << B::kMant);
+  T scale;  // the bits as a float (std::bit_cast is C++20; torch builds extensions as C++17)
+  std::memcpy(&scale, &bits, sizeof(T));
   return x != x ? x : (x < lo ? T(0) : p * scale);
 }
 

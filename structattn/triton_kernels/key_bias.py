@@ -275,28 +275,55 @@ def forward(a: torch.Tensor, b: torch.Tensor, u: torch.Tensor, h: torch.Tensor, 
     out = u.new_empty(G, C, D)
     lse = a.new_empty(G, C, dtype=statistics(a.dtype))
     if C and G:
-        common = _common(a.dtype, K, D, causal, window)
+        common = _common(a.dtype, K, D, causal, window, device=a.device)
         _forward[(triton.cdiv(C, common["BM"]), G)](
             a, b, u, h, out, lse, scalar(scale, a), _win(window, a), C, P, K, D, *a.stride(),
             *b.stride(), *u.stride(), *h.stride(), *out.stride(), *lse.stride(), **common)
     return out, lse
 
 
-#: launch settings measured on a GPU (``benchmarks/tune_key_bias.py``) that replace
-#: ``settings``'s: ``(kernel, dtype, padded width) → {BM, BN, num_warps, num_stages}``, kernel
-#: "forward", "children" (da) or "parents" (db, du, dh)
+#: launch settings that replace ``settings``'s, set at run time (``benchmarks/
+#: tune_key_bias.py`` measures them): ``(kernel, dtype, padded width) → {BM, BN, num_warps,
+#: num_stages}``, kernel "forward", "children" (da) or "parents" (db, du, dh)
 TUNED: dict = {}
+
+#: half precision on a GPU with ≥ 200 KiB of shared memory per block (H100, H200), by kernel
+#: and padded width (≤ 64, 128): the fastest of tune_key_bias.py's candidates on an H100
+#: (bfloat16; B×H×N×d = 8×8×1,024×64, 4×8×4,096×64, 1×4×16,384×128). Four warps where
+#: ``settings`` gave eight cut the backward at d = 128 by half (6.6 → 3.5 ms at N = 16,384)
+MEASURED = {("forward", 64): dict(BM=64, BN=64, num_warps=4, num_stages=3),
+            ("forward", 128): dict(BM=128, BN=128, num_warps=8, num_stages=2),
+            ("children", 64): dict(BM=64, BN=64, num_warps=4, num_stages=2),
+            ("children", 128): dict(BM=64, BN=32, num_warps=4, num_stages=3),
+            ("parents", 64): dict(BM=64, BN=64, num_warps=4, num_stages=2),
+            ("parents", 128): dict(BM=64, BN=64, num_warps=4, num_stages=2)}
 
 
 def _common(dtype: torch.dtype, K: int, D: int, causal: bool, window, children: int = 128,
-            parents: int = 64, kernel: str = "forward") -> dict:
+            parents: int = 64, kernel: str = "forward", device=None) -> dict:
     BK, BD = width(K), width(D)
-    out = dict(settings(dtype, max(BK, BD), children, parents), CAUSAL=causal, BK=BK, BD=BD,
+    widest = max(BK, BD)
+    out = dict(settings(dtype, widest, children, parents), CAUSAL=causal, BK=BK, BD=BD,
                WINDOWED=window is not None)
-    tuned = TUNED.get((kernel, dtype, max(BK, BD)))
-    if tuned and not interpreted():
-        out.update(tuned)
+    if interpreted():
+        return out
+    if dtype in (torch.float16, torch.bfloat16) and widest <= 128 and _roomy(device):
+        out.update(MEASURED[(kernel, 64 if widest <= 64 else 128)])
+    out.update(TUNED.get((kernel, dtype, widest), {}))
     return out
+
+
+_ROOM: dict = {}
+
+
+def _roomy(device) -> bool:
+    """Whether ``device`` (a CUDA device) offers ≥ 200 KiB of shared memory per block."""
+    if device is None or device.type != "cuda":
+        return False
+    if device not in _ROOM:
+        props = torch.cuda.get_device_properties(device)
+        _ROOM[device] = getattr(props, "shared_memory_per_block_optin", 0) >= 200 * 1024
+    return _ROOM[device]
 
 
 def _win(window: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
@@ -331,8 +358,8 @@ def backward(dout: torch.Tensor, a: torch.Tensor, b: torch.Tensor, u: torch.Tens
                    *lse.stride())
         # da per block of children, then db, du, dh per block of parents: square blocks,
         # each program holding more accumulators than the forward's
-        children = _common(a.dtype, K, D, causal, window, 64, 64, "children")
-        parents = _common(a.dtype, K, D, causal, window, 64, 64, "parents")
+        children = _common(a.dtype, K, D, causal, window, 64, 64, "children", a.device)
+        parents = _common(a.dtype, K, D, causal, window, 64, 64, "parents", a.device)
         scale, win = scalar(scale, a), _win(window, a)
         _children_backward[(triton.cdiv(C, children["BM"]), G)](
             a, b, u, h, dout, lse, delta, da, scale, win, C, P, K, D, *strides, **children)

@@ -24,17 +24,17 @@ def _heads(layer, x, W):
     return (x @ W.T).unflatten(-1, (layer.heads, -1)).transpose(-2, -3)
 
 
-def _layer(factory, tol, n):
+def _layer(factory, tol, n, device=DEVICE):
     torch.manual_seed(7)
     if factory == "alibi_attention":  # a sharp head and a uniform one (only the whole past)
         m = sa.models.alibi_attention(16, heads=2, tol=tol, block_size=16, dtype=f64,
-                                      device=DEVICE)
+                                      device=device)
         m.slopes.copy_(torch.tensor([1.0, 0.0], dtype=f64))
     else:  # forget gates near 1/2 (each head's gate its own)
         m = sa.models.forgetting_attention(16, heads=2, tol=tol, block_size=16, dtype=f64,
-                                           device=DEVICE, gate_bias=0.0)
+                                           device=device, gate_bias=0.0)
     torch.manual_seed(3)
-    x = torch.randn(2, n, 16, dtype=f64, device=DEVICE)
+    x = torch.randn(2, n, 16, dtype=f64, device=device)
     return m, x
 
 
@@ -66,6 +66,7 @@ def test_each_head_reads_its_own_certified_band(factory, tol):
     assert bool((tv <= c.bound.cpu() + 1e-12).all())
 
 
+@pytest.mark.filterwarnings("ignore:Attempting to run cuBLAS")  # the backward's thread, on CUDA
 def test_gradients_through_a_band_per_head():
     torch.manual_seed(8)
     m = sa.models.alibi_attention(4, heads=2, d_k=2, tol=0.05, block_size=16, dtype=f64,
@@ -83,7 +84,7 @@ def test_gradients_through_a_band_per_head():
 def test_without_the_kernel_the_shared_window_reads_as_before():
     """Where Triton does not serve (the CPU's own path), one width for every head: here the
     uniform head's, all of the past — the per-head certificate is asked only for the kernel."""
-    m, x = _layer("alibi_attention", 1e-3, 64)
+    m, x = _layer("alibi_attention", 1e-3, 64, device="cpu")
     _, trace = sa.compile(m)(x, return_trace=True)
     c = trace.truncation[m.family_name]
     assert c.width == 63 and c.skipped == 0.0
