@@ -58,7 +58,9 @@ class Certified:
     and ``window``, the smallest width of the doubling sequence that certified it alone;
     ``eps`` the bound asked for; ``skipped``: the fraction of the N(N − 1)/2 (child, past
     parent) pairs outside ``width``; ``certified``: every bound ≤ eps (False only where a
-    ``max_window`` cap stopped the doubling first)."""
+    ``max_window`` cap stopped the doubling first). ``heads`` ``(*batch, H)``: where each
+    head reads a width of its own (``certify(per_lead=True)``), that width — then ``bound``
+    is each child's at its head's width and ``skipped`` the heads' mean; else None."""
 
     width: int
     bound: torch.Tensor
@@ -66,6 +68,7 @@ class Certified:
     eps: float
     skipped: float
     certified: bool
+    heads: torch.Tensor | None = None
 
 
 def tail_bound(log_inside: torch.Tensor, log_tail: torch.Tensor,
@@ -346,9 +349,10 @@ def certify(a: torch.Tensor, b: torch.Tensor, scale: float, prior, eps: float, *
             below = widths[k - 1] if k else None
             if below is None or below in scored or not possible(below):
                 break
-            if last == n - 1 and k == len(widths) - 1 and 8 * band.BandLayout.for_window(
-                    n, below, block).width > n:
+            if last == n - 1 and (k == len(widths) - 1 or per_lead) and \
+                    8 * band.BandLayout.for_window(n, below, block).width > n:
                 break  # against all of the past, scoring so wide a band costs what it saves
+                # (with a width per head, against the heads' bands read in one kernel call)
             scored[below] = log_inside(below)
         width, bd = widths[k], bounds[k]
         window = torch.full(bd.shape, -1, dtype=torch.long, device=dev)
@@ -359,14 +363,15 @@ def certify(a: torch.Tensor, b: torch.Tensor, scale: float, prior, eps: float, *
         if active is not None:  # the other heads read all of the past (bound 0)
             window = torch.where(active[..., None], window, last)
             width, bd = last, bounds[-1]
+        heads = None
         if per_lead:  # each head reads its own width: its children's bounds at it
             own = window.amax(-1, keepdim=True)
             for w, bw in zip(widths, bounds, strict=True):
                 bd = torch.where(own == w, bw, bd)
-            heads = own.flatten().tolist()
-            skipped = sum(skipped_pairs(n, w) for w in heads) / len(heads)
+            heads = own[..., 0]
+            skipped = sum(skipped_pairs(n, w) for w in heads.flatten().tolist()) / heads.numel()
     ok = bool((bd <= eps).all())
-    return Certified(width, bd, window, float(eps), skipped, ok)
+    return Certified(width, bd, window, float(eps), skipped, ok, heads)
 
 
 def certificate_option(owner: str, certificate, tol) -> str:

@@ -194,3 +194,65 @@ def test_the_operators_pass_opcheck(dtype, heads_view):
     out, lse = ops.forward(q, k, v, h, 0.5, True)
     dout = torch.randn_like(out)
     torch.library.opcheck(ops.backward, (dout, q.detach(), k, v, h, out.detach(), lse, 0.5, True))
+
+
+# -- a band per leading index: the compiled kernel's band_forward / band_backward -----------
+
+def banded_by_hand(a, b, u, h, scale, window):
+    """softmax_j(scale·⟨a_i, b_j⟩ + h_j) u_j over i − w ≤ j ≤ i, w per leading index."""
+    s = scale * a @ b.transpose(-1, -2) + h.unsqueeze(-2)
+    C, P = s.shape[-2:]
+    i, j = torch.arange(C)[:, None], torch.arange(P)[None, :]
+    off = (j > i) | (j < i - window[..., None, None])
+    return s.masked_fill(off, float("-inf")).softmax(-1) @ u
+
+
+@settings(max_examples=25, deadline=None)
+@given(C=st.integers(1, 600), d_k=st.integers(1, 6), d_v=st.integers(1, 6),
+       heads=st.integers(1, 3), batch=st.integers(1, 2), seed=st.integers(0, 10_000),
+       dtype=st.sampled_from([torch.float32, f64]))
+def test_a_band_per_head_equals_softmax_written_out(C, d_k, d_v, heads, batch, seed, dtype):
+    """Outputs and the gradients of a, b, u and h, each head its own width (0, inside a block
+    of 128 children, across the 256 parents of a tile, the whole past), in both dtypes."""
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(batch, heads, C, d_k, generator=g, dtype=dtype, requires_grad=True)
+    b = torch.randn(batch, heads, C, d_k, generator=g, dtype=dtype, requires_grad=True)
+    u = torch.randn(batch, heads, C, d_v, generator=g, dtype=dtype, requires_grad=True)
+    h = torch.randn(batch, heads, C, generator=g, dtype=dtype, requires_grad=True)
+    window = torch.randint(0, C + 2, (batch, heads), generator=g)
+    got = key_bias.key_bias_attention(a, b, u, h, 0.7, True, window)
+    leaves = [t.detach().double().requires_grad_() for t in (a, b, u, h)]
+    want = banded_by_hand(*leaves, 0.7, window)
+    tol = 1e-12 if dtype == f64 else 2e-5
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=tol)
+    dout = torch.randn(got.shape, generator=g, dtype=dtype)
+    for x, y in zip(torch.autograd.grad((got * dout).sum(), (a, b, u, h)),
+                    torch.autograd.grad((want * dout.double()).sum(), leaves), strict=True):
+        torch.testing.assert_close(x.double(), y, rtol=0, atol=20 * tol)
+
+
+def test_a_band_per_head_gradcheck_and_opcheck():
+    torch.manual_seed(3)
+    a, b, u = (torch.randn(1, 2, 9, 3, dtype=f64, requires_grad=True) for _ in range(3))
+    h = torch.randn(1, 2, 9, dtype=f64, requires_grad=True)
+    window = torch.tensor([[2, 5]])
+    assert torch.autograd.gradcheck(
+        lambda *t: key_bias.key_bias_attention(*t, 0.6, True, window), (a, b, u, h))
+    ops = sa.kernels.key_bias()
+    key_bias._ops()  # the rules registered
+    q, k, v = (t.detach() for t in (a, b, u))
+    torch.library.opcheck(ops.band_forward, (q.requires_grad_(), k, v, h.detach(), window, 0.5))
+    out, lse = ops.band_forward(q, k, v, h.detach(), window, 0.5)
+    torch.library.opcheck(ops.band_backward, (torch.randn_like(out), q.detach(), k, v, h.detach(),
+                                              out.detach(), lse, window, 0.5))
+
+
+def test_a_band_per_head_refuses_what_it_cannot_read():
+    ops = sa.kernels.key_bias()
+    q = torch.randn(1, 2, 4, 3, dtype=f64)
+    with pytest.raises(RuntimeError, match=r"key_bias: window \(B, H\)"):
+        ops.band_forward(q, q, q, q[..., 0], torch.tensor([3]), 1.0)
+    with pytest.raises(RuntimeError, match="key_bias: windows ≥ 0"):
+        ops.band_forward(q, q, q, q[..., 0], torch.tensor([[3, -1]]), 1.0)
+    with pytest.raises(ValueError, match="a window per leading index needs is_causal"):
+        key_bias.key_bias_attention(q, q, q, q[..., 0], 1.0, False, torch.tensor([[3, 1]]))

@@ -47,7 +47,8 @@ def test_each_head_reads_its_own_certified_band(factory, tol):
     with triton_kernels.on_cpu():
         y, p, trace = sa.compile(m)(x, return_posterior=True, return_trace=True)
     c = trace.truncation[m.family_name]
-    own = c.window.amax(-1)  # (batch, H): each head's width
+    own = c.heads  # (batch, H): each head's width
+    torch.testing.assert_close(own, c.window.amax(-1), rtol=0, atol=0)
     if factory == "alibi_attention":  # the uniform head reads everything, the sharp one little
         assert bool((own[:, 1] == n - 1).all()) and bool((own[:, 0] <= 32).all())
         assert c.width == n - 1 and 0.3 < c.skipped < 0.5  # half the heads skip
@@ -76,15 +77,17 @@ def test_gradients_through_a_band_per_head():
     layer = sa.compile(m)
     with triton_kernels.on_cpu():
         _, trace = layer(x, return_trace=True)
-        own = trace.truncation[m.family_name].window.amax(-1)
+        own = trace.truncation[m.family_name].heads
         assert int(own[0, 0]) < 39 == int(own[0, 1])
         assert torch.autograd.gradcheck(lambda xx, wq: layer(xx), (x, m.W_q), fast_mode=True)
 
 
-def test_without_the_kernel_the_shared_window_reads_as_before():
-    """Where Triton does not serve (the CPU's own path), one width for every head: here the
-    uniform head's, all of the past — the per-head certificate is asked only for the kernel."""
+def test_without_a_band_kernel_the_shared_window_reads_as_before():
+    """Where no kernel reads a band per head (compiled kernels off), one width for every
+    head: here the uniform head's, all of the past — the per-head certificate is asked only
+    for a kernel."""
     m, x = _layer("alibi_attention", 1e-3, 64, device="cpu")
-    _, trace = sa.compile(m)(x, return_trace=True)
+    with sa.kernels.disabled():
+        _, trace = sa.compile(m)(x, return_trace=True)
     c = trace.truncation[m.family_name]
-    assert c.width == 63 and c.skipped == 0.0
+    assert c.width == 63 and c.skipped == 0.0 and c.heads is None
