@@ -51,7 +51,7 @@ RUN_ENTRIES = 2**21
 
 
 @dataclass
-class Certified:
+class CertifiedWindow:
     """What certified truncation chose for one family: ``width``, the window every child
     reads (distances 1..width); per child ``(*batch, H, N)``: ``bound``, the certified upper
     bound on its posterior mass beyond ``width`` (0 where the width holds its whole past),
@@ -235,7 +235,7 @@ def block_tail_ceilings(a: torch.Tensor, b: torch.Tensor, scale: float, widths,
 
 def certify(a: torch.Tensor, b: torch.Tensor, scale: float, prior, eps: float, *,
             start: int = 16, cap: int | None = None, block: int = 32, first: int = 1,
-            widest: int | None = None, per_lead: bool = False) -> Certified:
+            widest: int | None = None, per_lead: bool = False) -> CertifiedWindow:
     """The shortest window of the sequence ``start``, 2·``start``, … (at most ``cap``, the
     longest past by default) whose certified posterior tail is ≤ ``eps`` for every child.
 
@@ -371,7 +371,7 @@ def certify(a: torch.Tensor, b: torch.Tensor, scale: float, prior, eps: float, *
             heads = own[..., 0]
             skipped = sum(skipped_pairs(n, w) for w in heads.flatten().tolist()) / heads.numel()
     ok = bool((bd <= eps).all())
-    return Certified(width, bd, window, float(eps), skipped, ok, heads)
+    return CertifiedWindow(width, bd, window, float(eps), skipped, ok, heads)
 
 
 def certificate_option(owner: str, certificate, tol) -> str:

@@ -6,10 +6,11 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-from torch.nn.modules import module as _module
 
 from .declaration import Declaration, as_declaration
 from .iterate import Engine
+from .plans.internals import GLOBAL_HOOKS as _HOOKS
+from .plans.internals import tracing_state
 from .readers.marginalise import Marginalise
 from .replay import MAX_PLANS, MISSED, Plans
 
@@ -72,10 +73,9 @@ class CompiledModule(nn.Module):
         last = plans._last
         if last is not None and plans.enabled and self._compiled_call_impl is None \
                 and not (self._forward_pre_hooks or self._forward_hooks or self._backward_hooks
-                         or self._backward_pre_hooks or _module._global_forward_pre_hooks
-                         or _module._global_forward_hooks or _module._global_backward_hooks
-                         or _module._global_backward_pre_hooks) \
-                and not torch.compiler.is_compiling() and not torch._C._get_tracing_state():
+                         or self._backward_pre_hooks or _HOOKS[0] or _HOOKS[1] or _HOOKS[2]
+                         or _HOOKS[3]) \
+                and not torch.compiler.is_compiling() and not tracing_state():
             out = last.run(self, inputs, kwargs)
             if out is not MISSED:
                 return out

@@ -139,7 +139,7 @@ def export(model, *example_inputs, dynamic=None, return_posterior: bool = False,
                                        dynamic_shapes=_dynamic_shapes(dynamic, example_inputs),
                                        strict=False)
     except Exception as err:
-        from .replay import _where
+        from .plans.record import _where
 
         name = layer.declaration.display_name
         text = str(err)

@@ -55,7 +55,7 @@ class Trace:
     largest round count and ``converged`` = every window settled.
 
     Certified truncation (a prior's ``tol``, e.g. ``BetaGeometric(tol=ε)`` read exactly):
-    ``truncation[family]``, a ``structattn.certified.Certified`` (also
+    ``truncation[family]``, a ``structattn.certified.CertifiedWindow`` (also
     ``structattn.windows.CertifiedWindow``) — the window read and the certified bound on each
     token's posterior mass beyond it — or, with ``certificate="blocks"``, a
     ``structattn.block_sparse.BlockSparse``: the key blocks each block of tokens read, per

@@ -286,7 +286,7 @@ def test_an_inference_plan_computes_nothing_twice():
     gone, and — nothing being differentiated — no ``detach`` is left (bit for bit: the other
     tests). With gradients, repeated operators stay: merging them would change the order in
     which a backward adds their gradients."""
-    from structattn.replay import _RESHAPES
+    from structattn.plans.simplify import _RESHAPES
 
     torch.manual_seed(0)
     m = sa.models.slot_attention(4, 8, recipe="collapsed", iters=3, dtype=torch.float64)
@@ -315,7 +315,7 @@ def test_an_inference_plan_computes_nothing_twice():
 def test_a_graph_that_writes_into_a_tensor_is_not_simplified():
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from structattn.replay import _simplify
+    from structattn.plans.simplify import _simplify
 
     def f(x):
         a, b = x.exp(), x.exp()  # the same value twice, one of them then written into

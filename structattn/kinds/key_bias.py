@@ -48,10 +48,13 @@ def _register(ops) -> None:
         lse_dtype = torch.float32 if q.dtype != torch.float64 else q.dtype
         return torch.empty_like(q), q.new_empty(B, C, H, dtype=lse_dtype).transpose(1, 2)
 
-    @torch.library.register_fake(f"{lib}::backward")
-    def _(dout, q, k, v, h, out, lse, scale, causal):
+    def grads_like(q, k, v, h):  # what either backward returns: dq, dk, dv, dh
         return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
                 h.new_empty(h.shape, dtype=q.dtype))
+
+    @torch.library.register_fake(f"{lib}::backward")
+    def _(dout, q, k, v, h, out, lse, scale, causal):
+        return grads_like(q, k, v, h)
 
     def setup(ctx, inputs, output):
         q, k, v, h, scale, causal = inputs
@@ -75,8 +78,7 @@ def _register(ops) -> None:
 
     @torch.library.register_fake(f"{lib}::band_backward")
     def _(dout, q, k, v, h, out, lse, window, scale):
-        return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
-                h.new_empty(h.shape, dtype=q.dtype))
+        return grads_like(q, k, v, h)
 
     def band_setup(ctx, inputs, output):
         q, k, v, h, window, scale = inputs

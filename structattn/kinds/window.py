@@ -67,7 +67,7 @@ class WindowOperator(Operator):
         super().__init__(family, cache)
         self._band = None
         self._width = False  # not chosen yet
-        #: certified truncation's choice (``structattn.certified.Certified``) when the
+        #: certified truncation's choice (``structattn.certified.CertifiedWindow``) when the
         #: prior asks for one (``tol``) and the band applies; the trace reports it
         self.truncation = None
         self._windows = False  # each head's window (``_head_windows``), not chosen yet

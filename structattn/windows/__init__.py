@@ -4,8 +4,7 @@ the compiled kernel's typed interface (``kernel.py``); certified truncation
 (``structattn/certified.py``: ``certify``, its result ``CertifiedWindow``); credible context
 lengths from the posterior over q (``structattn/credible.py``: ``credible_context``)."""
 
-from ..certified import Certified as CertifiedWindow
-from ..certified import certify
+from ..certified import CertifiedWindow, certify
 from ..credible import CredibleContext, credible_context
 from .history import MeanFieldHistory
 from .rules import RULES, Certified, Edge, Evidence, Predictive, Round, WindowRule

@@ -1,0 +1,175 @@
+"""Recording a plan: one reading of a compiled module at one signature traced by ``make_fx``
+(pre-dispatch: composite operators stay whole), its checks made graph outputs, simplified
+(``simplify``), its parameter-only part split off, and its nodes bound to public torch
+calls. Part of the plan compiler (``structattn.replay``)."""
+
+from __future__ import annotations
+
+import torch
+from torch.utils import _pytree as pytree
+
+from .. import _validation
+from .internals import OpOverload, reparametrized, trace
+from .plan import Plan, _split
+from .simplify import _drop_implied_checks, _impure, _simplify, _split_constants
+
+
+def record(layer, names: list, state: list, inputs: tuple, kwargs: dict) -> Plan:
+    """Trace one reading of ``layer`` at this signature into a ``Plan``."""
+    tensors, rebuild = _split(inputs)
+    k = len(state)
+    plan = Plan()
+    # checks off, on the CPU: the checks are recorded as the plan's guards (a failed one
+    # re-reads the call, unchecked) — a flag read costs nothing on the CPU, and a NaN then
+    # needs no carrier in the graph at every attention call
+    as_guards = not _validation.is_validating() and all(
+        t.device.type == "cpu" for t in (*state, *tensors))
+
+    def reading(*flat):
+        flags: list = []
+        with reparametrized(layer.declaration, dict(zip(names, flat[:k], strict=True))), \
+                _validation.recording(flags, as_guards=as_guards):
+            out = layer.interpret(*rebuild(flat[k:]), **kwargs)
+        leaves, plan.spec = pytree.tree_flatten(out)
+        plan.literals = {i: v for i, v in enumerate(leaves) if not isinstance(v, torch.Tensor)}
+        result = [v for v in leaves if isinstance(v, torch.Tensor)]
+        plan.n_tensors = len(result)
+        plan.single = isinstance(out, torch.Tensor)
+        # each check's verdict is an output, read by the replay (cheaper than combining
+        # them in the graph): a sum, finite iff the data were, or a boolean, True iff they pass
+        result.extend(flags)
+        plan.flags = tuple("finite" if f.is_floating_point() else "true" for f in flags)
+        return result
+
+    # tracing runs the reading on the real tensors: its random draws must not advance the
+    # generators the replay (which serves this call) draws from
+    devices = sorted({t.device.index or 0 for t in (*state, *tensors) if t.is_cuda})
+    try:
+        with torch.random.fork_rng(devices=devices):
+            graph = trace(reading)(*state, *tensors)
+    except Exception as err:  # the reading reads tensor values (or cannot be traced)
+        plan.reason = f"{_where(err)}{type(err).__name__}: {str(err).splitlines()[0][:200]}"
+        return plan
+    graph.graph.eliminate_dead_code(is_impure_node=_impure)
+    captured = [getattr(graph, n.target) for n in graph.graph.nodes if n.op == "get_attr"]
+    differentiated = _differentiated(state, tensors, captured)
+    _simplify(graph.graph, merge=not differentiated)
+    _drop_implied_checks(graph.graph, plan, k)
+    graph.recompile()
+    with torch.random.fork_rng(devices=devices):
+        _bind_to_torch(graph, (*state, *tensors))
+    graph.recompile()
+    if not _differentiated(state, captured):
+        plan.constants_graph = _split_constants(graph, k)  # nothing to differentiate: fold
+        if plan.constants_graph is not None:  # tensors the reading captured (a closure's)
+            plan.captured = [getattr(plan.constants_graph, n.target)
+                             for n in plan.constants_graph.graph.nodes if n.op == "get_attr"]
+    # the tracer's notes on each node (its stack trace, a description of its value), which
+    # only the passes above read: kept, a plan of a 200-step relaxation held ~380 MB of them
+    for g in (graph, plan.constants_graph):
+        for node in g.graph.nodes if g is not None else ():
+            node.meta.clear()
+    plan.graph = graph
+    return plan
+
+
+def _differentiated(*groups) -> bool:
+    """Whether a gradient may flow through a recording of these tensors."""
+    return torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for ts in groups for t in ts)
+
+
+
+
+def _where(err: BaseException) -> str:
+    """``"file:line (function): "`` of the innermost frame outside torch where ``err`` arose."""
+    import traceback
+
+    frames = [f for f in traceback.extract_tb(err.__traceback__)
+              if "/torch/" not in f.filename and "/pyro/" not in f.filename]
+    if not frames:
+        return ""
+    f = frames[-1]
+    return f"{'/'.join(f.filename.split('/')[-3:])}:{f.lineno} ({f.name}): "
+
+
+def _binding(op):
+    """The public torch binding an aten overload was called through (``torch.transpose``,
+    ``torch._C._nn.linear``, ``Tensor.add_``), or None. The binding resolves the same
+    arguments to the same overload, as it did when the reading called it, and costs a few
+    microseconds less per call than the overload object (no Python frame of its own)."""
+    if not isinstance(op, OpOverload) or op.namespace != "aten":
+        return None
+    name = op.overloadpacket.__name__
+    for home in (torch, torch._C._nn, torch._C._linalg, torch._C._special, torch._C._fft):
+        fn = getattr(home, name, None)
+        if fn is not None and type(fn).__name__ == "builtin_function_or_method":
+            return fn
+    method = getattr(torch.Tensor, name, None)
+    return method if type(method).__name__ == "method_descriptor" else None
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return (isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
+                and a.stride() == b.stride() and a.requires_grad == b.requires_grad
+                and torch.equal(a, b))
+    if isinstance(a, (tuple, list)):
+        return (isinstance(b, (tuple, list)) and len(a) == len(b)
+                and all(_same(x, y) for x, y in zip(a, b, strict=True)))
+    return type(a) is type(b) and a == b
+
+
+def _draws_nothing(node, args, kwargs) -> bool:
+    """A seeded overload called so that it draws nothing: attention without dropout."""
+    if node.target is torch.ops.aten.scaled_dot_product_attention.default:
+        p = kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0)
+        return p == 0.0
+    return False
+
+
+def _bind_to_torch(graph: torch.fx.GraphModule, args: tuple) -> None:
+    """Call each aten overload of ``graph`` through its torch binding where that binding,
+    given the node's own arguments at this signature, returns the same thing (checked here,
+    node by node, on the recording's inputs: the graph is straight-line, so every node runs).
+    Overloads that mutate or draw at random keep their overload object."""
+    bound = {}
+
+    narrowed = {}
+
+    class Check(torch.fx.Interpreter):
+        def run_node(self, n):
+            out = super().run_node(n)
+            if n.op == "call_function" and n.target is torch.ops.aten.slice.Tensor:
+                # a unit-step slice has no public binding; ``torch.narrow`` is the same view
+                # (the signature fixes the size, so the length is known)
+                a, kw = self.fetch_args_kwargs_from_env(n)
+                x, dim, start, end, step = (*a, *[None] * (5 - len(a)))[:5] if not kw \
+                    else (None,) * 5
+                if isinstance(x, torch.Tensor) and step in (None, 1) and isinstance(dim, int) \
+                        and isinstance(start, int) and isinstance(end, int):
+                    size = x.shape[dim]
+                    lo = max(0, min(size, start + size if start < 0 else start))
+                    hi = max(lo, min(size, end + size if end < 0 else end))
+                    if _same(out, torch.narrow(x, dim, lo, hi - lo)):
+                        narrowed[n] = (n.args[0], dim, lo, hi - lo)
+                return out
+            fn = _binding(n.target) if n.op == "call_function" else None
+            if fn is None or n.target._schema.is_mutable:
+                return out
+            a, kw = self.fetch_args_kwargs_from_env(n)
+            if torch.Tag.nondeterministic_seeded in n.target.tags and not _draws_nothing(n, a, kw):
+                return out
+            try:
+                alt = fn(*a, **kw)
+            except Exception:  # the binding parses these arguments differently
+                return out
+            if _same(out, alt):
+                bound[n] = fn
+            return out
+
+    Check(graph).run(*args)
+    for node, fn in bound.items():
+        node.target = fn
+    for node, narrow in narrowed.items():
+        node.target, node.args, node.kwargs = torch.narrow, narrow, {}
