@@ -18,12 +18,17 @@ Iterative models are exported at their fixed step count; graph attention with dy
 
 from __future__ import annotations
 
+import contextlib
+import io
+import sys
+
 import torch
 from torch import nn
 
 from . import _validation
 from .compiler import CompiledModule, compile
 from .kinds.window import Window
+from .priors.beta_geometric import BetaGeometric
 
 __all__ = ["export"]
 
@@ -80,6 +85,13 @@ def _refuse_data_dependent(layer: CompiledModule, inputs: tuple, kwargs: dict) -
                 f"by {type(fam.inference).__name__}, whose windows are sized from the data on "
                 f"every call, so no single program holds it; export its exact reading "
                 f"(e.g. variant='exact') or run it under structattn")
+        if isinstance(fam.prior, BetaGeometric) and fam.prior.prior_tol is not None:
+            raise ValueError(
+                f"structattn.export: {name} cannot be exported: edge family {fam.name!r} cuts "
+                f"its support at the prior's tail (prior_tol={fam.prior.prior_tol:g}), a width "
+                f"read from the learned Beta parameters on every call, so no single program "
+                f"holds it; export it with max_window (a fixed width) or run it under "
+                f"structattn")
         tol = fam.prior.tol
         if tol is not None and isinstance(fam.support, Window):  # (stick-breaking's tol only
             # stops a scan: its exported reading is the whole table)
@@ -92,8 +104,10 @@ def _refuse_data_dependent(layer: CompiledModule, inputs: tuple, kwargs: dict) -
 
 
 class _quiet_torch:
-    """torch's own logging held to errors while exporting: a refused export printed hundreds
-    of lines of warnings and graph dumps before the library's one-line message."""
+    """torch's own logging held to errors, and what it prints itself (a data-dependent
+    guard's graph dump) kept, while exporting: a refused export printed hundreds of lines of
+    warnings and graph dumps before the library's one-line message. What was printed comes
+    out after a successful export."""
 
     NAMES = ("torch", "torch._dynamo", "torch._export", "torch.export",
              "torch.fx.experimental.symbolic_shapes", "torch._subclasses")
@@ -104,11 +118,21 @@ class _quiet_torch:
         self.levels = [(logging.getLogger(n), logging.getLogger(n).level) for n in self.NAMES]
         for logger, _ in self.levels:
             logger.setLevel(logging.ERROR)
+        self.printed = (io.StringIO(), io.StringIO())  # (torch prints its failed graph to
+        self.redirects = (contextlib.redirect_stdout(self.printed[0]),  # stderr itself)
+                          contextlib.redirect_stderr(self.printed[1]))
+        for redirect in self.redirects:
+            redirect.__enter__()
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, kind, *exc):
+        for redirect in reversed(self.redirects):
+            redirect.__exit__(kind, *exc)
         for logger, level in self.levels:
             logger.setLevel(level)
+        if kind is None:
+            sys.stdout.write(self.printed[0].getvalue())
+            sys.stderr.write(self.printed[1].getvalue())
         return False
 
 

@@ -1,6 +1,7 @@
 """``structattn.export``: a compiled declaration as a ``torch.export.ExportedProgram`` that runs
 where neither structattn nor Pyro is installed."""
 
+import importlib
 import os
 import pathlib
 import subprocess
@@ -127,6 +128,8 @@ REFUSED = {
     "FoX blocks": (lambda: sa.models.forgetting_attention(8, heads=2, tol=1e-3,
                                                           certificate="blocks"),
                    "certified key blocks"),
+    "expanding exact prior_tol": (lambda: sa.models.expanding_attention(
+        8, heads=2, variant="exact", prior_tol=0.05), "prior_tol=0.05"),
     "expanding mean field": (lambda: sa.models.expanding_attention(8, heads=2), "MeanFieldWindows"),
     "expanding grad=last": (lambda: sa.models.expanding_attention(8, heads=2, grad="last"),
                             "MeanFieldWindows"),
@@ -144,6 +147,19 @@ def test_what_has_no_single_program_is_refused_in_one_line_and_prints_nothing(na
     assert message.startswith("structattn.export: ") and "cannot be exported" in message
     assert reason in message and "\n" not in message
     assert "SymInt" not in message and "guard" not in message.lower()
+    out, err = capfd.readouterr()
+    assert out == "" and err == "", (out + err)[:2000]
+
+
+def test_a_failed_export_prints_nothing_but_its_error(capfd, monkeypatch):
+    """What torch prints while tracing (a data-dependent guard's graph dump) is held back
+    when the export fails: the library's error alone comes out."""
+    exporting = importlib.import_module("structattn.export")  # (sa.export is the function)
+    monkeypatch.setattr(exporting, "_refuse_data_dependent", lambda *a: None)  # let torch try
+    m = sa.models.expanding_attention(8, heads=2, variant="exact", prior_tol=0.05)
+    with pytest.raises(ValueError, match=r"^structattn.export: ExpandingAttention could not be "
+                                         r"exported"):
+        sa.export(m, torch.randn(1, 40, 8))
     out, err = capfd.readouterr()
     assert out == "" and err == "", (out + err)[:2000]
 
