@@ -68,7 +68,6 @@ def _fast_path(last, plans, n_inputs: int, kwargs: dict, state: list, queueable:
     node of an fx graph is called, so the graph's locals cannot shadow them. ``queueable``:
     the plan runs on a GPU, where its checks' verdicts are queued (``structattn.verdicts``)."""
     declaration, plan = last.declaration, last.plan
-    _, dicts, shared = plans._modules
     env = {"_sa_D": declaration, "_sa_MISSED": _MISSED, "_sa_guard": last.guard,
            "_sa_M": _modes(declaration), "_sa_modes": _modes, "_sa_plan": plan,
            "_sa_plans": plans, "_sa_isfinite": isfinite, "_sa_constants": _constants,
@@ -76,57 +75,13 @@ def _fast_path(last, plans, n_inputs: int, kwargs: dict, state: list, queueable:
            "_sa_Exception": Exception, "_sa_len": len, "_sa_float": float,
            "_sa_KeyError": KeyError, "_sa_id": id, "_sa_Q": plans.verdicts,
            "_sa_VAL": _validation, "_sa_partial": partial, "_sa_call_failed": call_failed,
-           "_sa_read": _read}
+           "_sa_read": _read, "_sa_type": type, "_sa_bool": bool, "_sa_int": int,
+           "_sa_str": str}
     ins = [f"_sa_i{i}" for i in range(n_inputs)]
     st = [f"_sa_s{i}" for i in range(len(state))]
-    env.update(_sa_type=type, _sa_bool=bool, _sa_int=int, _sa_float=float, _sa_str=str)
-    same_options = "".join(f" or _sa_type(_sa_kw.get({k!r})) is not _sa_{type(v).__name__}"
-                           f" or _sa_kw[{k!r}] != {v!r}" for k, v in kwargs.items()
-                           ) if all(v is not None for v in kwargs.values()) else None
-    env["_sa_K"] = dict(kwargs)
-    if same_options is None:  # a None among them: compared as the dict it is
-        same_options = " or _sa_kw != _sa_K or any(_sa_type(v) is not _sa_type(_sa_K[k]) " \
-                       "for k, v in _sa_kw.items())"
-    lines = ["def run(_sa_layer, _sa_inputs, _sa_kw):",  # (``layer.declaration``: __getattr__'s)
-             "    if _sa_Q.queue:  # an earlier call's failed check raises first",
-             "        _sa_Q.settle()",
-             f"    if _sa_layer._modules.get('declaration') is not _sa_D "
-             f"or _sa_len(_sa_inputs) != {n_inputs} or _sa_len(_sa_kw) != {len(kwargs)}"
-             f"{same_options}:",
-             "        return _sa_MISSED",
-             f"    {', '.join(ins)}, = _sa_inputs" if ins else "    pass",
-             "    if _sa_modes(_sa_D) != _sa_M:",
-             "        return _sa_MISSED"]
-    if shared or not state:  # tied weights: the module's own walk, which drops duplicates
-        env["_sa_ids"] = [id(t) for t in state]
-        lines += ["    _sa_state = _sa_plans.state(_sa_D)",
-                  "    if [_sa_id(t) for t in _sa_state] != _sa_ids:",
-                  "        return _sa_MISSED"]
-        if st:
-            lines.append(f"    {', '.join(st)}, = _sa_state")
-    else:  # every tensor fetched by name from its dict, the dicts' sizes unchanged
-        where = {id(t): i for i, t in enumerate(state)}
-        fetch, same = [], []
-        for k, d in enumerate(dicts):
-            env[f"_sa_d{k}"] = d
-            same.append(f"_sa_len(_sa_d{k}) != {len(d)}")
-            for name, t in d.items():
-                if t is None:
-                    same.append(f"_sa_d{k}[{name!r}] is not None")
-                else:
-                    i = where[id(t)]
-                    env[f"_sa_S{i}"] = t
-                    fetch.append(f"_sa_s{i} = _sa_d{k}[{name!r}]")
-                    same.append(f"_sa_s{i} is not _sa_S{i}")
-        lines += ["    try:"] + [f"        {f}" for f in fetch] + [
-            "    except _sa_KeyError:",
-            "        return _sa_MISSED",
-            f"    if {' or '.join(same)}:",
-            "        return _sa_MISSED"]
-    # What the plan computes from the parameters alone (its constants graph) and the checks
+    # what the plan computes from the parameters alone (its constants graph) and the checks
     # among those values: refreshed when a parameter (or a tensor the constants captured)
     # moves, not looked at every call
-    n = plan.n_tensors
     held = plan.constants_graph is not None and bool(st)
     constant_flags = _constant_flags(plan, len(state) + n_inputs) if held else {}
     if held:
@@ -136,35 +91,8 @@ def _fast_path(last, plans, n_inputs: int, kwargs: dict, state: list, queueable:
                    _sa_VC=[stamp(t) for t in plan.captured], _sa_WC=hold(plan.captured))
         for i, t in enumerate(plan.captured):
             env[f"_sa_C{i}"] = t
-    if st:  # a parameter changed (an optimizer step, ``p.data = …``): found finite again
-        stamps = [stamp(t) for t in state]
-        env.update(_sa_V=[v for v, _, _ in stamps], _sa_P=[p for _, p, _ in stamps],
-                   _sa_O=[o for _, _, o in stamps], _sa_W=hold(state))
-        # ``stamp`` inlined: the version, the storage's address and the offset compared
-        moved = " or ".join(
-            f"{VERSION.format(s)} != _sa_V[{i}] or {STORAGE.format(s)} != _sa_P[{i}] "
-            f"or {s}.storage_offset() != _sa_O[{i}]" if stamps[i][2] is not None
-            else f"_sa_stamp({s})[:2] != (_sa_V[{i}], _sa_P[{i}])" for i, s in enumerate(st))
-        now = ", ".join(st)
-        lines += [f"    if {moved}:",
-                  f"        if not _sa_plans.parameters_finite([{now}], _sa_D):",
-                  "            return _sa_MISSED"]
-        refresh = [f"        _sa_CV[:] = _sa_constants(_sa_plan, [{now}])",
-                   "        _sa_CF[0] = _sa_flags_pass(_sa_plan, _sa_CV, _sa_CFI)"] if held else []
-        # the stamps last: another thread that sees them new sees the constants new too
-        lines += refresh + [
-            f"        _sa_T = [_sa_stamp(t) for t in ({now},)]",
-            "        _sa_W[:] = _sa_hold([" + now + "])",
-            "        _sa_V[:] = [t[0] for t in _sa_T]",
-            "        _sa_P[:] = [t[1] for t in _sa_T]",
-            "        _sa_O[:] = [t[2] for t in _sa_T]"]
-        if held and plan.captured:
-            cap = [f"_sa_C{i}" for i in range(len(plan.captured))]
-            lines += ["    if " + " or ".join(f"_sa_stamp({c}) != _sa_VC[{i}]"
-                                          for i, c in enumerate(cap)) + ":",
-                      *refresh,
-                      f"        _sa_WC[:] = _sa_hold([{', '.join(cap)}])",
-                      f"        _sa_VC[:] = [{', '.join(f'_sa_stamp({c})' for c in cap)}]"]
+    lines = (_call_lines(n_inputs, kwargs, ins, env) + _state_lines(plans, state, st, env)
+             + _stamp_lines(plan, state, st, held, env))
     lines += ["    try:",
               f"        if not _sa_guard({', '.join(ins + st)}):",
               "            return _sa_MISSED",
@@ -177,12 +105,117 @@ def _fast_path(last, plans, n_inputs: int, kwargs: dict, state: list, queueable:
     elif plan.constants_graph is not None:
         args += ", *_sa_constants(_sa_plan, [" + ", ".join(st) + "])"
     lines += [f"        {line}" for line in _inlined(plan.graph, args, env)]
+    lines += _flag_lines(plan, constant_flags, queueable, env)
+    lines.append("    _sa_plan.calls += 1")
+    lines.append("    return _sa_result[0]" if plan.single
+                 else "    return _sa_output(_sa_plan, _sa_result)")
+    code = "\n".join(lines)
+    exec(compile(code, f"<structattn replay of {type(declaration).__name__}>", "exec"), env)
+    return env["run"]
+
+
+def _call_lines(n_inputs: int, kwargs: dict, ins: list, env: dict) -> list:
+    """The function's head: an earlier call's failed check raised first; then this call's
+    layer, input count and options compared with the plan's (plain values by type and
+    value), the inputs unpacked, the global modes compared."""
+    same_options = "".join(f" or _sa_type(_sa_kw.get({k!r})) is not _sa_{type(v).__name__}"
+                           f" or _sa_kw[{k!r}] != {v!r}" for k, v in kwargs.items()
+                           ) if all(v is not None for v in kwargs.values()) else None
+    env["_sa_K"] = dict(kwargs)
+    if same_options is None:  # a None among them: compared as the dict it is
+        same_options = " or _sa_kw != _sa_K or any(_sa_type(v) is not _sa_type(_sa_K[k]) " \
+                       "for k, v in _sa_kw.items())"
+    return ["def run(_sa_layer, _sa_inputs, _sa_kw):",  # (``layer.declaration``: __getattr__'s)
+            "    if _sa_Q.queue:  # an earlier call's failed check raises first",
+            "        _sa_Q.settle()",
+            f"    if _sa_layer._modules.get('declaration') is not _sa_D "
+            f"or _sa_len(_sa_inputs) != {n_inputs} or _sa_len(_sa_kw) != {len(kwargs)}"
+            f"{same_options}:",
+            "        return _sa_MISSED",
+            f"    {', '.join(ins)}, = _sa_inputs" if ins else "    pass",
+            "    if _sa_modes(_sa_D) != _sa_M:",
+            "        return _sa_MISSED"]
+
+
+def _state_lines(plans, state: list, st: list, env: dict) -> list:
+    """The parameters and buffers fetched (``st``) and found to be the plan's tensors: by
+    name from their modules' dicts, the dicts' sizes unchanged — or, with tied weights, by
+    the module's own walk, which drops duplicates."""
+    _, dicts, shared = plans._modules
+    if shared or not state:
+        env["_sa_ids"] = [id(t) for t in state]
+        lines = ["    _sa_state = _sa_plans.state(_sa_D)",
+                 "    if [_sa_id(t) for t in _sa_state] != _sa_ids:",
+                 "        return _sa_MISSED"]
+        return lines + ([f"    {', '.join(st)}, = _sa_state"] if st else [])
+    where = {id(t): i for i, t in enumerate(state)}
+    fetch, same = [], []
+    for k, d in enumerate(dicts):
+        env[f"_sa_d{k}"] = d
+        same.append(f"_sa_len(_sa_d{k}) != {len(d)}")
+        for name, t in d.items():
+            if t is None:
+                same.append(f"_sa_d{k}[{name!r}] is not None")
+            else:
+                i = where[id(t)]
+                env[f"_sa_S{i}"] = t
+                fetch.append(f"_sa_s{i} = _sa_d{k}[{name!r}]")
+                same.append(f"_sa_s{i} is not _sa_S{i}")
+    return ["    try:"] + [f"        {f}" for f in fetch] + [
+        "    except _sa_KeyError:",
+        "        return _sa_MISSED",
+        f"    if {' or '.join(same)}:",
+        "        return _sa_MISSED"]
+
+
+def _stamp_lines(plan, state: list, st: list, held: bool, env: dict) -> list:
+    """Where a parameter changed (an optimizer step, ``p.data = …``: its ``stamp`` moved):
+    found finite again, the constants (``held``) computed again, the stamps kept — the
+    stamps last, so that another thread that sees them new sees the constants new too; and
+    the same for the tensors the constants captured."""
+    if not st:
+        return []
+    stamps = [stamp(t) for t in state]
+    env.update(_sa_V=[v for v, _, _ in stamps], _sa_P=[p for _, p, _ in stamps],
+               _sa_O=[o for _, _, o in stamps], _sa_W=hold(state))
+    # ``stamp`` inlined: the version, the storage's address and the offset compared
+    moved = " or ".join(
+        f"{VERSION.format(s)} != _sa_V[{i}] or {STORAGE.format(s)} != _sa_P[{i}] "
+        f"or {s}.storage_offset() != _sa_O[{i}]" if stamps[i][2] is not None
+        else f"_sa_stamp({s})[:2] != (_sa_V[{i}], _sa_P[{i}])" for i, s in enumerate(st))
+    now = ", ".join(st)
+    refresh = [f"        _sa_CV[:] = _sa_constants(_sa_plan, [{now}])",
+               "        _sa_CF[0] = _sa_flags_pass(_sa_plan, _sa_CV, _sa_CFI)"] if held else []
+    lines = [f"    if {moved}:",
+             f"        if not _sa_plans.parameters_finite([{now}], _sa_D):",
+             "            return _sa_MISSED", *refresh,
+             f"        _sa_T = [_sa_stamp(t) for t in ({now},)]",
+             "        _sa_W[:] = _sa_hold([" + now + "])",
+             "        _sa_V[:] = [t[0] for t in _sa_T]",
+             "        _sa_P[:] = [t[1] for t in _sa_T]",
+             "        _sa_O[:] = [t[2] for t in _sa_T]"]
+    if held and plan.captured:
+        cap = [f"_sa_C{i}" for i in range(len(plan.captured))]
+        lines += ["    if " + " or ".join(f"_sa_stamp({c}) != _sa_VC[{i}]"
+                                      for i, c in enumerate(cap)) + ":",
+                  *refresh,
+                  f"        _sa_WC[:] = _sa_hold([{', '.join(cap)}])",
+                  f"        _sa_VC[:] = [{', '.join(f'_sa_stamp({c})' for c in cap)}]"]
+    return lines
+
+
+def _flag_lines(plan, constant_flags: dict, queueable: bool, env: dict) -> list:
+    """After the graph: its checks' verdicts read (on a GPU, ``queueable``, queued while
+    ``set_validation(queued=True)``), and a call that fails one — or raises inside the
+    graph — read again from the declaration, which raises the check's own message."""
+    n = plan.n_tensors
     checks = [f"not _sa_isfinite(_sa_float(_sa_result[{n + k}]))" if kind == "finite"
               else f"not _sa_result[{n + k}]" for k, kind in enumerate(plan.flags)
               if k not in constant_flags]
     queued = [f"_sa_result[{n + k}]" for k in range(len(plan.flags)) if k not in constant_flags]
     if constant_flags:
         checks.insert(0, "not _sa_CF[0]")
+    lines = []
     if queueable and queued:  # on a GPU: the verdicts go to the host without waiting
         env["_sa_KINDS"] = tuple(kind for k, kind in enumerate(plan.flags)
                                  if k not in constant_flags)
@@ -199,12 +232,7 @@ def _fast_path(last, plans, n_inputs: int, kwargs: dict, state: list, queueable:
               "        _sa_failed = True" if checks else reread]
     if checks:
         lines += ["    if _sa_failed:", reread]
-    lines.append("    _sa_plan.calls += 1")
-    lines.append("    return _sa_result[0]" if plan.single
-                 else "    return _sa_output(_sa_plan, _sa_result)")
-    code = "\n".join(lines)
-    exec(compile(code, f"<structattn replay of {type(declaration).__name__}>", "exec"), env)
-    return env["run"]
+    return lines
 
 
 def _inlined(graph: torch.fx.GraphModule, args: str, env: dict) -> list:
