@@ -6,7 +6,7 @@ tokens. The prior's log weight separates as g_i + h_j (``Prior.terms``: ALiBi, a
 h = 0 for the uniform causal prior), so a child's posterior is softmax_j(h_j + s_ij) with
 s_ij = scale·⟨a_i, b_j⟩. For child i in block c and an earlier key block β < c, cut into
 sub-blocks σ (``parts`` of them), with H_σ = max_{j∈σ} h_j, n_σ its tokens and S_iσ ≥ every
-s_ij there (``certified.key_block_ceilings``: the keys' box, ball and centred-ball bounds,
+s_ij there (``ceilings.key_block_ceilings``: the keys' box, ball and centred-ball bounds,
 rounding charged), the unnormalised posterior mass of β is at most e^{T_iβ},
 T_iβ = log Σ_{σ⊂β} n_σ e^{H_σ + S_iσ}. Reading a
 set R of key blocks (the diagonal block c always), with I_i = Σ_{j∈R, j≤i} e^{h_j + s_ij} read
@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ._validation import check_size
-from .certified import RUN_ENTRIES, key_block_ceilings, score_ceiling
+from .ceilings import RUN_ENTRIES, key_block_ceilings, score_ceiling
 
 __all__ = ["BlockSparse", "block_sparse_attention", "causal_posterior", "certify_blocks"]
 

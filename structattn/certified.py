@@ -45,9 +45,7 @@ import torch
 
 from . import band
 from ._validation import check_size
-
-#: how many band entries ``certify`` scores at once (float64: 16 MiB)
-RUN_ENTRIES = 2**21
+from .ceilings import RUN_ENTRIES, block_tail_ceilings, score_ceiling
 
 
 @dataclass
@@ -89,150 +87,6 @@ def skipped_pairs(n: int, width: int) -> float:
     return 1.0 - read / total
 
 
-def score_ceiling(a: torch.Tensor, b: torch.Tensor, scale: float):
-    """``(high, slack)``, each ``(*lead, N)`` float64: ``high`` ≥ every score child i can have,
-    S_i = |scale|·‖a_i‖·max_j ‖b_j‖, plus ``slack``, the most a score computed in the factors'
-    dtype can be off by (γ_k·S_i, γ_k = k·u/(1 − k·u), the error bound of a k-term dot
-    product): a computed log-sum minus the child's slack is a lower bound of the true one."""
-    with torch.no_grad():
-        k = a.shape[-1]
-        unit = torch.finfo(a.dtype).eps / 2
-        gamma = k * unit / (1 - k * unit)
-        ceiling = (abs(scale) * a.detach().to(torch.float64).norm(dim=-1)
-                   * b.detach().to(torch.float64).norm(dim=-1).amax(-1, keepdim=True))
-        slack = gamma * ceiling + 4 * torch.finfo(a.dtype).tiny
-        return ceiling + slack, slack
-
-
-#: the least block of keys ``block_tail_ceilings`` bounds at once (longer sequences take
-#: longer blocks: at most ``MAX_KEY_BLOCKS`` blocks)
-KEY_BLOCK = 32
-MAX_KEY_BLOCKS = 64
-
-
-def _key_blocks(b: torch.Tensor, key_block: int, low: torch.dtype) -> dict:
-    """The keys ``(*lead_b, N, k)`` summarised per block of ``key_block`` tokens, the last one
-    possibly shorter: ``hi``/``lo`` ``(*lead_b, k, nb)`` the element-wise max and min in
-    ``low`` (exact: a max of representable numbers), ``longest`` ``(*lead_b, nb)`` the longest
-    key and ``reach`` the largest |entry|, both float64."""
-    n = b.shape[-2]
-    keys = b.detach()
-    nb = -(-n // key_block)
-    full = n // key_block  # the whole blocks; the last, shorter one (if any) on its own
-    parts = [keys[..., :full * key_block, :].unflatten(-2, (full, key_block))] if full else []
-    if full < nb:
-        parts.append(keys[..., full * key_block:, :].unsqueeze(-3))
-    hi = torch.cat([t.amax(-2) for t in parts], -2).to(low)  # (*lead_b, nb, k)
-    lo = torch.cat([t.amin(-2) for t in parts], -2).to(low)
-    wide = torch.float64
-    # each block's centre (its keys' mean, rounded to ``low``: the product uses it exactly)
-    # and radius, the longest key less the centre (float64, made an upper bound)
-    centre = torch.cat([t.to(wide).mean(-2) for t in parts], -2).to(low)  # (*lead_b, nb, k)
-    radius = torch.cat([(t.to(wide) - c.to(wide)[..., None, :]).norm(dim=-1).amax(-1)
-                        for t, c in zip(parts, _split(centre, parts), strict=True)], -1)
-    return {"hi": hi.transpose(-1, -2), "lo": lo.transpose(-1, -2),
-            "centre": centre.transpose(-1, -2), "radius": radius * (1 + 1e-12),
-            "longest": torch.cat([t.to(wide).norm(dim=-1).amax(-1) for t in parts], -1),
-            "reach": torch.maximum(torch.maximum(hi.abs(), lo.abs()), centre.abs()).amax(-1)
-            .to(wide)}
-
-
-def _split(centre: torch.Tensor, parts: list) -> list:
-    """``centre (…, nb, k)`` cut as ``parts`` cut the blocks (whole blocks, then the last)."""
-    sizes = [t.shape[-3] for t in parts]
-    return list(centre.split(sizes, dim=-2))
-
-
-def _row_ceilings(q: torch.Tensor, blocks: dict) -> torch.Tensor:
-    """``(…, rows, nb)`` float64: U_iβ ≥ max_{j∈β} ⟨q_i, b_j⟩ for rows q ``(…, rows, k)`` in
-    the products' precision — the smaller of the box bound ⟨q⁺, hi_β⟩ − ⟨q⁻, lo_β⟩ (its
-    rounding charged to it) and the ball bound ‖q_i‖·max_{j∈β} ‖b_j‖."""
-    wide = torch.float64
-    k = q.shape[-1]
-    unit = torch.finfo(q.dtype).eps / 2
-    gamma = 2 * k * unit / (1 - 2 * k * unit)
-    up = 1 + 2 * gamma  # a norm or an absolute sum computed in q's dtype, made an upper bound
-    box = (q.clamp(min=0) @ blocks["hi"] - (-q).clamp(min=0) @ blocks["lo"]).to(wide)
-    # rounding: two k-term products and their difference, charged on Σ|q_d|·max|key|
-    l1 = q.abs().sum(-1, keepdim=True).to(wide) * up
-    box = box + (gamma + 4 * unit) * l1 * blocks["reach"][..., None, :]
-    norm = q.norm(dim=-1, keepdim=True).to(wide) * up
-    ball = norm * blocks["longest"][..., None, :]
-    # the centre's ball: ⟨q, b_j⟩ = ⟨q, c_β⟩ + ⟨q, b_j − c_β⟩ ≤ ⟨q, c_β⟩ + ‖q‖·r_β, tight where
-    # a block's keys cluster around a point away from the origin
-    around = (q @ blocks["centre"]).to(wide) + gamma * l1 * blocks["reach"][..., None, :] \
-        + norm * blocks["radius"][..., None, :]
-    return torch.minimum(torch.minimum(box, ball), around)
-
-
-def key_block_ceilings(a: torch.Tensor, b: torch.Tensor, scale: float,
-                       key_block: int) -> torch.Tensor:
-    """``(*lead, N, nb)`` float64: an upper bound on every score child i can have with a
-    parent in key block β (tokens β·key_block …), |scale|·U_iβ (``block_tail_ceilings``
-    states the bound and its proof), in runs of children (O(``RUN_ENTRIES``) at once)."""
-    n = a.shape[-2]
-    with torch.no_grad():
-        low = torch.promote_types(a.dtype, torch.float32)  # the products' precision
-        q = a.detach().to(low) * (1.0 if scale >= 0 else -1.0)  # exact
-        blocks = _key_blocks(b, key_block, low)
-        lead = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
-        nb = blocks["longest"].shape[-1]
-        out = torch.empty(*lead, n, nb, dtype=torch.float64, device=a.device)
-        rows = max(1, RUN_ENTRIES // max(1, lead.numel() * nb))
-        for r0 in range(0, n, rows):
-            r = slice(r0, min(n, r0 + rows))
-            out[..., r, :] = _row_ceilings(q[..., r, :], blocks) * abs(scale)
-        return out
-
-
-def block_tail_ceilings(a: torch.Tensor, b: torch.Tensor, scale: float, widths,
-                        key_block: int | None = None) -> dict:
-    """``{W: S_i(W)}``, each ``(*lead, N)`` float64: an upper bound on every score child i can
-    have with a parent farther back than W (j < i − W), from per-block bounds of the keys.
-
-    The keys are cut into blocks β of ``key_block`` tokens, each summarised by the element-
-    wise minimum lo_β and maximum hi_β of its keys and its longest key. For j ∈ β, with
-    a = sign(scale)·a_i (the score is |scale|·⟨a, b_j⟩),
-
-        ⟨a, b_j⟩ = Σ_d a_d b_jd ≤ Σ_d max(a_d lo_βd, a_d hi_βd) = ⟨a⁺, hi_β⟩ − ⟨a⁻, lo_β⟩,
-
-    term by term (a_d b_jd is linear in b_jd ∈ [lo_βd, hi_βd], so at most its value at an
-    end; a⁺ = max(a, 0), a⁻ = max(−a, 0)), and ⟨a, b_j⟩ ≤ ‖a_i‖·max_{j∈β} ‖b_j‖
-    (Cauchy–Schwarz), and ⟨a, b_j⟩ = ⟨a, c_β⟩ + ⟨a, b_j − c_β⟩ ≤ ⟨a, c_β⟩ + ‖a_i‖·r_β with
-    c_β the keys' mean and r_β the largest distance of a key from it. The smallest of the
-    three, U_iβ, bounds the block (the box is tight where keys share a range per dimension,
-    the centre's ball where they cluster around a point, the ball where they spread in many
-    dimensions). The parents beyond W lie
-    in the blocks that start at or before i − W − 1 — a prefix of the blocks — so
-    S_i(W) = |scale|·max_{β ≤ ⌊(i−W−1)/key_block⌋} U_iβ: a running maximum over the blocks.
-    The first bound is one matrix product in the factors' precision (float32 at least), its
-    rounding charged to it: (γ_2k + 4u)·‖a_i‖₁·max_d max(|lo_βd|, |hi_βd|), γ_m = m·u/(1 − m·u)
-    the error bound of an m-term dot product, 4u the casts to that precision. Children are
-    taken in runs, so memory stays O(``RUN_ENTRIES``)."""
-    n = a.shape[-2]
-    if key_block is None:
-        key_block = max(KEY_BLOCK, -(-n // MAX_KEY_BLOCKS))
-    wide = torch.float64
-    with torch.no_grad():
-        low = torch.promote_types(a.dtype, torch.float32)  # the products' precision
-        q = a.detach().to(low) * (1.0 if scale >= 0 else -1.0)  # (*lead_a, N, k), exact
-        blocks = _key_blocks(b, key_block, low)
-        nb = blocks["longest"].shape[-1]
-        lead = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
-        pos = torch.arange(n, device=a.device)
-        out = {w: torch.empty(*lead, n, dtype=wide, device=a.device) for w in widths}
-        rows = max(1, RUN_ENTRIES // max(1, lead.numel() * nb))
-        for r0 in range(0, n, rows):
-            r = slice(r0, min(n, r0 + rows))
-            prefix = _row_ceilings(q[..., r, :], blocks).cummax(-1).values * abs(scale)
-            for w in widths:
-                beyond = ((pos[r] - w - 1).clamp(min=0) // key_block)  # (rows,)
-                idx = beyond.expand(*prefix.shape[:-1])[..., None]
-                out[w][..., r] = prefix.expand(*lead, *prefix.shape[-2:]).gather(
-                    -1, idx).squeeze(-1)
-        return out
-
-
 def certify(a: torch.Tensor, b: torch.Tensor, scale: float, prior, eps: float, *,
             start: int = 16, cap: int | None = None, block: int = 32, first: int = 1,
             widest: int | None = None, per_lead: bool = False) -> CertifiedWindow:
@@ -260,116 +114,143 @@ def certify(a: torch.Tensor, b: torch.Tensor, scale: float, prior, eps: float, *
     if first not in (0, 1):
         raise ValueError(f"certify: first (the nearest distance a child reads: 0 itself, 1 the "
                          f"token before) must be 0 or 1; got {first!r}")
-    n, dev = a.shape[-2], a.device
+    n = a.shape[-2]
     last = n - 1 if cap is None else max(1, min(cap, n - 1))
     widths = [max(1, min(start, last))]  # the doubling sequence
     while widths[-1] < last:
         widths.append(min(2 * widths[-1], last))
     if widest is not None:
         widths = [w for w in widths[:-1] if w <= widest] + [last]
-    wide = torch.float64
-    pos = torch.arange(n, device=dev)
     with torch.no_grad():
-        a, b = a.detach(), b.detach()
-        high, slack = score_ceiling(a, b, scale)  # (*batch, H, N)
-        # beyond a window W, child i's parents are j < i − W: its ceiling there takes the
-        # longest of *those* keys (a running max), not of every key — a long key nearby does
-        # not weigh on the tail
-        a_norm = a.to(wide).norm(dim=-1)  # (*lead_a, N)
-        b_run = b.to(wide).norm(dim=-1).cummax(-1).values  # (*lead_b, N): max_{j ≤ k} ‖b_j‖
-        lead = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
-        tails = {w: prior.log_tail_mass(w, n, dev, wide) for w in widths}  # broadcast (…, N)
-        # the prior's whole weight over each child's past (an upper bound): I_i(W) ≤ it·e^{S_i}
-        log_total = prior.log_tail_mass(first - 1, n, dev, wide)
-
-        def log_inside(width):
-            """log I_i(width), exact but for the rounding slack (a lower bound), ``(*lead, N)``:
-            the band's scores at this width, in runs of blocks of ``RUN_ENTRIES`` (the whole
-            band at once took 4× causal SDPA's peak memory at N = 16,384)."""
-            lay = band.BandLayout.for_window(n, width, block)
-            qa, kb = lay.children(a), lay.parents(b)  # (*lead, nb, B, k), (*lead, nb, L, k)
-            nb = lay.num_blocks
-            step = max(1, RUN_ENTRIES // (lead.numel() * lay.block * lay.width))
-            runs = []
-            for lo in range(0, nb, step):
-                run = slice(lo, min(nb, lo + step))
-                s = qa[..., run, :, :] @ kb[..., run, :, :].transpose(-1, -2) * scale
-                s = s.to(wide) + prior.log_weights_on_band(lay, width, first, dev, wide,
-                                                           blocks=run)  # −∞ outside
-                runs.append(torch.logsumexp(s, -1))  # (*lead, run, B)
-            return lay.unblock(torch.cat(runs, -2)[..., None])[..., 0] - slack
-
-        blocked: dict = {}  # the per-block ceilings (``block_tail_ceilings``), once needed
-
-        def tail_ceiling(width, ceilings):  # S_i(W) ≥ every score beyond W, plus the slack
-            far = (pos - width - 1).clamp(min=0)
-            ball = abs(scale) * a_norm * b_run[..., far]  # ‖a_i‖·max_{j < i − W} ‖b_j‖
-            if width in ceilings:
-                ball = torch.minimum(ball, ceilings[width])
-            return ball + slack
-
-        def bound(width, log_in, ceilings=blocked):
-            out = tail_bound(log_in, tails[width], tail_ceiling(width, ceilings))
-            return torch.where(pos <= width, torch.zeros_like(out), out)  # all of it read
-
-        active = None  # the leading indices that must certify below all of the past (None: all)
-
-        def among(ok):  # ``ok`` (*lead, N) for the active leading indices only
-            return ok if active is None else ok[active]
-
-        def possible(width, ceilings=blocked):  # whether the best scores inside could certify
-            return bool(among(bound(width, log_total + high, ceilings) <= eps).all())
-
+        ev = _Evidence(a.detach(), b.detach(), scale, prior, eps, widths, block, first)
         # the longest key beyond the window bounds every score there (Cauchy–Schwarz); where
         # that cannot certify the narrowest width even at the best scores inside, the keys'
         # per-block bounds may (they are tight where keys cluster) — computed only where the
         # keys' range as one block already could (O(N·k)): their cost, about a forward at
         # N = 4,096, is not paid where they cannot help (spread keys, a slow prior)
         first_width = widths[0]
-        if last > first_width and not possible(first_width) and possible(
-                first_width, block_tail_ceilings(a, b, scale, [first_width], key_block=n)):
-            blocked.update(block_tail_ceilings(a, b, scale, widths))
-
-        # I_i(W) grows with W, so the evidence of any narrower window scored bounds every wider
-        # one: score the first width, take the first width its evidence certifies, and score
-        # only the width below that one — unless even the best scores could not certify it
+        if last > first_width and not ev.possible(first_width) and ev.possible(
+                first_width, block_tail_ceilings(ev.a, ev.b, scale, [first_width], key_block=n)):
+            ev.blocked.update(block_tail_ceilings(ev.a, ev.b, scale, widths))
         if per_lead and last == n - 1 and len(widths) > 1:  # the heads that any narrower
-            can = torch.stack([(bound(w, log_total + high) <= eps).all(-1)  # width may certify
+            can = torch.stack([(ev.bound(w, ev.best) <= eps).all(-1)  # width may certify
                                for w in widths[:-1]]).any(0)
             if bool(can.any()) and not bool(can.all()):
-                active = can
-        hopeless = last == n - 1 and not any(possible(w) for w in widths[:-1])
-        if hopeless:  # only all of the past certifies (bound 0): nothing to score
-            widths = [last]
-        scored = {last: log_total + high} if hopeless else {widths[0]: log_inside(widths[0])}
-        while True:
-            bounds = [bound(w, scored[max(v for v in scored if v <= w)]) for w in widths]
-            k = next((k for k, bd in enumerate(bounds) if bool(among(bd <= eps).all())),
-                     len(widths) - 1)
-            below = widths[k - 1] if k else None
-            if below is None or below in scored or not possible(below):
-                break
-            if last == n - 1 and (k == len(widths) - 1 or per_lead) and \
-                    8 * band.BandLayout.for_window(n, below, block).width > n:
-                break  # against all of the past, scoring so wide a band costs what it saves
-                # (with a width per head, against the heads' bands read in one kernel call)
-            scored[below] = log_inside(below)
-        width, bd = widths[k], bounds[k]
-        window = torch.full(bd.shape, -1, dtype=torch.long, device=dev)
-        for w, bw in zip(widths[:k + 1], bounds[:k + 1], strict=True):
-            window = torch.where((window < 0) & (bw <= eps), w, window)
-        window = torch.where(window < 0, width, window)
-        skipped = skipped_pairs(n, width)
-        if active is not None:  # the other heads read all of the past (bound 0)
-            window = torch.where(active[..., None], window, last)
-            width, bd = last, bounds[-1]
-        heads = None
-        if per_lead:  # each head reads its own width: its children's bounds at it
-            own = window.amax(-1, keepdim=True)
-            for w, bw in zip(widths, bounds, strict=True):
-                bd = torch.where(own == w, bw, bd)
-            heads = own[..., 0]
-            skipped = sum(skipped_pairs(n, w) for w in heads.flatten().tolist()) / heads.numel()
+                ev.active = can
+        widths, k, bounds = _choose(ev, widths, last, per_lead)
+        return _chosen(ev, widths, k, bounds, last, per_lead)
+
+
+class _Evidence:
+    """What ``certify`` knows of one family's posterior tails: the band's scores at the widths
+    scored (``log_inside``), the prior's tails, the score ceilings beyond each width, and the
+    bound B_i(W) they give (``bound``); ``active``: the leading indices that must certify
+    below all of the past (None: all of them)."""
+
+    def __init__(self, a, b, scale, prior, eps, widths, block, first):
+        n, dev, wide = a.shape[-2], a.device, torch.float64
+        self.a, self.b, self.scale, self.prior, self.eps = a, b, scale, prior, eps
+        self.n, self.block, self.first, self.wide = n, block, first, wide
+        self.pos = torch.arange(n, device=dev)
+        self.high, self.slack = score_ceiling(a, b, scale)  # (*batch, H, N)
+        # beyond a window W, child i's parents are j < i − W: its ceiling there takes the
+        # longest of *those* keys (a running max), not of every key — a long key nearby does
+        # not weigh on the tail
+        self.a_norm = a.to(wide).norm(dim=-1)  # (*lead_a, N)
+        self.b_run = b.to(wide).norm(dim=-1).cummax(-1).values  # (*lead_b, N): max_{j ≤ k} ‖b_j‖
+        self.lead = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+        self.tails = {w: prior.log_tail_mass(w, n, dev, wide) for w in widths}  # (…, N)
+        # the prior's whole weight over each child's past (an upper bound): I_i(W) ≤ it·e^{S_i},
+        # so ``best`` is the evidence of the best scores inside any window
+        self.best = prior.log_tail_mass(first - 1, n, dev, wide) + self.high
+        self.blocked: dict = {}  # the per-block ceilings (``block_tail_ceilings``), once needed
+        self.active = None
+
+    def log_inside(self, width):
+        """log I_i(width), exact but for the rounding slack (a lower bound), ``(*lead, N)``:
+        the band's scores at this width, in runs of blocks of ``RUN_ENTRIES`` (the whole
+        band at once took 4× causal SDPA's peak memory at N = 16,384)."""
+        lay = band.BandLayout.for_window(self.n, width, self.block)
+        qa, kb = lay.children(self.a), lay.parents(self.b)  # (*lead, nb, B, k), (…, nb, L, k)
+        nb = lay.num_blocks
+        step = max(1, RUN_ENTRIES // (self.lead.numel() * lay.block * lay.width))
+        runs = []
+        for lo in range(0, nb, step):
+            run = slice(lo, min(nb, lo + step))
+            s = qa[..., run, :, :] @ kb[..., run, :, :].transpose(-1, -2) * self.scale
+            s = s.to(self.wide) + self.prior.log_weights_on_band(
+                lay, width, self.first, self.a.device, self.wide, blocks=run)  # −∞ outside
+            runs.append(torch.logsumexp(s, -1))  # (*lead, run, B)
+        return lay.unblock(torch.cat(runs, -2)[..., None])[..., 0] - self.slack
+
+    def tail_ceiling(self, width, ceilings):
+        """S_i(W) ≥ every score beyond W, plus the slack."""
+        far = (self.pos - width - 1).clamp(min=0)
+        ball = abs(self.scale) * self.a_norm * self.b_run[..., far]  # ‖a_i‖·max_{j<i−W} ‖b_j‖
+        if width in ceilings:
+            ball = torch.minimum(ball, ceilings[width])
+        return ball + self.slack
+
+    def bound(self, width, log_in, ceilings=None):
+        """B_i(width) from the evidence ``log_in`` (0 where the width holds all the past)."""
+        ceilings = self.blocked if ceilings is None else ceilings
+        out = tail_bound(log_in, self.tails[width], self.tail_ceiling(width, ceilings))
+        return torch.where(self.pos <= width, torch.zeros_like(out), out)  # all of it read
+
+    def among(self, ok):
+        """``ok`` ``(*lead, N)`` for the active leading indices only."""
+        return ok if self.active is None else ok[self.active]
+
+    def possible(self, width, ceilings=None):
+        """Whether the best scores inside could certify ``width``."""
+        return bool(self.among(self.bound(width, self.best, ceilings) <= self.eps).all())
+
+
+def _choose(ev: _Evidence, widths: list, last: int, per_lead: bool):
+    """``(widths, k, bounds)``: I_i(W) grows with W, so the evidence of any narrower window
+    scored bounds every wider one: score the first width, take the first width its evidence
+    certifies (``widths[k]``), and score only the width below that one — unless even the best
+    scores could not certify it; ``bounds``: each width's at the end."""
+    n = ev.n
+    hopeless = last == n - 1 and not any(ev.possible(w) for w in widths[:-1])
+    if hopeless:  # only all of the past certifies (bound 0): nothing to score
+        widths = [last]
+    scored = {last: ev.best} if hopeless else {widths[0]: ev.log_inside(widths[0])}
+    while True:
+        bounds = [ev.bound(w, scored[max(v for v in scored if v <= w)]) for w in widths]
+        k = next((k for k, bd in enumerate(bounds) if bool(ev.among(bd <= ev.eps).all())),
+                 len(widths) - 1)
+        below = widths[k - 1] if k else None
+        if below is None or below in scored or not ev.possible(below):
+            return widths, k, bounds
+        if last == n - 1 and (k == len(widths) - 1 or per_lead) and \
+                8 * band.BandLayout.for_window(n, below, ev.block).width > n:
+            return widths, k, bounds  # against all of the past, scoring so wide a band costs
+            # what it saves (with a width per head, against the heads' bands in one call)
+        scored[below] = ev.log_inside(below)
+
+
+def _chosen(ev: _Evidence, widths: list, k: int, bounds: list, last: int,
+            per_lead: bool) -> CertifiedWindow:
+    """The ``CertifiedWindow`` of the choice: each child's own smallest certified width, and,
+    with a width per head, each head's and its children's bounds at it."""
+    n, eps = ev.n, ev.eps
+    width, bd = widths[k], bounds[k]
+    window = torch.full(bd.shape, -1, dtype=torch.long, device=bd.device)
+    for w, bw in zip(widths[:k + 1], bounds[:k + 1], strict=True):
+        window = torch.where((window < 0) & (bw <= eps), w, window)
+    window = torch.where(window < 0, width, window)
+    skipped = skipped_pairs(n, width)
+    if ev.active is not None:  # the other heads read all of the past (bound 0)
+        window = torch.where(ev.active[..., None], window, last)
+        width, bd = last, bounds[-1]
+    heads = None
+    if per_lead:  # each head reads its own width: its children's bounds at it
+        own = window.amax(-1, keepdim=True)
+        for w, bw in zip(widths, bounds, strict=True):
+            bd = torch.where(own == w, bw, bd)
+        heads = own[..., 0]
+        skipped = sum(skipped_pairs(n, w) for w in heads.flatten().tolist()) / heads.numel()
     ok = bool((bd <= eps).all())
     return CertifiedWindow(width, bd, window, float(eps), skipped, ok, heads)
 

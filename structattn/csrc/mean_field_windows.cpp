@@ -11,11 +11,11 @@
 //           is position offset + q = P − N + q: the children may be the last N of P tokens)
 //           final windows, α, β, E[φ], steps, whether it settled and the certified bound on
 //           its posterior mass beyond its window (high, slack (G, N): each child's score
-//           ceiling and rounding slack, certified.score_ceiling), per child (and, when
+//           ceiling and rounding slack, ceilings.score_ceiling), per child (and, when
 //           recording, the per-step history (max_iters, G, N) of each child's window, α, β,
 //           E[φ]).
 //           Without high and slack it computes them, tighter: the slack as
-//           certified.score_ceiling's, the unseen parents' ceiling from the longest key
+//           ceilings.score_ceiling's, the unseen parents' ceiling from the longest key
 //           farther back than the window (windows.scores.BandScores.tail_ceiling's formula).
 //   attend: out_i = Σ_{d ≤ W_i} softmax_d(ψ_{i,i−d} + d·e_i) u_{i−d}   (G, N, dv), with
 //           e_i = E[ln q_i] under each child's Beta(α_i, β_i) at its fixed point.

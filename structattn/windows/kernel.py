@@ -46,7 +46,7 @@ class KernelProblem:
     rule: int  # WindowRule.code
     record: bool  # keep the per-round history
     # (G, N): each child's score ceiling plus its rounding slack, and the slack
-    # (certified.score_ceiling); None: the kernel computes them by that formula (in double,
+    # (ceilings.score_ceiling); None: the kernel computes them by that formula (in double,
     # equal to rounding)
     high: torch.Tensor | None = None
     slack: torch.Tensor | None = None

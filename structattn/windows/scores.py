@@ -13,7 +13,7 @@ import torch
 
 from .. import band
 from ..beta import log_beta
-from ..certified import score_ceiling
+from ..ceilings import score_ceiling
 
 
 class BandScores:
@@ -74,7 +74,7 @@ class BandScores:
 
     def _bounds(self):
         """Blocked ``(G, B)`` float64, once per band: |scale|·‖a_i‖ and the window scores'
-        rounding slack (``certified.score_ceiling``'s), and the keys' running maximum length
+        rounding slack (``ceilings.score_ceiling``'s), and the keys' running maximum length
         max_{j' ≤ j} ‖b_j'‖ ``(G_lead, N)``."""
         if self._runs is None:
             lay = self.layout

@@ -17,7 +17,8 @@ from hypothesis import given, settings
 from scipy import special
 
 import structattn as sa
-from structattn.certified import block_tail_ceilings, certify, skipped_pairs
+from structattn.ceilings import block_tail_ceilings
+from structattn.certified import certify, skipped_pairs
 
 f64 = torch.float64
 
@@ -247,7 +248,7 @@ def test_the_mean_field_bound_holds_over_the_whole_past(rule):
         assert bool((h.bound <= 1e-3).all())
 
 
-# -- per-block score bounds (certified.block_tail_ceilings) --------------------------------------
+# -- per-block score bounds (ceilings.block_tail_ceilings) --------------------------------------
 @settings(max_examples=40, deadline=None)
 @given(n=st.integers(2, 150), k=st.integers(1, 8), key_block=st.integers(1, 40),
        scale=st.floats(-2.0, 2.0).filter(lambda s: abs(s) > 1e-3),

@@ -214,12 +214,12 @@ def test_evaluation_with_grad_enabled_but_nothing_to_differentiate_uses_the_kern
 @pytest.mark.parametrize("dtype", [torch.float32, f64])
 def test_the_kernel_computes_the_score_ceiling_as_certified_does(dtype):
     """``solve`` without ``high``/``slack`` computes the ceiling itself, in double: the
-    rounding slack as ``certified.score_ceiling``'s and, for the parents beyond each window,
+    rounding slack as ``ceilings.score_ceiling``'s and, for the parents beyond each window,
     the longest key farther back than it (a running max; ``tests/readers/test_windows.py``
     checks its values against a brute force). It is never looser than the call given Python's
     ceiling of the longest key of all: no window longer, and where the windows and steps
     agree, no bound larger — and tighter somewhere."""
-    from structattn.certified import score_ceiling
+    from structattn.ceilings import score_ceiling
 
     g = torch.Generator().manual_seed(11)
     G, N, P, k = 3, 7, 19, 5
