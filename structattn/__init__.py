@@ -37,7 +37,6 @@ from .family import value as value
 from .heads import merge_heads as merge_heads
 from .heads import split_heads as split_heads
 from .iterate import Step as Step
-from .iterate import Trace as Trace
 from .latent import IterationOptions as IterationOptions
 from .latent import LatentNodeSet as LatentNodeSet
 from .latent import infer as infer
@@ -50,6 +49,7 @@ from .nodes import nodes as nodes
 from .readers import Structure as Structure
 from .readers import trace_structure as trace_structure
 from .scheme import InferenceScheme as InferenceScheme
+from .trace import Trace as Trace
 from .verdicts import raise_pending as raise_pending
 from .windows import MeanFieldHistory as MeanFieldHistory
 from .windows import MeanFieldWindows as MeanFieldWindows

@@ -47,11 +47,11 @@ from torch.utils import _pytree as pytree
 
 from . import _validation, kernels, triton_kernels
 from .certified import CertifiedWindow
-from .iterate import Trace
 from .latent import iteration_overrides
 from .plans.fast_path import _Last
 from .plans.plan import _FAILED, _RECORDING, MISSED, Plan, _leaf_key, _read, hold, replay, stamp
 from .plans.record import record
+from .trace import Trace
 from .verdicts import DEVICES, Verdicts, parameters_failed
 from .windows.history import MeanFieldHistory
 

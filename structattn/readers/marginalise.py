@@ -9,8 +9,9 @@ from pyro.poutine.messenger import Messenger
 from .. import lowering
 from .._direct import direct_readers
 from ..family import EdgeFamily
-from ..iterate import Engine, Trace, touches
+from ..iterate import Engine, touches
 from ..latent import LatentNodeSet, place_latent
+from ..trace import Trace
 
 
 class MarginalEdge:
