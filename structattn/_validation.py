@@ -92,14 +92,20 @@ def is_recording() -> bool:
     return getattr(_local, "flags", None) is not None
 
 
+def verdict(ok: torch.Tensor) -> bool:
+    """A value check's verdict read on the host (one sync where ``ok`` is on a device): a
+    floating-point ``ok`` passes when it is finite (a sum: finite iff every summand is,
+    unless it overflows), a boolean one when it is True."""
+    return math.isfinite(float(ok)) if ok.is_floating_point() else bool(ok)
+
+
 def passes(ok: torch.Tensor) -> bool:
-    """A value check's verdict ``bool(ok)`` (one host sync); while a plan is recorded, True
-    after noting ``ok``: the replay fuses every noted verdict into one flag, and a call whose
-    flag fails is read again, check by check, to raise the message. A floating-point ``ok``
-    passes when it is finite (a sum: finite iff every summand is, unless it overflows)."""
+    """A value check's ``verdict(ok)``; while a plan is recorded, True after noting ``ok``: the
+    replay reads every noted verdict (or, on a GPU, queues them: ``structattn.verdicts``),
+    and a call whose verdict fails is read again, check by check, to raise the message."""
     flags = getattr(_local, "flags", None)
     if flags is None:
-        return math.isfinite(float(ok)) if ok.is_floating_point() else bool(ok)
+        return verdict(ok)
     flags.append(ok)
     return True
 

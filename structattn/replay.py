@@ -38,7 +38,6 @@ module holds ``Plans``, a compiled module's plans by signature, which decides pe
 
 from __future__ import annotations
 
-import math
 import warnings
 from functools import partial
 
@@ -52,7 +51,7 @@ from .plans.fast_path import _Last
 from .plans.plan import _FAILED, _RECORDING, MISSED, Plan, _leaf_key, _read, hold, replay, stamp
 from .plans.record import record
 from .trace import Trace
-from .verdicts import DEVICES, Verdicts, parameters_failed
+from .verdicts import Verdicts, parameters_failed, queued_on
 from .windows.history import MeanFieldHistory
 
 __all__ = ["MAX_PLANS", "MISSED", "Plan", "Plans", "hold", "record", "replay", "stamp"]
@@ -159,17 +158,26 @@ class Plans:
                   if t.is_floating_point() and t.numel() and t.device.type != "meta"]
         total = torch.stack([n.to(torch.float64) for n in torch._foreach_norm(floats)]).sum() \
             if floats else None
+        refs = hold(state)
         if total is None:
             finite = True
-        elif (module is not None and _validation._QUEUED and total.device.type in DEVICES
-              and _validation.is_validating()):
-            self.verdicts.put((total,), ("finite",),
-                              partial(parameters_failed, module, self, stamps, hold(state)))
+        elif module is not None and queued_on(total.device) and _validation.is_validating():
+            self.verdicts.put((total,), partial(self._parameters_failed, module, stamps, refs))
             finite = True
         else:
-            finite = math.isfinite(float(total))
-        self._checked = (stamps, finite, hold(state))
+            finite = _validation.verdict(total)
+        self._checked = (stamps, finite, refs)
         return finite
+
+    def _parameters_failed(self, module, stamps: list, refs: list) -> None:
+        """A queued parameter check failed: the parameters at ``stamps`` (``refs`` holding
+        their storages) are noted non-finite and the fast paths dropped, so that every call
+        while they stay so raises in the call, as without the queue; then the error."""
+        self._checked = (stamps, False, refs)
+        self._last = None
+        for plan in self.plans.values():
+            plan.last = None
+        parameters_failed(module)
 
     def check_parameters(self, layer, state: list) -> None:
         """While validating: a ValueError naming the first non-finite parameter, if any."""

@@ -27,14 +27,21 @@ from __future__ import annotations
 import collections
 import threading
 import weakref
-from math import isfinite
 
 import torch
+
+from . import _validation
 
 #: the device types whose verdicts are queued (the tests add "cpu" to exercise the queue)
 DEVICES = {"cuda"}
 #: calls of one module whose verdicts may be in flight before the oldest is waited for
 DEPTH = 4
+
+def queued_on(device: torch.device) -> bool:
+    """Whether the verdicts of checks on ``device`` are queued (a GPU, while
+    ``set_validation(queued=True)``), not read in the call."""
+    return _validation._QUEUED and device.type in DEVICES
+
 
 _holders: weakref.WeakSet = weakref.WeakSet()  # the queues that hold verdicts
 _holders_lock = threading.Lock()
@@ -80,8 +87,8 @@ class _Slot:
 
 
 class Verdicts:
-    """One compiled module's queued verdicts: ``(event, host copies, kinds, what raises the
-    error, slot)`` per call, oldest first; at most ``DEPTH`` in flight."""
+    """One compiled module's queued verdicts: ``(event, host copies, what raises the error,
+    slot)`` per call, oldest first; at most ``DEPTH`` in flight."""
 
     __slots__ = ("queue", "lock", "free", "made", "__weakref__")
 
@@ -94,11 +101,11 @@ class Verdicts:
     def __reduce__(self):  # a copy or a pickle starts empty, as the plans do
         return (Verdicts, ())
 
-    def put(self, flags, kinds: tuple, fail) -> None:
-        """Queue verdicts ``flags`` (device tensors; ``kinds``: "finite" — a sum that must be
-        finite — or "true"), copied to the host without waiting; ``fail()`` raises their error
-        (``call_failed``, ``parameters_failed``). With ``DEPTH`` in flight, the oldest is
-        waited for first."""
+    def put(self, flags, fail) -> None:
+        """Queue verdicts ``flags`` (device tensors, each read by ``_validation.verdict``: a
+        sum that must be finite or a boolean), copied to the host in their dtypes without
+        waiting; ``fail()`` raises their error (``call_failed``, ``parameters_failed``). With
+        ``DEPTH`` in flight, the oldest is waited for first."""
         while True:
             with self.lock:
                 slot = self.free.pop() if self.free else None
@@ -115,7 +122,7 @@ class Verdicts:
         else:  # a device without streams (the CPU, in the tests): read when settled
             host, event = list(flags), _DONE
         with self.lock:
-            self.queue.append((event, host, kinds, fail, slot))
+            self.queue.append((event, host, fail, slot))
             first = len(self.queue) == 1
         if first:
             with _holders_lock:
@@ -134,9 +141,8 @@ class Verdicts:
                 elif not entry[0].query():
                     return
                 self.queue.popleft()
-            event, host, kinds, fail, slot = entry
-            passed = all(isfinite(float(h)) if kind == "finite" else bool(h)
-                         for h, kind in zip(host, kinds, strict=True))
+            event, host, fail, slot = entry
+            passed = all(_validation.verdict(h) for h in host)
             with self.lock:
                 self.free.append(slot)
             if not passed:
@@ -166,19 +172,11 @@ def call_failed(read, layer, inputs: tuple, kwargs: dict) -> None:
     raise err
 
 
-def parameters_failed(module, plans, stamps: list, refs: list) -> None:
+def parameters_failed(module) -> None:
     """The error of a parameter found non-finite by a queued check: the first such parameter
-    of ``module`` named. ``plans``, its compiled module's, notes the parameters at ``stamps``
-    (``refs`` holding their storages) non-finite and drops its fast paths, so that every call
-    while they stay so raises in the call, as without the queue."""
-    from ._validation import check_parameters
-
-    plans._checked = (stamps, False, refs)
-    plans._last = None
-    for plan in plans.plans.values():
-        plan.last = None
+    of ``module`` named."""
     try:
-        check_parameters(module)
+        _validation.check_parameters(module)
     except ValueError as err:
         err.add_note(NOTE)
         raise

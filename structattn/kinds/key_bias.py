@@ -150,8 +150,8 @@ def key_bias_attention(a, b, u, h, scale: float, is_causal: bool,
             u: ``(*lead, P, d_v)`` values (the leading dims broadcast).
         h: ``(*lead, P)`` the prior's per-parent term (broadcasts against the leading dims).
         scale: a float (``Operator.fused_factors`` folds a learned one into ``a``).
-        window: ``(*lead)`` ints, with ``is_causal`` and the Triton kernel only (``band_applies``):
-            each leading index's children read i − window ≤ j ≤ i (a certified band per head).
+        window: ``(*lead)`` ints, with ``is_causal`` and a band kernel (``band_applies``): each
+            leading index's children read i − window ≤ j ≤ i (a certified band per head).
 
     Returns ``(*lead, C, d_v)``; differentiable in a, b, u and h where the kernel is built
     (``applies``)."""
@@ -201,20 +201,18 @@ def _cpu_band(a, b, u, h, scale: float, window: torch.Tensor, lead) -> torch.Ten
     bias = h.to(dtype).expand(*lead, P).reshape(-1, P)
     win = window.reshape(-1)
     wide = win >= C - 1
-    if bool(wide.all()):
-        out = key_bias_attention(*rows, bias, scale, True)
-        return out.reshape(*lead, C, d_v).to(u.dtype)
 
-    def band(sel):
+    def band(sel):  # the rows ``sel`` (a slice: views) through the band kernel, (G', n, d_v)
         q, k, v = (x[sel][None] for x in rows)  # (1, G', n, width)
         return _ops().band_forward(q, k, v, bias[sel][None], win[sel][None], scale)[0][0]
 
-    if not bool(wide.any()):
-        out = _ops().band_forward(*(x[None] for x in rows), bias[None], win[None], scale)[0][0]
-        return out.reshape(*lead, C, d_v).to(u.dtype)
-    narrow = (~wide).nonzero()[:, 0]
-    far = wide.nonzero()[:, 0]
-    out = torch.cat([band(narrow), key_bias_attention(*(x[far] for x in rows), bias[far], scale,
-                                                      True)])
-    order = torch.cat([narrow, far]).argsort()  # back to the rows' order
-    return out[order].reshape(*lead, C, d_v).to(u.dtype)
+    if bool(wide.all()):
+        out = key_bias_attention(*rows, bias, scale, True)
+    elif not bool(wide.any()):
+        out = band(slice(None))
+    else:
+        narrow, far = (~wide).nonzero()[:, 0], wide.nonzero()[:, 0]
+        out = torch.cat([band(narrow), key_bias_attention(*(x[far] for x in rows), bias[far],
+                                                          scale, True)])
+        out = out[torch.cat([narrow, far]).argsort()]  # back to the rows' order
+    return out.reshape(*lead, C, d_v).to(u.dtype)

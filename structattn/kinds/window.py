@@ -102,26 +102,26 @@ class WindowOperator(Operator):
     def reports(self) -> dict:
         return {} if self.truncation is None else {"truncation": self.truncation}
 
+    def _separable_past(self) -> bool:
+        """Whether the prior separates as g_i + h_j over j ≤ i of the same tokens (no offset),
+        with one factorised potential: what both readings below need."""
+        f = self.family
+        n = f.children.size
+        return (self.is_fused() and f.support.offset == 0 and f.support.first == 0
+                and n == f.parents.size and n > 1 and f.tables.separable() is not None)
+
     def _blocks(self) -> bool:
         """Whether the certified block-sparse reading applies: the prior asks for it
-        (``certificate="blocks"`` with a ``tol``) and separates as g_i + h_j, over all of the
-        past j ≤ i of the same tokens, with one factorised potential."""
-        f = self.family
-        n = f.children.size
-        return (f.prior.tol is not None and f.prior.certificate == "blocks"
-                and self.is_fused() and f.support.offset == 0 and f.support.first == 0
-                and f.support.width is None and n == f.parents.size and n > 1
-                and f.tables.separable() is not None)
+        (``certificate="blocks"`` with a ``tol``) over all of the past (``_separable_past``)."""
+        prior = self.family.prior
+        return (prior.tol is not None and prior.certificate == "blocks"
+                and self.family.support.width is None and self._separable_past())
 
     def _per_head(self) -> bool:
-        """Whether each head reads a band of its own (the Triton kernel's ``window``: on the
-        GPU): the prior separates as g_i + h_j over j ≤ i of the same tokens, one factorised
-        potential, and the kernel serves the factors."""
-        f = self.family
-        n = f.children.size
-        if not (self.is_fused() and f.support.offset == 0 and f.support.first == 0
-                and n == f.parents.size and n > 1 and f.tables.separable() is not None) \
-                or self._blocks():
+        """Whether each head reads a band of its own (a band kernel's ``window``: Triton on
+        the GPU, the compiled kernel on the CPU, ``band_applies``): a separable prior over the
+        past (``_separable_past``) not read by its key blocks."""
+        if not self._separable_past() or self._blocks():
             return False
         a, b, _ = self.fused_factors()
         return band_applies(a, b)

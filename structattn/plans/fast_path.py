@@ -86,7 +86,7 @@ def _fast_path(last, plans, n_inputs: int, kwargs: dict, state: list, queueable:
     constant_flags = _constant_flags(plan, len(state) + n_inputs) if held else {}
     if held:
         values = _constants(plan, state)
-        env.update(_sa_CV=list(values), _sa_CF=[_flags_pass(plan, values, constant_flags)],
+        env.update(_sa_CV=list(values), _sa_CF=[_flags_pass(values, constant_flags)],
                    _sa_flags_pass=_flags_pass, _sa_CFI=constant_flags,
                    _sa_VC=[stamp(t) for t in plan.captured], _sa_WC=hold(plan.captured))
         for i, t in enumerate(plan.captured):
@@ -185,7 +185,7 @@ def _stamp_lines(plan, state: list, st: list, held: bool, env: dict) -> list:
         else f"_sa_stamp({s})[:2] != (_sa_V[{i}], _sa_P[{i}])" for i, s in enumerate(st))
     now = ", ".join(st)
     refresh = [f"        _sa_CV[:] = _sa_constants(_sa_plan, [{now}])",
-               "        _sa_CF[0] = _sa_flags_pass(_sa_plan, _sa_CV, _sa_CFI)"] if held else []
+               "        _sa_CF[0] = _sa_flags_pass(_sa_CV, _sa_CFI)"] if held else []
     lines = [f"    if {moved}:",
              f"        if not _sa_plans.parameters_finite([{now}], _sa_D):",
              "            return _sa_MISSED", *refresh,
@@ -217,10 +217,8 @@ def _flag_lines(plan, constant_flags: dict, queueable: bool, env: dict) -> list:
         checks.insert(0, "not _sa_CF[0]")
     lines = []
     if queueable and queued:  # on a GPU: the verdicts go to the host without waiting
-        env["_sa_KINDS"] = tuple(kind for k, kind in enumerate(plan.flags)
-                                 if k not in constant_flags)
         lines += ["        if _sa_VAL._QUEUED:",
-                  f"            _sa_Q.put(({', '.join(queued)},), _sa_KINDS, _sa_partial("
+                  f"            _sa_Q.put(({', '.join(queued)},), _sa_partial("
                   f"_sa_call_failed, _sa_read, _sa_layer, _sa_inputs, _sa_kw))",
                   f"            _sa_failed = {'not _sa_CF[0]' if constant_flags else 'False'}",
                   "        else:",

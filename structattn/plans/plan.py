@@ -9,13 +9,12 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 from functools import partial
-from math import isfinite
 
 import torch
 from torch.utils import _pytree as pytree
 
 from .. import _validation
-from ..verdicts import DEVICES, call_failed
+from ..verdicts import call_failed, queued_on
 from .internals import storage_id, storage_ref, version
 
 #: one recording or reading at a time in the process: ``make_fx`` keeps its tracing state
@@ -163,13 +162,9 @@ def _constant_flags(plan: Plan, first_constant: int) -> dict:
     return out
 
 
-def _flags_pass(plan: Plan, values: list, flags: dict) -> bool:
+def _flags_pass(values: list, flags: dict) -> bool:
     """Whether the constant flags ``flags`` (``_constant_flags``) pass on these values."""
-    for k, i in flags.items():
-        v = values[i]
-        if not (isfinite(float(v)) if plan.flags[k] == "finite" else bool(v)):
-            return False
-    return True
+    return all(_validation.verdict(values[i]) for i in flags.values())
 
 
 def replay(plan: Plan, state: list, inputs: tuple, split: bool = True, queue=None):
@@ -184,11 +179,10 @@ def replay(plan: Plan, state: list, inputs: tuple, split: bool = True, queue=Non
         result = plan.graph.forward(*state, *tensors)
     if plan.flags:
         flags = result[len(result) - len(plan.flags):]
-        if queue is not None and _validation._QUEUED and flags[0].device.type in DEVICES:
+        if queue is not None and queued_on(flags[0].device):
             verdicts, layer, args, kwargs = queue
-            verdicts.put(flags, plan.flags, partial(call_failed, _read, layer, args, kwargs))
-        elif not all(isfinite(float(f)) if kind == "finite" else bool(f)
-                     for kind, f in zip(plan.flags, flags, strict=True)):
+            verdicts.put(flags, partial(call_failed, _read, layer, args, kwargs))
+        elif not all(_validation.verdict(f) for f in flags):
             return _FAILED
     plan.calls += 1
     return result[0] if plan.single else _output(plan, result)
