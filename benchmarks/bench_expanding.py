@@ -9,8 +9,9 @@ The same W_Q, W_K, W_V, W_O serve every variant:
   window per token inferred from the data (prior a, b as stated; tol 0.05, certified: the
   default window rule bounds the posterior mass each window leaves out);
 - ``expanding (mean-field, grad='last')``: the same, iterating without a graph (in the
-  compiled CPU kernel, ``structattn.kernels``) and back-propagating through one step from
-  the fixed point; and the same with the kernel off (the Python loop), to show what it buys;
+  compiled CPU kernel, ``structattn.kernels``; on CUDA in Triton,
+  ``structattn.triton_kernels.expanding``) and back-propagating through one step from the
+  fixed point; and the same with the kernels off (the Python loop), to show what they buy;
 - ``expanding (exact, tol)``: the exact beta-geometric posterior over the window where the
   *prior's* tail is below tol (``prior_tol``: not certified);
 - ``full causal SDPA``: hand-written ``scaled_dot_product_attention(is_causal=True)``, the
@@ -209,8 +210,7 @@ def measure(args, n, results):
     variants = {
         "expanding (mean-field)": lambda x: layer(x),
         "expanding (mean-field, grad='last')": lambda x: layer_last(x),
-        **({"  the same, Python loop (no kernel)": lambda x: loop(layer_last, x)}
-           if DEVICE.type == "cpu" else {}),  # (elsewhere the loop is the only path)
+        "  the same, Python loop (no kernel)": lambda x: loop(layer_last, x),
         f"expanding (exact, tol {args.exact_tol})": lambda x: layer_exact(x),
         "full causal SDPA": lambda x: full_causal(m, x),
         f"sliding window (oracle, w={true_window})": lambda x: sliding_window(m, x,

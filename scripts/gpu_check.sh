@@ -51,8 +51,9 @@ step() {  # step NAME SECONDS COMMAND...: run with a limit (0: skip), log to $OU
 # the Triton kernels on CUDA tensors (elsewhere they run under the interpreter)
 step triton "${TRITON_S:-110}" "$PY" -m pytest -q -p no:cacheprovider -p no:benchmark $XDIST \
   ${TRITON_TESTS:-tests/triton} --durations=5
-step tests "${TESTS_S:-90}" "$PY" -m pytest -q -p no:cacheprovider -p no:benchmark $XDIST tests/test_cuda.py \
-  tests/test_torch_compile.py tests/models/test_expanding_attention.py -k "cuda" --durations=5
+step tests "${TESTS_S:-90}" "$PY" -m pytest -q -p no:cacheprovider -p no:benchmark $XDIST \
+  ${CUDA_TESTS:-tests/test_cuda.py tests/test_torch_compile.py tests/models/test_expanding_attention.py} \
+  -k "cuda" --durations=5
 # the key-bias kernel's launch settings, one kernel at a time; then against FLA (fla-core in
 # .gpu-wheels) and FlashAttention, with those settings: time and peak memory
 step tune "${TUNE_S:-110}" "$PY" benchmarks/tune_key_bias.py --json "$OUT/tuned.json" \
@@ -65,7 +66,10 @@ step per_call "${PER_CALL_S:-40}" "$PY" benchmarks/bench_per_call.py --device cu
 step attention "${ATTENTION_S:-30}" "$PY" benchmarks/bench_attention.py --device cuda \
   --json "$OUT/attention.json"
 step distance_priors "${DISTANCE_S:-50}" "$PY" benchmarks/bench_distance_priors.py --device cuda \
-  --sizes ${DISTANCE_SIZES:-1024 4096 16384} --json "$OUT/distance_priors.json"
-# expanding attention's mean field on CUDA (its Python loop: the C++ kernel is the CPU's)
-step expanding "${EXPANDING_S:-40}" "$PY" benchmarks/bench_expanding.py --device cuda \
-  --sizes ${EXPANDING_SIZES:-4096} --repeats 1 --json "$OUT/expanding.json"
+  --sizes ${DISTANCE_SIZES:-1024 4096 16384} ${DISTANCE_VARIANTS:+--variants $DISTANCE_VARIANTS} \
+  --json "$OUT/distance_priors.json"
+# expanding attention's mean field on CUDA: the Triton solve and band per child, against
+# causal SDPA and the Python loop
+step expanding "${EXPANDING_S:-120}" "$PY" benchmarks/bench_expanding.py --device cuda \
+  --sizes ${EXPANDING_SIZES:-4096 16384} --repeats ${EXPANDING_REPEATS:-3} \
+  --json "$OUT/expanding.json"

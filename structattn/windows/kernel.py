@@ -20,6 +20,7 @@ from .. import band
 from .._eager import eager
 from .._validation import checks_on, is_exporting, is_recording
 from ..beta import log_q_expectations
+from . import on_triton
 from .history import MeanFieldHistory
 from .scores import BandScores, tail
 
@@ -109,12 +110,36 @@ def _history(p: KernelProblem, s: KernelSolution, lead, expectation, dtype) -> M
             bound=s.bound.reshape(*lead, n).to(dtype))
 
 
+def fixed_point_posterior(a, b, scale, off: int, block: int, work, expectation: str,
+                          window, alpha, beta, dtype):
+    """The posterior at a fixed point ``(window, α, β)`` (each ``(G, N)``, G = batch · heads)
+    on a band over all P tokens (the first P − N, not children, at window 0), with grad where
+    ``a (*lead, N, k)``, ``b (*lead, P, k)``, α and β carry it; → (band, layout)."""
+    front = torch.nn.functional.pad
+    lead, n, n_all = a.shape[:-2], a.shape[-2], b.shape[-2]
+    reach = max(1, int(window.max()) if window.numel() else 1)
+    scores = BandScores(front(a, (0, 0, off, 0)), b, scale, n_all, reach, block, work)
+    lay = scores.layout
+
+    def blocked(t):  # (*lead, N) → (G', B), the front and padding slots at 0
+        return lay.children(front(t, (off, 0))[..., None])[..., 0].reshape(-1, lay.block)
+
+    win_b = blocked(window.reshape(*lead, n))
+    # padding slots at Beta(1, 1): finite digammas, no NaN in the backward
+    e = log_q_expectations(blocked(alpha.reshape(*lead, n) - 1) + 1,
+                           blocked(beta.reshape(*lead, n) - 1) + 1, expectation)[0]
+    p, _ = scores.posterior(None, win_b, e)
+    p = (p * (win_b >= 1)[..., None]).reshape(scores.shape).to(dtype)
+    return p, lay
+
+
 @eager
 def mean_field_compiled(family, factors, scheme, grad: str, record: bool):
-    """The scheme's iteration for ``family`` in the compiled CPU kernel; returns
-    ``(attend, dense_posterior, history)``, or None (then the Python loop runs) where it
-    does not apply — not on the CPU, no kernel, or ``grad="unroll"`` with a gradient to
-    carry (the derivative through every iteration needs the loop's graph).
+    """The scheme's iteration for ``family`` in the compiled CPU kernel, or on CUDA in the
+    Triton kernels (``on_triton``); returns ``(attend, dense_posterior, history)``, or None
+    (then the Python loop runs) where neither applies — no kernel, a rule or a history the
+    kernel lacks, or ``grad="unroll"`` with a gradient to carry (the derivative through every
+    iteration needs the loop's graph).
 
     The kernel returns each child's fixed point (window, α, β); the output is then one more
     posterior at that fixed point — the kernel's ``attend`` without grad, or under
@@ -129,6 +154,8 @@ def mean_field_compiled(family, factors, scheme, grad: str, record: bool):
     work = a0.dtype
     unrolled = grad == "unroll" and torch.is_grad_enabled() and any(
         t.requires_grad for t in (a, b, a0, b0))
+    if on_triton.applies(a, b, scheme, record, unrolled):
+        return on_triton.mean_field_triton(family, factors, scheme, grad, fixed_point_posterior)
     if xc.device.type != "cpu" or unrolled or work not in (torch.float32, torch.float64) \
             or scheme.window_rule.code is None:
         return None
@@ -162,25 +189,8 @@ def mean_field_compiled(family, factors, scheme, grad: str, record: bool):
     history = _history(problem, fixed(), lead, scheme.expectation, xc.dtype) if record else None
 
     def band_posterior(alpha, beta):
-        """The posterior at the fixed point on a band over all P tokens (the first P − C,
-        not children, at window 0), with grad where a, b carry it; → band, layout."""
-        front = torch.nn.functional.pad
-        window = fixed().window
-        reach = max(1, int(window.max()) if window.numel() else 1)
-        scores = BandScores(front(a, (0, 0, off, 0)), b, scale, n_all, reach, prior.block_size,
-                            work)
-        lay = scores.layout
-
-        def blocked(t):  # (*lead, N) → (G', B), the front and padding slots at 0
-            return lay.children(front(t, (off, 0))[..., None])[..., 0].reshape(-1, lay.block)
-
-        win_b = blocked(window.reshape(*lead, n))
-        # padding slots at Beta(1, 1): finite digammas, no NaN in the backward
-        e = log_q_expectations(blocked(alpha - 1) + 1, blocked(beta - 1) + 1,
-                               scheme.expectation)[0]
-        p, _ = scores.posterior(None, win_b, e)
-        p = (p * (win_b >= 1)[..., None]).reshape(scores.shape).to(xc.dtype)
-        return p, lay
+        return fixed_point_posterior(a, b, scale, off, prior.block_size, work,
+                                     scheme.expectation, fixed().window, alpha, beta, xc.dtype)
 
     if grad == "last" and torch.is_grad_enabled():
         # one differentiable step from the detached fixed point (as the loop)

@@ -1,0 +1,440 @@
+"""Expanding attention's mean field on the GPU in Triton: each child's fixed point, and the
+output at it with its gradient.
+
+``solve``: child i of a block iterates its own Beta(α_i, β_i) and window W_i as
+``csrc/mean_field_windows.cpp`` does, step for step (the same equations: ``structattn/
+windows/``), scoring its parents again at each step over the block's widest window:
+
+    e_i = E[ln q_i],   p_i(d) ∝ exp(ψ_{i,i−d} + d·e_i) on 1 ≤ d ≤ W_i,   m_i = Σ_d d·p_i(d),
+    α_i ← a + m_i − 1 (conjugate; accumulate: α_i + m_i − 1),   β_i ← b + 1 (β_i + 1),
+
+and W_i ← min(2 W_i, C_i) while its rule's mass beyond the window exceeds tol: the certified
+bound (every unseen parent of the whole past at its score ceiling; the rule by default) or the
+evidence on the window's outer half (``edge``). A child stops once E[φ_i] moves by at most
+converge_tol·max(1, E[φ_i]) with its window unchanged, or after max_iters steps. The other
+rules (``predictive``, ``evidence``) read log-Beta functions or the window's typical score:
+they stay with the loop.
+
+``attend``: out_i = Σ_{1 ≤ d ≤ W_i} softmax_d(scale·⟨a_i, b_{i−d}⟩ + d·e_i) u_{i−d}, a band per
+child with a slope per child, forward and backward (FlashAttention's scheme, with Δ_i =
+dout_i·out_i and ds_ij = p_ij (dout_i·u_j − Δ_i)):
+
+    da_i = scale Σ_j ds_ij b_j,   de_i = Σ_j ds_ij (i − j),
+    db_j = scale Σ_i ds_ij a_i,   du_j = Σ_i p_ij dout_i   (added atomically per parent block).
+
+Never the N×W table: one program per block of children holds BM×BN scores at a time. Float
+arguments travel as one-element tensors in the statistics' dtype (a kernel reads a Python
+float as float32), and the constants of ψ are ratios of integers (exact in any dtype).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._tiles import add_tile, dot, load_row, load_tile, scalar, settings, statistics, store_tile, width
+
+#: the window rules this kernel runs, by their number in ``structattn.windows.rules``
+RULES = {1: "edge", 3: "certified"}
+
+
+@triton.jit
+def _digamma(x):
+    """ψ(x), x > 0: the recurrence ψ(x) = ψ(x + 1) − 1/x up to x ≥ 10, then the asymptotic
+    series to x⁻¹⁰ (its next term is below 3·10⁻¹⁴ there)."""
+    shift = tl.zeros_like(x)
+    for _ in tl.static_range(10):
+        small = x < 10.0
+        shift = shift - tl.where(small, 1.0 / x, 0.0)
+        x = tl.where(small, x + 1.0, x)
+    r = 1.0 / (x * x)
+    series = r / 12.0 - r * r / 120.0 + r * r * r / 252.0 - r * r * r * r / 240.0 \
+        + r * r * r * r * r / 132.0
+    return shift + tl.log(x) - 0.5 / x - series
+
+
+@triton.jit
+def _e_ln_q(alpha, beta, DIGAMMA: tl.constexpr):
+    """E[ln q] under Beta(α, β): digamma, or ln E[q] plugged in."""
+    if DIGAMMA:
+        return _digamma(alpha) - _digamma(alpha + beta)
+    else:
+        return tl.log(alpha) - tl.log(alpha + beta)
+
+
+@triton.jit
+def _neg_expm1(x):
+    """1 − eˣ to a few ulps for x ≤ 0: Kahan's (1 − u)·x / ln u with u = eˣ near 0, where
+    1 − u cancels; 1 − u itself below −½ (where u may underflow to 0)."""
+    u = tl.exp(x)
+    odd = (u == 1.0) | (u == 0.0)  # (lanes another branch serves: no log of 0 or 1)
+    near = tl.where(u == 1.0, -x, (1.0 - u) * x / tl.log(tl.where(odd, 0.5, u)))
+    return tl.where(x < -0.5, 1.0 - u, near)
+
+
+@triton.jit
+def _sigmoid_of_minus(x):
+    """1 / (1 + eˣ) without overflow."""
+    z = tl.exp(-tl.abs(x))
+    return tl.where(x > 0, z / (1.0 + z), 1.0 / (1.0 + z))
+
+
+@triton.jit
+def _span(pos, w, live, BN: tl.constexpr):
+    """The parent blocks ``[lo, hi)`` the live children of a block read: from the first
+    block holding some i − W_i to the last child's i − 1."""
+    lo = tl.min(tl.where(live, pos - w, 2147483647), axis=0)
+    hi = tl.max(tl.where(live, pos, 0), axis=0)
+    lo = tl.maximum(lo, 0) // BN * BN
+    return lo, hi
+
+
+@triton.jit
+def _scores(a, B, g, sbg, sbp, sbk, cols, ks, P, K, pos, w, live, scale,
+            PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """A block's scores ψ_ij ``(BM, BN)``, the distances i − j and which pairs are on the
+    support 1 ≤ i − j ≤ W_i of a live child; the parents' b."""
+    b = load_tile(B, g, sbg, cols, sbp, P, ks, sbk, K)
+    s = dot(a, tl.trans(b), PRECISION, UPCAST) * scale
+    dist = pos[:, None] - cols[None, :]
+    on = (dist >= 1) & (dist <= w[:, None]) & live[:, None] & (cols[None, :] < P)
+    return s, dist, on, b
+
+
+@triton.jit
+def _solve(A, B, A0, B0, W0, CAPS, HEAD, SLACK, RUN, SCALE, TOL, CTOL,
+           WOUT, AOUT, BOUT, MOUT, SOUT, DONE, BOUND,
+           N, P, K, offset, max_iters, sag, san, sak, sbg, sbp, sbk,
+           DIGAMMA: tl.constexpr, CONJUGATE: tl.constexpr, RULE: tl.constexpr,
+           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ACC: tl.constexpr,
+           PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    scale = tl.load(SCALE)
+    tol = tl.load(TOL)
+    ctol = tl.load(CTOL)
+    m_ = tl.program_id(0)
+    g = tl.program_id(1)
+    rows = m_ * BM + tl.arange(0, BM)  # child rows c; positions i = offset + c
+    rmask = rows < N
+    pos = offset + rows
+    ks = tl.arange(0, BK)
+    a = load_tile(A, g, sag, rows, san, N, ks, sak, K)
+    pa = tl.load(A0 + g).to(ACC)
+    pb = tl.load(B0 + g).to(ACC)
+    w = tl.load(W0 + g * N + rows, mask=rmask, other=0).to(tl.int32)
+    cap = tl.load(CAPS + pos, mask=rmask, other=0).to(tl.int32)
+    head = tl.load(HEAD + g * N + rows, mask=rmask, other=0.0)  # |scale|·‖a_i‖, float64
+    slack = tl.load(SLACK + g * N + rows, mask=rmask, other=0.0)  # float64
+    alpha = tl.zeros([BM], dtype=ACC) + pa
+    beta = tl.zeros([BM], dtype=ACC) + pb
+    mean_out = tl.zeros([BM], dtype=ACC)
+    m_prev = tl.full([BM], float("nan"), dtype=ACC)
+    bound = tl.zeros([BM], dtype=ACC)
+    steps = tl.zeros([BM], dtype=tl.int32)
+    done = w < 1  # no past: nothing to iterate
+    live = (w >= 1) & rmask
+    t = 0
+    while (t < max_iters) & (tl.max(live.to(tl.int32), axis=0) > 0):
+        e = _e_ln_q(alpha, beta, DIGAMMA)
+        top = tl.full([BM], -float("inf"), dtype=ACC)
+        z = tl.zeros([BM], dtype=ACC)
+        zd = tl.zeros([BM], dtype=ACC)
+        ev_top = tl.full([BM], -float("inf"), dtype=ACC)  # the evidence alone ("edge")
+        ev_z = tl.zeros([BM], dtype=ACC)
+        ev_outer = tl.zeros([BM], dtype=ACC)
+        lo, hi = _span(pos, w, live, BN)
+        for start in range(lo, hi, BN):
+            cols = start + tl.arange(0, BN)
+            s, dist, on, b = _scores(a, B, g, sbg, sbp, sbk, cols, ks, P, K, pos, w, live,
+                                     scale, PRECISION, UPCAST)
+            d = dist.to(ACC)
+            logit = tl.where(on, s + d * e[:, None], -float("inf"))
+            new = tl.maximum(top, tl.max(logit, axis=1))
+            safe = tl.where(new == -float("inf"), 0.0, new)
+            p = tl.exp(logit - safe[:, None])
+            shrink = tl.exp(top - safe)
+            z = z * shrink + tl.sum(p, axis=1)
+            zd = zd * shrink + tl.sum(p * d, axis=1)
+            top = new
+            if RULE == 1:
+                raw = tl.where(on, s, -float("inf"))
+                ev_new = tl.maximum(ev_top, tl.max(raw, axis=1))
+                ev_safe = tl.where(ev_new == -float("inf"), 0.0, ev_new)
+                q = tl.exp(raw - ev_safe[:, None])
+                ev_shrink = tl.exp(ev_top - ev_safe)
+                ev_z = ev_z * ev_shrink + tl.sum(q, axis=1)
+                ev_outer = ev_outer * ev_shrink + tl.sum(
+                    tl.where(dist > (w // 2)[:, None], q, 0.0), axis=1)
+                ev_top = ev_new
+        z = tl.where(live, z, 1.0)
+        log_z = tl.where(live, top, 0.0) + tl.log(z)
+        mean = zd / z
+        # certified: every unseen parent of the whole past at its score ceiling beyond the
+        # window (the longest key farther back than it), against the window's mass less the
+        # rounding slack
+        far = tl.minimum(tl.maximum(pos - w - 1, 0), P - 1)
+        run = tl.load(RUN + g * P + far, mask=rmask, other=0.0)
+        high = (head * run + slack).to(ACC)
+        unseen = tl.maximum(pos - w, 0)
+        wf = w.to(ACC)
+        log_out = (wf + 1.0) * e + tl.log(_neg_expm1(tl.maximum(unseen, 1).to(ACC) * e)) \
+            - tl.log(_neg_expm1(e)) + high
+        bnd = tl.where(unseen == 0, 0.0, _sigmoid_of_minus(log_z - slack.to(ACC) - log_out))
+        if CONJUGATE:
+            new_alpha = pa + mean - 1.0
+            new_beta = tl.zeros([BM], dtype=ACC) + pb + 1.0
+        else:
+            new_alpha = alpha + mean - 1.0
+            new_beta = beta + 1.0
+        if RULE == 1:
+            outer = ev_outer / tl.where(live, ev_z, 1.0)
+        else:
+            outer = bnd
+        new_w = tl.where((outer > tol) & (w < cap), tl.minimum(2 * w, cap), w)
+        # (NaN before the first step: never settled at once)
+        settled = (tl.abs(mean - m_prev) <= ctol * tl.maximum(tl.abs(mean), 1.0)) & (new_w == w)
+        steps = tl.where(live, t + 1, steps)
+        done = tl.where(live, settled, done)
+        mean_out = tl.where(live, mean, mean_out)
+        bound = tl.where(live, bnd, bound)
+        moves = live & ~settled & (t + 1 < max_iters)  # else its state stays this step's
+        alpha = tl.where(moves, new_alpha, alpha)
+        beta = tl.where(moves, new_beta, beta)
+        w = tl.where(moves, new_w, w)
+        m_prev = tl.where(moves, mean, m_prev)
+        live = moves
+        t += 1
+    out = g * N + rows
+    tl.store(WOUT + out, w.to(tl.int64), mask=rmask)
+    tl.store(AOUT + out, alpha, mask=rmask)
+    tl.store(BOUT + out, beta, mask=rmask)
+    tl.store(MOUT + out, mean_out, mask=rmask)
+    tl.store(SOUT + out, steps.to(tl.int64), mask=rmask)
+    tl.store(DONE + out, done.to(tl.int8), mask=rmask)
+    tl.store(BOUND + out, bound, mask=rmask)
+
+
+def _ceilings(a: torch.Tensor, b: torch.Tensor, scale: float, stat: torch.dtype):
+    """In float64 (``windows.scores.BandScores``'s formula, as the C++ kernel computes it):
+    ``head`` = |scale|·‖a_i‖ (G, N), the running longest key ``run`` = max_{j' ≤ j} ‖b_j'‖
+    (G, P), and the rounding slack γ_k·|scale|·‖a_i‖·max_j ‖b_j‖ + 4·tiny in ``stat``."""
+    k = a.shape[-1]
+    unit = torch.finfo(stat).eps / 2
+    gamma = k * unit / (1 - k * unit)
+    head = a.double().norm(dim=-1) * abs(scale)
+    run = torch.cummax(b.double().norm(dim=-1), dim=-1).values
+    longest = run[:, -1:] if run.shape[-1] else torch.zeros_like(head[:, :1])
+    slack = head * longest * gamma + 4 * torch.finfo(stat).tiny
+    return head.contiguous(), slack.contiguous(), run.contiguous()
+
+
+@torch.library.custom_op("structattn_triton::mean_field_solve", mutates_args=())
+def solve(a: torch.Tensor, b: torch.Tensor, offset: int, scale: float, a0: torch.Tensor,
+          b0: torch.Tensor, win0: torch.Tensor, caps: torch.Tensor, tol: float,
+          converge_tol: float, max_iters: int, cap: int, digamma: bool, conjugate: bool,
+          rule: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                              torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each child's fixed point ``(window (G, N) long, α, β, E[φ], steps (long), settled
+    (bool), bound)`` for ``a (G, N, k)``, ``b (G, P, k)`` (child row q at position offset +
+    q), ``a0, b0 (G,)``, ``win0 (G, N)`` and ``caps (P,)`` — ``csrc/mean_field_windows.cpp``'s
+    ``solve`` without a history, for the rules in ``RULES``; α, β, E[φ] and the bound in
+    ``statistics(a.dtype)``. ``cap`` is the largest window any child may reach (the caps
+    hold it already)."""
+    if rule not in RULES:
+        raise ValueError(f"mean_field_solve: rule must be one of {sorted(RULES)} "
+                         f"({', '.join(RULES.values())}); got {rule}")
+    G, N, K = a.shape
+    P = b.shape[1]
+    stat = statistics(a.dtype)
+    lopt = dict(dtype=torch.long, device=a.device)
+    win, steps = torch.empty(G, N, **lopt), torch.empty(G, N, **lopt)
+    alpha, beta, m, bound = (torch.empty(G, N, dtype=stat, device=a.device) for _ in range(4))
+    done = torch.empty(G, N, dtype=torch.int8, device=a.device)
+    if G and N:
+        a, b = a.contiguous(), b.contiguous()
+        head, slack, run = _ceilings(a, b, scale, stat)
+        common = dict(settings(a.dtype, width(K), 32, 32), BK=width(K))
+        _solve[(triton.cdiv(N, common["BM"]), G)](
+            a, b, a0.to(stat).contiguous(), b0.to(stat).contiguous(), win0.contiguous(),
+            caps.contiguous(), head, slack, run, scalar(scale, a), scalar(tol, a),
+            scalar(converge_tol, a), win, alpha, beta, m, steps, done, bound,
+            N, P, K, offset, max_iters, *a.stride(), *b.stride(), DIGAMMA=digamma,
+            CONJUGATE=conjugate, RULE=rule, **common)
+    return win, alpha, beta, m, steps, done.bool(), bound
+
+
+@solve.register_fake
+def _(a, b, offset, scale, a0, b0, win0, caps, tol, converge_tol, max_iters, cap, digamma,
+      conjugate, rule):
+    G, N = a.shape[:2]
+    stat = statistics(a.dtype)
+    long_, real = a.new_empty(G, N, dtype=torch.long), a.new_empty(G, N, dtype=stat)
+    return (long_, real, torch.empty_like(real), torch.empty_like(real),
+            torch.empty_like(long_), a.new_empty(G, N, dtype=torch.bool), torch.empty_like(real))
+
+
+@triton.jit
+def _attend_forward(A, B, U, E, WIN, O, LSE, SCALE, N, P, K, D, offset,
+                    sag, san, sak, sbg, sbp, sbk, sug, sup, sud, sog, son, sod,
+                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr,
+                    ACC: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    scale = tl.load(SCALE)
+    m_ = tl.program_id(0)
+    g = tl.program_id(1)
+    rows = m_ * BM + tl.arange(0, BM)
+    rmask = rows < N
+    pos = offset + rows
+    ks = tl.arange(0, BK)
+    ds = tl.arange(0, BD)
+    a = load_tile(A, g, sag, rows, san, N, ks, sak, K)
+    e = tl.load(E + g * N + rows, mask=rmask, other=0.0).to(ACC)
+    w = tl.load(WIN + g * N + rows, mask=rmask, other=0)
+    live = (w >= 1) & rmask
+    top = tl.full([BM], -float("inf"), dtype=ACC)
+    total = tl.zeros([BM], dtype=ACC)
+    acc = tl.zeros([BM, BD], dtype=ACC)
+    lo, hi = _span(pos, w, live, BN)
+    for start in range(lo, hi, BN):
+        cols = start + tl.arange(0, BN)
+        s, dist, on, b = _scores(a, B, g, sbg, sbp, sbk, cols, ks, P, K, pos, w, live, scale,
+                                 PRECISION, UPCAST)
+        logit = tl.where(on, s + dist.to(ACC) * e[:, None], -float("inf"))
+        new = tl.maximum(top, tl.max(logit, axis=1))
+        safe = tl.where(new == -float("inf"), 0.0, new)
+        p = tl.exp(logit - safe[:, None])
+        shrink = tl.exp(top - safe)
+        u = load_tile(U, g, sug, cols, sup, P, ds, sud, D)
+        total = total * shrink + tl.sum(p, axis=1)
+        acc = acc * shrink[:, None] + dot(p.to(u.dtype), u, PRECISION, UPCAST)
+        top = new
+    total = tl.where(live, total, 1.0)  # no past: a zero output
+    store_tile(O, acc / total[:, None], g, sog, rows, son, N, ds, sod, D)
+    tl.store(LSE + g * N + rows, tl.where(live, top, 0.0) + tl.log(total), mask=rmask)
+
+
+@triton.jit
+def _attend_backward(A, B, U, E, WIN, DO, LSE, DELTA, DA, DB, DU, DE, SCALE, N, P, K, D,
+                     offset, sag, san, sak, sbg, sbp, sbk, sug, sup, sud, sdg, sdn, sdd,
+                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr,
+                     ACC: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """da and de per block of children; db and du added atomically into float buffers laid
+    out as b and u (contiguous)."""
+    scale = tl.load(SCALE)
+    m_ = tl.program_id(0)
+    g = tl.program_id(1)
+    rows = m_ * BM + tl.arange(0, BM)
+    rmask = rows < N
+    pos = offset + rows
+    ks = tl.arange(0, BK)
+    ds = tl.arange(0, BD)
+    a = load_tile(A, g, sag, rows, san, N, ks, sak, K)
+    do = load_tile(DO, g, sdg, rows, sdn, N, ds, sdd, D)
+    e = tl.load(E + g * N + rows, mask=rmask, other=0.0).to(ACC)
+    w = tl.load(WIN + g * N + rows, mask=rmask, other=0)
+    lse = tl.load(LSE + g * N + rows, mask=rmask, other=0.0)
+    delta = tl.load(DELTA + g * N + rows, mask=rmask, other=0.0)
+    live = (w >= 1) & rmask
+    da = tl.zeros([BM, BK], dtype=ACC)
+    de = tl.zeros([BM], dtype=ACC)
+    lo, hi = _span(pos, w, live, BN)
+    for start in range(lo, hi, BN):
+        cols = start + tl.arange(0, BN)
+        s, dist, on, b = _scores(a, B, g, sbg, sbp, sbk, cols, ks, P, K, pos, w, live, scale,
+                                 PRECISION, UPCAST)
+        d = dist.to(ACC)
+        p = tl.exp(tl.where(on, s + d * e[:, None] - lse[:, None], -float("inf")))
+        u = load_tile(U, g, sug, cols, sup, P, ds, sud, D)
+        dsc = p * (dot(do, tl.trans(u), PRECISION, UPCAST) - delta[:, None])
+        da += dot(dsc.to(b.dtype), b, PRECISION, UPCAST)
+        de += tl.sum(dsc * d, axis=1)
+        add_tile(DB, dot(tl.trans(dsc.to(a.dtype)), a, PRECISION, UPCAST) * scale, g, P * K,
+                 cols, K, P, ks, 1, K)
+        add_tile(DU, dot(tl.trans(p.to(do.dtype)), do, PRECISION, UPCAST), g, P * D, cols, D,
+                 P, ds, 1, D)
+    store_tile(DA, da * scale, g, N * K, rows, K, N, ks, 1, K)
+    tl.store(DE + g * N + rows, de, mask=rmask)
+
+
+def _launch(dtype, K, D) -> dict:
+    common = dict(settings(dtype, max(width(K), width(D)), 64, 64), BK=width(K), BD=width(D))
+    return common
+
+
+@torch.library.custom_op("structattn_triton::mean_field_attend_forward", mutates_args=())
+def attend_forward(a: torch.Tensor, b: torch.Tensor, u: torch.Tensor, e: torch.Tensor,
+                   window: torch.Tensor, offset: int, scale: float
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out (G, N, D), lse (G, N))`` of the band per child: ``a (G, N, K)``, ``b (G, P,
+    K)``, ``u (G, P, D)`` of one float dtype, ``e (G, N)`` each child's slope E[ln q_i] and
+    ``window (G, N)`` its W_i (child row q at position offset + q; W_i = 0: a zero output).
+    ``out`` and ``lse`` in ``statistics(a.dtype)``."""
+    G, N, K = a.shape
+    P, D = b.shape[1], u.shape[2]
+    stat = statistics(a.dtype)
+    out = torch.empty(G, N, D, dtype=stat, device=a.device)
+    lse = torch.empty(G, N, dtype=stat, device=a.device)
+    if G and N:
+        common = _launch(a.dtype, K, D)
+        _attend_forward[(triton.cdiv(N, common["BM"]), G)](
+            a, b, u, e.to(stat).contiguous(), window.to(torch.int32).contiguous(), out, lse,
+            scalar(scale, a), N, P, K, D, offset, *a.stride(), *b.stride(), *u.stride(),
+            *out.stride(), **common)
+    return out, lse
+
+
+@attend_forward.register_fake
+def _(a, b, u, e, window, offset, scale):
+    stat = statistics(a.dtype)
+    return (a.new_empty(a.shape[0], a.shape[1], u.shape[2], dtype=stat),
+            a.new_empty(a.shape[:2], dtype=stat))
+
+
+@torch.library.custom_op("structattn_triton::mean_field_attend_backward", mutates_args=())
+def attend_backward(dout: torch.Tensor, a: torch.Tensor, b: torch.Tensor, u: torch.Tensor,
+                    e: torch.Tensor, window: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                    offset: int, scale: float
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(da, db, du, de)`` of ``attend_forward``'s output against ``dout``."""
+    G, N, K = a.shape
+    P, D = b.shape[1], u.shape[2]
+    stat = statistics(a.dtype)
+    dout = dout.to(stat).contiguous()
+    delta = (dout * out.to(stat)).sum(-1).contiguous()  # Δ_i
+    a, b, u = a.contiguous(), b.contiguous(), u.contiguous()
+    da = torch.zeros(G, N, K, dtype=stat, device=a.device)
+    db = torch.zeros(G, P, K, dtype=stat, device=a.device)
+    du = torch.zeros(G, P, D, dtype=stat, device=a.device)
+    de = torch.zeros(G, N, dtype=stat, device=a.device)
+    if G and N and P:
+        common = _launch(a.dtype, K, D)
+        do = dout.to(u.dtype) if a.dtype in (torch.float16, torch.bfloat16) else dout
+        _attend_backward[(triton.cdiv(N, common["BM"]), G)](
+            a, b, u, e.to(stat).contiguous(), window.to(torch.int32).contiguous(), do,
+            lse.contiguous(), delta, da, db, du, de, scalar(scale, a), N, P, K, D, offset,
+            *a.stride(), *b.stride(), *u.stride(), *do.stride(), **common)
+    return da.to(a.dtype), db.to(b.dtype), du.to(u.dtype), de.to(e.dtype)
+
+
+@attend_backward.register_fake
+def _(dout, a, b, u, e, window, out, lse, offset, scale):
+    return torch.empty_like(a), torch.empty_like(b), torch.empty_like(u), torch.empty_like(e)
+
+
+def _setup(ctx, inputs, output):
+    a, b, u, e, window, offset, scale = inputs
+    out, lse = output
+    ctx.save_for_backward(a, b, u, e, window, out, lse)
+    ctx.offset, ctx.scale = offset, scale
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward_rule(ctx, dout, _):
+    a, b, u, e, window, out, lse = ctx.saved_tensors
+    da, db, du, de = attend_backward(dout, a, b, u, e, window, out, lse, ctx.offset, ctx.scale)
+    return da, db, du, de, None, None, None
+
+
+attend_forward.register_autograd(_backward_rule, setup_context=_setup)
+
+
+__all__ = ["RULES", "attend_backward", "attend_forward", "solve"]

@@ -1,0 +1,225 @@
+"""Expanding attention's mean field in Triton (structattn/triton_kernels/expanding.py), under
+the interpreter where there is no GPU: ``solve`` equals the CPU kernel's fixed point (windows,
+steps and whether each child settled exactly; α, β, E[φ] and the certified bound to rounding);
+the band per child equals the CPU kernel, softmax written out and its gradients (gradcheck,
+opcheck); a whole layer through both equals the brute-force mean field, and its ``grad="last"``
+gradients equal the Python loop's; a plan records each op once."""
+
+import pytest
+import torch
+
+import structattn as sa
+from structattn import kernels, triton_kernels
+
+from ..programs import program, scores_of
+from ..readers.test_windows import brute_mean_field, ceilings
+
+f64 = torch.float64
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+#: on a GPU, sizes crossing its wider blocks (64)
+GPU_SIZES = [(150, 300, 64, 64)] if DEVICE.type == "cuda" else []
+
+
+def _ex():
+    from structattn.triton_kernels import expanding
+    return expanding
+
+
+def _problem(G, N, P, k, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(G, N, k, generator=g, dtype=f64)
+    b = torch.randn(G, P, k, generator=g, dtype=f64)
+    b[0, P // 3] *= 4  # a long key: the certified ceiling behind it is higher
+    a0 = torch.tensor([2.0, 1.2, 0.7][:G], dtype=f64)
+    b0 = torch.tensor([1.5, 3.0, 0.9][:G], dtype=f64)
+    caps = torch.arange(P).clamp(max=P - 10)
+    win0 = torch.minimum(torch.randint(1, 4, (G, N), generator=g), caps[P - N:])
+    return [t.to(DEVICE, dtype) for t in (a, b, a0, b0)] + [win0.to(DEVICE), caps.to(DEVICE)]
+
+
+@pytest.mark.parametrize("dtype", [f64, torch.float32])
+@pytest.mark.parametrize("rule", [3, 1])
+@pytest.mark.parametrize("expectation, update", [(True, True), (False, False)])
+@pytest.mark.parametrize("N, P", [(45, 70), (70, 70), (1, 1)])
+def test_triton_solve_equals_the_cpu_kernel(N, P, rule, expectation, update, dtype):
+    """float64: each child's window, steps and settledness exactly, α, β, E[φ] and the bound
+    to 1e-12 — children crossing the blocks of 32, a prefix of non-children (P > N), the
+    certified and the edge rule, digamma/conjugate and plug-in/accumulate. float32: the
+    windows exactly; a child at its convergence threshold (|ΔE[φ]| against converge_tol =
+    1e-4 of E[φ], summed in another order) may stop one step earlier or later, so the steps
+    agree to one and α, E[φ] to 10·converge_tol of their size."""
+    assert kernels.available(), kernels.build_error()
+    a, b, a0, b0, win0, caps = _problem(2, N, P, 5, dtype, N + rule)
+    args = (a, b, P - N, 0.7, a0, b0, win0, caps, 0.05, 1e-4, 20, P - 10, expectation, update,
+            rule)
+    got = [t.cpu() for t in _ex().solve(*args)]
+    want = kernels.mean_field_windows().solve(*(t.cpu() if torch.is_tensor(t) else t
+                                                for t in args), False)[:7]
+    window, alpha, beta, m, steps, settled, bound = zip(got, want, strict=True)
+    assert torch.equal(*window)
+    if dtype == f64:
+        assert torch.equal(*steps) and torch.equal(*settled)
+        for name, (x, y) in zip(["α", "β", "E[φ]", "bound"], [alpha, beta, m, bound]):
+            torch.testing.assert_close(x, y, atol=1e-12, rtol=1e-12, msg=name)
+    else:
+        assert int((steps[0] - steps[1]).abs().max()) <= 1
+        for name, (x, y) in zip(["α", "β", "E[φ]"], [alpha, beta, m]):
+            torch.testing.assert_close(x, y, atol=0, rtol=1e-3, msg=name)
+        torch.testing.assert_close(*bound, atol=1e-5, rtol=0)
+    if N > 1:
+        assert int(got[0].max()) > 4 and int(got[4].max()) > 2  # windows grew, over steps
+
+
+def test_triton_solve_refuses_a_rule_it_does_not_run():
+    a, b, a0, b0, win0, caps = _problem(2, 5, 5, 3, f64, 0)
+    with pytest.raises(ValueError, match=r"rule must be one of \[1, 3\].*got 0"):
+        _ex().solve(a, b, 0, 0.7, a0, b0, win0, caps, 0.05, 1e-4, 20, 5, True, True, 0)
+
+
+def _dense(a, b, u, e, window, offset, scale):
+    """The band per child written out: softmax over 1 ≤ i − j ≤ W_i of ψ_ij + (i − j)·e_i."""
+    N, P = a.shape[1], b.shape[1]
+    d = (torch.arange(offset, offset + N, device=a.device)[:, None]
+         - torch.arange(P, device=a.device)[None]).to(f64)
+    on = (d >= 1) & (d <= window[..., None])
+    logits = torch.where(on, scale * a @ b.transpose(-1, -2) + d * e[..., None], -torch.inf)
+    return torch.softmax(logits, -1).nan_to_num(0.0) @ u
+
+
+def _band(G, N, P, k, dv, seed, dtype=f64):
+    g = torch.Generator().manual_seed(seed)
+    a, b = torch.randn(G, N, k, generator=g), torch.randn(G, P, k, generator=g)
+    u = torch.randn(G, P, dv, generator=g)
+    window = torch.minimum(torch.randint(0, 50, (G, N), generator=g),
+                           torch.arange(P - N, P))
+    alpha, beta = torch.rand(G, N, generator=g) * 3 + 0.5, torch.rand(G, N, generator=g) * 3 + 0.5
+    return ([t.to(DEVICE, dtype) for t in (a, b, u)] + [window.to(DEVICE)]
+            + [t.to(DEVICE, f64) for t in (alpha, beta)])
+
+
+@pytest.mark.parametrize("N, P, k, dv", [(70, 90, 5, 7), (33, 33, 16, 16), (1, 2, 3, 1),
+                                         *GPU_SIZES])
+def test_triton_band_per_child_equals_the_cpu_kernel_and_softmax_written_out(N, P, k, dv):
+    a, b, u, window, alpha, beta = _band(2, N, P, k, dv, N + k)
+    e = torch.digamma(alpha) - torch.digamma(alpha + beta)
+    out, _ = _ex().attend_forward(a, b, u, e, window, P - N, 0.7)
+    cpu = kernels.mean_field_windows().attend(a.cpu(), b.cpu(), u.cpu(), P - N, 0.7,
+                                              window.cpu(), alpha.cpu(), beta.cpu(), True)
+    torch.testing.assert_close(out.cpu(), cpu, atol=1e-12, rtol=0)
+    leaves = [t.clone().requires_grad_() for t in (a, b, u, e)]
+    want = _dense(*leaves, window, P - N, 0.7)
+    torch.testing.assert_close(out, want.detach(), atol=1e-12, rtol=0)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad((want * dout).sum(), leaves)
+    mine = [t.clone().requires_grad_() for t in (a, b, u, e)]
+    got = torch.autograd.grad((_ex().attend_forward(*mine, window, P - N, 0.7)[0]
+                               * dout).sum(), mine)
+    for name, x, y in zip("a b u e".split(), got, grads, strict=True):
+        torch.testing.assert_close(x, y, atol=1e-11, rtol=0, msg=name)
+
+
+def test_triton_band_per_child_gradcheck_and_opcheck():
+    torch.manual_seed(5)
+    a, b, u = (torch.randn(1, n, w, dtype=f64, device=DEVICE, requires_grad=True)
+               for n, w in ((6, 3), (9, 3), (9, 2)))
+    e = (torch.rand(1, 6, dtype=f64, device=DEVICE) - 1).requires_grad_()
+    window = torch.tensor([[0, 1, 2, 3, 4, 9]], device=DEVICE)
+    assert torch.autograd.gradcheck(
+        lambda *t: _ex().attend_forward(*t, window, 3, 0.7)[0], (a, b, u, e))
+    torch.library.opcheck(_ex().attend_forward, (a, b, u, e, window, 3, 0.7))
+    problem = _problem(2, 6, 9, 3, f64, 1)
+    torch.library.opcheck(_ex().solve, (*problem[:2], 3, 0.7, *problem[2:], 0.05, 1e-4, 5, 8,
+                                        True, True, 3), test_utils=("test_schema",
+                                                                    "test_faketensor"))
+
+
+@pytest.mark.parametrize("dtype, atol, grad_rtol", [(torch.bfloat16, 2 ** -6, 2 ** -5),
+                                                    (torch.float16, 2 ** -9, 2 ** -8)])
+def test_triton_band_per_child_takes_half_precision_as_it_is(dtype, atol, grad_rtol):
+    a, b, u, window, alpha, beta = _band(2, 70, 90, 16, 16, 3, dtype)
+    e = (torch.digamma(alpha) - torch.digamma(alpha + beta)).float()
+    out, _ = _ex().attend_forward(a, b, u, e, window, 20, 0.6)
+    assert out.dtype == torch.float32
+    leaves = [t.double().requires_grad_() for t in (a, b, u, e)]
+    want = _dense(*leaves, window, 20, 0.6)
+    torch.testing.assert_close(out.double(), want.detach(), rtol=0,
+                               atol=atol * (1 + want.abs().max().item()))
+    dout = torch.randn_like(out)
+    got = _ex().attend_backward(dout, a, b, u, e, window, out, _[...], 20, 0.6)
+    assert [x.dtype for x in got] == [dtype] * 3 + [torch.float32]
+    grads = torch.autograd.grad((want * dout.double()).sum(), leaves)
+    for x, w in zip(got, grads, strict=True):
+        assert (x.double() - w).norm() <= grad_rtol * w.norm(), (x.dtype, x.shape)
+
+
+@pytest.mark.parametrize("rule, expectation, update", [
+    ("certified", "digamma", "conjugate"), ("certified", "plug_in", "accumulate"),
+    ("edge", "digamma", "conjugate")])
+@pytest.mark.parametrize("n", [9, 40])
+def test_triton_layer_equals_the_brute_force_mean_field(n, rule, expectation, update):
+    """A whole layer through the Triton kernels (``on_cpu``, no grad) equals the brute-force
+    mean field (tests/readers/test_windows.py: numpy, child by child): posterior and output."""
+    g = torch.Generator().manual_seed(n)
+    heads, d = 2, 4
+    x = torch.randn(2, n, d, generator=g, dtype=f64).to(DEVICE)
+    W = (torch.randn(d, d, generator=g, dtype=f64) * 1.5).to(DEVICE)
+    a, b = torch.tensor([0.7, 2.0], dtype=f64), torch.tensor([1.3, 0.9], dtype=f64)
+    prior = sa.priors.BetaGeometric(a.to(DEVICE), b.to(DEVICE), block_size=8)
+    scheme = sa.MeanFieldWindows(tol=0.1, expectation=expectation, update=update,
+                                 window_rule=rule, initial_window=2)
+    with torch.no_grad(), triton_kernels.on_cpu():
+        y, post = sa.compile(program)(x, W, prior, heads, scheme, return_posterior=True)
+    s = scores_of(x.cpu(), W.cpu(), heads)
+    reach, runs, slack = ceilings(x.cpu(), W.cpu(), heads)
+    for bi in range(2):
+        for h in range(heads):
+            want, *_ = brute_mean_field(
+                s[bi, h], float(a[h]), float(b[h]), tol=0.1, expectation=expectation,
+                update=update, window_rule=rule, initial_window=2,
+                ceiling=(reach[bi, h].tolist(), runs[bi, h].tolist(), slack[bi, h].tolist()))
+            torch.testing.assert_close(post[bi, h].cpu(), want, atol=1e-10, rtol=0)
+    v = x.unflatten(-1, (heads, -1)).transpose(-2, -3)
+    torch.testing.assert_close(y, post @ v, atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize("n, heads", [(12, 1), (45, 2)])
+def test_triton_grad_last_equals_the_loops_gradients(n, heads):
+    """``grad="last"`` through the Triton kernels: the output and the gradients in the input
+    and every parameter — the projections and the prior's a, b — equal the Python loop's
+    (kernels off: autograd through PyTorch)."""
+    torch.manual_seed(n)
+    m = sa.models.expanding_attention(8, heads=heads, variant="mean_field", grad="last",
+                                      dtype=f64, device=DEVICE)
+    x = (torch.randn(2, n, 8, dtype=f64, device=DEVICE) * 2).requires_grad_()
+    params = [p for p in m.parameters() if p.requires_grad]
+    with triton_kernels.on_cpu():
+        y = sa.compile(m)(x)
+        got = torch.autograd.grad(y.square().sum(), [x, *params])
+    with sa.kernels.disabled():
+        y_loop = sa.compile(m)(x)
+        want = torch.autograd.grad(y_loop.square().sum(), [x, *params])
+    torch.testing.assert_close(y, y_loop, atol=1e-10, rtol=0)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, atol=1e-10, rtol=0)
+    assert any(bool((g != 0).any()) for g in got[1:])
+
+
+def test_triton_ops_are_one_node_each_of_a_plan():
+    """A recorded plan holds ``mean_field_solve`` and the band op once each, and no
+    synchronising read of the windows; every call equals the loop's."""
+    torch.manual_seed(4)
+    m = sa.models.expanding_attention(8, heads=2, variant="mean_field", dtype=f64,
+                                      device=DEVICE)
+    x = torch.randn(2, 40, 8, dtype=f64, device=DEVICE)
+    layer = sa.compile(m)
+    with torch.no_grad(), triton_kernels.on_cpu():
+        ys = [layer(x) for _ in range(3)]
+    (plan,) = layer.plans.values()
+    targets = [str(n.target) for n in plan.graph.graph.nodes if n.op == "call_function"]
+    assert sum("structattn_triton.mean_field_solve" in t for t in targets) == 1, targets
+    assert sum("structattn_triton.mean_field_attend_forward" in t for t in targets) == 1
+    assert not any("_local_scalar_dense" in t or ".item" in t for t in targets), targets
+    with torch.no_grad(), sa.kernels.disabled():
+        plain = layer(x)
+    for y in ys:
+        torch.testing.assert_close(y, plain, rtol=0, atol=1e-12)
