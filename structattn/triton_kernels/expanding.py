@@ -33,10 +33,16 @@ import torch
 import triton
 import triton.language as tl
 
+from . import interpreted
 from ._tiles import add_tile, dot, load_row, load_tile, scalar, settings, statistics, store_tile, width
 
 #: the window rules this kernel runs, by their number in ``structattn.windows.rules``
 RULES = {1: "edge", 3: "certified"}
+
+#: ``solve``'s launch settings on a GPU, over ``settings``'s (``benchmarks/
+#: profile_expanding.py`` times the candidates): a block's children iterate until its slowest
+#: settles, over its widest window, so fewer children per block waste less
+SOLVE: dict = {}
 
 
 @triton.jit
@@ -254,6 +260,8 @@ def solve(a: torch.Tensor, b: torch.Tensor, offset: int, scale: float, a0: torch
         a, b = a.contiguous(), b.contiguous()
         head, slack, run = _ceilings(a, b, scale, stat)
         common = dict(settings(a.dtype, width(K), 32, 32), BK=width(K))
+        if not interpreted():
+            common.update(SOLVE)
         _solve[(triton.cdiv(N, common["BM"]), G)](
             a, b, a0.to(stat).contiguous(), b0.to(stat).contiguous(), win0.contiguous(),
             caps.contiguous(), head, slack, run, scalar(scale, a), scalar(tol, a),

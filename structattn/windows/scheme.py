@@ -131,8 +131,8 @@ class MeanFieldWindows(InferenceScheme):
                                   device=a0.device).clamp(max=cap)
             else:
                 start = self.window_rule.start_tail or self.tol
-                win0 = quantile(a0[:, None].expand(*lead, n), b0[:, None].expand(*lead, n),
-                                start, cap)
+                # one quantile per head (the prior's), the same for each of its children
+                win0 = quantile(a0, b0, start, cap)[:, None].expand(*lead, n)
             win0 = torch.minimum(win0, caps[offset:])
         return caps, win0
 
