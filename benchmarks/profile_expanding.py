@@ -53,6 +53,7 @@ def main(argv=None):
     p.add_argument("--n", type=int, default=16384)
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--smoke", action="store_true", help="no GPU: N = 100 on the CPU, untimed")
+    p.add_argument("--no-sweep", action="store_true", help="the solve's default settings only")
     args = p.parse_args(argv)
     device = torch.device("cpu" if args.smoke else "cuda")
     if args.smoke:
@@ -105,8 +106,9 @@ def main(argv=None):
     out["children"] = {"steps_mean": steps.mean().item(), "steps_max": int(steps.max()),
                        "window_mean": window.mean().item(), "window_max": int(window.max())}
     row("solve (default settings)", timed(lambda: solve(*s_args)), settings=dict(expanding.SOLVE))
-    candidates = [(32, 32, 4)] if args.smoke else itertools.product((16, 32, 64), (32, 64, 128),
-                                                                    (2, 4))
+    candidates = [] if args.no_sweep else [(32, 32, 4)] if args.smoke else \
+        itertools.product((16, 32, 64), (32, 64, 128), (2, 4))
+    default = dict(expanding.SOLVE)
     for bm, bn, warps in candidates:
         expanding.SOLVE.clear()
         expanding.SOLVE.update(BM=bm, BN=bn, num_warps=warps, num_stages=2)
@@ -116,6 +118,7 @@ def main(argv=None):
         except Exception as e:  # a setting the GPU refuses (shared memory)
             print(f"solve BM={bm} BN={bn} warps={warps}: {type(e).__name__}: {e}"[:200])
     expanding.SOLVE.clear()
+    expanding.SOLVE.update(default)
     with torch.no_grad():
         row("band per child, forward", timed(lambda: attend(*a_args)))
     leaves = [t.detach().requires_grad_() if t.is_floating_point() else t for t in a_args[:5]]

@@ -39,10 +39,11 @@ from ._tiles import add_tile, dot, load_row, load_tile, scalar, settings, statis
 #: the window rules this kernel runs, by their number in ``structattn.windows.rules``
 RULES = {1: "edge", 3: "certified"}
 
-#: ``solve``'s launch settings on a GPU, over ``settings``'s (``benchmarks/
-#: profile_expanding.py`` times the candidates): a block's children iterate until its slowest
-#: settles, over its widest window, so fewer children per block waste less
-SOLVE: dict = {}
+#: ``solve``'s launch settings on a GPU, over ``settings``'s: a block's children iterate until
+#: its slowest settles, over its widest window, so few children per block waste least. The
+#: fastest of ``benchmarks/profile_expanding.py``'s candidates on an H200 (float32, N = 16,384:
+#: 1.8 ms against 3.6 ms with 64 children and four warps; ``results/profile_expanding.json``)
+SOLVE: dict = dict(BM=16, BN=32, num_warps=2, num_stages=2)
 
 
 @triton.jit
@@ -109,10 +110,11 @@ def _scores(a, B, g, sbg, sbp, sbk, cols, ks, P, K, pos, w, live, scale,
 
 
 @triton.jit
-def _solve(A, B, A0, B0, W0, CAPS, HEAD, SLACK, RUN, SCALE, TOL, CTOL,
+def _solve(A, B, A0, B0, W0, HEAD, SLACK, RUN, SCALE, TOL, CTOL,
            WOUT, AOUT, BOUT, MOUT, SOUT, DONE, BOUND,
-           N, P, K, offset, max_iters, sag, san, sak, sbg, sbp, sbk,
+           N, P, K, offset, max_iters, cap_all, sag, san, sak, sbg, sbp, sbk,
            DIGAMMA: tl.constexpr, CONJUGATE: tl.constexpr, RULE: tl.constexpr,
+           PER_ROW: tl.constexpr,
            BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ACC: tl.constexpr,
            PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     scale = tl.load(SCALE)
@@ -127,8 +129,12 @@ def _solve(A, B, A0, B0, W0, CAPS, HEAD, SLACK, RUN, SCALE, TOL, CTOL,
     a = load_tile(A, g, sag, rows, san, N, ks, sak, K)
     pa = tl.load(A0 + g).to(ACC)
     pb = tl.load(B0 + g).to(ACC)
-    w = tl.load(W0 + g * N + rows, mask=rmask, other=0).to(tl.int32)
-    cap = tl.load(CAPS + pos, mask=rmask, other=0).to(tl.int32)
+    cap = tl.where(rmask, tl.minimum(pos, cap_all), 0)  # the child's past, or the cap
+    if PER_ROW:  # one first window for the row's children
+        w = tl.zeros([BM], dtype=tl.int32) + tl.load(W0 + g).to(tl.int32)
+    else:
+        w = tl.load(W0 + g * N + rows, mask=rmask, other=0).to(tl.int32)
+    w = tl.minimum(w, cap)
     head = tl.load(HEAD + g * N + rows, mask=rmask, other=0.0)  # |scale|·‖a_i‖, float64
     slack = tl.load(SLACK + g * N + rows, mask=rmask, other=0.0)  # float64
     alpha = tl.zeros([BM], dtype=ACC) + pa
@@ -236,16 +242,17 @@ def _ceilings(a: torch.Tensor, b: torch.Tensor, scale: float, stat: torch.dtype)
 
 @torch.library.custom_op("structattn_triton::mean_field_solve", mutates_args=())
 def solve(a: torch.Tensor, b: torch.Tensor, offset: int, scale: float, a0: torch.Tensor,
-          b0: torch.Tensor, win0: torch.Tensor, caps: torch.Tensor, tol: float,
+          b0: torch.Tensor, win0: torch.Tensor, tol: float,
           converge_tol: float, max_iters: int, cap: int, digamma: bool, conjugate: bool,
           rule: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                               torch.Tensor, torch.Tensor, torch.Tensor]:
     """Each child's fixed point ``(window (G, N) long, α, β, E[φ], steps (long), settled
-    (bool), bound)`` for ``a (G, N, k)``, ``b (G, P, k)`` (child row q at position offset +
-    q), ``a0, b0 (G,)``, ``win0 (G, N)`` and ``caps (P,)`` — ``csrc/mean_field_windows.cpp``'s
-    ``solve`` without a history, for the rules in ``RULES``; α, β, E[φ] and the bound in
-    ``statistics(a.dtype)``. ``cap`` is the largest window any child may reach (the caps
-    hold it already)."""
+    (bool), bound)`` for ``a (G, N, k)``, ``b (G, P, k)`` (child row q at position i = offset
+    + q, reading at most C_i = min(i, cap) parents) and the prior's ``a0, b0 (G,)`` —
+    ``csrc/mean_field_windows.cpp``'s ``solve`` without a history, for the rules in
+    ``RULES``; α, β, E[φ] and the bound in ``statistics(a.dtype)``. The first windows
+    ``win0``: ``(G, N)`` per child, or ``(G,)`` one per row (the prior's quantile); each is
+    taken at most C_i."""
     if rule not in RULES:
         raise ValueError(f"mean_field_solve: rule must be one of {sorted(RULES)} "
                          f"({', '.join(RULES.values())}); got {rule}")
@@ -263,16 +270,16 @@ def solve(a: torch.Tensor, b: torch.Tensor, offset: int, scale: float, a0: torch
         if not interpreted():
             common.update(SOLVE)
         _solve[(triton.cdiv(N, common["BM"]), G)](
-            a, b, a0.to(stat).contiguous(), b0.to(stat).contiguous(), win0.contiguous(),
-            caps.contiguous(), head, slack, run, scalar(scale, a), scalar(tol, a),
-            scalar(converge_tol, a), win, alpha, beta, m, steps, done, bound,
-            N, P, K, offset, max_iters, *a.stride(), *b.stride(), DIGAMMA=digamma,
-            CONJUGATE=conjugate, RULE=rule, **common)
+            a, b, a0.to(stat).contiguous(), b0.to(stat).contiguous(), win0.contiguous(), head,
+            slack, run, scalar(scale, a), scalar(tol, a), scalar(converge_tol, a), win, alpha,
+            beta, m, steps, done, bound, N, P, K, offset, max_iters, cap, *a.stride(),
+            *b.stride(), DIGAMMA=digamma, CONJUGATE=conjugate, RULE=rule,
+            PER_ROW=win0.dim() == 1, **common)
     return win, alpha, beta, m, steps, done.bool(), bound
 
 
 @solve.register_fake
-def _(a, b, offset, scale, a0, b0, win0, caps, tol, converge_tol, max_iters, cap, digamma,
+def _(a, b, offset, scale, a0, b0, win0, tol, converge_tol, max_iters, cap, digamma,
       conjugate, rule):
     G, N = a.shape[:2]
     stat = statistics(a.dtype)

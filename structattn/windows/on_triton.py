@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from .. import triton_kernels
-from ..beta import log_q_expectations
+from ..beta import log_beta, log_q_expectations, plug_in_quantile
 
 
 def applies(a, b, scheme, record: bool, unrolled: bool) -> bool:
@@ -27,6 +27,26 @@ def applies(a, b, scheme, record: bool, unrolled: bool) -> bool:
         return False
     from ..triton_kernels.expanding import RULES
     return scheme.window_rule.code in RULES
+
+
+def first_windows(a0, b0, scheme, cap: int) -> torch.Tensor:
+    """Each head's first window ``(H|1,)`` long, as ``MeanFieldWindows.initial_windows`` gives
+    it (before the children's caps): the given ``initial_window``, or the prior's tail quantile
+    at the rule's start — the predictive's as the smallest W in [1, cap] with P(φ > W) below
+    it, read from every W at once (a dozen operations where ``beta_quantile``'s bisection
+    takes ~180; the same values of the same function, so the same W)."""
+    with torch.no_grad():
+        if scheme.initial_window is not None:
+            return torch.full(a0.shape, min(scheme.initial_window, cap), dtype=torch.long,
+                              device=a0.device)
+        start = scheme.window_rule.start_tail or scheme.tol
+        if scheme.expectation != "digamma":
+            return plug_in_quantile(a0, b0, start, cap)
+        a0, b0 = a0.detach(), b0.detach()
+        w = torch.arange(1, cap + 1, device=a0.device).to(a0.dtype)  # (cap,)
+        log_tol = torch.log(torch.tensor(start, dtype=a0.dtype, device=a0.device))
+        below = (log_beta(a0[:, None] + w, b0[:, None]) - log_beta(a0, b0)[:, None]) < log_tol
+        return torch.where(below.any(-1), below.to(torch.uint8).argmax(-1) + 1, cap)
 
 
 def mean_field_triton(family, factors, scheme, grad: str, fixed_point_posterior):
@@ -43,7 +63,8 @@ def mean_field_triton(family, factors, scheme, grad: str, fixed_point_posterior)
     off = n_all - n  # the children are the last n of the n_all tokens
     cap = scheme.cap(family)
     lead = a.shape[:-2]  # (*batch, H)
-    caps, win0 = scheme.initial_windows(a0, b0, lead, n, cap, off)
+    # the first windows: one per row (the given one, or the prior's quantile per head)
+    win0 = first_windows(a0, b0, scheme, cap).expand(*lead).reshape(-1)
     a_rows = a.reshape(-1, n, a.shape[-1])  # (G, N, k)
     b_rows = b.reshape(-1, n_all, b.shape[-1])  # (G, P, k)
     G = a_rows.shape[0]
@@ -51,7 +72,7 @@ def mean_field_triton(family, factors, scheme, grad: str, fixed_point_posterior)
         window, alpha, beta = expanding.solve(
             a_rows.detach(), b_rows.detach(), off, float(scale),
             a0.detach().expand(*lead).reshape(G), b0.detach().expand(*lead).reshape(G),
-            win0.reshape(G, n), caps, float(scheme.tol), float(scheme.converge_tol),
+            win0, float(scheme.tol), float(scheme.converge_tol),
             scheme.max_iters, cap, scheme.expectation == "digamma",
             scheme.update == "conjugate", scheme.window_rule.code)[:3]
     stat = alpha.dtype

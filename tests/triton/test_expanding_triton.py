@@ -50,11 +50,11 @@ def test_triton_solve_equals_the_cpu_kernel(N, P, rule, expectation, update, dty
     agree to one and α, E[φ] to 10·converge_tol of their size."""
     assert kernels.available(), kernels.build_error()
     a, b, a0, b0, win0, caps = _problem(2, N, P, 5, dtype, N + rule)
-    args = (a, b, P - N, 0.7, a0, b0, win0, caps, 0.05, 1e-4, 20, P - 10, expectation, update,
-            rule)
-    got = [t.cpu() for t in _ex().solve(*args)]
-    want = kernels.mean_field_windows().solve(*(t.cpu() if torch.is_tensor(t) else t
-                                                for t in args), False)[:7]
+    rest = (0.05, 1e-4, 20, P - 10, expectation, update, rule)
+    got = [t.cpu() for t in _ex().solve(a, b, P - N, 0.7, a0, b0, win0, *rest)]
+    want = kernels.mean_field_windows().solve(
+        *(t.cpu() for t in (a, b)), P - N, 0.7, *(t.cpu() for t in (a0, b0, win0, caps)),
+        *rest, False)[:7]
     window, alpha, beta, m, steps, settled, bound = zip(got, want, strict=True)
     assert torch.equal(*window)
     if dtype == f64:
@@ -70,10 +70,29 @@ def test_triton_solve_equals_the_cpu_kernel(N, P, rule, expectation, update, dty
         assert int(got[0].max()) > 4 and int(got[4].max()) > 2  # windows grew, over steps
 
 
+@pytest.mark.parametrize("expectation", ["digamma", "plug_in"])
+@pytest.mark.parametrize("a0, b0, initial", [(1.0, 1.0, None), (16.0, 2.0, None),
+                                             (0.7, 1.3, None), (2.0, 1.0, 5)])
+@pytest.mark.parametrize("rule", ["certified", "edge"])
+def test_triton_first_windows_are_the_schemes(expectation, a0, b0, initial, rule):
+    """One first window per head, read from every W at once: ``initial_windows``' own, each
+    child's taken at most its past (the kernel's min(i, cap)); Beta(1, 1) at the median puts
+    P(φ > 1) = ½ exactly on the threshold, where the same function must give the same W."""
+    from structattn.windows.on_triton import first_windows
+
+    scheme = sa.MeanFieldWindows(tol=0.05, expectation=expectation, window_rule=rule,
+                                 initial_window=initial)
+    a0s, b0s = torch.tensor([a0, a0 * 2], dtype=f64), torch.tensor([b0, b0], dtype=f64)
+    for cap in (1, 7, 300):
+        caps, want = scheme.initial_windows(a0s, b0s, (3, 2), 40, cap, offset=5)
+        got = first_windows(a0s, b0s, scheme, cap)
+        assert torch.equal(torch.minimum(got[:, None], caps[5:]).expand(3, 2, 40), want)
+
+
 def test_triton_solve_refuses_a_rule_it_does_not_run():
-    a, b, a0, b0, win0, caps = _problem(2, 5, 5, 3, f64, 0)
+    a, b, a0, b0, win0, _ = _problem(2, 5, 5, 3, f64, 0)
     with pytest.raises(ValueError, match=r"rule must be one of \[1, 3\].*got 0"):
-        _ex().solve(a, b, 0, 0.7, a0, b0, win0, caps, 0.05, 1e-4, 20, 5, True, True, 0)
+        _ex().solve(a, b, 0, 0.7, a0, b0, win0, 0.05, 1e-4, 20, 5, True, True, 0)
 
 
 def _dense(a, b, u, e, window, offset, scale):
@@ -128,9 +147,10 @@ def test_triton_band_per_child_gradcheck_and_opcheck():
         lambda *t: _ex().attend_forward(*t, window, 3, 0.7)[0], (a, b, u, e))
     torch.library.opcheck(_ex().attend_forward, (a, b, u, e, window, 3, 0.7))
     problem = _problem(2, 6, 9, 3, f64, 1)
-    torch.library.opcheck(_ex().solve, (*problem[:2], 3, 0.7, *problem[2:], 0.05, 1e-4, 5, 8,
-                                        True, True, 3), test_utils=("test_schema",
-                                                                    "test_faketensor"))
+    for win0 in (problem[4], problem[4][:, 0]):  # per child, per row
+        torch.library.opcheck(_ex().solve, (*problem[:2], 3, 0.7, *problem[2:4], win0,
+                                            0.05, 1e-4, 5, 8, True, True, 3),
+                              test_utils=("test_schema", "test_faketensor"))
 
 
 @pytest.mark.parametrize("dtype, atol, grad_rtol", [(torch.bfloat16, 2 ** -6, 2 ** -5),
