@@ -9,6 +9,10 @@ test suite does on machines without a GPU.
 
 - ``stick_breaking``: stick-breaking attention's forward and backward, scanned in key blocks
   from the diagonal back in log space; O(N·d) memory, never the C×P table.
+- ``key_bias``: attention under a log prior g_i + h_j (FoX, ALiBi) with h's gradient, on the
+  whole past or a certified band per head.
+- ``expanding``: expanding attention's mean field — each child's fixed point, and the
+  output at it over a band per child, forward and backward.
 
 Triton comes with the ``gpu`` extra (``pip install structattn[gpu]``). ``available()`` says
 whether it imports here; ``interpreted()`` whether its interpreter is on.
