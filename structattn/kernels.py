@@ -47,10 +47,12 @@ _KERNELS = {
     "key_bias": ("key_bias.cpp", "structattn_key_bias",
                  "FoX and ALiBi train through one more key dimension (~12% slower)"),
 }
-#: kernel → compiler flags beyond -O3 -fopenmp. key_bias: -march=native gives its own
-#: vectorised exp (``vexp``: the C library's exp is never vectorised there) and its loops the
-#: machine's widest vectors — each machine builds its own copy
-_FLAGS = {"key_bias": ["-march=native"]}
+#: kernel → compiler flags beyond -O3 -fopenmp. -march=native gives the kernels' own
+#: vectorised exp (``csrc/vexp.h``: the C library's exp is never vectorised there) and their
+#: loops the machine's widest vectors — each machine builds its own copy. The mean field's
+#: iteration keeps its products and sums unfused (-ffp-contract=off), as PyTorch's loop
+#: computes them
+_FLAGS = {"key_bias": ["-march=native"], "mean_field": ["-march=native", "-ffp-contract=off"]}
 _lock = threading.Lock()
 #: kernel → its ops, why its build failed, whether it was tried
 _states: dict = {k: {"ops": None, "error": None, "tried": False, "rules": False} for k in _KERNELS}
@@ -87,8 +89,12 @@ def cache_directory(kernel: str) -> str:
     CPU's flags — and nothing of the environment's paths: a second virtual environment with
     the same torch finds it built, and one with another torch builds its own."""
     source, name, _ = _KERNELS[kernel]
-    with open(os.path.join(os.path.dirname(__file__), "csrc", source), "rb") as f:
+    csrc = os.path.join(os.path.dirname(__file__), "csrc")
+    with open(os.path.join(csrc, source), "rb") as f:
         digest = hashlib.sha256(f.read())
+    for header in sorted(n for n in os.listdir(csrc) if n.endswith(".h")):  # what it includes
+        with open(os.path.join(csrc, header), "rb") as f:
+            digest.update(f.read())
     for part in (*_FLAGS.get(kernel, []), torch.__version__, str(torch._C._GLIBCXX_USE_CXX11_ABI),
                  sys.version, _machine()):
         digest.update(part.encode())

@@ -91,6 +91,7 @@ def test_the_wheel_and_the_sdist_hold_every_package_and_the_kernel_sources(dist)
                 if n.endswith("/__init__.py")}
     assert packages == _source_packages()
     sources = {p.name for p in (ROOT / "structattn" / "csrc").glob("*.cpp")}
+    sources |= {p.name for p in (ROOT / "structattn" / "csrc").glob("*.h")}  # what they include
     assert sources and {n.split("/")[-1] for n in names if n.startswith("structattn/csrc/")} \
         == sources
     with tarfile.open(sdist) as tar:

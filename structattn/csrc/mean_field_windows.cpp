@@ -24,6 +24,13 @@
 //           (each tensor handed back to Python costs ~0.4 µs; a posterior solves again).
 //           check: refuse keys b holding NaN or ±inf (a RuntimeError) — b = x W_kᵀ for every
 //           token, so a plan that checks x only to protect this call can drop that check.
+//   band_forward / band_backward: the output at the fixed point with its gradient (grad="last"),
+//           out_i = Σ_{1 ≤ d ≤ W_i} softmax_d(scale·⟨a_i, b_{i−d}⟩ + d·e_i) u_{i−d}, with e_i
+//           given (E[ln q_i], differentiable in Python): da, db, du and de. Tiles of CBQ
+//           children × CBK parents, each block's parents from its first window start; a tile's
+//           scores from one matrix product; the forward an online softmax; the backward in two
+//           passes (da, de per block of children; db, du per block of parents), so the
+//           blocks are the unit of parallel work, whatever the number of rows.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -39,7 +46,11 @@
 #include <utility>
 #include <vector>
 
+#include "vexp.h"
+
 namespace {
+
+using structattn::vexp;
 
 enum Rule : int64_t { kPredictive = 0, kEdge = 1, kEvidence = 2, kCertified = 3 };
 
@@ -505,6 +516,274 @@ at::Tensor infer(const at::Tensor& a, const at::Tensor& b, const at::Tensor& u,
   return attend(ac, bc, u, offset, scale, win, alpha, beta, digamma);
 }
 
+
+// ---- the band per child (band_forward, band_backward) ------------------------------------
+
+constexpr int64_t CBQ = 64;   // children per block
+constexpr int64_t CBK = 256;  // parents per tile
+
+// Row i's parents in the tile [j0, j0 + m): columns [lo, hi) with i − w ≤ j ≤ i − 1.
+inline void band_columns(int64_t i, int64_t w, int64_t j0, int64_t m, int64_t& lo,
+                         int64_t& hi) {
+  if (w < 1) {
+    lo = hi = 0;
+    return;
+  }
+  lo = std::min(m, std::max<int64_t>(0, i - w - j0));
+  hi = std::max(lo, std::min(m, i - j0));
+}
+
+// The parents a block of children reads, [first, limit) (first ≥ limit: none).
+inline void block_span(int64_t i0, int64_t n, const int64_t* W, int64_t& first,
+                       int64_t& limit) {
+  first = std::numeric_limits<int64_t>::max();
+  limit = 0;
+  for (int64_t r = 0; r < n; ++r) {
+    if (W[r] < 1) continue;
+    first = std::min(first, i0 + r - W[r]);
+    limit = std::max(limit, i0 + r);
+  }
+  first = std::max<int64_t>(first, 0);
+}
+
+// One tile of the forward: S (n, m) holds ⟨a_i, b_j⟩ and becomes e^{s_ij − top_i}, s_ij =
+// sc·S + (i − j)·e_i on the child's band (0 off it); each child's running max, sum and output
+// row A (n, dv) are rescaled to the new max (the caller adds the product P U).
+template <typename T>
+void child_tile(T* S, int64_t n, int64_t m, int64_t i0, int64_t j0, const int64_t* W,
+                const T* E, T sc, T* top, T* total, T* A, int64_t dv) {
+  const T inf = std::numeric_limits<T>::infinity();
+  for (int64_t r = 0; r < n; ++r) {
+    const int64_t i = i0 + r;
+    int64_t lo, hi;
+    band_columns(i, W[r], j0, m, lo, hi);
+    T* sr = S + r * m;
+    const T er = E[r];
+    const T base = static_cast<T>(i - j0);  // the distance at column 0
+    T best = top[r];
+    for (int64_t c = lo; c < hi; ++c) {
+      sr[c] = sc * sr[c] + (base - static_cast<T>(c)) * er;
+      best = std::max(best, sr[c]);
+    }
+    if (best == -inf) {  // nothing of this child's in the tile, nor before
+      std::fill(sr, sr + m, T(0));
+      continue;
+    }
+    const T shrink = vexp<T>(top[r] - best);  // −inf before: 0
+    T sum = 0;
+    std::fill(sr, sr + lo, T(0));
+#pragma omp simd reduction(+ : sum)
+    for (int64_t c = lo; c < hi; ++c) {
+      const T p = vexp<T>(sr[c] - best);
+      sr[c] = p;
+      sum += p;
+    }
+    std::fill(sr + hi, sr + m, T(0));
+    total[r] = total[r] * shrink + sum;
+    top[r] = best;
+    if (shrink != T(1)) {
+      T* ar = A + r * dv;
+#pragma omp simd
+      for (int64_t x = 0; x < dv; ++x) ar[x] *= shrink;
+    }
+  }
+}
+
+// One tile of the backward: S (n, m) holds ⟨a_i, b_j⟩ and becomes P_ij; GP (n, m) holds
+// ⟨dout_i, u_j⟩ and becomes dS_ij = P_ij (GP_ij − D_i) (both 0 off the band); with dE,
+// dE[r] += Σ_j dS_ij (i − j).
+template <typename T>
+void child_grad_tile(T* S, T* GP, int64_t n, int64_t m, int64_t i0, int64_t j0,
+                     const int64_t* W, const T* E, const T* L, const T* D, T sc, T* dE) {
+  for (int64_t r = 0; r < n; ++r) {
+    const int64_t i = i0 + r;
+    int64_t lo, hi;
+    band_columns(i, W[r], j0, m, lo, hi);
+    T* sr = S + r * m;
+    T* gr = GP + r * m;
+    const T er = E[r], lr = L[r], dr = D[r];
+    const T base = static_cast<T>(i - j0);
+    std::fill(sr, sr + lo, T(0));
+    std::fill(gr, gr + lo, T(0));
+    T de = 0;
+#pragma omp simd reduction(+ : de)
+    for (int64_t c = lo; c < hi; ++c) {
+      const T d = base - static_cast<T>(c);
+      const T p = vexp<T>(sc * sr[c] + d * er - lr);
+      const T ds = p * (gr[c] - dr);
+      sr[c] = p;
+      gr[c] = ds;
+      de += ds * d;
+    }
+    std::fill(sr + hi, sr + m, T(0));
+    std::fill(gr + hi, gr + m, T(0));
+    if (dE != nullptr) dE[r] += de;
+  }
+}
+
+void check_band(const at::Tensor& a, const at::Tensor& b, const at::Tensor& u,
+                const at::Tensor& e, const at::Tensor& window, int64_t offset) {
+  TORCH_CHECK(a.device().is_cpu() && a.dim() == 3 && b.dim() == 3 && u.dim() == 3 &&
+                  b.size(0) == a.size(0) && u.size(0) == a.size(0) && b.size(2) == a.size(2) &&
+                  u.size(1) == b.size(1) && offset >= 0 && offset + a.size(1) == b.size(1),
+              "mean_field_windows.band: a (G, N, k), b (G, offset + N, k), u (G, offset + N, "
+              "dv) on the CPU");
+  TORCH_CHECK(e.dim() == 2 && e.size(0) == a.size(0) && e.size(1) == a.size(1) &&
+                  window.sizes() == e.sizes() && window.scalar_type() == at::kLong,
+              "mean_field_windows.band: e (G, N), window (G, N) int64");
+  TORCH_CHECK((a.scalar_type() == at::kFloat || a.scalar_type() == at::kDouble) &&
+                  b.scalar_type() == a.scalar_type() && u.scalar_type() == a.scalar_type() &&
+                  e.scalar_type() == a.scalar_type(),
+              "mean_field_windows.band: a, b, u, e share one dtype, float32 or float64");
+}
+
+std::tuple<at::Tensor, at::Tensor> band_forward(const at::Tensor& a_in, const at::Tensor& b_in,
+                                                const at::Tensor& u_in, const at::Tensor& e_in,
+                                                const at::Tensor& window, int64_t offset,
+                                                double scale) {
+  at::AutoDispatchBelowADInplaceOrView below;  // its autograd rule is registered (Python)
+  check_band(a_in, b_in, u_in, e_in, window, offset);
+  const auto a = a_in.detach().contiguous(), b = b_in.detach().contiguous();
+  const auto u = u_in.detach().contiguous(), e = e_in.detach().contiguous();
+  const auto win = window.contiguous();
+  const int64_t G = a.size(0), N = a.size(1), dv = u.size(2);
+  auto out = at::zeros({G, N, dv}, a.options());
+  auto lse = at::zeros({G, N}, a.options());
+  const int64_t nb = (N + CBQ - 1) / CBQ;
+  AT_DISPATCH_FLOATING_TYPES(a.scalar_type(), "mean_field_windows.band_forward", [&] {
+    using T = scalar_t;
+    const T sc = static_cast<T>(scale);
+    const T inf = std::numeric_limits<T>::infinity();
+    const int64_t* Wall = win.data_ptr<int64_t>();
+    const T* Eall = e.data_ptr<T>();
+    at::parallel_for(0, G * nb, 1, [&](int64_t u0, int64_t u1) {
+      auto s = at::empty({CBQ * CBK}, a.options()), acc = at::empty({CBQ, dv}, a.options());
+      std::vector<T> top(CBQ), total(CBQ);
+      for (int64_t unit = u0; unit < u1; ++unit) {
+        const int64_t g = unit / nb, c0 = (unit % nb) * CBQ, n = std::min(CBQ, N - c0);
+        const int64_t i0 = offset + c0;
+        const int64_t* W = Wall + g * N + c0;
+        int64_t first, limit;
+        block_span(i0, n, W, first, limit);
+        if (first >= limit) continue;  // no child with a past: zeros
+        auto qb = a[g].narrow(0, c0, n), bg = b[g], ug = u[g];
+        auto ab = acc.narrow(0, 0, n);
+        ab.zero_();
+        T* A = ab.data_ptr<T>();
+        std::fill(top.begin(), top.begin() + n, -inf);
+        std::fill(total.begin(), total.begin() + n, T(0));
+        for (int64_t j0 = first; j0 < limit; j0 += CBK) {
+          const int64_t m = std::min(CBK, limit - j0);
+          auto st = s.narrow(0, 0, n * m).view({n, m});
+          at::mm_out(st, qb, bg.narrow(0, j0, m).t());  // (n, m) ⟨a_i, b_j⟩
+          child_tile<T>(st.data_ptr<T>(), n, m, i0, j0, W, Eall + g * N + c0, sc, top.data(),
+                        total.data(), A, dv);
+          ab.addmm_(st, ug.narrow(0, j0, m));  // += P U
+        }
+        T* L = lse.data_ptr<T>() + g * N + c0;
+        for (int64_t r = 0; r < n; ++r) {
+          if (W[r] < 1) {  // no past: a zero output
+            std::fill(A + r * dv, A + (r + 1) * dv, T(0));
+            continue;
+          }
+          const T inv = T(1) / total[r];
+          for (int64_t x = 0; x < dv; ++x) A[r * dv + x] *= inv;
+          L[r] = top[r] + std::log(total[r]);
+        }
+        out[g].narrow(0, c0, n).copy_(ab);
+      }
+    });
+  });
+  return {out, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> band_backward(
+    const at::Tensor& dout_in, const at::Tensor& a_in, const at::Tensor& b_in,
+    const at::Tensor& u_in, const at::Tensor& e_in, const at::Tensor& window,
+    const at::Tensor& out_in, const at::Tensor& lse_in, int64_t offset, double scale) {
+  at::AutoDispatchBelowADInplaceOrView below;
+  check_band(a_in, b_in, u_in, e_in, window, offset);
+  const auto a = a_in.detach().contiguous(), b = b_in.detach().contiguous();
+  const auto u = u_in.detach().contiguous(), e = e_in.detach().contiguous();
+  const auto dout = dout_in.detach().to(a.scalar_type()).contiguous();
+  const auto lse = lse_in.detach().contiguous(), win = window.contiguous();
+  const int64_t G = a.size(0), N = a.size(1), P = b.size(1), dv = u.size(2);
+  TORCH_CHECK(dout.dim() == 3 && dout.size(0) == G && dout.size(1) == N && dout.size(2) == dv &&
+                  lse.sizes() == e.sizes(),
+              "mean_field_windows.band_backward: dout (G, N, dv), lse (G, N)");
+  const auto D = (dout * out_in.detach().to(a.scalar_type())).sum(-1).contiguous();  // Δ_i
+  auto da = at::zeros_like(a), db = at::zeros_like(b), du = at::zeros_like(u);
+  auto de = at::zeros_like(e);
+  const int64_t nb = (N + CBQ - 1) / CBQ, np = (P + CBK - 1) / CBK;
+  AT_DISPATCH_FLOATING_TYPES(a.scalar_type(), "mean_field_windows.band_backward", [&] {
+    using T = scalar_t;
+    const T sc = static_cast<T>(scale);
+    const int64_t* Wall = win.data_ptr<int64_t>();
+    const T* Eall = e.data_ptr<T>();
+    const T* Lall = lse.data_ptr<T>();
+    const T* Dall = D.data_ptr<T>();
+    // each block of children's parents, and the widest window: what the parents' pass reads
+    std::vector<int64_t> firsts(G * nb), limits(G * nb);
+    int64_t widest = 0;
+    for (int64_t g = 0; g < G; ++g) {
+      for (int64_t k0 = 0; k0 < nb; ++k0) {
+        const int64_t c0 = k0 * CBQ, n = std::min(CBQ, N - c0);
+        block_span(offset + c0, n, Wall + g * N + c0, firsts[g * nb + k0], limits[g * nb + k0]);
+      }
+      for (int64_t c = 0; c < N; ++c) widest = std::max(widest, Wall[g * N + c]);
+    }
+    // da and de per block of children
+    at::parallel_for(0, G * nb, 1, [&](int64_t u0, int64_t u1) {
+      auto s = at::empty({CBQ * CBK}, a.options()), gp = at::empty({CBQ * CBK}, a.options());
+      for (int64_t unit = u0; unit < u1; ++unit) {
+        const int64_t g = unit / nb, c0 = (unit % nb) * CBQ, n = std::min(CBQ, N - c0);
+        const int64_t first = firsts[unit], limit = limits[unit], at_ = g * N + c0;
+        auto qb = a[g].narrow(0, c0, n), dob = dout[g].narrow(0, c0, n);
+        auto dqb = da[g].narrow(0, c0, n);
+        for (int64_t j0 = first; j0 < limit; j0 += CBK) {
+          const int64_t m = std::min(CBK, limit - j0);
+          auto st = s.narrow(0, 0, n * m).view({n, m}), gt = gp.narrow(0, 0, n * m).view({n, m});
+          auto kc = b[g].narrow(0, j0, m);
+          at::mm_out(st, qb, kc.t());
+          at::mm_out(gt, dob, u[g].narrow(0, j0, m).t());
+          child_grad_tile<T>(st.data_ptr<T>(), gt.data_ptr<T>(), n, m, offset + c0, j0,
+                             Wall + at_, Eall + at_, Lall + at_, Dall + at_, sc,
+                             de.data_ptr<T>() + at_);
+          dqb.addmm_(gt, kc, 1, sc);  // += scale dS B
+        }
+      }
+    });
+    // db and du per block of parents, from the blocks of children that read it
+    at::parallel_for(0, G * np, 1, [&](int64_t u0, int64_t u1) {
+      auto s = at::empty({CBQ * CBK}, a.options()), gp = at::empty({CBQ * CBK}, a.options());
+      for (int64_t unit = u0; unit < u1; ++unit) {
+        const int64_t g = unit / np, j0 = (unit % np) * CBK, m = std::min(CBK, P - j0);
+        // children i with j0 < i ≤ j0 + m − 1 + widest
+        const int64_t lo = std::max<int64_t>(0, j0 + 1 - offset);
+        const int64_t hi = std::min<int64_t>(N, j0 + m + widest - offset);
+        if (lo >= hi) continue;
+        auto kc = b[g].narrow(0, j0, m), vc = u[g].narrow(0, j0, m);
+        auto dkc = db[g].narrow(0, j0, m), dvc = du[g].narrow(0, j0, m);
+        for (int64_t k0 = lo / CBQ; k0 * CBQ < hi; ++k0) {
+          const int64_t c0 = k0 * CBQ, n = std::min(CBQ, N - c0), at_ = g * N + c0;
+          if (firsts[g * nb + k0] >= limits[g * nb + k0] || firsts[g * nb + k0] >= j0 + m ||
+              limits[g * nb + k0] <= j0)
+            continue;  // the block reads none of these parents
+          auto qb = a[g].narrow(0, c0, n), dob = dout[g].narrow(0, c0, n);
+          auto st = s.narrow(0, 0, n * m).view({n, m}), gt = gp.narrow(0, 0, n * m).view({n, m});
+          at::mm_out(st, qb, kc.t());
+          at::mm_out(gt, dob, vc.t());
+          child_grad_tile<T>(st.data_ptr<T>(), gt.data_ptr<T>(), n, m, offset + c0, j0,
+                             Wall + at_, Eall + at_, Lall + at_, Dall + at_, sc,
+                             static_cast<T*>(nullptr));
+          dvc.addmm_(st.t(), dob);          // += Pᵀ dout
+          dkc.addmm_(gt.t(), qb, 1, sc);    // += scale dSᵀ A
+        }
+      }
+    });
+  });
+  return {da, db, du, de};
+}
 }  // namespace
 
 TORCH_LIBRARY(structattn_mean_field, m) {
@@ -519,4 +798,13 @@ TORCH_LIBRARY(structattn_mean_field, m) {
         "Tensor win0, Tensor caps, float tol, float converge_tol, int max_iters, int cap, "
         "bool digamma, bool conjugate, int rule, bool check=False) -> Tensor",
         &infer);
+  m.def("band_forward(Tensor a, Tensor b, Tensor u, Tensor e, Tensor window, int offset, "
+        "float scale) -> (Tensor, Tensor)");
+  m.def("band_backward(Tensor dout, Tensor a, Tensor b, Tensor u, Tensor e, Tensor window, "
+        "Tensor out, Tensor lse, int offset, float scale) -> (Tensor, Tensor, Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(structattn_mean_field, CPU, m) {
+  m.impl("band_forward", &band_forward);
+  m.impl("band_backward", &band_backward);
 }

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import band
 from .._eager import eager
 from .._validation import checks_on, is_exporting, is_recording
 from ..beta import log_q_expectations
@@ -110,6 +109,34 @@ def _history(p: KernelProblem, s: KernelSolution, lead, expectation, dtype) -> M
             bound=s.bound.reshape(*lead, n).to(dtype))
 
 
+def _register(ops) -> None:
+    """The band op's Python rules: fake kernels and its autograd formula (C++ backward)."""
+    lib = "structattn_mean_field"
+
+    @torch.library.register_fake(f"{lib}::band_forward")
+    def _(a, b, u, e, window, offset, scale):
+        return a.new_empty(a.shape[0], a.shape[1], u.shape[2]), a.new_empty(a.shape[:2])
+
+    @torch.library.register_fake(f"{lib}::band_backward")
+    def _(dout, a, b, u, e, window, out, lse, offset, scale):
+        return torch.empty_like(a), torch.empty_like(b), torch.empty_like(u), torch.empty_like(e)
+
+    def setup(ctx, inputs, output):
+        a, b, u, e, window, offset, scale = inputs
+        out, lse = output
+        ctx.save_for_backward(a, b, u, e, window, out, lse)
+        ctx.offset, ctx.scale = offset, scale
+        ctx.mark_non_differentiable(lse)
+
+    def backward(ctx, dout, _):
+        a, b, u, e, window, out, lse = ctx.saved_tensors
+        da, db, du, de = ops.band_backward(dout, a, b, u, e, window, out, lse, ctx.offset,
+                                           ctx.scale)
+        return da, db, du, de, None, None, None
+
+    torch.library.register_autograd(f"{lib}::band_forward", backward, setup_context=setup)
+
+
 def fixed_point_posterior(a, b, scale, off: int, block: int, work, expectation: str,
                           window, alpha, beta, dtype):
     """The posterior at a fixed point ``(window, α, β)`` (each ``(G, N)``, G = batch · heads)
@@ -198,9 +225,20 @@ def mean_field_compiled(family, factors, scheme, grad: str, record: bool):
         b_prior = b0[:, None].expand(*lead, n)
         alpha = fixed().alpha.reshape(*lead, n) + (a_prior - a_prior.detach())
         beta = fixed().beta.reshape(*lead, n) + (b_prior - b_prior.detach())
-        p, lay = band_posterior(alpha, beta)
-        return ((lambda u: band.apply(p, u, lay)[..., off:, :]),
-                (lambda: lay.to_dense(p)[..., off:, :]), history)
+        e = log_q_expectations(alpha, beta, scheme.expectation)[0].reshape(G, n)  # E[ln q_i]
+        kernels.with_rules("mean_field", _register)  # the band op's autograd rule
+        a_g = a.to(work).reshape(G, n, a.shape[-1])  # (with their graphs)
+        b_g = b.to(work).reshape(G, n_all, b.shape[-1])
+
+        def attend_band(u):  # each child's band at its fixed point, read in place
+            out, _ = ops.band_forward(a_g, b_g, u.to(work).reshape(G, n_all, u.shape[-1]), e,
+                                      fixed().window, off, problem.scale)
+            return out.reshape(*lead, n, u.shape[-1]).to(u.dtype)
+
+        def dense_at_step():
+            p, lay = band_posterior(alpha, beta)
+            return lay.to_dense(p)[..., off:, :]
+        return attend_band, dense_at_step, history
 
     @eager  # an opaque C++ call: torch.compile runs it eagerly
     def attend(u):  # u: (*batch, H, N, d_v)
