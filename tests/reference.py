@@ -43,3 +43,14 @@ def random_graph(n, g, density=0.4, self_loops=True):
     dst, src = mask.nonzero().T  # mask[i, j]: child i, parent j
     perm = torch.randperm(src.numel(), generator=g)  # edge order must not matter
     return mask, torch.stack([src[perm], dst[perm]])
+
+
+def band_per_child(a, b, u, e, window, offset, scale):
+    """Each child's band written out, ``(G, N, dv)``: child i = offset + q reads parents
+    1 ≤ i − j ≤ W_i under softmax_j(scale·⟨a_i, b_j⟩ + (i − j)·e_i); W_i = 0 gives zeros."""
+    N, P = a.shape[1], b.shape[1]
+    d = (torch.arange(offset, offset + N, device=a.device)[:, None]
+         - torch.arange(P, device=a.device)[None]).to(a.dtype)
+    on = (d >= 1) & (d <= window[..., None])
+    logits = torch.where(on, scale * a @ b.transpose(-1, -2) + d * e[..., None], -torch.inf)
+    return torch.softmax(logits, -1).nan_to_num(0.0) @ u

@@ -28,9 +28,9 @@
 //           out_i = Σ_{1 ≤ d ≤ W_i} softmax_d(scale·⟨a_i, b_{i−d}⟩ + d·e_i) u_{i−d}, with e_i
 //           given (E[ln q_i], differentiable in Python): da, db, du and de. Tiles of CBQ
 //           children × CBK parents, each block's parents from its first window start; a tile's
-//           scores from one matrix product; the forward an online softmax; the backward in two
-//           passes (da, de per block of children; db, du per block of parents), so the
-//           blocks are the unit of parallel work, whatever the number of rows.
+//           scores from one matrix product; the forward an online softmax, the blocks the
+//           unit of parallel work whatever the number of rows; the backward one pass per
+//           block (db and du by rows, or into one buffer per thread where rows are few).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -714,7 +714,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> band_backward(
   const auto D = (dout * out_in.detach().to(a.scalar_type())).sum(-1).contiguous();  // Δ_i
   auto da = at::zeros_like(a), db = at::zeros_like(b), du = at::zeros_like(u);
   auto de = at::zeros_like(e);
-  const int64_t nb = (N + CBQ - 1) / CBQ, np = (P + CBK - 1) / CBK;
+  const int64_t nb = (N + CBQ - 1) / CBQ;
   AT_DISPATCH_FLOATING_TYPES(a.scalar_type(), "mean_field_windows.band_backward", [&] {
     using T = scalar_t;
     const T sc = static_cast<T>(scale);
@@ -722,65 +722,62 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> band_backward(
     const T* Eall = e.data_ptr<T>();
     const T* Lall = lse.data_ptr<T>();
     const T* Dall = D.data_ptr<T>();
-    // each block of children's parents, and the widest window: what the parents' pass reads
-    std::vector<int64_t> firsts(G * nb), limits(G * nb);
-    int64_t widest = 0;
-    for (int64_t g = 0; g < G; ++g) {
-      for (int64_t k0 = 0; k0 < nb; ++k0) {
-        const int64_t c0 = k0 * CBQ, n = std::min(CBQ, N - c0);
-        block_span(offset + c0, n, Wall + g * N + c0, firsts[g * nb + k0], limits[g * nb + k0]);
+    // one pass per block of children: da and de its own; db and du added for its parents —
+    // by rows g where there are enough for every thread (no two threads on one row), else
+    // into one buffer per thread, summed after (the rows are few: the buffers are small)
+    const int64_t threads = at::get_num_threads();
+    const bool by_row = G >= threads;
+    std::vector<at::Tensor> db_t, du_t;
+    if (!by_row) {
+      for (int64_t t = 0; t < threads; ++t) {
+        db_t.push_back(at::zeros_like(b));
+        du_t.push_back(at::zeros_like(u));
       }
-      for (int64_t c = 0; c < N; ++c) widest = std::max(widest, Wall[g * N + c]);
     }
-    // da and de per block of children
-    at::parallel_for(0, G * nb, 1, [&](int64_t u0, int64_t u1) {
-      auto s = at::empty({CBQ * CBK}, a.options()), gp = at::empty({CBQ * CBK}, a.options());
-      for (int64_t unit = u0; unit < u1; ++unit) {
-        const int64_t g = unit / nb, c0 = (unit % nb) * CBQ, n = std::min(CBQ, N - c0);
-        const int64_t first = firsts[unit], limit = limits[unit], at_ = g * N + c0;
-        auto qb = a[g].narrow(0, c0, n), dob = dout[g].narrow(0, c0, n);
-        auto dqb = da[g].narrow(0, c0, n);
-        for (int64_t j0 = first; j0 < limit; j0 += CBK) {
-          const int64_t m = std::min(CBK, limit - j0);
-          auto st = s.narrow(0, 0, n * m).view({n, m}), gt = gp.narrow(0, 0, n * m).view({n, m});
-          auto kc = b[g].narrow(0, j0, m);
-          at::mm_out(st, qb, kc.t());
-          at::mm_out(gt, dob, u[g].narrow(0, j0, m).t());
-          child_grad_tile<T>(st.data_ptr<T>(), gt.data_ptr<T>(), n, m, offset + c0, j0,
-                             Wall + at_, Eall + at_, Lall + at_, Dall + at_, sc,
-                             de.data_ptr<T>() + at_);
-          dqb.addmm_(gt, kc, 1, sc);  // += scale dS B
-        }
+    auto block = [&](int64_t g, int64_t k0, at::Tensor& dbg, at::Tensor& dug, at::Tensor& s,
+                     at::Tensor& gp) {
+      const int64_t c0 = k0 * CBQ, n = std::min(CBQ, N - c0), at_ = g * N + c0;
+      int64_t first, limit;
+      block_span(offset + c0, n, Wall + at_, first, limit);
+      auto qb = a[g].narrow(0, c0, n), dob = dout[g].narrow(0, c0, n);
+      auto dqb = da[g].narrow(0, c0, n);
+      for (int64_t j0 = first; j0 < limit; j0 += CBK) {
+        const int64_t m = std::min(CBK, limit - j0);
+        auto st = s.narrow(0, 0, n * m).view({n, m}), gt = gp.narrow(0, 0, n * m).view({n, m});
+        auto kc = b[g].narrow(0, j0, m);
+        at::mm_out(st, qb, kc.t());                        // (n, m) ⟨a_i, b_j⟩
+        at::mm_out(gt, dob, u[g].narrow(0, j0, m).t());    // (n, m) ⟨dout_i, u_j⟩
+        child_grad_tile<T>(st.data_ptr<T>(), gt.data_ptr<T>(), n, m, offset + c0, j0,
+                           Wall + at_, Eall + at_, Lall + at_, Dall + at_, sc,
+                           de.data_ptr<T>() + at_);
+        dqb.addmm_(gt, kc, 1, sc);                         // += scale dS B
+        dbg.narrow(0, j0, m).addmm_(gt.t(), qb, 1, sc);   // += scale dSᵀ A
+        dug.narrow(0, j0, m).addmm_(st.t(), dob);         // += Pᵀ dout
       }
-    });
-    // db and du per block of parents, from the blocks of children that read it
-    at::parallel_for(0, G * np, 1, [&](int64_t u0, int64_t u1) {
-      auto s = at::empty({CBQ * CBK}, a.options()), gp = at::empty({CBQ * CBK}, a.options());
-      for (int64_t unit = u0; unit < u1; ++unit) {
-        const int64_t g = unit / np, j0 = (unit % np) * CBK, m = std::min(CBK, P - j0);
-        // children i with j0 < i ≤ j0 + m − 1 + widest
-        const int64_t lo = std::max<int64_t>(0, j0 + 1 - offset);
-        const int64_t hi = std::min<int64_t>(N, j0 + m + widest - offset);
-        if (lo >= hi) continue;
-        auto kc = b[g].narrow(0, j0, m), vc = u[g].narrow(0, j0, m);
-        auto dkc = db[g].narrow(0, j0, m), dvc = du[g].narrow(0, j0, m);
-        for (int64_t k0 = lo / CBQ; k0 * CBQ < hi; ++k0) {
-          const int64_t c0 = k0 * CBQ, n = std::min(CBQ, N - c0), at_ = g * N + c0;
-          if (firsts[g * nb + k0] >= limits[g * nb + k0] || firsts[g * nb + k0] >= j0 + m ||
-              limits[g * nb + k0] <= j0)
-            continue;  // the block reads none of these parents
-          auto qb = a[g].narrow(0, c0, n), dob = dout[g].narrow(0, c0, n);
-          auto st = s.narrow(0, 0, n * m).view({n, m}), gt = gp.narrow(0, 0, n * m).view({n, m});
-          at::mm_out(st, qb, kc.t());
-          at::mm_out(gt, dob, vc.t());
-          child_grad_tile<T>(st.data_ptr<T>(), gt.data_ptr<T>(), n, m, offset + c0, j0,
-                             Wall + at_, Eall + at_, Lall + at_, Dall + at_, sc,
-                             static_cast<T*>(nullptr));
-          dvc.addmm_(st.t(), dob);          // += Pᵀ dout
-          dkc.addmm_(gt.t(), qb, 1, sc);    // += scale dSᵀ A
+    };
+    if (by_row) {
+      at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
+        auto s = at::empty({CBQ * CBK}, a.options()), gp = at::empty({CBQ * CBK}, a.options());
+        for (int64_t g = g0; g < g1; ++g) {
+          auto dbg = db[g], dug = du[g];
+          for (int64_t k0 = 0; k0 < nb; ++k0) block(g, k0, dbg, dug, s, gp);
         }
+      });
+    } else {
+      at::parallel_for(0, G * nb, 1, [&](int64_t u0, int64_t u1) {
+        const int64_t t = at::get_thread_num();
+        auto s = at::empty({CBQ * CBK}, a.options()), gp = at::empty({CBQ * CBK}, a.options());
+        for (int64_t unit = u0; unit < u1; ++unit) {
+          const int64_t g = unit / nb;
+          auto dbg = db_t[t][g], dug = du_t[t][g];
+          block(g, unit % nb, dbg, dug, s, gp);
+        }
+      });
+      for (int64_t t = 0; t < threads; ++t) {
+        db.add_(db_t[t]);
+        du.add_(du_t[t]);
       }
-    });
+    }
   });
   return {da, db, du, de};
 }

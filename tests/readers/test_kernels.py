@@ -17,6 +17,7 @@ import structattn as sa
 from structattn import kernels
 
 from ..programs import history, program
+from ..reference import band_per_child
 
 f64 = torch.float64
 
@@ -91,10 +92,11 @@ def test_without_a_trace_the_output_is_the_same():
     assert history(trace).windows.shape[0] == history(trace).iterations > 1
 
 
-@pytest.mark.parametrize("rule", ["predictive", "evidence"])
+@pytest.mark.parametrize("rule", ["predictive", "evidence", "certified"])
 def test_grad_last_gradients_equal_the_loop(rule):
-    """grad="last" with grad enabled: the kernel finds the fixed point, the band takes the one
-    differentiable step; gradients in x, W_q, W_k, W_v, a and b match the loop's."""
+    """grad="last" with grad enabled: the kernel finds the fixed point, its band per child
+    takes the one differentiable step; gradients in x, W_q, W_k, W_v, a and b match the
+    loop's."""
     torch.manual_seed(2)
     m = sa.models.expanding_attention(8, heads=2, a=torch.tensor([1.5, 3.0]), b=1.0, grad="last",
                                       window_rule=rule, initial_window=3, dtype=f64)
@@ -290,3 +292,48 @@ def test_a_no_grad_plan_holds_one_kernel_call():
         y_both, post_both, _ = layer(x, return_posterior=True, return_trace=True)
     assert torch.equal(y, y_traced)
     assert torch.equal(y_post, y_both) and torch.equal(post, post_both)
+
+
+@settings(max_examples=25, deadline=None)
+@given(G=st.integers(1, 3), N=st.integers(1, 300), front=st.integers(0, 40),
+       k=st.integers(1, 9), dv=st.integers(1, 9), widest=st.integers(0, 400),
+       dtype=st.sampled_from([f64, torch.float32]), seed=st.integers(0, 10_000))
+def test_band_per_child_equals_softmax_written_out(G, N, front, k, dv, widest, dtype, seed):
+    """``band_forward``/``band_backward``: each child's window read in place (tiles of 64
+    children × 256 parents: these sizes cross them), against the band written out — outputs
+    and the gradients in a, b, u and the slopes e; float64 to 1e-12, float32 to 1e-5."""
+    g = torch.Generator().manual_seed(seed)
+    P = front + N
+    a, b = torch.randn(G, N, k, generator=g, dtype=dtype), torch.randn(G, P, k, generator=g,
+                                                                        dtype=dtype)
+    u = torch.randn(G, P, dv, generator=g, dtype=dtype)
+    e = -torch.rand(G, N, generator=g, dtype=dtype)
+    window = torch.minimum(torch.randint(0, widest + 1, (G, N), generator=g),
+                           torch.arange(front, P))
+    ops = kernels.mean_field_windows()
+    out, lse = ops.band_forward(a, b, u, e, window, front, 0.7)
+    leaves = [t.double().requires_grad_() for t in (a, b, u, e)]
+    want = band_per_child(*leaves, window, front, 0.7)
+    tol = 1e-12 if dtype == f64 else 1e-5
+    torch.testing.assert_close(out.double(), want.detach(), atol=tol, rtol=0)
+    dout = torch.randn(out.shape, generator=g, dtype=dtype)
+    got = ops.band_backward(dout, a, b, u, e, window, out, lse, front, 0.7)
+    grads = torch.autograd.grad((want * dout.double()).sum(), leaves)
+    for name, x, y in zip("a b u e".split(), got, grads, strict=True):
+        torch.testing.assert_close(x.double(), y, atol=tol * 10, rtol=tol, msg=name)
+
+
+def test_band_per_child_gradcheck_and_opcheck():
+    """Its autograd rule (``windows.kernel``) by finite differences, and torch.library's
+    schema, fake-kernel and autograd checks."""
+    from structattn.windows.kernel import _register
+
+    ops = kernels.with_rules("mean_field", _register)
+    torch.manual_seed(5)
+    a, b, u = (torch.randn(1, n, w, dtype=f64, requires_grad=True)
+               for n, w in ((70, 3), (73, 3), (73, 2)))
+    e = (torch.rand(1, 70, dtype=f64) - 1).requires_grad_()
+    window = torch.minimum(torch.randint(0, 70, (1, 70)), torch.arange(3, 73))
+    assert torch.autograd.gradcheck(lambda *t: ops.band_forward(*t, window, 3, 0.7)[0],
+                                    (a, b, u, e))
+    torch.library.opcheck(ops.band_forward, (a, b, u, e, window, 3, 0.7))

@@ -12,6 +12,7 @@ import structattn as sa
 from structattn import kernels, triton_kernels
 
 from ..programs import program, scores_of
+from ..reference import band_per_child
 from ..readers.test_windows import brute_mean_field, ceilings
 
 f64 = torch.float64
@@ -99,16 +100,6 @@ def test_triton_solve_refuses_a_rule_it_does_not_run():
         _ex().solve(a, b, 0, 0.7, a0, b0, win0, 0.05, 1e-4, 20, 5, True, True, 0)
 
 
-def _dense(a, b, u, e, window, offset, scale):
-    """The band per child written out: softmax over 1 ≤ i − j ≤ W_i of ψ_ij + (i − j)·e_i."""
-    N, P = a.shape[1], b.shape[1]
-    d = (torch.arange(offset, offset + N, device=a.device)[:, None]
-         - torch.arange(P, device=a.device)[None]).to(f64)
-    on = (d >= 1) & (d <= window[..., None])
-    logits = torch.where(on, scale * a @ b.transpose(-1, -2) + d * e[..., None], -torch.inf)
-    return torch.softmax(logits, -1).nan_to_num(0.0) @ u
-
-
 def _band(G, N, P, k, dv, seed, dtype=f64):
     g = torch.Generator().manual_seed(seed)
     a, b = torch.randn(G, N, k, generator=g), torch.randn(G, P, k, generator=g)
@@ -130,7 +121,7 @@ def test_triton_band_per_child_equals_the_cpu_kernel_and_softmax_written_out(N, 
                                               window.cpu(), alpha.cpu(), beta.cpu(), True)
     torch.testing.assert_close(out.cpu(), cpu, atol=1e-12, rtol=0)
     leaves = [t.clone().requires_grad_() for t in (a, b, u, e)]
-    want = _dense(*leaves, window, P - N, 0.7)
+    want = band_per_child(*leaves, window, P - N, 0.7)
     torch.testing.assert_close(out, want.detach(), atol=1e-12, rtol=0)
     dout = torch.randn_like(out)
     grads = torch.autograd.grad((want * dout).sum(), leaves)
@@ -165,7 +156,7 @@ def test_triton_band_per_child_takes_half_precision_as_it_is(dtype, atol, grad_r
     out, _ = _ex().attend_forward(a, b, u, e, window, 20, 0.6)
     assert out.dtype == torch.float32
     leaves = [t.double().requires_grad_() for t in (a, b, u, e)]
-    want = _dense(*leaves, window, 20, 0.6)
+    want = band_per_child(*leaves, window, 20, 0.6)
     torch.testing.assert_close(out.double(), want.detach(), rtol=0,
                                atol=atol * (1 + want.abs().max().item()))
     dout = torch.randn_like(out)
