@@ -77,7 +77,6 @@ def graph_to_dot(G: nx.MultiDiGraph, *, heads=None, threshold: float = 0.0,
     sequence's attention is plotted by ``plot_attention``.
     """
     inferred = G.graph.get("inferred", False)
-    weight_key = "posterior" if inferred else "prior"
     dot = graphviz.Digraph(G.graph.get("model", "structattn"), engine="neato",
                            graph_attr={"fontname": "Helvetica", "labelloc": "t",
                                        "splines": "false", "outputorder": "edgesfirst"},
@@ -88,16 +87,40 @@ def graph_to_dot(G: nx.MultiDiGraph, *, heads=None, threshold: float = 0.0,
     index, size = G.graph.get("batch", (0, 1))
     which = f", batch element {index} of {size} (batch_index={index})" if size > 1 else ""
     title = [f"{G.graph.get('model', '')} — {kind}{which}"]
-    counter = iter(range(10**9))
     families = G.graph["families"]
-    max_heads = max((f["heads"] for f in families.values()), default=1)
+    wanted = _wanted_heads(heads, max((f["heads"] for f in families.values()), default=1))
+    panels = _panels(G, wanted, max_nodes, title)
+    columns = columns or max(1, math.ceil(math.sqrt(len(panels))))
+    # one cell size for every panel, so the grid lines up
+    sizes = [max(len(v) for v in rows.values()) for *_, rows in panels] or [1]
+    longest = max((len(n) for *_, rows in panels for v in rows.values() for n in v), default=1)
+    step = max(0.9, 0.09 * longest + 0.3)
+    cell_w, cell_h = max(sizes) * step + 0.8, 4.1 if labels else 3.6
+    counter = iter(range(10**9))
+    for k, panel in enumerate(panels):
+        x0, y0 = (k % columns) * cell_w, -(k // columns) * cell_h
+        _draw_panel(dot, G, panel, (x0, y0), step, counter, threshold, labels)
+    dot.attr(label=graphviz.escape("\n".join(title + _legend(G, inferred, labels))))
+    return dot
+
+
+def _wanted_heads(heads, max_heads: int, who: str = "") -> list:
+    """The heads to draw: all (None), one (an int) or several, each checked (``who``: the
+    message's prefix)."""
     wanted = list(range(max_heads)) if heads is None else (
         [heads] if isinstance(heads, int) else list(heads))
     for h in wanted:
         if not isinstance(h, int) or isinstance(h, bool) or not 0 <= h < max_heads:
-            raise ValueError(f"head must be an int in [0, {max_heads}); got {h!r}")
-    panels = []  # (family index, family, info, head, rows)
-    for f_i, (fname, info) in enumerate(families.items()):
+            raise ValueError(f"{who}head must be an int in [0, {max_heads}); got {h!r}")
+    return wanted
+
+
+def _panels(G, wanted, max_nodes, title: list) -> list:
+    """``(family index, family, info, head, nodes by node set)`` per panel to draw, the title
+    lines of each family appended to ``title``; a family of more than ``max_nodes`` nodes is
+    refused."""
+    panels = []
+    for f_i, (fname, info) in enumerate(G.graph["families"].items()):
         note = _heads_note(info["heads"], wanted)
         if "hop" in info:
             title.append(f"'{fname}': the node reached in {info['hop']} steps of the walk along "
@@ -117,70 +140,77 @@ def graph_to_dot(G: nx.MultiDiGraph, *, heads=None, threshold: float = 0.0,
                 f"max_nodes"
             )
         panels += [(f_i, fname, info, h, nodes_of) for h in wanted if h < info["heads"]]
-    columns = columns or max(1, math.ceil(math.sqrt(len(panels))))
-    # one cell size for every panel, so the grid lines up
-    sizes = [max(len(v) for v in rows.values()) for *_, rows in panels] or [1]
-    longest = max((len(n) for *_, rows in panels for v in rows.values() for n in v), default=1)
-    step = max(0.9, 0.09 * longest + 0.3)
-    cell_w, cell_h = max(sizes) * step + 0.8, 4.1 if labels else 3.6
-    for k, (f_i, fname, info, h, nodes_of) in enumerate(panels):
-        x0, y0 = (k % columns) * cell_w, -(k // columns) * cell_h
-        colour = _COLOURS[f_i % len(_COLOURS)]
-        width = max(len(v) for v in nodes_of.values())
-        name = f"{fname} · head {h}"
-        if "hop" in info:
-            name = f"{info['walk_of']} · head {h} · hop {info['hop']}: P{_power(info['hop'])}"
-        elif any(i.get("walk_of") == fname for i in families.values()):
-            name += " · hop 1: P"
-        dot.node(f"n{next(counter)}", graphviz.escape(name), shape="plaintext",
-                 pos=f"{x0 + (width - 1) * step / 2:.2f},{y0 + 2.75:.2f}!", fontsize="11",
-                 fontcolor=colour)
-        ids = {}
-        for role, y in (("parents", 1.9), ("children", 0.0)):
-            for i, n in enumerate(nodes_of[info[role]]):
-                ids[role, n] = f"n{next(counter)}"
-                observed = G.nodes[n].get("observed", True)  # shaded: observed; open: latent
-                style = {"style": "filled" if observed else "filled,dashed",
-                         "fillcolor": "#d9d9d9" if observed else "#ffffff",
-                         "penwidth": "1.0" if observed else "1.6"}
-                if G.nodes[n].get("memory"):  # stored patterns / prototypes: boxes
-                    style.update(shape="box", style="filled,rounded", fillcolor="#fff2cc")
-                dot.node(ids[role, n], graphviz.escape(n), pos=f"{x0 + i * step:.2f},{y0 + y:.2f}!",
-                         **style)
-        best = {}  # child → the weight of its MAP edge (declared: its most probable parent)
-        for u, v, d in G.edges(data=True):
-            if d["family"] != fname or d["head"] != h:
-                continue
-            w = d[weight_key]
-            if inferred and d.get("map") or not inferred and w > best.get(v, -1.0):
-                best[v] = w
-            if w < threshold:
-                continue
-            attrs = _edge_style(w, colour)
-            if d.get("map"):
-                attrs.update(style="bold", color=colour)
-            dot.edge(ids["parents", u], ids["children", v], **attrs)
-        if labels:  # one number per child, under it: never under an arrowhead
-            for i, n in enumerate(nodes_of[info["children"]]):
-                if n in best:
-                    dot.node(f"n{next(counter)}", f"{best[n]:.2f}", shape="plaintext",
-                             fontsize="10", fontcolor=colour,
-                             pos=f"{x0 + i * step:.2f},{y0 - 0.42:.2f}!")
+    return panels
+
+
+def _draw_panel(dot, G, panel, origin, step: float, counter, threshold: float,
+                labels: bool) -> None:
+    """One family and head at ``origin``: its name, parents in a row above children, the
+    edges (MAP edges bold) and, with ``labels``, each child's MAP probability under it."""
+    f_i, fname, info, h, nodes_of = panel
+    x0, y0 = origin
+    inferred = G.graph.get("inferred", False)
+    weight_key = "posterior" if inferred else "prior"
+    colour = _COLOURS[f_i % len(_COLOURS)]
+    width = max(len(v) for v in nodes_of.values())
+    name = f"{fname} · head {h}"
+    if "hop" in info:
+        name = f"{info['walk_of']} · head {h} · hop {info['hop']}: P{_power(info['hop'])}"
+    elif any(i.get("walk_of") == fname for i in G.graph["families"].values()):
+        name += " · hop 1: P"
+    dot.node(f"n{next(counter)}", graphviz.escape(name), shape="plaintext",
+             pos=f"{x0 + (width - 1) * step / 2:.2f},{y0 + 2.75:.2f}!", fontsize="11",
+             fontcolor=colour)
+    ids = {}
+    for role, y in (("parents", 1.9), ("children", 0.0)):
+        for i, n in enumerate(nodes_of[info[role]]):
+            ids[role, n] = f"n{next(counter)}"
+            observed = G.nodes[n].get("observed", True)  # shaded: observed; open: latent
+            style = {"style": "filled" if observed else "filled,dashed",
+                     "fillcolor": "#d9d9d9" if observed else "#ffffff",
+                     "penwidth": "1.0" if observed else "1.6"}
+            if G.nodes[n].get("memory"):  # stored patterns / prototypes: boxes
+                style.update(shape="box", style="filled,rounded", fillcolor="#fff2cc")
+            dot.node(ids[role, n], graphviz.escape(n), pos=f"{x0 + i * step:.2f},{y0 + y:.2f}!",
+                     **style)
+    best = {}  # child → the weight of its MAP edge (declared: its most probable parent)
+    for u, v, d in G.edges(data=True):
+        if d["family"] != fname or d["head"] != h:
+            continue
+        w = d[weight_key]
+        if inferred and d.get("map") or not inferred and w > best.get(v, -1.0):
+            best[v] = w
+        if w < threshold:
+            continue
+        attrs = _edge_style(w, colour)
+        if d.get("map"):
+            attrs.update(style="bold", color=colour)
+        dot.edge(ids["parents", u], ids["children", v], **attrs)
+    if labels:  # one number per child, under it: never under an arrowhead
+        for i, n in enumerate(nodes_of[info["children"]]):
+            if n in best:
+                dot.node(f"n{next(counter)}", f"{best[n]:.2f}", shape="plaintext",
+                         fontsize="10", fontcolor=colour,
+                         pos=f"{x0 + i * step:.2f},{y0 - 0.42:.2f}!")
+
+
+def _legend(G, inferred: bool, labels: bool) -> list:
+    """The title's closing lines: what bold edges, numbers, shading and boxes mean."""
+    lines = []
     if inferred:
-        title.append("bold: each child's most probable parent (MAP); width and opacity: "
+        lines.append("bold: each child's most probable parent (MAP); width and opacity: "
                      "p(φ_i = j | x)")
     if labels:
-        title.append("number under a child: p(φ_i = MAP parent | x)" if inferred else
+        lines.append("number under a child: p(φ_i = MAP parent | x)" if inferred else
                      "number under a child: the prior of its most probable parent")
     if not all(d.get("observed", True) for _, d in G.nodes(data=True)):
-        title.append("shaded: observed nodes · open, dashed: latent nodes (inferred states)")
+        lines.append("shaded: observed nodes · open, dashed: latent nodes (inferred states)")
     if any(d.get("memory") for _, d in G.nodes(data=True)):
-        title.append("yellow boxes: memories (stored patterns, prototypes)")
+        lines.append("yellow boxes: memories (stored patterns, prototypes)")
     if G.graph.get("steps"):
-        title.append("latent states drawn after " + ", ".join(
+        lines.append("latent states drawn after " + ", ".join(
             f"{k}: {v} steps" for k, v in G.graph["steps"].items()))
-    dot.attr(label=graphviz.escape("\n".join(title)))
-    return dot
+    return lines
 
 
 def render(model, *inputs, heads=None, threshold: float = 0.0, top_k: int | None = None,

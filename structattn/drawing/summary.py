@@ -23,7 +23,7 @@ import os
 import torch
 
 from ..declaration import as_declaration
-from .graphviz import _COLOURS, _heads_note
+from .graphviz import _COLOURS, _heads_note, _wanted_heads
 from .networkx import _inputs_or_examples, family_tables, read_structure
 
 
@@ -78,6 +78,96 @@ def _distance_density(table: torch.Tensor):
     return centres[keep], per_bin[keep] / width[keep]
 
 
+class _Row:
+    """One family and head of ``plot_attention``: the table ``p`` (C, P) it plots (the
+    posterior, or the prior without inputs), the prior ``q``, and what the panels share."""
+
+    def __init__(self, name, info, head, p, q, inferred: bool, colour):
+        self.name, self.info, self.p, self.q, self.inferred = name, info, p, q, inferred
+        self.colour, self.label = colour, f"{name} · head {head}"
+        self.same = info["children"] == info["parents"]
+        self.has = p.sum(-1) > 0  # children with a parent (token 0 of a causal window: none)
+        self.best = p.argmax(-1)[self.has]
+
+
+def _map_panel(fig, ax, row: _Row) -> None:
+    """Each child's MAP parent, coloured by its probability."""
+    p, info = row.p, row.info
+    C, P = p.shape
+    i = torch.arange(C)[row.has]
+    sc = ax.scatter(i.numpy(), row.best.numpy(), c=p[i, row.best].numpy(),
+                    s=max(1.0, min(30.0, 6000.0 / C)), cmap="viridis", vmin=0, vmax=1,
+                    linewidths=0)
+    if row.same:
+        ax.plot([0, C - 1], [0, C - 1], color="#999999", lw=0.6, ls="--")
+    ax.set(xlabel=f"child i ({info['children']})", ylabel=f"MAP parent j ({info['parents']})",
+           xlim=(-0.5, C - 0.5), ylim=(-0.5, P - 0.5))
+    ax.set_title(f"{row.label}: each child's MAP parent", fontsize=10, color=row.colour)
+    fig.colorbar(sc, ax=ax, fraction=0.046, label="p(φ_i = MAP | x)")
+
+
+def _reach_panel(ax, row: _Row) -> None:
+    """How far attention reaches (mass per distance, one node set) or what each parent
+    receives (two node sets); the prior dashed beside the posterior."""
+    p, q, info, colour = row.p, row.q, row.info, row.colour
+    C, P = p.shape
+    if row.same:  # mass per distance d = i − j, averaged over children with a parent
+        n = max(int(row.has.sum()), 1)
+        top = 0.0
+        for table, style, what in ((p, "-", "posterior" if row.inferred else "prior"),
+                                   (q, "--", "prior")):
+            if table is q and not row.inferred:
+                continue
+            centres, density = _distance_density(table)
+            top = max(top, float(density.max()) / n) if len(density) else top
+            ax.step(centres.numpy(), (density / n).numpy(), where="mid", ls=style,
+                    color=colour if style == "-" else "#555555", lw=1.2, label=what)
+        ax.set_xscale("symlog", linthresh=1.0)
+        ax.set_yscale("log")
+        if top > 0:  # seven decades: the tail that matters, not underflow
+            ax.set_ylim(bottom=top * 1e-7, top=top * 2)
+        ax.set(xlabel="distance i − j (symmetric log scale)",
+               ylabel="mass per unit distance\n(mean over children)")
+        ax.set_title(f"{row.label}: how far attention reaches", fontsize=10, color=colour)
+    else:
+        ax.bar(range(P), (p.sum(0) / C).numpy(), color=colour, width=1.0,
+               label="posterior" if row.inferred else "prior")
+        if row.inferred:
+            ax.step(range(P), (q.sum(0) / C).numpy(), where="mid", ls="--", color="#555555",
+                    lw=1.0, label="prior")
+        ax.set(xlabel=f"parent j ({info['parents']})", ylabel="mean attention received")
+        ax.set_title(f"{row.label}: attention each parent receives", fontsize=10, color=colour)
+    ax.legend(fontsize=8)
+
+
+def _spread_panel(ax, row: _Row, window) -> None:
+    """Where each child looks: the central 90% of p(φ_i | x), the MAP parent and (mean
+    field) the window W_i."""
+    p, info, has, best = row.p, row.info, row.has, row.best
+    C = p.shape[0]
+    lo5, hi95 = _quantiles(p, (0.05, 0.95))
+    child = torch.arange(C)
+    if row.same:  # in distances: parent j ↦ i − j (a later j is a shorter distance)
+        lo5, hi95 = child - hi95, child - lo5
+        map_y, ylabel = child[has] - best, "distance i − j"
+    else:
+        map_y, ylabel = best, f"parent j ({info['parents']})"
+    ax.fill_between(child.numpy(), lo5.numpy(), hi95.numpy(), color=row.colour, alpha=0.45, lw=0,
+                    step="mid", label="central 90% of p(φ_i | x)" if row.inferred else
+                    "central 90% of the prior")
+    dots = max(0.5, min(12.0, 3000.0 / C))
+    ax.scatter(child[has].numpy(), map_y.numpy(), s=dots, color="black", linewidths=0,
+               label="MAP")
+    if window is not None:
+        ax.scatter(child.numpy(), window.numpy(), s=dots, color="#d62728", marker="_",
+                   linewidths=0.8, label="window W_i (mean field)")
+    if row.same:
+        ax.set_yscale("symlog", linthresh=1.0)
+    ax.set(xlabel=f"child i ({info['children']})", ylabel=ylabel, xlim=(-0.5, C - 0.5))
+    ax.set_title(f"{row.label}: where each child looks", fontsize=10, color=row.colour)
+    ax.legend(fontsize=8, loc="best", framealpha=0.8)
+
+
 def plot_attention(model, *inputs, heads=None, batch_index: int = 0,
                    filename: str | os.PathLike | None = None, dpi: int = 110):
     """Plot the inferred attention of ``model`` on ``inputs`` (module docstring): a matplotlib
@@ -92,85 +182,17 @@ def plot_attention(model, *inputs, heads=None, batch_index: int = 0,
     structure, _ = read_structure(decl, inputs, inferred)
     tables = list(family_tables(structure, batch_index, inferred))
     max_heads = max((info["heads"] for _, info, *_ in tables), default=1)
-    wanted = list(range(max_heads)) if heads is None else (
-        [heads] if isinstance(heads, int) else list(heads))
-    for h in wanted:
-        if not isinstance(h, int) or isinstance(h, bool) or not 0 <= h < max_heads:
-            raise ValueError(f"plot_attention: head must be an int in [0, {max_heads}); "
-                             f"got {h!r}")
+    wanted = _wanted_heads(heads, max_heads, "plot_attention: ")
     windows = _mean_field_windows(decl, inputs, structure, batch_index) if inferred else {}
     rows = [(f_i, name, info, prior, post, h) for f_i, (name, info, prior, post)
             in enumerate(tables) for h in wanted if h < info["heads"]]
     fig, axes = plt.subplots(len(rows), 3, figsize=(15, 3.4 * len(rows) + 0.9), squeeze=False)
     for r, (f_i, name, info, prior, post, h) in enumerate(rows):
-        colour = _COLOURS[f_i % len(_COLOURS)]
-        p = (post if post is not None else prior)[h]  # (C, P)
-        q = prior[h]
-        C, P = p.shape
-        same = info["children"] == info["parents"]
-        label = f"{name} · head {h}"
-        has = p.sum(-1) > 0  # children with a parent (token 0 of a causal window has none)
-        i = torch.arange(C)[has]
-        best = p.argmax(-1)[has]
-        ax = axes[r, 0]
-        sc = ax.scatter(i.numpy(), best.numpy(), c=p[i, best].numpy(),
-                        s=max(1.0, min(30.0, 6000.0 / C)), cmap="viridis", vmin=0, vmax=1,
-                        linewidths=0)
-        if same:
-            ax.plot([0, C - 1], [0, C - 1], color="#999999", lw=0.6, ls="--")
-        ax.set(xlabel=f"child i ({info['children']})", ylabel=f"MAP parent j ({info['parents']})",
-               xlim=(-0.5, C - 0.5), ylim=(-0.5, P - 0.5))
-        ax.set_title(f"{label}: each child's MAP parent", fontsize=10, color=colour)
-        fig.colorbar(sc, ax=ax, fraction=0.046, label="p(φ_i = MAP | x)")
-        ax = axes[r, 1]
-        if same:  # mass per distance d = i − j, averaged over children with a parent
-            n = max(int(has.sum()), 1)
-            top = 0.0
-            for table, style, what in ((p, "-", "posterior" if post is not None else "prior"),
-                                       (q, "--", "prior")):
-                if table is q and post is None:
-                    continue
-                centres, density = _distance_density(table)
-                top = max(top, float(density.max()) / n) if len(density) else top
-                ax.step(centres.numpy(), (density / n).numpy(), where="mid", ls=style,
-                        color=colour if style == "-" else "#555555", lw=1.2, label=what)
-            ax.set_xscale("symlog", linthresh=1.0)
-            ax.set_yscale("log")
-            if top > 0:  # seven decades: the tail that matters, not underflow
-                ax.set_ylim(bottom=top * 1e-7, top=top * 2)
-            ax.set(xlabel="distance i − j (symmetric log scale)",
-                   ylabel="mass per unit distance\n(mean over children)")
-            ax.set_title(f"{label}: how far attention reaches", fontsize=10, color=colour)
-        else:
-            ax.bar(range(P), (p.sum(0) / C).numpy(), color=colour, width=1.0,
-                   label="posterior" if post is not None else "prior")
-            if post is not None:
-                ax.step(range(P), (q.sum(0) / C).numpy(), where="mid", ls="--", color="#555555",
-                        lw=1.0, label="prior")
-            ax.set(xlabel=f"parent j ({info['parents']})", ylabel="mean attention received")
-            ax.set_title(f"{label}: attention each parent receives", fontsize=10, color=colour)
-        ax.legend(fontsize=8)
-        ax = axes[r, 2]
-        lo5, hi95 = _quantiles(p, (0.05, 0.95))
-        child = torch.arange(C)
-        if same:  # in distances: parent j ↦ i − j (a later j is a shorter distance)
-            lo5, hi95 = child - hi95, child - lo5
-            map_y, ylabel = child[has] - best, "distance i − j"
-        else:
-            map_y, ylabel = best, f"parent j ({info['parents']})"
-        ax.fill_between(child.numpy(), lo5.numpy(), hi95.numpy(), color=colour, alpha=0.45, lw=0, step="mid",
-                        label="central 90% of p(φ_i | x)" if post is not None else
-                        "central 90% of the prior")
-        dots = max(0.5, min(12.0, 3000.0 / C))
-        ax.scatter(child[has].numpy(), map_y.numpy(), s=dots, color="black", linewidths=0, label="MAP")
-        if name in windows:
-            ax.scatter(child.numpy(), windows[name][h].numpy(), s=dots, color="#d62728", marker="_",
-                       linewidths=0.8, label="window W_i (mean field)")
-        if same:
-            ax.set_yscale("symlog", linthresh=1.0)
-        ax.set(xlabel=f"child i ({info['children']})", ylabel=ylabel, xlim=(-0.5, C - 0.5))
-        ax.set_title(f"{label}: where each child looks", fontsize=10, color=colour)
-        ax.legend(fontsize=8, loc="best", framealpha=0.8)
+        row = _Row(name, info, h, (post if post is not None else prior)[h], prior[h],
+                   post is not None, _COLOURS[f_i % len(_COLOURS)])
+        _map_panel(fig, axes[r, 0], row)
+        _reach_panel(axes[r, 1], row)
+        _spread_panel(axes[r, 2], row, windows[name][h] if name in windows else None)
     kind = "inferred p(φ | x)" if inferred else "declared prior p(φ)"
     title = [f"{decl.display_name} — {kind}, batch element {batch_index}"]
     for name, info, *_ in tables:

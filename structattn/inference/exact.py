@@ -124,22 +124,9 @@ def enumeration_bytes(structure) -> int:
     return total
 
 
-def exact(model, *inputs, latents: dict | None = None, max_bytes: int = 4 * 2**30,
-          **kwargs) -> ExactPosterior:
-    """Exact edge posteriors, value expectations, MAP edges and output by Pyro enumeration.
-
-    Models with latent node sets (``structattn.latent``) are read at given latent states
-    ``latents`` (name → states): the latent sites are observed there, so everything is
-    exact *conditional* on them — e.g. at a compiled module's final iterate, or at Pyro's
-    MAP (``structattn.inference.map_estimate``).
-
-    Cost: exponential in nothing here — each family is enumerated once in
-    parallel over its P parents — but it materialises ``(P, *batch, H, C, d)``
-    tables, so keep inputs small (it is the oracle, not the layer). The memory is estimated
-    first: beyond ``max_bytes`` a ``ValueError`` says so and what to do instead.
-    """
-    decl = as_declaration(model)
-    program = decl.model
+def _at_latents(program, inputs, kwargs, latents):
+    """The program and its structure, conditioned on ``latents`` where it has latent node
+    sets (which must all be given, and nothing else)."""
     structure = trace_structure(program, *inputs, **kwargs)  # first: which latents exist
     if structure.latents and latents is None:
         raise ValueError(
@@ -153,6 +140,12 @@ def exact(model, *inputs, latents: dict | None = None, max_bytes: int = 4 * 2**3
                              f"of the model; its latents: {sorted(structure.latents)}")
         structure = trace_structure(program, *inputs, latent_values=latents, **kwargs)
         program = condition_latents(program, latents)
+    return program, structure
+
+
+def _check_enumerable(structure, max_bytes: int) -> None:
+    """Refuse a model with no edge family, one whose enumeration needs more than
+    ``max_bytes``, or an empty batch."""
     if not structure.families and not structure.latents:
         raise ValueError("the model declares no edge family (structattn.edges); nothing to infer")
     need = enumeration_bytes(structure)
@@ -168,17 +161,17 @@ def exact(model, *inputs, latents: dict | None = None, max_bytes: int = 4 * 2**3
         if 0 in f.batch_shape:
             raise ValueError(f"edge family {name!r}: the batch is empty (batch shape "
                              f"{tuple(f.batch_shape)}); Pyro cannot enumerate over it")
-    mpn = structure.max_plate_nesting
-    first_dim = -mpn - 1
 
-    enumerable = is_enumerable(structure)
+
+def _marginals(program, structure, inputs, kwargs, enumerable: bool):
+    """``(marginals, outcomes)``: each family's p(φ_i = j | x) ``(*batch, H, C, P)``, and
+    every enumerated site's marginal over all its outcomes (a family whose children may have
+    no parent has one more, "no parent": its value is zero there; e.g. multihop's later hops
+    are sites too)."""
     marginal_dists = {}
     if enumerable:
-        elbo = TraceEnum_ELBO(max_plate_nesting=mpn)
+        elbo = TraceEnum_ELBO(max_plate_nesting=structure.max_plate_nesting)
         marginal_dists = elbo.compute_marginals(program, _no_guide, *inputs, **kwargs)
-    # marginals of every enumerated site (edge families, and e.g. multihop's later hops),
-    # over every outcome of the site (a family whose children may have no parent has one
-    # more, "no parent": its value is zero there)
     outcomes = {name: d.probs for name, d in marginal_dists.items()}
     marginals = dict(outcomes)
     for name, family in structure.families.items():
@@ -191,8 +184,12 @@ def exact(model, *inputs, latents: dict | None = None, max_bytes: int = 4 * 2**3
         else:  # a single parent: not enumerated, φ_i = 0 surely
             marginals[name] = outcomes[name] = torch.ones(
                 shape, dtype=family.children.states.dtype, device=family.children.states.device)
+    return marginals, outcomes
 
-    # E[v] = Σ over the value's terms of E_{marginal of the term's edge site}[term]
+
+def _expectations(program, structure, outcomes, first_dim: int, inputs, kwargs) -> dict:
+    """E[v] per family: Σ over the value's terms of E_{marginal of the term's edge site}
+    [term], read from the enumerated trace."""
     enum_trace = poutine.trace(poutine.enum(program, first_available_dim=first_dim)).get_trace(
         *inputs, **kwargs)
     expectations = {}
@@ -211,7 +208,30 @@ def exact(model, *inputs, latents: dict | None = None, max_bytes: int = 4 * 2**3
             probs = outcomes[edge]
             e = _expectation_from_table(table, enum_dim, probs.expand(*target[:-1], probs.shape[-1]))
         expectations[term["family"]] = expectations.get(term["family"], 0) + e
+    return expectations
 
+
+def exact(model, *inputs, latents: dict | None = None, max_bytes: int = 4 * 2**30,
+          **kwargs) -> ExactPosterior:
+    """Exact edge posteriors, value expectations, MAP edges and output by Pyro enumeration.
+
+    Models with latent node sets (``structattn.latent``) are read at given latent states
+    ``latents`` (name → states): the latent sites are observed there, so everything is
+    exact *conditional* on them — e.g. at a compiled module's final iterate, or at Pyro's
+    MAP (``structattn.inference.map_estimate``).
+
+    Cost: exponential in nothing here — each family is enumerated once in
+    parallel over its P parents — but it materialises ``(P, *batch, H, C, d)``
+    tables, so keep inputs small (it is the oracle, not the layer). The memory is estimated
+    first: beyond ``max_bytes`` a ``ValueError`` says so and what to do instead.
+    """
+    decl = as_declaration(model)
+    program, structure = _at_latents(decl.model, inputs, kwargs, latents)
+    _check_enumerable(structure, max_bytes)
+    first_dim = -structure.max_plate_nesting - 1
+    enumerable = is_enumerable(structure)
+    marginals, outcomes = _marginals(program, structure, inputs, kwargs, enumerable)
+    expectations = _expectations(program, structure, outcomes, first_dim, inputs, kwargs)
     map_program = (infer_discrete(program, first_available_dim=first_dim, temperature=0)
                    if enumerable else program)
     map_trace = poutine.trace(map_program).get_trace(*inputs, **kwargs)

@@ -15,12 +15,8 @@ converge_tol·max(1, E[φ_i]) with its window unchanged, or after max_iters step
 rules (``predictive``, ``evidence``) read log-Beta functions or the window's typical score:
 they stay with the loop.
 
-``attend``: out_i = Σ_{1 ≤ d ≤ W_i} softmax_d(scale·⟨a_i, b_{i−d}⟩ + d·e_i) u_{i−d}, a band per
-child with a slope per child, forward and backward (FlashAttention's scheme, with Δ_i =
-dout_i·out_i and ds_ij = p_ij (dout_i·u_j − Δ_i)):
-
-    da_i = scale Σ_j ds_ij b_j,   de_i = Σ_j ds_ij (i − j),
-    db_j = scale Σ_i ds_ij a_i,   du_j = Σ_i p_ij dout_i   (added atomically per parent block).
+``attend_forward`` (``band_per_child``): the output at the fixed point, a band per child with
+a slope per child, forward and backward.
 
 Never the N×W table: one program per block of children holds BM×BN scores at a time. Float
 arguments travel as one-element tensors in the statistics' dtype (a kernel reads a Python
@@ -34,7 +30,8 @@ import triton
 import triton.language as tl
 
 from . import interpreted
-from ._tiles import add_tile, dot, load_row, load_tile, scalar, settings, statistics, store_tile, width
+from ._tiles import load_tile, scalar, settings, statistics, width
+from .band_per_child import _scores, _span, attend_backward, attend_forward
 
 #: the window rules this kernel runs, by their number in ``structattn.windows.rules``
 RULES = {1: "edge", 3: "certified"}
@@ -88,25 +85,60 @@ def _sigmoid_of_minus(x):
 
 
 @triton.jit
-def _span(pos, w, live, BN: tl.constexpr):
-    """The parent blocks ``[lo, hi)`` the live children of a block read: from the first
-    block holding some i − W_i to the last child's i − 1."""
-    lo = tl.min(tl.where(live, pos - w, 2147483647), axis=0)
-    hi = tl.max(tl.where(live, pos, 0), axis=0)
-    lo = tl.maximum(lo, 0) // BN * BN
-    return lo, hi
+def _posterior_pass(a, B, g, sbg, sbp, sbk, ks, P, K, pos, w, live, e, scale,
+                    RULE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, ACC: tl.constexpr,
+                    PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """One step's posterior over each live child's window, by the online softmax over the
+    block's parents: log Σ_d e^{ψ + d·e} (``log_z``), E[φ] (``mean``) and, for the ``edge``
+    rule, the evidence's mass on the window's outer half (else 0)."""
+    top = tl.full([BM], -float("inf"), dtype=ACC)
+    z = tl.zeros([BM], dtype=ACC)
+    zd = tl.zeros([BM], dtype=ACC)
+    ev_top = tl.full([BM], -float("inf"), dtype=ACC)  # the evidence alone ("edge")
+    ev_z = tl.zeros([BM], dtype=ACC)
+    ev_outer = tl.zeros([BM], dtype=ACC)
+    lo, hi = _span(pos, w, live, BN)
+    for start in range(lo, hi, BN):
+        cols = start + tl.arange(0, BN)
+        s, dist, on, b = _scores(a, B, g, sbg, sbp, sbk, cols, ks, P, K, pos, w, live, scale,
+                                 PRECISION, UPCAST)
+        d = dist.to(ACC)
+        logit = tl.where(on, s + d * e[:, None], -float("inf"))
+        new = tl.maximum(top, tl.max(logit, axis=1))
+        safe = tl.where(new == -float("inf"), 0.0, new)
+        p = tl.exp(logit - safe[:, None])
+        shrink = tl.exp(top - safe)
+        z = z * shrink + tl.sum(p, axis=1)
+        zd = zd * shrink + tl.sum(p * d, axis=1)
+        top = new
+        if RULE == 1:
+            raw = tl.where(on, s, -float("inf"))
+            ev_new = tl.maximum(ev_top, tl.max(raw, axis=1))
+            ev_safe = tl.where(ev_new == -float("inf"), 0.0, ev_new)
+            q = tl.exp(raw - ev_safe[:, None])
+            ev_shrink = tl.exp(ev_top - ev_safe)
+            ev_z = ev_z * ev_shrink + tl.sum(q, axis=1)
+            ev_outer = ev_outer * ev_shrink + tl.sum(
+                tl.where(dist > (w // 2)[:, None], q, 0.0), axis=1)
+            ev_top = ev_new
+    z = tl.where(live, z, 1.0)
+    log_z = tl.where(live, top, 0.0) + tl.log(z)
+    return log_z, zd / z, ev_outer / tl.where(live, ev_z, 1.0)
 
 
 @triton.jit
-def _scores(a, B, g, sbg, sbp, sbk, cols, ks, P, K, pos, w, live, scale,
-            PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """A block's scores ψ_ij ``(BM, BN)``, the distances i − j and which pairs are on the
-    support 1 ≤ i − j ≤ W_i of a live child; the parents' b."""
-    b = load_tile(B, g, sbg, cols, sbp, P, ks, sbk, K)
-    s = dot(a, tl.trans(b), PRECISION, UPCAST) * scale
-    dist = pos[:, None] - cols[None, :]
-    on = (dist >= 1) & (dist <= w[:, None]) & live[:, None] & (cols[None, :] < P)
-    return s, dist, on, b
+def _certified_bound(RUN, g, P, pos, w, e, log_z, head, slack, rmask, ACC: tl.constexpr):
+    """The certified bound on each child's posterior mass beyond its window: every unseen
+    parent of the whole past at its score ceiling (the longest key farther back than the
+    window, ``head``·``RUN`` + ``slack``), against the window's mass less the rounding
+    slack."""
+    far = tl.minimum(tl.maximum(pos - w - 1, 0), P - 1)
+    run = tl.load(RUN + g * P + far, mask=rmask, other=0.0)
+    high = (head * run + slack).to(ACC)
+    unseen = tl.maximum(pos - w, 0)
+    log_out = (w.to(ACC) + 1.0) * e + tl.log(_neg_expm1(tl.maximum(unseen, 1).to(ACC) * e)) \
+        - tl.log(_neg_expm1(e)) + high
+    return tl.where(unseen == 0, 0.0, _sigmoid_of_minus(log_z - slack.to(ACC) - log_out))
 
 
 @triton.jit
@@ -148,60 +180,16 @@ def _solve(A, B, A0, B0, W0, HEAD, SLACK, RUN, SCALE, TOL, CTOL,
     t = 0
     while (t < max_iters) & (tl.max(live.to(tl.int32), axis=0) > 0):
         e = _e_ln_q(alpha, beta, DIGAMMA)
-        top = tl.full([BM], -float("inf"), dtype=ACC)
-        z = tl.zeros([BM], dtype=ACC)
-        zd = tl.zeros([BM], dtype=ACC)
-        ev_top = tl.full([BM], -float("inf"), dtype=ACC)  # the evidence alone ("edge")
-        ev_z = tl.zeros([BM], dtype=ACC)
-        ev_outer = tl.zeros([BM], dtype=ACC)
-        lo, hi = _span(pos, w, live, BN)
-        for start in range(lo, hi, BN):
-            cols = start + tl.arange(0, BN)
-            s, dist, on, b = _scores(a, B, g, sbg, sbp, sbk, cols, ks, P, K, pos, w, live,
-                                     scale, PRECISION, UPCAST)
-            d = dist.to(ACC)
-            logit = tl.where(on, s + d * e[:, None], -float("inf"))
-            new = tl.maximum(top, tl.max(logit, axis=1))
-            safe = tl.where(new == -float("inf"), 0.0, new)
-            p = tl.exp(logit - safe[:, None])
-            shrink = tl.exp(top - safe)
-            z = z * shrink + tl.sum(p, axis=1)
-            zd = zd * shrink + tl.sum(p * d, axis=1)
-            top = new
-            if RULE == 1:
-                raw = tl.where(on, s, -float("inf"))
-                ev_new = tl.maximum(ev_top, tl.max(raw, axis=1))
-                ev_safe = tl.where(ev_new == -float("inf"), 0.0, ev_new)
-                q = tl.exp(raw - ev_safe[:, None])
-                ev_shrink = tl.exp(ev_top - ev_safe)
-                ev_z = ev_z * ev_shrink + tl.sum(q, axis=1)
-                ev_outer = ev_outer * ev_shrink + tl.sum(
-                    tl.where(dist > (w // 2)[:, None], q, 0.0), axis=1)
-                ev_top = ev_new
-        z = tl.where(live, z, 1.0)
-        log_z = tl.where(live, top, 0.0) + tl.log(z)
-        mean = zd / z
-        # certified: every unseen parent of the whole past at its score ceiling beyond the
-        # window (the longest key farther back than it), against the window's mass less the
-        # rounding slack
-        far = tl.minimum(tl.maximum(pos - w - 1, 0), P - 1)
-        run = tl.load(RUN + g * P + far, mask=rmask, other=0.0)
-        high = (head * run + slack).to(ACC)
-        unseen = tl.maximum(pos - w, 0)
-        wf = w.to(ACC)
-        log_out = (wf + 1.0) * e + tl.log(_neg_expm1(tl.maximum(unseen, 1).to(ACC) * e)) \
-            - tl.log(_neg_expm1(e)) + high
-        bnd = tl.where(unseen == 0, 0.0, _sigmoid_of_minus(log_z - slack.to(ACC) - log_out))
+        log_z, mean, outer_ev = _posterior_pass(a, B, g, sbg, sbp, sbk, ks, P, K, pos, w, live,
+                                                e, scale, RULE, BM, BN, ACC, PRECISION, UPCAST)
+        bnd = _certified_bound(RUN, g, P, pos, w, e, log_z, head, slack, rmask, ACC)
         if CONJUGATE:
             new_alpha = pa + mean - 1.0
             new_beta = tl.zeros([BM], dtype=ACC) + pb + 1.0
         else:
             new_alpha = alpha + mean - 1.0
             new_beta = beta + 1.0
-        if RULE == 1:
-            outer = ev_outer / tl.where(live, ev_z, 1.0)
-        else:
-            outer = bnd
+        outer = outer_ev if RULE == 1 else bnd
         new_w = tl.where((outer > tol) & (w < cap), tl.minimum(2 * w, cap), w)
         # (NaN before the first step: never settled at once)
         settled = (tl.abs(mean - m_prev) <= ctol * tl.maximum(tl.abs(mean), 1.0)) & (new_w == w)
@@ -288,168 +276,4 @@ def _(a, b, offset, scale, a0, b0, win0, tol, converge_tol, max_iters, cap, diga
             torch.empty_like(long_), a.new_empty(G, N, dtype=torch.bool), torch.empty_like(real))
 
 
-@triton.jit
-def _attend_forward(A, B, U, E, WIN, O, LSE, SCALE, N, P, K, D, offset,
-                    sag, san, sak, sbg, sbp, sbk, sug, sup, sud, sog, son, sod,
-                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr,
-                    ACC: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    scale = tl.load(SCALE)
-    m_ = tl.program_id(0)
-    g = tl.program_id(1)
-    rows = m_ * BM + tl.arange(0, BM)
-    rmask = rows < N
-    pos = offset + rows
-    ks = tl.arange(0, BK)
-    ds = tl.arange(0, BD)
-    a = load_tile(A, g, sag, rows, san, N, ks, sak, K)
-    e = tl.load(E + g * N + rows, mask=rmask, other=0.0).to(ACC)
-    w = tl.load(WIN + g * N + rows, mask=rmask, other=0)
-    live = (w >= 1) & rmask
-    top = tl.full([BM], -float("inf"), dtype=ACC)
-    total = tl.zeros([BM], dtype=ACC)
-    acc = tl.zeros([BM, BD], dtype=ACC)
-    lo, hi = _span(pos, w, live, BN)
-    for start in range(lo, hi, BN):
-        cols = start + tl.arange(0, BN)
-        s, dist, on, b = _scores(a, B, g, sbg, sbp, sbk, cols, ks, P, K, pos, w, live, scale,
-                                 PRECISION, UPCAST)
-        logit = tl.where(on, s + dist.to(ACC) * e[:, None], -float("inf"))
-        new = tl.maximum(top, tl.max(logit, axis=1))
-        safe = tl.where(new == -float("inf"), 0.0, new)
-        p = tl.exp(logit - safe[:, None])
-        shrink = tl.exp(top - safe)
-        u = load_tile(U, g, sug, cols, sup, P, ds, sud, D)
-        total = total * shrink + tl.sum(p, axis=1)
-        acc = acc * shrink[:, None] + dot(p.to(u.dtype), u, PRECISION, UPCAST)
-        top = new
-    total = tl.where(live, total, 1.0)  # no past: a zero output
-    store_tile(O, acc / total[:, None], g, sog, rows, son, N, ds, sod, D)
-    tl.store(LSE + g * N + rows, tl.where(live, top, 0.0) + tl.log(total), mask=rmask)
-
-
-@triton.jit
-def _attend_backward(A, B, U, E, WIN, DO, LSE, DELTA, DA, DB, DU, DE, SCALE, N, P, K, D,
-                     offset, sag, san, sak, sbg, sbp, sbk, sug, sup, sud, sdg, sdn, sdd,
-                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr,
-                     ACC: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """da and de per block of children; db and du added atomically into float buffers laid
-    out as b and u (contiguous)."""
-    scale = tl.load(SCALE)
-    m_ = tl.program_id(0)
-    g = tl.program_id(1)
-    rows = m_ * BM + tl.arange(0, BM)
-    rmask = rows < N
-    pos = offset + rows
-    ks = tl.arange(0, BK)
-    ds = tl.arange(0, BD)
-    a = load_tile(A, g, sag, rows, san, N, ks, sak, K)
-    do = load_tile(DO, g, sdg, rows, sdn, N, ds, sdd, D)
-    e = tl.load(E + g * N + rows, mask=rmask, other=0.0).to(ACC)
-    w = tl.load(WIN + g * N + rows, mask=rmask, other=0)
-    lse = tl.load(LSE + g * N + rows, mask=rmask, other=0.0)
-    delta = tl.load(DELTA + g * N + rows, mask=rmask, other=0.0)
-    live = (w >= 1) & rmask
-    da = tl.zeros([BM, BK], dtype=ACC)
-    de = tl.zeros([BM], dtype=ACC)
-    lo, hi = _span(pos, w, live, BN)
-    for start in range(lo, hi, BN):
-        cols = start + tl.arange(0, BN)
-        s, dist, on, b = _scores(a, B, g, sbg, sbp, sbk, cols, ks, P, K, pos, w, live, scale,
-                                 PRECISION, UPCAST)
-        d = dist.to(ACC)
-        p = tl.exp(tl.where(on, s + d * e[:, None] - lse[:, None], -float("inf")))
-        u = load_tile(U, g, sug, cols, sup, P, ds, sud, D)
-        dsc = p * (dot(do, tl.trans(u), PRECISION, UPCAST) - delta[:, None])
-        da += dot(dsc.to(b.dtype), b, PRECISION, UPCAST)
-        de += tl.sum(dsc * d, axis=1)
-        add_tile(DB, dot(tl.trans(dsc.to(a.dtype)), a, PRECISION, UPCAST) * scale, g, P * K,
-                 cols, K, P, ks, 1, K)
-        add_tile(DU, dot(tl.trans(p.to(do.dtype)), do, PRECISION, UPCAST), g, P * D, cols, D,
-                 P, ds, 1, D)
-    store_tile(DA, da * scale, g, N * K, rows, K, N, ks, 1, K)
-    tl.store(DE + g * N + rows, de, mask=rmask)
-
-
-def _launch(dtype, K, D) -> dict:
-    common = dict(settings(dtype, max(width(K), width(D)), 64, 64), BK=width(K), BD=width(D))
-    return common
-
-
-@torch.library.custom_op("structattn_triton::mean_field_attend_forward", mutates_args=())
-def attend_forward(a: torch.Tensor, b: torch.Tensor, u: torch.Tensor, e: torch.Tensor,
-                   window: torch.Tensor, offset: int, scale: float
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out (G, N, D), lse (G, N))`` of the band per child: ``a (G, N, K)``, ``b (G, P,
-    K)``, ``u (G, P, D)`` of one float dtype, ``e (G, N)`` each child's slope E[ln q_i] and
-    ``window (G, N)`` its W_i (child row q at position offset + q; W_i = 0: a zero output).
-    ``out`` and ``lse`` in ``statistics(a.dtype)``."""
-    G, N, K = a.shape
-    P, D = b.shape[1], u.shape[2]
-    stat = statistics(a.dtype)
-    out = torch.empty(G, N, D, dtype=stat, device=a.device)
-    lse = torch.empty(G, N, dtype=stat, device=a.device)
-    if G and N:
-        common = _launch(a.dtype, K, D)
-        _attend_forward[(triton.cdiv(N, common["BM"]), G)](
-            a, b, u, e.to(stat).contiguous(), window.to(torch.int32).contiguous(), out, lse,
-            scalar(scale, a), N, P, K, D, offset, *a.stride(), *b.stride(), *u.stride(),
-            *out.stride(), **common)
-    return out, lse
-
-
-@attend_forward.register_fake
-def _(a, b, u, e, window, offset, scale):
-    stat = statistics(a.dtype)
-    return (a.new_empty(a.shape[0], a.shape[1], u.shape[2], dtype=stat),
-            a.new_empty(a.shape[:2], dtype=stat))
-
-
-@torch.library.custom_op("structattn_triton::mean_field_attend_backward", mutates_args=())
-def attend_backward(dout: torch.Tensor, a: torch.Tensor, b: torch.Tensor, u: torch.Tensor,
-                    e: torch.Tensor, window: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                    offset: int, scale: float
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(da, db, du, de)`` of ``attend_forward``'s output against ``dout``."""
-    G, N, K = a.shape
-    P, D = b.shape[1], u.shape[2]
-    stat = statistics(a.dtype)
-    dout = dout.to(stat).contiguous()
-    delta = (dout * out.to(stat)).sum(-1).contiguous()  # Δ_i
-    a, b, u = a.contiguous(), b.contiguous(), u.contiguous()
-    da = torch.zeros(G, N, K, dtype=stat, device=a.device)
-    db = torch.zeros(G, P, K, dtype=stat, device=a.device)
-    du = torch.zeros(G, P, D, dtype=stat, device=a.device)
-    de = torch.zeros(G, N, dtype=stat, device=a.device)
-    if G and N and P:
-        common = _launch(a.dtype, K, D)
-        do = dout.to(u.dtype) if a.dtype in (torch.float16, torch.bfloat16) else dout
-        _attend_backward[(triton.cdiv(N, common["BM"]), G)](
-            a, b, u, e.to(stat).contiguous(), window.to(torch.int32).contiguous(), do,
-            lse.contiguous(), delta, da, db, du, de, scalar(scale, a), N, P, K, D, offset,
-            *a.stride(), *b.stride(), *u.stride(), *do.stride(), **common)
-    return da.to(a.dtype), db.to(b.dtype), du.to(u.dtype), de.to(e.dtype)
-
-
-@attend_backward.register_fake
-def _(dout, a, b, u, e, window, out, lse, offset, scale):
-    return torch.empty_like(a), torch.empty_like(b), torch.empty_like(u), torch.empty_like(e)
-
-
-def _setup(ctx, inputs, output):
-    a, b, u, e, window, offset, scale = inputs
-    out, lse = output
-    ctx.save_for_backward(a, b, u, e, window, out, lse)
-    ctx.offset, ctx.scale = offset, scale
-    ctx.mark_non_differentiable(lse)
-
-
-def _backward_rule(ctx, dout, _):
-    a, b, u, e, window, out, lse = ctx.saved_tensors
-    da, db, du, de = attend_backward(dout, a, b, u, e, window, out, lse, ctx.offset, ctx.scale)
-    return da, db, du, de, None, None, None
-
-
-attend_forward.register_autograd(_backward_rule, setup_context=_setup)
-
-
-__all__ = ["RULES", "attend_backward", "attend_forward", "solve"]
+__all__ = ["RULES", "SOLVE", "attend_backward", "attend_forward", "solve"]

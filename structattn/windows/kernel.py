@@ -160,6 +160,63 @@ def fixed_point_posterior(a, b, scale, off: int, block: int, work, expectation: 
     return p, lay
 
 
+def _last_step(ops, problem: KernelProblem, fixed, tensors, lead, expectation: str,
+               band_posterior):
+    """``grad="last"``'s reading: one differentiable step from the detached fixed point (as
+    the loop takes it) — each child's band read in place by the C++ band op, E[ln q_i] from
+    α, β by torch (the prior's a, b get their gradient through it); → (attend,
+    dense_posterior)."""
+    from .. import kernels
+
+    a, b, a0, b0 = tensors  # (*lead, N, k), (*lead, P, k), (H|1,), (H|1,)
+    work, off, (G, n) = problem.a.dtype, problem.offset, problem.initial_window.shape
+    n_all = b.shape[-2]
+    a_prior = a0[:, None].expand(*lead, n)
+    b_prior = b0[:, None].expand(*lead, n)
+    alpha = fixed().alpha.reshape(*lead, n) + (a_prior - a_prior.detach())
+    beta = fixed().beta.reshape(*lead, n) + (b_prior - b_prior.detach())
+    e = log_q_expectations(alpha, beta, expectation)[0].reshape(G, n)  # E[ln q_i]
+    kernels.with_rules("mean_field", _register)  # the band op's autograd rule
+    a_g = a.to(work).reshape(G, n, a.shape[-1])  # (with their graphs)
+    b_g = b.to(work).reshape(G, n_all, b.shape[-1])
+
+    def attend(u):  # each child's band at its fixed point, read in place
+        out, _ = ops.band_forward(a_g, b_g, u.to(work).reshape(G, n_all, u.shape[-1]), e,
+                                  fixed().window, off, problem.scale)
+        return out.reshape(*lead, n, u.shape[-1]).to(u.dtype)
+
+    def dense_posterior():
+        p, lay = band_posterior(alpha, beta)
+        return lay.to_dense(p)[..., off:, :]
+    return attend, dense_posterior
+
+
+def _fixed_point_reader(ops, q: KernelProblem, solved: list, lead):
+    """The no-grad reading's ``attend``: the kernel's output at the fixed point — from
+    ``attend`` where it was solved already (a history was asked for), else from ``infer``
+    (solve and attend in one call)."""
+    (G, n), off = q.initial_window.shape, q.offset
+
+    @eager  # an opaque C++ call: torch.compile runs it eagerly
+    def attend(u):  # u: (*batch, H, P, d_v)
+        u_rows = u.detach().to(q.a.dtype).reshape(G, -1, u.shape[-1])
+        if solved:
+            f = solved[0]
+            out = ops.attend(q.a, q.b, u_rows, off, q.scale, f.window, f.alpha, f.beta,
+                             q.digamma)
+        else:  # the output alone: a posterior asked for afterwards solves again (the same
+            # code on the same rows: the same fixed point). While a plan is recorded it
+            # refuses non-finite keys itself: b = x W_kᵀ over every token, so the plan drops
+            # its sum over x (replay._drop_implied_checks) and a call with a NaN in x fails
+            # inside the kernel and is read again, check by check
+            check = is_recording() and not is_exporting() and checks_on()
+            out = ops.infer(q.a, q.b, u_rows, off, q.scale, q.a0, q.b0, q.initial_window,
+                            q.caps, q.tol, q.converge_tol, q.max_iters, q.cap, q.digamma,
+                            q.conjugate, q.rule, check)
+        return out.reshape(*lead, n, u.shape[-1]).to(u.dtype)
+    return attend
+
+
 @eager
 def mean_field_compiled(family, factors, scheme, grad: str, record: bool):
     """The scheme's iteration for ``family`` in the compiled CPU kernel, or on CUDA in the
@@ -220,44 +277,9 @@ def mean_field_compiled(family, factors, scheme, grad: str, record: bool):
                                      scheme.expectation, fixed().window, alpha, beta, xc.dtype)
 
     if grad == "last" and torch.is_grad_enabled():
-        # one differentiable step from the detached fixed point (as the loop)
-        a_prior = a0[:, None].expand(*lead, n)
-        b_prior = b0[:, None].expand(*lead, n)
-        alpha = fixed().alpha.reshape(*lead, n) + (a_prior - a_prior.detach())
-        beta = fixed().beta.reshape(*lead, n) + (b_prior - b_prior.detach())
-        e = log_q_expectations(alpha, beta, scheme.expectation)[0].reshape(G, n)  # E[ln q_i]
-        kernels.with_rules("mean_field", _register)  # the band op's autograd rule
-        a_g = a.to(work).reshape(G, n, a.shape[-1])  # (with their graphs)
-        b_g = b.to(work).reshape(G, n_all, b.shape[-1])
-
-        def attend_band(u):  # each child's band at its fixed point, read in place
-            out, _ = ops.band_forward(a_g, b_g, u.to(work).reshape(G, n_all, u.shape[-1]), e,
-                                      fixed().window, off, problem.scale)
-            return out.reshape(*lead, n, u.shape[-1]).to(u.dtype)
-
-        def dense_at_step():
-            p, lay = band_posterior(alpha, beta)
-            return lay.to_dense(p)[..., off:, :]
-        return attend_band, dense_at_step, history
-
-    @eager  # an opaque C++ call: torch.compile runs it eagerly
-    def attend(u):  # u: (*batch, H, N, d_v)
-        u_rows = u.detach().to(work).reshape(G, n_all, u.shape[-1])
-        if solved:  # solved already (a history was asked for): attend at its fixed point
-            f = solved[0]
-            out = ops.attend(a_rows, b_rows, u_rows, off, problem.scale, f.window, f.alpha,
-                             f.beta, problem.digamma)
-        else:  # both in one call (csrc: infer), the output alone: a posterior asked for
-            # afterwards solves again (the same code on the same rows: the same fixed point).
-            # While a plan is recorded it refuses non-finite keys itself: b = x W_kᵀ over
-            # every token, so the plan drops its sum over x (replay._drop_implied_checks) and
-            # a call with a NaN in x fails inside the kernel and is read again, check by check
-            q = problem
-            check = is_recording() and not is_exporting() and checks_on()
-            out = ops.infer(a_rows, b_rows, u_rows, off, q.scale, q.a0, q.b0, q.initial_window,
-                            q.caps, q.tol, q.converge_tol, q.max_iters, q.cap, q.digamma,
-                            q.conjugate, q.rule, check)
-        return out.reshape(*lead, n, u.shape[-1]).to(u.dtype)
+        return (*_last_step(ops, problem, fixed, (a, b, a0, b0), lead, scheme.expectation,
+                            band_posterior), history)
+    attend = _fixed_point_reader(ops, problem, solved, lead)
 
     def dense_posterior():
         s = fixed()

@@ -10,6 +10,8 @@ and a sequence's result does not depend on the others in its batch.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .._eager import eager
@@ -17,6 +19,167 @@ from ..beta import log_q_expectations
 from .history import MeanFieldHistory
 from .rules import Round
 from .scores import BandScores, tail
+
+
+@dataclass
+class _Problem:
+    """One family's iteration as the loop reads it: the score factors (``a`` padded to all N
+    tokens), the prior's Beta (``a0``, ``b0``, ``(H|1,)``), the scheme, what ``grad`` asks
+    (``track``: a graph through every round; ``one_step``: one differentiable step at the
+    end) and the leading dims ``(*batch, H)``."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    scale: object
+    a0: torch.Tensor
+    b0: torch.Tensor
+    scheme: object
+    block_size: int
+    cap: int
+    track: bool
+    one_step: bool
+    lead: tuple
+    n: int
+
+    @property
+    def work(self):
+        return self.a0.dtype
+
+
+class _Children:
+    """Every child's state on the blocks of the band, ``(G, B)`` each: its Beta (α, β and the
+    prior's), window, cap, position, whether it still moves, its E[φ] now and the round
+    before, and its steps; a round updates the blocks ``rows`` that hold a moving child."""
+
+    def __init__(self, pb: _Problem, scores: BandScores, win0, caps):
+        lay, lead, n, a = scores.layout, pb.lead, pb.n, pb.a
+        self.lay = lay
+        real = self.blocked(torch.ones(*lead, n, dtype=torch.bool, device=a.device))  # not padding
+        with torch.set_grad_enabled(pb.track or pb.one_step):
+            # q_i ~ Beta(a, b) to begin; padding slots get Beta(1, 1) (finite digammas, no NaN
+            # in the backward of the rows they never contribute to)
+            one = torch.ones((), dtype=pb.work, device=a.device)
+            self.alpha = torch.where(real, self.blocked(pb.a0[:, None].expand(*lead, n)), one)
+            self.beta = torch.where(real, self.blocked(pb.b0[:, None].expand(*lead, n)), one)
+            self.alpha_prior, self.beta_prior = self.alpha, self.beta
+        self.win = self.blocked(win0)
+        self.caps = self.blocked(caps.expand(*lead, n))
+        self.past = self.blocked(torch.arange(n, device=a.device).expand(*lead, n))
+        self.active = self.win >= 1  # children with a past (padding has window 0)
+        self.previous_m = torch.full_like(self.win, float("nan"), dtype=pb.work)  # E[φ] before
+        self.expected = torch.zeros_like(self.win, dtype=pb.work)  # each child's latest E[φ]
+        self.steps = torch.zeros_like(self.win)
+        self.lead = lead
+
+    def blocked(self, t):
+        """``(*batch, H, N)`` → ``(G, B)``."""
+        return self.lay.children(t[..., None])[..., 0].reshape(-1, self.lay.block)
+
+    def unblocked(self, t, layout=None):
+        """``(G, B)`` → ``(*batch, H, N)``."""
+        lay = self.lay if layout is None else layout
+        return lay.unblock(t.reshape(*self.lead, lay.num_blocks, lay.block, 1))[..., 0]
+
+
+def _widened(pb: _Problem, scores: BandScores, reach: int, p_final):
+    """The band at least ``reach`` wide (doubling, at most the cap), and the posterior kept so
+    far padded on the left to it (a wider band's earlier slots are farther parents)."""
+    if reach <= scores.layout.reach:
+        return scores, p_final
+    old = scores.layout
+    scores = BandScores(pb.a, pb.b, pb.scale, pb.n, max(reach, min(2 * old.reach, pb.cap)),
+                        pb.block_size, pb.work)  # (no graph under grad="last")
+    if scores.layout.block != old.block:
+        raise AssertionError("the band keeps its block size")
+    if p_final is not None:
+        p_final = torch.nn.functional.pad(p_final, (scores.layout.width - old.width, 0))
+    return scores, p_final
+
+
+def _round(pb: _Problem, st: _Children, scores: BandScores, rows, last_round: bool,
+           rec: dict, record: bool):
+    """One round over the blocks ``rows``: each moving child's posterior on its window, its
+    next Beta and window, and which children took their last step; updates ``st`` (and
+    ``rec``: the round's windows, Beta and E[φ]). Returns ``(p, ends)`` ``(k, B, L)``,
+    ``(k, B)``."""
+    scheme = pb.scheme
+    w = st.win[rows]  # (k, B): this round's windows
+    live, alpha_r, beta_r = st.active[rows], st.alpha[rows], st.beta[rows]
+    sel = None if rows.numel() == st.active.shape[0] else rows  # all busy: no gather
+    e_ln_q, _ = log_q_expectations(alpha_r, beta_r, scheme.expectation)
+    p, m = scores.posterior(sel, w, e_ln_q)  # (k, B, L), (k, B)
+    if scheme.update == "conjugate":
+        new_alpha, new_beta = st.alpha_prior[rows] + m - 1, st.beta_prior[rows] + 1
+    else:
+        new_alpha, new_beta = alpha_r + m - 1, beta_r + 1
+    with torch.no_grad():
+        new_win = scheme.window_rule.grow(Round(scores, sel, w, e_ln_q, new_alpha, new_beta,
+                                                st.caps[rows], scheme.tol, scheme.expectation,
+                                                pb.cap, st.past[rows]))
+        m_before = st.previous_m[rows]
+        settled = ((m - m_before).abs() <= scheme.converge_tol * m.abs().clamp(min=1)) \
+            & (new_win == w)  # NaN before the first round: never settled at once
+        moving = live & ~settled
+        ends = live & (live if last_round else ~moving)  # their last step
+    st.expected = st.expected.index_put((rows,), torch.where(live, m.detach(), st.expected[rows]))
+    st.steps = st.steps.index_put((rows,), st.steps[rows] + live)
+    _record(rec, st, scores, record)
+    # a child's state moves on unless this was its last step (settled, or max_iters): its Beta
+    # and window stay those of its final posterior
+    moves_on = moving & ~ends
+    st.alpha = st.alpha.index_put((rows,), torch.where(moves_on, new_alpha, alpha_r))
+    st.beta = st.beta.index_put((rows,), torch.where(moves_on, new_beta, beta_r))
+    st.win = st.win.index_put((rows,), torch.where(moves_on, new_win, w))
+    st.previous_m = st.previous_m.index_put((rows,), torch.where(moving, m.detach(), m_before))
+    st.active = st.active.index_put((rows,), moving)
+    return p, ends
+
+
+def _record(rec: dict, st: _Children, scores: BandScores, record: bool) -> None:
+    """The round's windows, Beta (before its update) and E[φ] per child (``record``), and
+    the band's width."""
+    if record:
+        rec["windows"].append(st.unblocked(st.win, scores.layout))
+        rec["alpha"].append(st.unblocked(st.alpha.detach(), scores.layout))
+        rec["beta"].append(st.unblocked(st.beta.detach(), scores.layout))
+        rec["m"].append(st.unblocked(st.expected, scores.layout))
+    rec["band"].append(scores.layout.reach)
+
+
+def _last_step(pb: _Problem, st: _Children, scores: BandScores):
+    """``grad="last"``: one differentiable step from the detached fixed point: ∂α/∂a =
+    ∂β/∂b = 1 in both updates (conjugate: α = a + E[φ] − 1; accumulate: α = a + Σ_t (E_t[φ]
+    − 1)); children without a past get zero."""
+    alpha_f = st.alpha.detach() + (st.alpha_prior - st.alpha_prior.detach())
+    beta_f = st.beta.detach() + (st.beta_prior - st.beta_prior.detach())
+    if not scores.scores.requires_grad:  # the band widened without a graph
+        scores = BandScores(pb.a, pb.b, pb.scale, pb.n, scores.layout.reach, pb.block_size,
+                            pb.work)
+    win_f = st.win  # (each child's window at its last step; the blocking never changes)
+    p, _ = scores.posterior(None, win_f, log_q_expectations(alpha_f, beta_f,
+                                                            pb.scheme.expectation)[0])
+    return p * (win_f >= 1)[..., None], scores
+
+
+def _history(pb: _Problem, st: _Children, scores: BandScores, rec: dict, off: int, dtype):
+    """The ``MeanFieldHistory`` of the rounds recorded, the children's from position ``off``."""
+    scheme = pb.scheme
+    with torch.no_grad():
+        discarded = st.unblocked(tail(st.alpha, st.beta, st.win, scheme.expectation),
+                                 scores.layout)
+        e_final = log_q_expectations(st.alpha.detach(), st.beta.detach(), scheme.expectation)[0]
+        bound = st.unblocked(scores.certified_mass(None, st.win, e_final, st.past),
+                             scores.layout)
+    empty = torch.zeros(0, *pb.lead, pb.n, device=pb.a.device, dtype=dtype)
+
+    def stacked(key, like):
+        return (torch.stack(rec[key]) if rec[key] else like)[..., off:]
+    return MeanFieldHistory(
+        windows=stacked("windows", empty.long()), alpha=stacked("alpha", empty),
+        beta=stacked("beta", empty), expected_distance=stacked("m", empty),
+        band=rec["band"], iterations=len(rec["band"]), converged=not bool(st.active.any()),
+        discarded=discarded[..., off:].to(dtype), bound=bound[..., off:].to(dtype),
+        child_iterations=st.unblocked(st.steps, scores.layout)[..., off:], offset=off)
 
 
 @eager
@@ -41,140 +204,41 @@ def mean_field(family, factors, scheme, grad: str, record: bool):
     a, b, scale = factors
     a = torch.nn.functional.pad(a, (0, 0, off, 0))  # (*batch, H, N, k)
     a0, b0 = prior.params(a.device, xc.dtype)  # (H|1,)
-    work = a0.dtype
-    cap = scheme.cap(family)
-    rule = scheme.window_rule
-    track = grad == "unroll" and torch.is_grad_enabled()
-    one_step = grad == "last" and torch.is_grad_enabled()  # then: a final step with grad
-    lead = a.shape[:-2]  # (*batch, H)
-
-    def blocked(t, layout):
-        """``(*batch, H, N)`` → ``(G, B)``."""
-        return layout.children(t[..., None])[..., 0].reshape(-1, layout.block)
-
-    def unblocked(t, layout):
-        """``(G, B)`` → ``(*batch, H, N)``."""
-        return layout.unblock(t.reshape(*lead, layout.num_blocks, layout.block, 1))[..., 0]
-
-    # per-child state on the blocks of the first band: (G, B)
-    caps, win0 = scheme.initial_windows(a0, b0, lead, n, cap)
+    pb = _Problem(a, b, scale, a0, b0, scheme, prior.block_size, scheme.cap(family),
+                  track=grad == "unroll" and torch.is_grad_enabled(),
+                  one_step=grad == "last" and torch.is_grad_enabled(), lead=a.shape[:-2], n=n)
+    caps, win0 = scheme.initial_windows(a0, b0, pb.lead, n, pb.cap)
     win0[..., :off] = 0
     # built with the graph when one is wanted at all: "last" reuses it for its one step
     scores = BandScores(a, b, scale, n, int(win0.max()) if win0.numel() else 1,
-                        prior.block_size, work)
-    lay = scores.layout
-    real = blocked(torch.ones(*lead, n, dtype=torch.bool, device=a.device), lay)  # not padding
-    with torch.set_grad_enabled(track or one_step):
-        # q_i ~ Beta(a, b) to begin; padding slots get Beta(1, 1) (finite digammas, no NaN in
-        # the backward of the rows they never contribute to)
-        one = torch.ones((), dtype=work, device=a.device)
-        alpha = torch.where(real, blocked(a0[:, None].expand(*lead, n), lay), one)
-        beta = torch.where(real, blocked(b0[:, None].expand(*lead, n), lay), one)
-        alpha_prior, beta_prior = alpha, beta
-    win = blocked(win0, lay)
-    caps_b = blocked(caps.expand(*lead, n), lay)
-    past_b = blocked(torch.arange(n, device=a.device).expand(*lead, n), lay)  # (G, B)
-    active = win >= 1  # children with a past (padding has window 0)
-    previous_m = torch.full_like(win, float("nan"), dtype=work)  # E[φ] of the round before
-    expected = torch.zeros_like(win, dtype=work)  # each child's latest E[φ]
-    steps = torch.zeros_like(win)
+                        prior.block_size, pb.work)
+    st = _Children(pb, scores, win0, caps)
     pieces = []  # (blocks, posterior rows zeroed but for the children whose last step it is)
-    in_place = not track and not one_step  # no graph at all: keep one buffer, not every step
+    in_place = not pb.track and not pb.one_step  # no graph at all: one buffer, not every step
     p_final = None
     rec = {"windows": [], "alpha": [], "beta": [], "m": [], "band": []}
-    with torch.set_grad_enabled(track):
+    with torch.set_grad_enabled(pb.track):
         for t in range(scheme.max_iters):
-            busy = active.any(-1)
-            rows = busy.nonzero()[:, 0]  # blocks holding a moving child
+            rows = st.active.any(-1).nonzero()[:, 0]  # blocks holding a moving child
             if rows.numel() == 0:
                 break
-            w = win[rows]  # (k, B): this round's windows
-            reach = int(w.max())
-            if reach > scores.layout.reach:  # widen the band (doubling) and carry the state
-                old = scores.layout
-                scores = BandScores(a, b, scale, n, max(reach, min(2 * old.reach, cap)),
-                                    prior.block_size, work)  # (no graph under grad="last")
-                if scores.layout.block != old.block:
-                    raise AssertionError("the band keeps its block size")
-                if p_final is not None:  # earlier slots of a wider band: farther parents
-                    p_final = torch.nn.functional.pad(p_final, (scores.layout.width
-                                                                - old.width, 0))
-            # the blocks' children this round, (k, B) each
-            live, alpha_r, beta_r, caps_r = active[rows], alpha[rows], beta[rows], caps_b[rows]
-            sel = None if rows.numel() == busy.numel() else rows  # all busy: no gather
-            e_ln_q, _ = log_q_expectations(alpha_r, beta_r, scheme.expectation)
-            p, m = scores.posterior(sel, w, e_ln_q)  # (k, B, L), (k, B)
-            if scheme.update == "conjugate":
-                new_alpha, new_beta = alpha_prior[rows] + m - 1, beta_prior[rows] + 1
-            else:
-                new_alpha, new_beta = alpha_r + m - 1, beta_r + 1
-            with torch.no_grad():
-                new_win = rule.grow(Round(scores, sel, w, e_ln_q, new_alpha, new_beta, caps_r,
-                                          scheme.tol, scheme.expectation, cap, past_b[rows]))
-                m_before = previous_m[rows]
-                settled = ((m - m_before).abs() <= scheme.converge_tol * m.abs().clamp(min=1)) \
-                    & (new_win == w)  # NaN before the first round: never settled at once
-                moving = live & ~settled
-                last_round = t + 1 == scheme.max_iters
-                ends = live & (live if last_round else ~moving)  # their last step
+            scores, p_final = _widened(pb, scores, int(st.win[rows].max()), p_final)
+            p, ends = _round(pb, st, scores, rows, t + 1 == scheme.max_iters, rec, record)
             if in_place:
                 if p_final is None:
-                    p_final = torch.zeros(scores.scores.shape, dtype=work, device=a.device)
+                    p_final = torch.zeros(scores.scores.shape, dtype=pb.work, device=a.device)
                 p_final[rows] = torch.where(ends[..., None], p, p_final[rows])
-            elif not one_step:  # (grad="last" recomputes every posterior in one step at the end)
+            elif not pb.one_step:  # (grad="last" recomputes every posterior in one step)
                 pieces.append((rows, p * ends[..., None]))
-            expected = expected.index_put((rows,), torch.where(live, m.detach(), expected[rows]))
-            steps = steps.index_put((rows,), steps[rows] + live)
-            if record:
-                rec["windows"].append(unblocked(win, scores.layout))
-                rec["alpha"].append(unblocked(alpha.detach(), scores.layout))
-                rec["beta"].append(unblocked(beta.detach(), scores.layout))
-                rec["m"].append(unblocked(expected, scores.layout))
-            rec["band"].append(scores.layout.reach)
-            # a child's state moves on unless this was its last step (settled, or max_iters):
-            # its Beta and window stay those of its final posterior
-            moves_on = moving & ~ends
-            alpha = alpha.index_put((rows,), torch.where(moves_on, new_alpha, alpha_r))
-            beta = beta.index_put((rows,), torch.where(moves_on, new_beta, beta_r))
-            win = win.index_put((rows,), torch.where(moves_on, new_win, w))
-            previous_m = previous_m.index_put((rows,), torch.where(moving, m.detach(), m_before))
-            active = active.index_put((rows,), moving)
-    converged = not bool(active.any())
     # each child's posterior from its last step: one scatter-add of every step's rows (a
     # narrower band's rows padded on the left: their slots are the nearer parents)
-    width = scores.layout.width
     if p_final is None:
-        p_final = torch.zeros(scores.scores.shape, dtype=work, device=a.device)
+        p_final = torch.zeros(scores.scores.shape, dtype=pb.work, device=a.device)
     if pieces:
+        width = scores.layout.width
         p_final = p_final.index_add(0, torch.cat([r for r, _ in pieces]), torch.cat(
             [torch.nn.functional.pad(q, (width - q.shape[-1], 0)) for _, q in pieces]))
-    if one_step:
-        # one differentiable step from the detached fixed point: ∂α/∂a = ∂β/∂b = 1 in both
-        # updates (conjugate: α = a + E[φ] − 1; accumulate: α = a + Σ_t (E_t[φ] − 1))
-        alpha_f = alpha.detach() + (alpha_prior - alpha_prior.detach())
-        beta_f = beta.detach() + (beta_prior - beta_prior.detach())
-        if not scores.scores.requires_grad:  # the band widened without a graph
-            scores = BandScores(a, b, scale, n, scores.layout.reach, prior.block_size, work)
-        win_f = win  # (each child's window at its last step; the blocking never changes)
-        p_final, _ = scores.posterior(None, win_f, log_q_expectations(alpha_f, beta_f,
-                                                                      scheme.expectation)[0])
-        p_final = p_final * (win_f >= 1)[..., None]  # children without a past: zero
-    history = None
-    if record:
-        with torch.no_grad():
-            discarded = unblocked(tail(alpha, beta, win, scheme.expectation), scores.layout)
-            e_final = log_q_expectations(alpha.detach(), beta.detach(), scheme.expectation)[0]
-            bound = unblocked(scores.certified_mass(None, win, e_final, past_b), scores.layout)
-        empty = torch.zeros(0, *lead, n, device=a.device, dtype=xc.dtype)
-
-        def stacked(key, like):
-            return (torch.stack(rec[key]) if rec[key] else like)[..., off:]
-        history = MeanFieldHistory(
-            windows=stacked("windows", empty.long()), alpha=stacked("alpha", empty),
-            beta=stacked("beta", empty), expected_distance=stacked("m", empty),
-            band=rec["band"], iterations=len(rec["band"]), converged=converged,
-            discarded=discarded[..., off:].to(xc.dtype), bound=bound[..., off:].to(xc.dtype),
-            child_iterations=unblocked(steps, scores.layout)[..., off:], offset=off)
-    p_final = p_final.reshape(scores.shape)
-    return p_final.to(xc.dtype), scores.layout, history
-
+    if pb.one_step:
+        p_final, scores = _last_step(pb, st, scores)
+    history = _history(pb, st, scores, rec, off, xc.dtype) if record else None
+    return p_final.reshape(scores.shape).to(xc.dtype), scores.layout, history
