@@ -5,9 +5,8 @@ from __future__ import annotations
 import torch
 
 from .._validation import checks_on, passes, shape_str
-from ..certified import certificate_option, window_options
-from ..kinds.window import Window
 from .base import Prior
+from .distance import DistancePrior
 from .uniform import dense_support
 
 
@@ -51,7 +50,7 @@ def alibi_slopes(heads: int) -> torch.Tensor:
     return torch.tensor([2.0 ** (-8.0 * (h + 1) / heads) for h in range(heads)])
 
 
-class ALiBi(Prior):
+class ALiBi(DistancePrior):
     """``p(φ_i = j) ∝ exp(−m_h |i − j|)`` per head (ALiBi, Press et al. 2022): a
     relative-position prior with fixed slopes m (default: the geometric 2^(−8h/H)).
 
@@ -68,25 +67,18 @@ class ALiBi(Prior):
         checking = checks_on()
         if slopes.dim() != 1 or (checking and not passes(((slopes >= 0) & slopes.isfinite()).all())):
             raise ValueError(f"ALiBi prior: slopes must be a 1-D tensor of finite m ≥ 0; got {slopes}")
-        self.slopes, self.causal = slopes, bool(causal)
-        self.tol, self.block_size = window_options("ALiBi prior", tol, block_size,
-                                                             self.causal)
-        self.certificate = certificate_option("ALiBi prior", certificate, tol)
+        self.slopes = slopes
+        super().__init__("ALiBi prior", causal=causal, tol=tol, block_size=block_size,
+                         certificate=certificate)
 
-    def support(self, num_children, num_parents):
-        if self.tol is not None:  # all of the past, j ≤ i, read through a certified window
-            return Window(None, first=0)
-        return dense_support(self.causal, None)
+    def log_at_distance(self, d, dtype=None):
+        """−m_h·|d|."""
+        m = self.slopes.to(device=d.device, dtype=dtype or self.slopes.dtype)
+        return -m.reshape(-1, *([1] * d.dim())) * d.abs().to(m.dtype)  # (H, *d)
 
-    def log_by_distance(self, window, device, dtype):
-        """``(heads, window + 1)``: −m_h·d at d = 0..window."""
-        d = torch.arange(window + 1, device=device, dtype=dtype)
-        return -self.slopes.to(device=device, dtype=dtype)[:, None] * d
-
-    def log_weight(self, child, parent, sizes):
-        d = (child - parent).abs()
-        m = self.slopes.to(d.device).reshape(-1, *([1] * d.dim()))
-        return -m * d.to(m.dtype)  # (H, *index)
+    @property
+    def heads(self) -> int:
+        return len(self.slopes)
 
     def terms(self, num_children, num_parents, device):
         """Under j ≤ i, −m|i − j| = −m·i + m·j: a difference of per-token terms."""
