@@ -123,7 +123,7 @@ def _posterior_pass(a, B, g, sbg, sbp, sbk, ks, P, K, pos, w, live, e, scale,
             ev_top = ev_new
     z = tl.where(live, z, 1.0)
     log_z = tl.where(live, top, 0.0) + tl.log(z)
-    return log_z, zd / z, ev_outer / tl.where(live, ev_z, 1.0)
+    return log_z, zd / z, ev_outer / tl.where(ev_z > 0, ev_z, 1.0)  # (not "edge": 0)
 
 
 @triton.jit
