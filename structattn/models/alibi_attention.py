@@ -6,7 +6,7 @@ import torch
 
 from structattn.certified import certificate_option, window_options
 from structattn.priors import ALiBi
-from structattn.priors.relative import alibi_slopes
+from structattn.priors.alibi import alibi_slopes
 
 from ._catalogue import TOKEN_SIZES, Entry, randn64
 from ._projections import TokenAttention

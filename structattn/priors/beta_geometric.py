@@ -33,6 +33,7 @@ import torch
 from .._validation import check_positive, checks_on, passes
 from ..beta import beta_quantile, log_beta
 from ..kinds.window import Window
+from ._registry import PriorEntry
 from .base import Prior
 from .tables import PriorTables
 
@@ -221,3 +222,35 @@ class BetaGeometricTables(PriorTables):
                              f"back along one sequence, so the children are the parents' tokens "
                              f"(all, or the last C of them); got {self.num_children} children "
                              f"and {self.num_parents} parents")
+
+
+def _formula(prior, C, P):
+    import numpy as np
+    from scipy.special import betaln
+
+    a, b = (np.asarray(v.detach().numpy() if isinstance(v, torch.Tensor) else v,
+                       dtype=np.float64).reshape(-1, 1, 1) for v in (prior.a, prior.b))
+    d = (P - C + np.arange(C))[:, None] - np.arange(P)[None, :]  # children: the last C tokens
+    w = betaln(a + d - 1, b + 1) - betaln(a, b)  # log B(a + d − 1, b + 1) / B(a, b)
+    cap = P - 1 if prior.max_window is None else min(P - 1, prior.max_window)
+    width = None if prior.prior_tol is None and prior.max_window is None else max(cap, 1)
+    if prior.prior_tol is not None:  # the smallest W with P(φ > W) < prior_tol, over heads
+        tails = [np.exp(betaln(a + W, b) - betaln(a, b)).max() for W in range(1, cap + 1)]
+        width = next((W for W, t in enumerate(tails, 1) if t < prior.prior_tol), cap)
+    on = (d >= 1) & ((d <= width) if width is not None else True)
+    return np.where(on, np.where(d >= 1, w, 0.0), -np.inf)
+
+
+ENTRY = PriorEntry(
+    BetaGeometric,
+    lambda C, P, g: [BetaGeometric(1.5, torch.tensor([1.0, 3.0], dtype=torch.float64)),
+                     BetaGeometric(2.0, 2.0, prior_tol=0.3),
+                     BetaGeometric(max_window=2)] if C <= P else [],
+    _formula,
+    bad={"a must be finite and > 0": lambda: BetaGeometric(-1.0, 1.0),
+         r"tol \(the posterior mass left outside a window\) must be in \(0, 1\)":
+         lambda: BetaGeometric(tol=1.5),
+         "max_window must be an int ≥ 1": lambda: BetaGeometric(max_window=0)},
+    parameters=lambda g: ((torch.rand(2, generator=g, dtype=torch.float64) + 0.5,
+                           torch.rand(2, generator=g, dtype=torch.float64) + 0.5),
+                          lambda a, b: BetaGeometric(a, b)))

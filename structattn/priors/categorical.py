@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from ._registry import PriorEntry
 from .base import Prior
-from .uniform import dense_support
+from .uniform import _support_np, dense_support
 
 
 class Categorical(Prior):
@@ -50,3 +51,32 @@ class Categorical(Prior):
 
     def describe(self) -> str:
         return f"Categorical(logits {tuple(self.logits.shape)}, {self.short_support()})"
+
+
+def _formula(prior, C, P):
+    import numpy as np
+
+    logits = np.broadcast_to(prior.logits.detach().numpy(), (*prior.logits.shape[:-2], C, P))
+    return np.where(_support_np(prior, C, P), logits, -np.inf).reshape(-1, C, P)
+
+
+def _cases(C, P, g):
+    f64 = torch.float64
+    logits = torch.randn(2, C, P, generator=g, dtype=f64)
+    mask = torch.rand(C, P, generator=g) < 0.6
+    out = [Categorical(logits.masked_fill(~mask, float("-inf")), empty="zero"),
+           Categorical(torch.randn(1, P, generator=g, dtype=f64))]
+    return out + ([Categorical(logits, causal=True)] if C <= P else [])
+
+
+def _parameters(g):
+    return (torch.randn(5, 5, generator=g, dtype=torch.float64),), lambda t: Categorical(t)
+
+
+ENTRY = PriorEntry(
+    Categorical, _cases, _formula,
+    bad={"logits must be a floating-point tensor": lambda: Categorical(torch.ones(2, 2).long()),
+         "support must be a boolean tensor": lambda: Categorical(torch.zeros(2, 2),
+                                                                 support=torch.ones(2, 2)),
+         "empty must be 'error' or 'zero'": lambda: Categorical(torch.zeros(2, 2), empty="x")},
+    parameters=_parameters)

@@ -42,6 +42,11 @@ class DistancePrior(Prior):
         self.tol, self.block_size = window_options(owner, tol, block_size, self.causal)
         self.certificate = certificate_option(owner, certificate, tol)
 
+    @property
+    def empty(self) -> str:
+        """Strictly the past (``first`` 1): the first token has no parent — a zero output."""
+        return "zero" if self.first >= 1 else "error"
+
     # -- what a subclass states -------------------------------------------------------------
     def log_at_distance(self, d: torch.Tensor, dtype=None) -> torch.Tensor:
         """The unnormalised log weight ``(heads or 1, *d.shape)`` at integer distances ``d``

@@ -7,6 +7,7 @@ import torch
 from .._validation import checks_on, passes, shape_str
 from ..certified import certificate_option, window_options
 from ..kinds.window import Window
+from ._registry import PriorEntry
 from .base import Prior
 from .uniform import dense_support
 
@@ -96,3 +97,25 @@ class ForgettingGate(Prior):
 
     def describe(self) -> str:
         return f"ForgettingGate(N={self.log_f.shape[-1]}, {self.short_support()})"
+
+
+def _formula(prior, C, P):
+    import numpy as np
+
+    c = np.cumsum(prior.log_f.detach().numpy(), -1).reshape(-1, P)  # (H|1, P)
+    w = c[:, :C, None] - c[:, None, :]  # c_i − c_j
+    return np.where(np.arange(P)[None, :] <= np.arange(C)[:, None], w, -np.inf)
+
+
+def _gates(g, P=5):
+    return -torch.rand(2, P, generator=g, dtype=torch.float64) - 0.05
+
+
+ENTRY = PriorEntry(
+    ForgettingGate,
+    lambda C, P, g: [ForgettingGate(-torch.rand(2, P, generator=g, dtype=torch.float64))]
+    if C <= P else [],
+    _formula,
+    bad={"log_f must be finite and ≤ 0": lambda: ForgettingGate(torch.ones(5)),
+         "log_f must be a float tensor": lambda: ForgettingGate(torch.zeros(5).long())},
+    parameters=lambda g: ((_gates(g),), lambda t: ForgettingGate(t)))

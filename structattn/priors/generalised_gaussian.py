@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from .._validation import checks_on, passes, shape_str
+from ._registry import PriorEntry
 from .distance import DistancePrior
 
 
@@ -63,3 +64,34 @@ class GeneralisedGaussian(DistancePrior):
 
     def describe(self) -> str:
         return f"GeneralisedGaussian(heads={self.heads}, {self.short_support()})"
+
+
+def _formula(prior, C, P):
+    import numpy as np
+
+    mu, s, beta = (t.detach().numpy().reshape(-1, 1, 1)
+                   for t in (prior.loc, prior.log_scale, prior.shape))
+    d = np.arange(C)[:, None] - np.arange(P)[None, :]
+    w = -np.abs((d - mu) * np.exp(s)) ** beta  # (H, C, P)
+    return np.where(d >= 0, w, -np.inf) if prior.causal else w
+
+
+def _three(g, h=2):
+    f64 = torch.float64
+    return (torch.rand(h, generator=g, dtype=f64) * 2, torch.rand(h, generator=g, dtype=f64) - 1,
+            torch.rand(h, generator=g, dtype=f64) + 0.8)
+
+
+ENTRY = PriorEntry(
+    GeneralisedGaussian,
+    lambda C, P, g: [GeneralisedGaussian(*_three(g))] if C <= P else [],
+    _formula,
+    bad={"shape β must be finite and > 0": lambda: GeneralisedGaussian(0.0, 0.0, -1.0),
+         "loc must be finite": lambda: GeneralisedGaussian(float("nan"), 0.0, 1.0),
+         "loc must be a float scalar or a 1-D": lambda: GeneralisedGaussian(torch.zeros(2, 2),
+                                                                            0.0, 1.0)},
+    parameters=lambda g: (_three(g), lambda *t: GeneralisedGaussian(*t)),
+    certified=lambda g: GeneralisedGaussian(torch.tensor([0.0, 2.0], dtype=torch.float64),
+                                            torch.tensor([0.0, -0.5], dtype=torch.float64),
+                                            torch.tensor([1.0, 2.0], dtype=torch.float64),
+                                            tol=1e-2, block_size=8))

@@ -8,6 +8,7 @@ import torch
 
 from ..kinds.base import grid
 from ..kinds.dense import Before
+from ._registry import PriorEntry
 from .base import Prior
 
 
@@ -81,3 +82,9 @@ class StickBreaking(Prior):
     def describe(self) -> str:
         tol = "" if self.tol is None else f", tol={self.tol:g}"
         return f"StickBreaking(j < i, or no parent{tol})"
+
+
+#: its log prior reads the potential (the breaking probabilities σ(ψ)), not a table of its own:
+#: tests/models/test_stick_breaking_attention.py checks it against Pyro
+ENTRY = PriorEntry(StickBreaking, lambda C, P, g: [], None,
+                   bad={"tol must be None": lambda: StickBreaking(tol=2.0)})

@@ -6,6 +6,7 @@ import torch
 
 from ..kinds.dense import AllParents, Causal, Mask
 from ..kinds.edge_list import EdgeList
+from ._registry import PriorEntry
 from .base import Prior
 
 
@@ -61,3 +62,42 @@ class Uniform(Prior):
 
     def describe(self) -> str:
         return f"Uniform({self.short_support()})"
+
+
+def _support_np(prior, C, P):
+    """The support as a numpy mask ``(C, P)``: j ≤ i (``causal``) ∩ the mask ∩ the edges."""
+    import numpy as np
+
+    i, j = np.arange(C)[:, None], np.arange(P)[None, :]
+    on = np.ones((C, P), dtype=bool) & ((j <= i) if prior.causal else True)
+    if getattr(prior, "mask", None) is not None:
+        on = on & prior.mask.numpy()
+    if getattr(prior, "edge_index", None) is not None:
+        edges = np.zeros((C, P), dtype=bool)
+        parents, children = prior.edge_index.numpy()
+        edges[children, parents] = True
+        on = on & edges
+    return on
+
+
+def _cases(C, P, g):
+    mask = torch.rand(C, P, generator=g) < 0.6
+    ring = torch.arange(min(C, P))
+    edge_index = torch.stack([ring, ring.flip(0)])
+    out = [Uniform(), Uniform(support=mask, empty="zero"),
+           Uniform(edge_index=edge_index, empty="zero"),
+           Uniform(edge_index=edge_index, causal=True, empty="zero")]
+    return out + ([Uniform(causal=True)] if C <= P else [])
+
+
+def _formula(prior, C, P):
+    import numpy as np
+
+    return np.where(_support_np(prior, C, P), 0.0, -np.inf)[None]
+
+
+ENTRY = PriorEntry(
+    Uniform, _cases, _formula,
+    bad={"empty must be 'error' or 'zero'": lambda: Uniform(empty="never"),
+         "support must be a boolean tensor": lambda: Uniform(support=torch.ones(2, 2)),
+         "edge_index must be an int64 tensor": lambda: Uniform(edge_index=torch.zeros(2, 3))})

@@ -8,7 +8,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import structattn as sa
-from structattn.priors.declared import declared_log_prior
 
 from ..registry import CASES, EXACT
 
@@ -102,77 +101,8 @@ def test_a_band_kind_with_a_latent_node_set_matches_pyro(fast):
     assert report.max_abs_diff < 1e-10, str(report)
 
 
-# -- every prior: the Pyro reading (pointwise statement) = the compiled tables ---------------
-def _priors(C, P, g):
-    logits = torch.randn(2, C, P, generator=g, dtype=F64)
-    mask = torch.rand(C, P, generator=g) < 0.6
-    ring = torch.arange(min(C, P))
-    edge_index = torch.stack([ring, ring.flip(0)])
-    out = [sa.priors.Uniform(), sa.priors.Uniform(support=mask, empty="zero"),
-           sa.priors.Uniform(edge_index=edge_index, empty="zero"),
-           sa.priors.Uniform(edge_index=edge_index, causal=True, empty="zero"),
-           sa.priors.Categorical(logits.masked_fill(~mask, float("-inf")), empty="zero"),
-           sa.priors.Categorical(torch.randn(1, P, generator=g, dtype=F64)),
-           sa.priors.RelativePosition(torch.randn(2, 5, generator=g, dtype=F64)),
-           sa.priors.ALiBi(2)]
-    if C <= P:
-        out += [sa.priors.Uniform(causal=True), sa.priors.Categorical(logits, causal=True),
-                sa.priors.BetaGeometric(1.5, torch.tensor([1.0, 3.0], dtype=F64)),
-                sa.priors.BetaGeometric(2.0, 2.0, prior_tol=0.3), sa.priors.BetaGeometric(max_window=2),
-                sa.priors.ALiBi(2, causal=True),
-                sa.priors.ForgettingGate(-torch.rand(2, P, generator=g, dtype=F64)),
-                sa.priors.GeneralisedGaussian(torch.tensor([0.5, 2.0], dtype=F64),
-                                              torch.tensor([0.0, -1.0], dtype=F64),
-                                              torch.tensor([1.0, 2.0], dtype=F64))]
-    return out
-
-
-#: the public priors whose log prior is not a table of their own: stick-breaking's reads its
-#: potential (tests/models/test_stick_breaking_attention.py checks it against Pyro)
-NOT_A_TABLE = {"StickBreaking"}
-
-
-def test_every_public_prior_is_read_the_same_in_pyro_and_compiled():
-    """The list above covers every prior ``structattn.priors`` exports: a new prior fails
-    here until it is added (or named in ``NOT_A_TABLE`` with the test that covers it)."""
-    public = {name for name in dir(sa.priors)
-              if isinstance(getattr(sa.priors, name), type)
-              and issubclass(getattr(sa.priors, name), sa.priors.Prior)
-              and getattr(sa.priors, name) is not sa.priors.Prior}
-    g = torch.Generator().manual_seed(0)
-    listed = {type(p).__name__ for p in _priors(3, 5, g)}
-    assert public - NOT_A_TABLE <= listed, sorted(public - NOT_A_TABLE - listed)
-
-
-@settings(max_examples=25, deadline=None)
-@given(C=st.integers(1, 6), extra=st.integers(0, 3), seed=st.integers(0, 2**16))
-def test_every_prior_reads_the_same_in_pyro_and_compiled(C, extra, seed):
-    g = torch.Generator().manual_seed(seed)
-    P = C + extra
-    for prior in _priors(C, P, g):
-        xp = torch.randn(2, P, 4, generator=g, dtype=F64)
-        xc = xp[..., P - C:, :]
-
-        def program(xc, xp, prior=prior):
-            c, p = sa.nodes("c", xc), sa.nodes("p", xp)
-            phi = sa.edges("f", c, p, prior, heads=2)
-            sa.potential(phi, sa.potentials.DotProduct(heads=2))
-            return sa.value(phi, sa.values.Identity(heads=2))
-
-        fam = sa.trace_structure(program, xc, xp).families["f"]
-        pyro_lp, has_parent = declared_log_prior(fam)  # (…, C, P) pointwise
-        tables = fam.tables
-        compiled = tables.log_prob_table(F64)
-        mask = tables.full_mask()
-        mask = torch.ones(C, P, dtype=torch.bool) if mask is None else mask
-        pyro_lp, compiled, mask = torch.broadcast_tensors(pyro_lp, compiled, mask)
-        support = torch.isfinite(pyro_lp)
-        assert torch.equal(support, mask & has_parent[..., None].expand_as(mask)), prior.describe()
-        torch.testing.assert_close(pyro_lp[support], compiled[support], atol=1e-12, rtol=0,
-                                   msg=prior.describe())
-        post = sa.lowering.posterior(fam)  # the operator's dense posterior: zero off the support
-        post, support = torch.broadcast_tensors(post, support)
-        assert bool((post[~support] == 0).all()), prior.describe()
+# -- every prior: the Pyro reading = the compiled tables: tests/priors/test_registry.py, over
+# every registered prior (structattn.priors.REGISTRY)
 
 
 # -- a planted bug in a factorisation must fail compare -------------------------------------

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 import structattn as sa
 from structattn.kinds.base import grid
-from structattn.priors.relative import alibi_slopes
+from structattn.priors.alibi import alibi_slopes
 
 from ..square import assert_no_square_tensor
 

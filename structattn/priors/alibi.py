@@ -1,0 +1,81 @@
+"""ALiBi (Press et al. 2022): p(φ_i = j) ∝ exp(−m_h |i − j|), a fixed slope per head."""
+
+from __future__ import annotations
+
+import torch
+
+from .._validation import checks_on, passes
+from ._registry import PriorEntry
+from .distance import DistancePrior
+
+
+def alibi_slopes(heads: int) -> torch.Tensor:
+    """The ALiBi paper's geometric slopes 2^(−8h/H), h = 1..H."""
+    return torch.tensor([2.0 ** (-8.0 * (h + 1) / heads) for h in range(heads)])
+
+
+class ALiBi(DistancePrior):
+    """``p(φ_i = j) ∝ exp(−m_h |i − j|)`` per head (ALiBi, Press et al. 2022): a
+    relative-position prior with fixed slopes m (default: the geometric 2^(−8h/H)).
+
+    ``tol`` ∈ (0, 1) (causal only): the compiled reading reads the shortest window whose
+    posterior mass beyond it is certified ≤ tol for every child (``structattn.certified``;
+    the trace's ``truncation[family]`` reports it), in blocks of ``block_size`` children; with
+    ``certificate="blocks"``, the key blocks each block of children needs, per head
+    (``structattn.block_sparse``). The model, and so Pyro's reading, is still all of the
+    past."""
+
+    def __init__(self, heads: int = 1, *, slopes: torch.Tensor | None = None, causal: bool = False,
+                 tol: float | None = None, block_size: int = 64, certificate: str = "window"):
+        slopes = alibi_slopes(heads) if slopes is None else torch.as_tensor(slopes)
+        checking = checks_on()
+        if slopes.dim() != 1 or (checking and not passes(((slopes >= 0) & slopes.isfinite()).all())):
+            raise ValueError(f"ALiBi prior: slopes must be a 1-D tensor of finite m ≥ 0; got {slopes}")
+        self.slopes = slopes
+        super().__init__("ALiBi prior", causal=causal, tol=tol, block_size=block_size,
+                         certificate=certificate)
+
+    def log_at_distance(self, d, dtype=None):
+        """−m_h·|d|."""
+        m = self.slopes.to(device=d.device, dtype=dtype or self.slopes.dtype)
+        return -m.reshape(-1, *([1] * d.dim())) * d.abs().to(m.dtype)  # (H, *d)
+
+    @property
+    def heads(self) -> int:
+        return len(self.slopes)
+
+    def terms(self, num_children, num_parents, device):
+        """Under j ≤ i, −m|i − j| = −m·i + m·j: a difference of per-token terms."""
+        if not self.causal:
+            return None
+        m = self.slopes.to(device)[:, None]  # (H, 1)
+        return (-m * torch.arange(num_children, device=device, dtype=m.dtype),
+                m * torch.arange(num_parents, device=device, dtype=m.dtype))
+
+    def describe(self) -> str:
+        return f"ALiBi(heads={len(self.slopes)}, {self.short_support()})"
+
+
+def _formula(prior, C, P):
+    import numpy as np
+
+    d = np.abs(np.arange(C)[:, None] - np.arange(P)[None, :])
+    w = -prior.slopes.detach().numpy()[:, None, None] * d  # (H, C, P)
+    causal = np.arange(P)[None, :] <= np.arange(C)[:, None]
+    return np.where(causal, w, -np.inf) if prior.causal else w
+
+
+def _parameters(g):
+    slopes = torch.rand(2, generator=g, dtype=torch.float64) + 0.1
+    return (slopes,), lambda m: ALiBi(2, slopes=m, causal=True)
+
+
+ENTRY = PriorEntry(
+    ALiBi, lambda C, P, g: [ALiBi(2)] + ([ALiBi(2, causal=True)] if C <= P else []), _formula,
+    bad={"slopes must be a 1-D tensor of finite m ≥ 0":
+         lambda: ALiBi(2, slopes=torch.tensor([-1.0, 1.0])),
+         r"tol \(the posterior mass a certified window may leave out\) must be None or in":
+         lambda: ALiBi(2, causal=True, tol=2.0),
+         "needs the causal support": lambda: ALiBi(2, tol=0.1)},
+    parameters=_parameters,
+    certified=lambda g: ALiBi(2, causal=True, tol=1e-2, block_size=8))
