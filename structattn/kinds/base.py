@@ -132,8 +132,9 @@ class Operator:
     what does not change while latents move: the prior's tables and an observed side's
     factor. Everything not overridden comes from the dense twin."""
 
-    #: the dense lowering every kind falls back on (``structattn.kinds.dense`` sets it)
-    dense_operator: type | None = None
+    #: the dense lowering every kind falls back on: the subclass declared with
+    #: ``dense_twin=True`` (``structattn.kinds.dense.DenseOperator``)
+    _dense_twin: type | None = None
     #: what an inference scheme iterated to build this operator (``structattn.scheme``);
     #: None for a support kind's closed-form operator
     history = None
@@ -185,11 +186,16 @@ class Operator:
         pots = self.family.potentials
         return len(pots) == 1 and pots[0].is_factorised
 
+    def __init_subclass__(cls, *, dense_twin: bool = False, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if dense_twin:
+            Operator._dense_twin = cls
+
     # -- the operator: by default, the dense twin's ------------------------------------------
     def dense_twin(self):
         """The dense operator of the same family (shares this operator's cache)."""
         if self._twin is None:
-            dense = Operator.dense_operator
+            dense = Operator._dense_twin
             self._twin = self if isinstance(self, dense) else dense(self.family, self.cache)
         return self._twin
 

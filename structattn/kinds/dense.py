@@ -104,7 +104,7 @@ class Mask(Support):
         return "mask"
 
 
-class DenseOperator(Operator):
+class DenseOperator(Operator, dense_twin=True):
     """The dense lowering of any support (module docstring)."""
 
     def __init__(self, family, cache=None):
@@ -230,7 +230,5 @@ class DenseOperator(Operator):
         keep = self.keep()
         return out if keep is None else out * keep[..., 0].to(out.dtype)
 
-
-Operator.dense_operator = DenseOperator
 
 __all__ = ["AllParents", "Causal", "Before", "Mask", "Intersection", "DenseOperator", "grid"]

@@ -12,40 +12,6 @@ import torch
 from .base import Operator, Support
 
 
-class EdgeList(Support):
-    """Φ_i = {src_e : dst_e = i} for ``edge_index = (src, dst)`` (row 0 parents j, row 1
-    children i); with ``causal`` only the edges j ≤ i."""
-
-    def __init__(self, edge_index: torch.Tensor, *, causal: bool = False):
-        self.edge_index, self.causal = edge_index, bool(causal)
-
-    def contains(self, child, parent):
-        src, dst = self.edge_index.to(child.device)
-        i, j = torch.broadcast_tensors(child, parent)
-        # pair (i, j) ↦ i·n + j, n above every parent index: O(pairs + E), not pairs × E
-        n = 1 + max(int(j.max()) if j.numel() else 0, int(src.max()) if src.numel() else 0)
-        hit = torch.isin(i * n + j, dst * n + src)
-        return hit & (j <= i) if self.causal else hit
-
-    def dense(self, num_children, num_parents, device):
-        src, dst = self.edges(device)
-        mask = torch.zeros(num_children, num_parents, dtype=torch.bool, device=device)
-        mask[dst, src] = True
-        return mask
-
-    def edges(self, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(src, dst)`` on ``device``: parents and children, only j ≤ i when causal."""
-        src, dst = self.edge_index.to(device)
-        if self.causal:
-            keep = src <= dst
-            src, dst = src[keep], dst[keep]
-        return src, dst
-
-    def describe(self):
-        causal = " ∧ j ≤ i" if self.causal else ""
-        return f"graph, {self.edge_index.shape[1]} edges{causal}"
-
-
 class EdgeListOperator(Operator):
     """Segment softmax over each child's incoming edges (module docstring); the posterior is
     per edge, ``(*batch, H, E)``, aligned with ``family.tables.edges()``."""
@@ -107,11 +73,45 @@ class EdgeListOperator(Operator):
         return out.index_add(-1, src, p)[..., None]
 
 
-EdgeList.operator = EdgeListOperator
-
 
 def _scatter(dense, p, dst, src):
     """``dense[..., dst_e, src_e] = p[..., e]`` out of place (differentiable)."""
     C, P = dense.shape[-2:]
     flat = dense.flatten(-2).index_add(-1, dst * P + src, p)
     return flat.unflatten(-1, (C, P))
+
+
+class EdgeList(Support):
+    """Φ_i = {src_e : dst_e = i} for ``edge_index = (src, dst)`` (row 0 parents j, row 1
+    children i); with ``causal`` only the edges j ≤ i."""
+
+    operator = EdgeListOperator  # its lowering: a segment softmax over the edges
+
+    def __init__(self, edge_index: torch.Tensor, *, causal: bool = False):
+        self.edge_index, self.causal = edge_index, bool(causal)
+
+    def contains(self, child, parent):
+        src, dst = self.edge_index.to(child.device)
+        i, j = torch.broadcast_tensors(child, parent)
+        # pair (i, j) ↦ i·n + j, n above every parent index: O(pairs + E), not pairs × E
+        n = 1 + max(int(j.max()) if j.numel() else 0, int(src.max()) if src.numel() else 0)
+        hit = torch.isin(i * n + j, dst * n + src)
+        return hit & (j <= i) if self.causal else hit
+
+    def dense(self, num_children, num_parents, device):
+        src, dst = self.edges(device)
+        mask = torch.zeros(num_children, num_parents, dtype=torch.bool, device=device)
+        mask[dst, src] = True
+        return mask
+
+    def edges(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(src, dst)`` on ``device``: parents and children, only j ≤ i when causal."""
+        src, dst = self.edge_index.to(device)
+        if self.causal:
+            keep = src <= dst
+            src, dst = src[keep], dst[keep]
+        return src, dst
+
+    def describe(self):
+        causal = " ∧ j ≤ i" if self.causal else ""
+        return f"graph, {self.edge_index.shape[1]} edges{causal}"

@@ -33,33 +33,6 @@ def keep_from_position(n: int, device, dtype) -> torch.Tensor:
     return (torch.arange(n, device=device) > 0).to(dtype)[:, None]
 
 
-class Window(Support):
-    """Φ_i = {j : first ≤ (offset + i) − j ≤ width} (``width`` None: all of the past;
-    ``first`` 1: the parents before the child, 0: the child too)."""
-
-    def __init__(self, width: int | None, offset: int = 0, first: int = 1):
-        if first not in (0, 1):
-            raise ValueError(f"Window support: first (the nearest distance read) must be 0 or 1; "
-                             f"got {first!r}")
-        self.width, self.offset, self.first = width, offset, first
-
-    def contains(self, child, parent):
-        d = child + self.offset - parent
-        return (d >= self.first) if self.width is None else (d >= self.first) & (d <= self.width)
-
-    def dense(self, num_children, num_parents, device):
-        ones = torch.ones(num_children, num_parents, dtype=torch.bool, device=device)
-        past = ones.tril(self.offset - self.first)  # j ≤ i + offset − first
-        return past if self.width is None else past & ones.triu(self.offset - self.width)
-
-    def is_causal(self):
-        """All of the past and the child itself, with no offset: j ≤ i."""
-        return self.width is None and self.first == 0 and self.offset == 0
-
-    def describe(self):
-        return f"{self.first} ≤ i − j" + ("" if self.width is None else f" ≤ {self.width}")
-
-
 class WindowOperator(Operator):
     """The banded lowering of a window support (module docstring)."""
 
@@ -267,8 +240,6 @@ def _kept(out: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
     return out if keep is None else out * keep
 
 
-Window.operator = WindowOperator
-
 
 def _flex_available() -> bool:
     try:
@@ -276,3 +247,32 @@ def _flex_available() -> bool:
     except ImportError:
         return False
     return True
+
+
+class Window(Support):
+    """Φ_i = {j : first ≤ (offset + i) − j ≤ width} (``width`` None: all of the past;
+    ``first`` 1: the parents before the child, 0: the child too)."""
+
+    operator = WindowOperator  # its lowering: one banded reading
+
+    def __init__(self, width: int | None, offset: int = 0, first: int = 1):
+        if first not in (0, 1):
+            raise ValueError(f"Window support: first (the nearest distance read) must be 0 or 1; "
+                             f"got {first!r}")
+        self.width, self.offset, self.first = width, offset, first
+
+    def contains(self, child, parent):
+        d = child + self.offset - parent
+        return (d >= self.first) if self.width is None else (d >= self.first) & (d <= self.width)
+
+    def dense(self, num_children, num_parents, device):
+        ones = torch.ones(num_children, num_parents, dtype=torch.bool, device=device)
+        past = ones.tril(self.offset - self.first)  # j ≤ i + offset − first
+        return past if self.width is None else past & ones.triu(self.offset - self.width)
+
+    def is_causal(self):
+        """All of the past and the child itself, with no offset: j ≤ i."""
+        return self.width is None and self.first == 0 and self.offset == 0
+
+    def describe(self):
+        return f"{self.first} ≤ i − j" + ("" if self.width is None else f" ≤ {self.width}")
