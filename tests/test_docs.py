@@ -51,7 +51,8 @@ def test_every_public_name_has_a_reference_section():
 
 
 def test_no_dates_in_readme_and_docs():
-    pages = [ROOT / "README.md", ROOT / "benchmarks" / "README.md", ROOT / "gallery" / "README.md",
+    pages = [ROOT / "README.md", ROOT / "DESIGN.md", ROOT / "benchmarks" / "README.md",
+             ROOT / "gallery" / "README.md",
              *DOCS.rglob("*.md")]
     dated = {str(p.relative_to(ROOT)): DATE.findall(p.read_text()) for p in pages}
     assert not {p: d for p, d in dated.items() if d}, "dates belong in CHANGELOG.md and benchmarks/results/"
