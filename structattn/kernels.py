@@ -48,7 +48,7 @@ _KERNELS = {
                  "FoX and ALiBi train through one more key dimension (~12% slower)"),
 }
 #: kernel → compiler flags beyond -O3 -fopenmp. -march=native gives the kernels' own
-#: vectorised exp (``csrc/vexp.h``: the C library's exp is never vectorised there) and their
+#: vectorised exp (``csrc/tiles.h``: the C library's exp is never vectorised there) and their
 #: loops the machine's widest vectors — each machine builds its own copy. The mean field's
 #: iteration keeps its products and sums unfused (-ffp-contract=off), as PyTorch's loop
 #: computes them

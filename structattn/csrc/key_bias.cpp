@@ -34,10 +34,11 @@
 #include <vector>
 #include <tuple>
 
-#include "vexp.h"
+#include "tiles.h"
 
 namespace {
 
+using structattn::online_softmax_row;
 using structattn::vexp;
 
 constexpr int64_t BQ = 128;
@@ -193,7 +194,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> band_backward(
 template <typename T>
 void band_tile(T* S, int64_t n, int64_t m, int64_t i0, int64_t j0, int64_t w, T sc, const T* H,
                T* top, T* total, T* A, int64_t dv) {
-  const T inf = std::numeric_limits<T>::infinity();
   for (int64_t r = 0; r < n; ++r) {
     const int64_t i = i0 + r;
     const int64_t stop = std::max<int64_t>(0, std::min(m, i - j0 + 1));
@@ -204,27 +204,7 @@ void band_tile(T* S, int64_t n, int64_t m, int64_t i0, int64_t j0, int64_t w, T 
       sr[c] = sc * sr[c] + H[j0 + c];
       best = std::max(best, sr[c]);
     }
-    if (best == -inf) {  // nothing of this child's in the tile, nor before
-      std::fill(sr, sr + m, T(0));
-      continue;
-    }
-    const T shrink = vexp<T>(top[r] - best);  // −inf before: 0
-    T sum = 0;
-    for (int64_t c = 0; c < start; ++c) sr[c] = 0;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t c = start; c < stop; ++c) {
-      const T p = vexp<T>(sr[c] - best);
-      sr[c] = p;
-      sum += p;
-    }
-    for (int64_t c = stop; c < m; ++c) sr[c] = 0;
-    total[r] = total[r] * shrink + sum;
-    top[r] = best;
-    if (shrink != T(1)) {
-      T* ar = A + r * dv;
-#pragma omp simd
-      for (int64_t e = 0; e < dv; ++e) ar[e] *= shrink;
-    }
+    online_softmax_row<T>(sr, start, stop, m, best, top[r], total[r], A + r * dv, dv);
   }
 }
 

@@ -46,10 +46,11 @@
 #include <utility>
 #include <vector>
 
-#include "vexp.h"
+#include "tiles.h"
 
 namespace {
 
+using structattn::online_softmax_row;
 using structattn::vexp;
 
 enum Rule : int64_t { kPredictive = 0, kEdge = 1, kEvidence = 2, kCertified = 3 };
@@ -552,7 +553,6 @@ inline void block_span(int64_t i0, int64_t n, const int64_t* W, int64_t& first,
 template <typename T>
 void child_tile(T* S, int64_t n, int64_t m, int64_t i0, int64_t j0, const int64_t* W,
                 const T* E, T sc, T* top, T* total, T* A, int64_t dv) {
-  const T inf = std::numeric_limits<T>::infinity();
   for (int64_t r = 0; r < n; ++r) {
     const int64_t i = i0 + r;
     int64_t lo, hi;
@@ -565,27 +565,7 @@ void child_tile(T* S, int64_t n, int64_t m, int64_t i0, int64_t j0, const int64_
       sr[c] = sc * sr[c] + (base - static_cast<T>(c)) * er;
       best = std::max(best, sr[c]);
     }
-    if (best == -inf) {  // nothing of this child's in the tile, nor before
-      std::fill(sr, sr + m, T(0));
-      continue;
-    }
-    const T shrink = vexp<T>(top[r] - best);  // −inf before: 0
-    T sum = 0;
-    std::fill(sr, sr + lo, T(0));
-#pragma omp simd reduction(+ : sum)
-    for (int64_t c = lo; c < hi; ++c) {
-      const T p = vexp<T>(sr[c] - best);
-      sr[c] = p;
-      sum += p;
-    }
-    std::fill(sr + hi, sr + m, T(0));
-    total[r] = total[r] * shrink + sum;
-    top[r] = best;
-    if (shrink != T(1)) {
-      T* ar = A + r * dv;
-#pragma omp simd
-      for (int64_t x = 0; x < dv; ++x) ar[x] *= shrink;
-    }
+    online_softmax_row<T>(sr, lo, hi, m, best, top[r], total[r], A + r * dv, dv);
   }
 }
 

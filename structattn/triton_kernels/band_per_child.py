@@ -44,22 +44,29 @@ def _scores(a, B, g, sbg, sbp, sbk, cols, ks, P, K, pos, w, live, scale,
 
 
 @triton.jit
+def _children(A, E, WIN, g, m_, N, offset, sag, san, sak, K, BM: tl.constexpr,
+              BK: tl.constexpr, ACC: tl.constexpr):
+    """Block ``m_`` of row ``g``'s children: their rows, which exist, their positions, the
+    factor columns, a ``(BM, BK)``, the slopes e, the windows w and which have a past."""
+    rows = m_ * BM + tl.arange(0, BM)
+    rmask = rows < N
+    ks = tl.arange(0, BK)
+    a = load_tile(A, g, sag, rows, san, N, ks, sak, K)
+    e = tl.load(E + g * N + rows, mask=rmask, other=0.0).to(ACC)
+    w = tl.load(WIN + g * N + rows, mask=rmask, other=0)
+    return rows, rmask, offset + rows, ks, a, e, w, (w >= 1) & rmask
+
+
+@triton.jit
 def _attend_forward(A, B, U, E, WIN, O, LSE, SCALE, N, P, K, D, offset,
                     sag, san, sak, sbg, sbp, sbk, sug, sup, sud, sog, son, sod,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr,
                     ACC: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     scale = tl.load(SCALE)
-    m_ = tl.program_id(0)
     g = tl.program_id(1)
-    rows = m_ * BM + tl.arange(0, BM)
-    rmask = rows < N
-    pos = offset + rows
-    ks = tl.arange(0, BK)
+    rows, rmask, pos, ks, a, e, w, live = _children(A, E, WIN, g, tl.program_id(0), N, offset,
+                                                    sag, san, sak, K, BM, BK, ACC)
     ds = tl.arange(0, BD)
-    a = load_tile(A, g, sag, rows, san, N, ks, sak, K)
-    e = tl.load(E + g * N + rows, mask=rmask, other=0.0).to(ACC)
-    w = tl.load(WIN + g * N + rows, mask=rmask, other=0)
-    live = (w >= 1) & rmask
     top = tl.full([BM], -float("inf"), dtype=ACC)
     total = tl.zeros([BM], dtype=ACC)
     acc = tl.zeros([BM, BD], dtype=ACC)
@@ -90,20 +97,13 @@ def _attend_backward(A, B, U, E, WIN, DO, LSE, DELTA, DA, DB, DU, DE, SCALE, N, 
     """da and de per block of children; db and du added atomically into float buffers laid
     out as b and u (contiguous)."""
     scale = tl.load(SCALE)
-    m_ = tl.program_id(0)
     g = tl.program_id(1)
-    rows = m_ * BM + tl.arange(0, BM)
-    rmask = rows < N
-    pos = offset + rows
-    ks = tl.arange(0, BK)
+    rows, rmask, pos, ks, a, e, w, live = _children(A, E, WIN, g, tl.program_id(0), N, offset,
+                                                    sag, san, sak, K, BM, BK, ACC)
     ds = tl.arange(0, BD)
-    a = load_tile(A, g, sag, rows, san, N, ks, sak, K)
     do = load_tile(DO, g, sdg, rows, sdn, N, ds, sdd, D)
-    e = tl.load(E + g * N + rows, mask=rmask, other=0.0).to(ACC)
-    w = tl.load(WIN + g * N + rows, mask=rmask, other=0)
     lse = tl.load(LSE + g * N + rows, mask=rmask, other=0.0)
     delta = tl.load(DELTA + g * N + rows, mask=rmask, other=0.0)
-    live = (w >= 1) & rmask
     da = tl.zeros([BM, BK], dtype=ACC)
     de = tl.zeros([BM], dtype=ACC)
     lo, hi = _span(pos, w, live, BN)

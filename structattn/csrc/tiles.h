@@ -1,9 +1,11 @@
-// vexp: exp in straight-line arithmetic, shared by the compiled CPU kernels (key_bias.cpp,
-// mean_field_windows.cpp).
+// What the compiled CPU kernels' tiles share (key_bias.cpp, mean_field_windows.cpp): vexp, exp
+// in straight-line arithmetic, and one child's row of an online softmax over a tile.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 
 namespace structattn {
 
@@ -54,6 +56,36 @@ inline T vexp(T x) {
   T scale;  // the bits as a float (std::bit_cast is C++20; torch builds extensions as C++17)
   std::memcpy(&scale, &bits, sizeof(T));
   return x != x ? x : (x < lo ? T(0) : p * scale);
+}
+
+// One child's row of an online softmax over a tile (FlashAttention's): ``sr`` holds its scores
+// on columns [lo, hi) and becomes e^{s − best} there and 0 on the rest of its m columns, where
+// ``best`` is the running maximum with them (−∞: nothing of the child's yet, the row all 0);
+// its running ``top`` and ``total`` and its output row ``ar`` (dv) are rescaled to the new
+// maximum (the caller adds the tile's product P V).
+template <typename T>
+inline void online_softmax_row(T* sr, int64_t lo, int64_t hi, int64_t m, T best, T& top,
+                               T& total, T* ar, int64_t dv) {
+  if (best == -std::numeric_limits<T>::infinity()) {
+    std::fill(sr, sr + m, T(0));
+    return;
+  }
+  const T shrink = vexp<T>(top - best);  // −inf before: 0
+  T sum = 0;
+  std::fill(sr, sr + lo, T(0));
+#pragma omp simd reduction(+ : sum)
+  for (int64_t c = lo; c < hi; ++c) {
+    const T p = vexp<T>(sr[c] - best);
+    sr[c] = p;
+    sum += p;
+  }
+  std::fill(sr + hi, sr + m, T(0));
+  total = total * shrink + sum;
+  top = best;
+  if (shrink != T(1)) {
+#pragma omp simd
+    for (int64_t x = 0; x < dv; ++x) ar[x] *= shrink;
+  }
 }
 
 }  // namespace structattn
