@@ -25,12 +25,17 @@ _local = threading.local()  # per-thread overrides (the validation() context man
 def set_validation(enabled: bool, queued: bool | None = None) -> None:
     """Turn the value checks on or off by default, in every thread (on by default).
 
+    The setting is process-wide: it applies in every thread that has no ``validation()``
+    override of its own, and it drops the calling thread's override.
+
     Args:
-        enabled: whether value checks (NaN inputs, empty supports, parameter ranges) run.
+        enabled: whether value checks (NaN inputs, empty supports, parameter ranges) run;
+            converted with ``bool``.
         queued: on a GPU, whether a replayed call queues its checks' verdicts and returns
-            without waiting for them (True, the default: a failed check raises at the next
-            call of the layer after the GPU ran it, or at ``structattn.raise_pending()``;
-            ``structattn.verdicts``), or waits for them in the call (False). None: unchanged.
+            without waiting for them (True, the initial setting: a failed check raises at the
+            next call of the layer after the GPU ran it, or at ``structattn.raise_pending()``;
+            ``structattn.verdicts``), or waits for them in the call (False). None, the
+            default, leaves the current setting unchanged.
     """
     global _DEFAULT, _QUEUED
     _DEFAULT = bool(enabled)
@@ -50,14 +55,30 @@ def checks_on() -> bool:
 
 
 def is_validating() -> bool:
+    """Whether value checks are on in the calling thread.
+
+    Returns:
+        The thread's own setting inside a ``validation()`` block, otherwise the
+            process-wide default of ``set_validation`` (True unless changed).
+    """
     override = getattr(_local, "override", None)
     return _DEFAULT if override is None else override
 
 
 @contextlib.contextmanager
 def validation(enabled: bool):
-    """Context manager for this thread only: ``with structattn.validation(False): layer(x)``
-    (other threads, e.g. nn.DataParallel replicas, keep their own setting)."""
+    """Context manager that turns the value checks on or off in the calling thread only.
+
+    ``with structattn.validation(False): layer(x)`` runs ``layer`` unchecked; other threads
+    (e.g. ``nn.DataParallel`` replicas) keep their own setting. On exit, also when the block
+    raises, the thread's previous setting comes back.
+
+    Args:
+        enabled: whether value checks run inside the block; converted with ``bool``.
+
+    Yields:
+        (None): nothing; the block runs with the setting in force.
+    """
     old = getattr(_local, "override", None)
     _local.override = bool(enabled)
     try:

@@ -40,7 +40,19 @@ class CompiledModule(nn.Module):
     ``Trace``: states and free energy per step (with ``trace_posteriors=True`` the edge
     posteriors per step too), and one field per scheme (``trace.mean_field[family]``:
     windows, Beta parameters and expected distances per child and round). Outputs come in
-    the order (output, posterior, trace).
+    the order (output, posterior, trace); ``forward`` documents the call.
+
+    Args:
+        declaration: the ``Declaration`` to read (``structattn.compile`` wraps a plain Pyro
+            program into one); kept as ``declaration``, whose parameters the module shares.
+        replay: record a plan per input signature and replay it (the default); False reads
+            the declaration on every call.
+        max_plans: how many input signatures (shapes, dtypes, devices, options) the module
+            records, ``MAX_PLANS`` (32) by default; calls with further signatures are read
+            from the declaration every time, with a warning once. 0 records none.
+
+    Raises:
+        ValueError: when ``max_plans`` is not an int ≥ 0 (a bool is refused).
     """
 
     def __init__(self, declaration: Declaration, *, replay: bool = True,
@@ -82,6 +94,32 @@ class CompiledModule(nn.Module):
         return super().__call__(*inputs, **kwargs)
 
     def forward(self, *inputs, **kwargs):
+        """Run the declaration's program with every edge family marginalised.
+
+        Args:
+            *inputs (torch.Tensor): the model's positional inputs, as the declaration's
+                ``model`` takes them (e.g. ``x`` ``(*batch, N, d)``).
+            **kwargs (Any): the model's keyword inputs, passed on to it, and three options,
+                each True or False (False by default): ``return_posterior`` also returns the
+                edge posteriors p(φ_i = j | x); ``return_trace`` also returns the ``Trace``;
+                ``trace_posteriors`` records the edge posteriors per step in the trace.
+
+        Returns:
+            (torch.Tensor | tuple): the model's output with every value replaced by its
+                posterior expectation, or, with options set, a tuple in the order (output,
+                posterior, trace). The posterior is a tensor ``(*batch, heads, children,
+                parents)`` when the model has one edge family, else a dict by family name.
+
+        Raises:
+            TypeError: when ``return_posterior``, ``return_trace`` or ``trace_posteriors``
+                is not a bool.
+            ValueError: when ``return_trace=True`` and the model has nothing to trace (no
+                latent node set, inference scheme, certified truncation or stick-breaking
+                prior), or when a value check fails while validation is on (e.g. a
+                non-finite input or parameter). On a GPU a replayed call queues its checks,
+                and a failed one raises at a later call of the module or at
+                ``structattn.raise_pending()``.
+        """
         plans = self._plans
         if plans.enabled and not torch.compiler.is_compiling():
             last = plans._last  # the plan replayed last, behind its guard: the common case

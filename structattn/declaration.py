@@ -19,6 +19,14 @@ class Declaration(nn.Module):
 
     ``example_inputs`` (optional) returns small inputs for drawing the declared
     structure without data.
+
+    The constructor is ``torch.nn.Module``'s and takes no arguments: a subclass defines its
+    own, calls ``super().__init__()`` and creates its parameters there.
+
+    Attributes:
+        structure_version: a counter that every attribute assignment and every move or cast
+            (``.to()``, ``.float()``, …) increases; compiled modules read the declaration again
+            when it changes.
     """
 
     #: bumped by every attribute assignment: compiled modules re-read the declaration then

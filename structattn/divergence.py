@@ -22,7 +22,14 @@ from ._validation import checks_on, first_true, is_exporting, passes
 
 class DivergenceWarning(RuntimeWarning):
     """Gradient steps on a free energy made it rise above its start or non-finite: lower
-    ``step_size``."""
+    ``step_size``.
+
+    A ``RuntimeWarning`` issued, while the value checks are on, after an iteration of latents
+    with ``update="gradient"`` whose free energy F ended above its start or non-finite. The
+    message names the latents, ``step_size``, F at the start and at the end and, when it can
+    be found, the step at which F first rose or turned non-finite; it suggests a smaller
+    ``step_size``, or ``update="cccp"`` where the potentials have a closed form.
+    """
 
 
 class DivergenceWatch:

@@ -57,7 +57,30 @@ _energy_effect = effectful(_factor_energy, type="structattn_energy")
 
 
 def energy(name: str, fn, *node_sets: NodeSet) -> Energy:
-    """Add the energy ``fn(*states) -> (*batch,)`` of ``node_sets`` to the model (see module)."""
+    """Add the energy E(x, z) = ``fn(*states)`` of ``node_sets`` to the model.
+
+    A term of −log p(x, z) on node states that is not an edge potential: p(x, z) ∝ exp(−E) ·
+    Π_families Σ_φ …, e.g. the Gaussian prediction errors of a predictive-coding network.
+    Read by Pyro as a ``pyro.factor(name, −E)`` site inside the batch plates; compiled, as a
+    term of the free energy F and, through autograd, of its gradient (the closed-form CCCP
+    update refuses a latent under an energy).
+
+    Args:
+        name: the term's name, a non-empty string (its Pyro site).
+        fn (Callable): takes the node sets' states in order, each ``(*batch, n, d)``, and
+            returns E, one value per batch element, ``(*batch,)``.
+        *node_sets: the node sets it reads (``structattn.nodes``, ``structattn.latent``),
+            at least one; they share their batch dims.
+
+    Returns:
+        The ``Energy`` term (``name``, ``fn``, ``node_sets``).
+
+    Raises:
+        ValueError: ``name`` is not a non-empty string, ``fn`` is not callable, no node set
+            (or something else) is given, the node sets' batch dims differ, the model
+            declares ``name`` twice (compiled or drawn), or ``fn`` returns anything but a
+            tensor of shape ``(*batch,)`` when E is evaluated.
+    """
     if not isinstance(name, str) or not name:
         raise ValueError(f"an energy needs a non-empty string name; got {name!r}")
     if not callable(fn):

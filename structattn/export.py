@@ -138,18 +138,43 @@ class _quiet_torch:
 
 def export(model, *example_inputs, dynamic=None, return_posterior: bool = False,
            **kwargs) -> torch.export.ExportedProgram:
-    """``torch.export.export`` of the compiled ``model`` (a declaration, a Pyro program or a
-    ``CompiledModule``) at ``example_inputs``.
+    """Export the compiled ``model`` with ``torch.export.export`` at ``example_inputs``.
 
-    ``dynamic``: None (every shape as in the examples), True (every input dimension may vary:
-    ``torch.export.Dim.AUTO``, kept static where the model needs it), or ``torch.export``'s
-    own ``dynamic_shapes`` for the inputs. ``return_posterior``: the program also returns the
-    edge posteriors (as ``CompiledModule.forward``); further keyword arguments are passed to
-    the model. Traces return no ``Trace`` (a structattn class): export without
-    ``return_trace``.
+    The program holds only PyTorch operators: save it with ``torch.export.save(program,
+    path)``, load it with ``torch.export.load(path)`` and call ``.module()(*inputs)`` — no
+    structattn needed there. The value checks become fused asserts in the program (off when
+    exported under ``structattn.validation(False)``). Iterative models are exported at their
+    fixed step count.
 
-    Save it with ``torch.export.save(program, path)``; load it with ``torch.export.load(path)``
-    and call ``.module()(*inputs)`` — no structattn needed there."""
+    Args:
+        model (Declaration | Callable | CompiledModule): a ``structattn.Declaration``, a Pyro
+            program using structattn primitives, or a ``CompiledModule`` (exported as it is;
+            the others are compiled first).
+        *example_inputs (Any): the model's inputs to trace it at, as it is called with them
+            (e.g. ``x``, ``(*batch, N, d)``).
+        dynamic (bool | Sequence | None): None (default) or False: every shape as in the
+            examples; True: every input dimension may vary (``torch.export.Dim.AUTO``, kept
+            static where the model needs it); or ``torch.export``'s own ``dynamic_shapes``,
+            one entry per input.
+        return_posterior: the program also returns the edge posteriors, as
+            ``CompiledModule.forward`` does: ``(*batch, heads, children, parents)`` for one
+            edge family, else a dict by family name.
+        **kwargs (Any): further keyword arguments, passed to the model on every call of the
+            program. Not ``return_trace`` or ``trace_posteriors``: a ``Trace`` is a
+            structattn class.
+
+    Returns:
+        The ``torch.export.ExportedProgram``; its module returns the model's output (and
+        the posteriors with ``return_posterior=True``).
+
+    Raises:
+        ValueError: ``return_trace`` or ``trace_posteriors`` is asked for; a family is read
+            by an inference scheme (expanding attention's mean-field windows) or its prior
+            chooses its window from the data (a certified ``tol``, a Beta-geometric
+            ``prior_tol``), so no single program holds it (refused before torch traces
+            anything); or ``torch.export`` fails, the message naming where the reading
+            failed.
+    """
     if kwargs.get("return_trace") or kwargs.get("trace_posteriors"):
         raise ValueError("structattn.export: return_trace returns a structattn Trace, which a "
                          "program loaded without structattn could not rebuild; export the "

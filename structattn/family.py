@@ -40,7 +40,28 @@ from .values.base import Value
 
 @dataclass(eq=False)
 class EdgeFamily:
-    """The IR of one edge family: φ = (φ_i)_{i∈children}, one per head."""
+    """The IR of one edge family: φ = (φ_i)_{i∈children}, one per head.
+
+    ``structattn.edges`` builds it and checks it (``validate_structure``); a reader records it,
+    e.g. ``structattn.trace_structure(...).families[name]``.
+
+    Attributes:
+        name: the family's name, unique in the model (its Pyro site).
+        children: the node set whose C tokens each choose a parent, states
+            ``(*batch, C, d)``.
+        parents: the node set chosen from, P tokens, states ``(*batch, P, d)`` (the same batch
+            dims as ``children``).
+        prior: p(φ_i = j), a ``structattn.priors.Prior`` (its support and log weights).
+        heads: independent edge variables per child, one per head (default 1).
+        potentials: the ``structattn.potentials.Potential`` terms declared so far, in order
+            (``structattn.potential``); empty until one is declared.
+        value: the ``structattn.values.Value`` declared by ``structattn.value``; None until
+            then.
+        inference: how the compiled reader marginalises the family (``structattn.scheme``);
+            None: exactly.
+        tables: the prior's ``PriorTables`` for these node sets in this pass, built from
+            ``prior`` when the family is made.
+    """
 
     name: str
     children: NodeSet
@@ -305,10 +326,18 @@ def edges(name: str, children: NodeSet, parents: NodeSet, prior: Prior, *, heads
 def potential(edge: Any, potential: Potential) -> None:
     """Add the log-potential ψ(x_{φ_i}, x_i) of an edge family (a ``pyro.factor`` site).
 
+    Potentials come before the family's ``structattn.value``; a family takes one or more.
+
     Args:
-        edge: the family's handle (``structattn.edges``).
-        potential: a ``structattn.potentials.Potential``: its scores ``(*batch, heads, C, P)``,
-            added to the prior's log weights before the posterior over φ_i.
+        edge: the family's handle, as ``structattn.edges`` returns it.
+        potential: a ``structattn.potentials.Potential`` with the family's number of heads:
+            its scores ``(*batch, heads, C, P)``, added to the prior's log weights before the
+            posterior over φ_i.
+
+    Raises:
+        ValueError: ``potential`` is not a ``Potential``, the family already has a value, its
+            heads differ from the family's, the prior takes no more potentials
+            (``max_potentials``), or the potential's own checks refuse the node sets.
     """
     edge.add_potential(potential)
 

@@ -6,15 +6,33 @@ import torch
 
 
 def split_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
-    """``(*batch, n, heads*d) -> (*batch, heads, n, d)`` (one head: a view, one operation)."""
+    """``(*batch, n, heads*d) -> (*batch, heads, n, d)`` (one head: a view, one operation).
+
+    Args:
+        t: features ``(*batch, n, heads*d)``; the last dim is split into ``heads`` equal parts.
+        heads: the number of heads H.
+
+    Returns:
+        ``(*batch, heads, n, d)``, with d = ``t.shape[-1] // heads``: head h holds the
+            features ``h*d`` to ``(h+1)*d`` of each of the n rows.
+    """
     if heads == 1:
         return t.unsqueeze(-3)
     return t.unflatten(-1, (heads, t.shape[-1] // heads)).transpose(-3, -2)
 
 
 def merge_heads(t: torch.Tensor) -> torch.Tensor:
-    """``(*batch, heads, n, d) -> (*batch, n, heads*d)``; also works on Pyro's enumerated
-    values, whose size-1 dims broadcast."""
+    """``(*batch, heads, n, d) -> (*batch, n, heads*d)``, the inverse of ``split_heads``.
+
+    Also works on Pyro's enumerated values, whose size-1 dims broadcast.
+
+    Args:
+        t: per-head values ``(*batch, heads, n, d)`` (e.g. ``structattn.value``'s output).
+
+    Returns:
+        ``(*batch, n, heads*d)``, each row's heads side by side, head 0 first (one head: the
+            values with the heads dim dropped).
+    """
     if t.shape[-3] == 1:  # one head: the same values, one operation
         return t.squeeze(-3)
     return t.transpose(-3, -2).flatten(-2)

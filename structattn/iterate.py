@@ -62,7 +62,21 @@ def touches(family, latent) -> bool:
 class Step:
     """What an update rule sees for one latent at one step: its state and the operators
     (``attend``, ``adjoint``, ``mass``, ``posterior``, ``log_partition``) of every family
-    at the current states, by family name or handle."""
+    at the current states, by family name or handle.
+
+    The iteration builds one per latent and update and passes it to a callable update rule,
+    ``update(state, step) -> state``; user code reads it and does not build one.
+
+    Args:
+        engine: the ``Engine`` running the iteration: the reader's latents, edge families
+            (by name), per-family caches and node energies.
+        latent: the ``LatentNodeSet`` being updated.
+
+    Attributes:
+        engine: the ``Engine`` running the iteration.
+        latent: the ``LatentNodeSet`` being updated.
+        state: the latent's current states ``(*batch, n, d)``, as ``move_to`` last left them.
+    """
 
     def __init__(self, engine: Engine, latent: LatentNodeSet):
         self.engine, self.latent = engine, latent

@@ -47,13 +47,25 @@ GRADIENTS = ("unroll", "last")
 class IterationOptions:
     """How the compiled reading infers one latent node set.
 
-    steps: number of updates (a budget when ``tol`` is set); tol: stop once every latent
-    moved by at most ``tol`` (max abs) in one step; damping α: μ ← (1 − α)·update + α·μ;
-    update: ``"cccp"`` (the closed-form fixed point: CCCP/EM), ``"gradient"`` (μ ← μ − η∇F,
-    η = ``step_size``) or a callable ``update(state, step) -> new_state`` (``step``: a
-    ``structattn.Step``); grad: ``"unroll"`` (back-propagate through every step) or
-    ``"last"`` (iterate without gradients, then one differentiable step from the detached
-    state: first-order implicit differentiation).
+    ``structattn.latent`` builds it from its keyword arguments (a latent node set's
+    ``options``, with ``structattn.iteration``'s overrides applied); making one checks every
+    field.
+
+    Attributes:
+        steps: number of updates, an int ≥ 0 (a budget when ``tol`` is set). Default 3.
+        tol: stop once every latent moved by at most ``tol`` (max abs) in one step, a finite
+            number > 0; None (default): run all ``steps``.
+        damping: α in [0, 1): μ ← (1 − α)·update + α·μ. Default 0 (no damping).
+        update: ``"cccp"`` (default: the closed-form fixed point, CCCP/EM), ``"gradient"``
+            (μ ← μ − η∇F, η = ``step_size``) or a callable ``update(state, step) -> new_state``
+            (``step``: a ``structattn.Step``).
+        step_size: η of ``"gradient"`` updates, a finite number > 0. Default 0.1.
+        grad: ``"unroll"`` (default: back-propagate through every step) or ``"last"``
+            (iterate without gradients, then one differentiable step from the detached state:
+            first-order implicit differentiation).
+
+    Raises:
+        ValueError: a field outside the ranges above, naming it.
     """
 
     steps: int = 3
@@ -106,8 +118,24 @@ _overrides = threading.local()
 
 @contextlib.contextmanager
 def iteration(**options):
-    """Override every latent's iteration options in this thread, e.g.
-    ``with structattn.iteration(steps=500, tol=1e-12): layer(x)`` (run to a fixed point)."""
+    """Override every latent's iteration options in this thread.
+
+    E.g. ``with structattn.iteration(steps=500, tol=1e-12): layer(x)`` (run to a fixed point).
+    Nested blocks add to the enclosing block's overrides; each block's exit restores those in
+    force before it.
+
+    Args:
+        **options (Any): ``IterationOptions`` fields by name (``steps``, ``tol``, ``damping``,
+            ``update``, ``step_size``, ``grad``), each replacing that option of every latent
+            node set read inside the block.
+
+    Yields:
+        (None): nothing; the overrides hold inside the ``with`` block.
+
+    Raises:
+        ValueError: an option that is not an ``IterationOptions`` field, or a value that
+            ``IterationOptions`` refuses.
+    """
     unknown = set(options) - set(IterationOptions.__dataclass_fields__)
     if unknown:
         raise ValueError(f"structattn.iteration: unknown options {sorted(unknown)}; expected "
@@ -128,7 +156,26 @@ def iteration_overrides() -> dict:
 
 class LatentNodeSet(NodeSet):
     """A node set whose states are inferred: prior N(loc, scale²) (or flat), an initial state,
-    and the options of its iteration. ``states`` is the current iterate."""
+    and the options of its iteration.
+
+    ``structattn.latent`` builds it and checks its arguments. ``states`` is the current
+    iterate; ``options`` applies ``structattn.iteration``'s overrides in force.
+
+    Args:
+        name (str): the node set's name (its Pyro site).
+        init (torch.Tensor): the initial state ``(*batch, n, features)``.
+        loc (float | torch.Tensor): the prior's mean, a number or a tensor broadcastable to
+            ``init``.
+        scale (float | torch.Tensor | None): the prior's standard deviation, a number > 0 or a
+            tensor broadcastable to ``init``; None: a flat, improper prior.
+        options: how the compiled reading infers it (``IterationOptions``).
+
+    Attributes:
+        init: the initial state ``(*batch, n, features)``.
+        loc: the prior's mean.
+        scale: the prior's standard deviation (None: flat).
+        inferred: whether the states are final (iterated, or given): False until then.
+    """
 
     def __init__(self, name, init, loc, scale, options: IterationOptions):
         super().__init__(name, init, observed=False)
@@ -249,14 +296,41 @@ _latent_effect = effectful(_sample_latent, type="structattn_latent")
 def latent(name: str, init: torch.Tensor, *, loc=0.0, scale=1.0, steps: int = 3,
            tol: float | None = None, damping: float = 0.0, update="cccp", step_size: float = 0.1,
            grad: str = "unroll", features: int | None = None) -> LatentNodeSet:
-    """Declare a latent node set ``name`` with prior z ~ N(loc, scale²·I) (``scale=None``: flat)
-    and initial state ``init`` ``(*batch, n, features)``.
+    """Declare a latent node set ``name`` with prior z ~ N(loc, scale²·I).
 
-    The remaining arguments say how the compiled reading infers it (see
-    ``IterationOptions``): ``steps``, ``tol``, ``damping``, ``update`` ("cccp", "gradient" or
-    a callable ``update(state, step)``), ``step_size`` (gradient updates) and ``grad``
-    ("unroll" or "last"). Returns a node set for ``edges``; read its inferred states with
-    ``structattn.infer``.
+    ``scale=None`` gives a flat prior. The Pyro reading samples z at a ``pyro.sample`` site;
+    the compiled reading starts it at ``init`` and iterates it. The options after ``scale``
+    say how the compiled reading infers it (see ``IterationOptions``).
+
+    Args:
+        name: the node set's name (its Pyro site).
+        init: the initial state ``(*batch, n, features)``, a float tensor.
+        loc (float | torch.Tensor): the prior's mean, a finite number or a tensor
+            broadcastable to ``init``. Default 0.
+        scale (float | torch.Tensor | None): the prior's standard deviation, a finite number
+            > 0 or a tensor broadcastable to ``init`` (> 0 everywhere); None: a flat, improper
+            prior. Default 1.
+        steps: number of updates, an int ≥ 0 (a budget when ``tol`` is set).
+        tol: stop once every latent moved by at most ``tol`` (max abs) in one step; None: run
+            all ``steps``.
+        damping: α in [0, 1): μ ← (1 − α)·update + α·μ; 0: no damping.
+        update (str | Callable): ``"cccp"`` (the closed-form fixed point), ``"gradient"``
+            (gradient steps of size ``step_size``) or a callable
+            ``update(state, step) -> new_state``.
+        step_size: the step size of ``"gradient"`` updates.
+        grad: ``"unroll"`` (back-propagate through every step) or ``"last"`` (one
+            differentiable step from the detached final state).
+        features: the expected size of the states' last dimension (None: any).
+
+    Returns:
+        The ``LatentNodeSet``, for ``structattn.edges``; read its inferred states with
+            ``structattn.infer``.
+
+    Raises:
+        ValueError: an ``init`` or ``name`` that a node set refuses (see ``structattn.nodes``),
+            a ``loc`` or ``scale`` that is not a finite number or a tensor broadcastable to
+            ``init`` (or a ``scale`` ≤ 0), an iteration option outside its range, or, under a
+            structattn reader, a second latent node set of the same name in one model.
     """
     options = IterationOptions(steps, tol, damping, update, step_size, grad)
     node_set = _make_latent(name, init, loc, scale, options, features)
@@ -274,9 +348,22 @@ _infer_effect = effectful(_infer_default, type="structattn_infer")
 
 
 def infer(*node_sets: LatentNodeSet):
-    """The inferred states of latent node sets: the compiled reading iterates every latent
-    declared so far to its (approximate) fixed point; the Pyro reading returns the sampled
-    (or guided) value. One node set → its states ``(*batch, n, features)``; several → a tuple.
+    """The inferred states of latent node sets.
+
+    The compiled reading iterates every latent declared so far to its (approximate) fixed
+    point; the Pyro reading returns the sampled (or guided) value.
+
+    Args:
+        *node_sets: the latent node sets to read (``structattn.latent``).
+
+    Returns:
+        (torch.Tensor | tuple[torch.Tensor, ...]): for one node set, its states
+            ``(*batch, n, features)``; for several, a tuple of them, in the order given.
+
+    Raises:
+        ValueError: an argument that is not a latent node set from ``structattn.latent``, or,
+            in the compiled reading, a latent to iterate that is in no edge family and no
+            energy.
     """
     for ns in node_sets:
         if not isinstance(ns, LatentNodeSet):

@@ -19,7 +19,18 @@ from ._validation import check_finite, shape_str
 
 @dataclass(eq=False)
 class NodeSet:
-    """A named set of nodes with states ``(*batch, size, features)``."""
+    """A named set of nodes with states ``(*batch, size, features)``.
+
+    ``structattn.nodes`` builds it (``structattn.latent`` and ``structattn.deterministic`` build
+    its subclasses); ``size``, ``features`` and ``batch_shape`` read the states' shape.
+
+    Attributes:
+        name: the node set's name (its Pyro site).
+        states: ``(*batch, size, features)``, the nodes' states.
+        observed: whether the states are data (True) or inferred (a latent node set).
+        memory: whether the observed states are stored patterns or prototypes (parameters
+            rather than data); drawings show them apart. Default False.
+    """
 
     name: str
     states: torch.Tensor
@@ -130,10 +141,24 @@ def nodes(name: str, states: torch.Tensor, *, features: int | None = None,
 
 
 class DeterministicNodeSet(NodeSet):
-    """A node set whose states are a function of other node sets' states,
-    ``states = fn(*sources' states)`` (``structattn.deterministic``): recomputed whenever a
-    source has moved (a latent's iterate), so an edge family over it sees the sources' current
-    states and the iterative engine differentiates through ``fn``."""
+    """A node set whose states are a function of other node sets' states.
+
+    ``states = fn(*sources' states)`` (``structattn.deterministic`` builds it and checks its
+    arguments): recomputed whenever a source has moved (a latent's iterate), so an edge family
+    over it sees the sources' current states and the iterative engine differentiates through
+    ``fn``. It is observed when every source is.
+
+    Args:
+        name (str): the node set's name.
+        fn (Callable): the function ``fn(*states) -> (*batch, n, features)`` of the sources'
+            states, in the order of ``sources``.
+        sources (Sequence[NodeSet]): the node sets whose states ``fn`` reads (observed, latent
+            or deterministic).
+        pullback (Callable | None): the vector-Jacobian product of ``fn`` in closed form,
+            ``pullback(u, states, *sources' states)`` → one tensor per source (or one tensor
+            for one source), shaped like that source's states; None: autograd differentiates
+            ``fn``.
+    """
 
     def __init__(self, name, fn, sources, pullback=None):
         self.name, self.fn, self.sources, self.pullback = name, fn, tuple(sources), pullback
@@ -214,16 +239,38 @@ def _deterministic(name, fn, sources, features=None, pullback=None):
 
 def deterministic(name: str, fn, *node_sets: NodeSet, features: int | None = None,
                   pullback=None) -> NodeSet:
-    """Declare a node set ``name`` whose states are ``fn(*states of node_sets)``, ``(*batch, n,
-    features)`` — e.g. K predictions g_k(z) of a latent layer z, for an edge family that picks
-    one of them. Where a source is latent the states follow its iterate; where every source is
-    observed, it is data.
+    """Declare a node set ``name`` whose states are ``fn(*states of node_sets)``.
+
+    The states are ``(*batch, n, features)`` — e.g. K predictions g_k(z) of a latent layer z,
+    for an edge family that picks one of them. Where a source is latent the states follow its
+    iterate; where every source is observed, it is data.
 
     The iterative engine needs ∂/∂z through ``fn``: give it in closed form as ``pullback(u,
     states, *source states)`` → one tensor per source (one tensor for one source), the
     vector-Jacobian product Σ ⟨u, ∂states/∂source⟩ — e.g. for states = tanh(z Wᵀ),
     ``lambda u, g, z: (u * (1 - g**2)) @ W``. Without it autograd differentiates ``fn``
-    (correct, but a reading PyTorch's tracer cannot record: read every call, not exported)."""
+    (correct, but a reading PyTorch's tracer cannot record: read every call, not exported).
+
+    Args:
+        name: the node set's name (its Pyro site).
+        fn (Callable): a callable ``fn(*states) -> (*batch, n, features)`` taking the states of
+            ``node_sets``, in order; its output must have the batch dims of the first node set.
+        *node_sets: the source node sets, at least one (from ``structattn.nodes``,
+            ``structattn.latent`` or ``structattn.deterministic``).
+        features: the expected size of the states' last dimension (None: any).
+        pullback (Callable | None): the vector-Jacobian product of ``fn`` in closed form, as
+            above; None:
+            autograd differentiates ``fn``.
+
+    Returns:
+        The ``DeterministicNodeSet``, for ``structattn.edges``.
+
+    Raises:
+        ValueError: ``fn`` or ``pullback`` is not callable, no node set is given or one is
+            not a ``NodeSet``, ``name`` is empty, or ``fn``'s output fails a node set's checks
+            (a non-empty float tensor ``(*batch, n, features)`` with the first node set's batch
+            dims, and finite while the checks are on).
+    """
     if direct_readers():
         return _make_deterministic(name, fn, node_sets, features, pullback)
     return _deterministic(name, fn, node_sets, features, pullback, name=name)

@@ -16,7 +16,17 @@ from __future__ import annotations
 
 
 class InferenceScheme:
-    """Base class of an edge family's inference scheme (module docstring)."""
+    """Base class of an edge family's inference scheme (module docstring).
+
+    A subclass is declared on a family with ``edges(..., inference=scheme)`` and overrides
+    ``check`` (refuse, at declaration, a family it cannot read) and ``operator`` (the
+    family's ``Operator`` under the scheme, whose ``history`` is what the scheme iterated,
+    or None). The base class takes no constructor arguments.
+
+    Attributes:
+        trace_field: the ``Trace`` field the operators' histories go to, by family name
+            (e.g. ``"mean_field"``); empty in the base class.
+    """
 
     #: the ``Trace`` field its histories go to, by family name
     trace_field: str = ""

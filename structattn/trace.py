@@ -12,25 +12,32 @@ import torch
 class Trace:
     """What a compiled module iterated, one field per inference scheme.
 
-    Latent node sets (``structattn.latent``): ``states[name]``: ``(T + 1, *batch, n, d)``
-    (initial state first); ``free_energy``: ``(T + 1, *batch)``, F at each recorded state;
-    ``posteriors[family]``: ``(T + 1, *batch, H, C, P)`` when recorded; ``steps``: T, the
-    updates made; ``converged``: whether the tolerance was met (None without one).
+    Returned by a compiled module's call with ``return_trace=True`` (the last output). A
+    field that does not apply to the model keeps its default (empty, None, 0).
 
-    Mean-field windows (``structattn.windows.MeanFieldWindows``): ``mean_field[family]``, a
-    ``MeanFieldHistory`` (windows, Beta parameters, expected distances per child and
-    round). A model whose only iteration is mean-field windows has ``steps`` = its families'
-    largest round count and ``converged`` = every window settled.
-
-    Certified truncation (a prior's ``tol``, e.g. ``BetaGeometric(tol=ε)`` read exactly):
-    ``truncation[family]``, a ``structattn.certified.CertifiedWindow`` (also
-    ``structattn.windows.CertifiedWindow``) — the window read and the certified bound on each
-    token's posterior mass beyond it — or, with ``certificate="blocks"``, a
-    ``structattn.block_sparse.BlockSparse``: the key blocks each block of tokens read, per
-    head, and the bound on each token's posterior mass in the others.
-
-    Stick-breaking (``structattn.priors.StickBreaking``): ``leftover[family]``, p(no parent |
-    x) per child ``(*batch, H, C)``, the stick left after the scan (its value is zero).
+    Attributes:
+        states: latent node sets (``structattn.latent``): the states by latent name,
+            ``(T + 1, *batch, n, d)`` each, the initial state first.
+        free_energy: F at each recorded state, ``(T + 1, *batch)``; None without latents.
+        posteriors: the edge posteriors at each recorded state by family name,
+            ``(T + 1, *batch, H, C, P)`` each, when recorded (``trace_posteriors=True``);
+            None otherwise.
+        steps: T, the updates made. A model whose only iteration is mean-field windows has
+            its families' largest round count.
+        converged: whether the latents' tolerance was met (None without one). A model whose
+            only iteration is mean-field windows has True when every window settled.
+        mean_field: mean-field windows (``structattn.windows.MeanFieldWindows``): a
+            ``MeanFieldHistory`` by family name (windows, Beta parameters, expected
+            distances per child and round).
+        truncation: certified truncation (a prior's ``tol``, e.g. ``BetaGeometric(tol=ε)``
+            read exactly), by family name: a ``structattn.certified.CertifiedWindow`` (also
+            ``structattn.windows.CertifiedWindow``), the window read and the certified bound
+            on each token's posterior mass beyond it; or, with ``certificate="blocks"``, a
+            ``structattn.block_sparse.BlockSparse``: the key blocks each block of tokens
+            read, per head, and the bound on each token's posterior mass in the others.
+        leftover: stick-breaking (``structattn.priors.StickBreaking``), by family name:
+            p(no parent | x) per child ``(*batch, H, C)``, the stick left after the scan
+            (its value is zero).
     """
 
     states: dict = field(default_factory=dict)

@@ -189,9 +189,18 @@ def parameters_failed(module) -> None:
 
 def raise_pending() -> None:
     """Wait for the queued verdicts of every compiled module's calls on a GPU and raise the
-    first failed check's error (naming the argument); return when all passed. Calls the GPU
-    has run are read at the next call of their layer anyway: this finds them now, e.g. at the
-    end of a training step or in a test."""
+    first failed check's error (naming the argument); return when all passed.
+
+    Calls the GPU has run are read at the next call of their layer anyway: this finds them
+    now, e.g. at the end of a training step or in a test. Nothing is queued on the CPU or
+    with ``structattn.set_validation(True, queued=False)``, and then it returns at once.
+
+    Raises:
+        ValueError: when a queued check failed: the check's own error, raised again by
+            re-reading the failed call's inputs or naming the non-finite parameter (or, when
+            those have been overwritten since, an error that says so), with a note that it
+            belongs to an earlier call.
+    """
     with _holders_lock:
         holders = list(_holders)
     for verdicts in holders:

@@ -18,8 +18,14 @@ from .networkx import to_networkx
 
 
 class RenderError(RuntimeError):
-    """Raised when a drawing cannot be written: no ``dot`` binary, a path that cannot be
-    written (it names the path), or graphviz failing on it."""
+    """Raised when a drawing cannot be written.
+
+    Its one-line message names the path and the reason: the graphviz ``dot`` program is not on
+    ``PATH`` (the DOT source is then written beside the path, and the message says how to
+    install graphviz), the path cannot be written (a missing directory, a file where a
+    directory is needed, no permission), or graphviz's ``dot`` fails on it. A
+    ``RuntimeError``.
+    """
 
 
 def cannot_write(filename: str, err: Exception) -> RenderError:
@@ -219,19 +225,50 @@ def render(model, *inputs, heads=None, threshold: float = 0.0, top_k: int | None
            ) -> graphviz.Digraph:
     """Draw ``model``'s adjacency: declared (no inputs) or inferred (with inputs).
 
-    Returns a ``graphviz.Digraph`` (shown inline in Jupyter: it has ``_repr_svg_``). With
-    ``filename`` (``.svg``, ``.png``, ``.pdf`` or ``.dot``) the picture is written there; if
-    the graphviz ``dot`` binary is missing, the DOT source is written beside it (``.dot``)
-    and ``RenderError`` explains how to install graphviz.
+    One panel per edge family and head (and per later hop of a walk along the edges), parents
+    in a row above children, edge width and opacity the prior p(φ_i = j) (declared) or the
+    posterior p(φ_i = j | x) (inferred), each child's MAP edge bold. The ``graphviz.Digraph``
+    is shown inline in Jupyter (it has ``_repr_svg_``). If the graphviz ``dot`` binary is
+    missing when ``filename`` needs it, the DOT source is written beside it (``.dot``) and
+    ``RenderError`` explains how to install graphviz.
 
-    ``top_k`` (each child's k most probable parents) and ``threshold`` (drop lighter edges)
-    prune edges. A family of more than ``max_nodes`` nodes (parents + children; default 64)
-    is refused before any O(C·P) work: a graph that large shows no structure, and
-    ``plot_attention`` plots what it says (attention distance per head, MAP parents, windows
-    per token). ``max_nodes=None`` draws any size.
+    A family of more than ``max_nodes`` nodes is refused before any O(C·P) work: a graph that
+    large shows no structure, and ``plot_attention`` plots what it says (attention distance
+    per head, MAP parents, windows per token).
 
-    Batched inputs: one batch element is drawn, ``batch_index`` of the flattened batch
-    (default 0); the title says which of how many.
+    Args:
+        model (Declaration | Callable): a ``structattn.Declaration`` (e.g. a catalogue model)
+            or a Pyro program using ``structattn.nodes``/``edges``/``potential``/``value``.
+        *inputs (Any): the model's inputs, as it is called with them (e.g. ``x``,
+            ``(*batch, N, d)``): the posterior is drawn at them. Without any, the
+            declaration's ``example_inputs()`` fix the sizes and the declared prior is drawn.
+        heads (int | list[int] | None): the heads to draw (default None: all). The title
+            says which heads are left out.
+        threshold: a probability in [0, 1]: edges lighter than it are dropped (default 0:
+            every edge of the support is drawn).
+        top_k: keep only each child's k most probable parents per head (None: all).
+        labels: write under each child the probability of its MAP edge (declared: the prior
+            of its most probable parent).
+        batch_index: the element of the flattened batch that is drawn (default 0); the title
+            says which of how many.
+        max_nodes: the most nodes (parents + children) a family may have (default 64; None:
+            any size).
+        columns: panels per row of the grid (default ⌈√panels⌉).
+        filename: where to write the picture (``.svg``, ``.png``, ``.pdf`` or ``.dot``; see
+            ``save``). None (default): nothing is written.
+
+    Returns:
+        The drawing, a ``graphviz.Digraph`` (engine ``neato``, positions pinned).
+
+    Raises:
+        ValueError: ``model`` is neither a ``Declaration`` nor callable, ``top_k`` is not a
+            positive int, ``threshold`` is not in [0, 1], a
+            family has more than ``max_nodes`` nodes, ``batch_index`` is out of range, a
+            head is not an int below the number of heads, or ``filename`` has another
+            suffix.
+        NotImplementedError: no inputs are given and the declaration has no
+            ``example_inputs()``.
+        RenderError: ``filename`` cannot be written.
     """
     if not inputs:  # drawn at the declaration's example inputs: say so if it has none
         require_example_inputs(as_declaration(model), "render")
@@ -245,7 +282,23 @@ def render(model, *inputs, heads=None, threshold: float = 0.0, top_k: int | None
 
 
 def save(dot: graphviz.Digraph, filename: str | os.PathLike) -> str:
-    """Write ``dot`` to ``filename`` (format from the suffix); returns the path written."""
+    """Write ``dot`` to ``filename``, in the format its suffix names.
+
+    Args:
+        dot: the drawing, e.g. from ``render`` or ``model_graph``.
+        filename: the path to write: ``.svg``, ``.png`` or ``.pdf`` (laid out by the graphviz
+            ``dot`` program), or ``.dot``/``.gv`` (the DOT source, no graphviz program
+            needed). If ``dot`` is missing, the DOT source is written beside the path
+            (``.dot``) before ``RenderError`` is raised.
+
+    Returns:
+        The path written, a ``str``.
+
+    Raises:
+        ValueError: ``filename`` has another suffix.
+        RenderError: the graphviz ``dot`` program is not found, the path cannot be written,
+            or ``dot`` fails on it; the message names the path.
+    """
     filename = os.fspath(filename)
     root, ext = os.path.splitext(filename)
     fmt = ext.lstrip(".").lower()

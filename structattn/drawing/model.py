@@ -49,8 +49,32 @@ def _node_label(ns) -> str:
 
 
 def model_graph(model, *inputs, unrolled: bool = False) -> graphviz.Digraph:
-    """The declaration of ``model`` in plate notation (module docstring). Without inputs the
-    declaration's ``example_inputs()`` fix the sizes."""
+    """Draw the declaration of ``model`` in plate notation: node sets, edge families, priors.
+
+    One plate per node set (observed shaded, latent open and dashed, with its prior and
+    update rule), one edge per family from parents to children, labelled with its prior, its
+    potentials ψ, its value v and its heads; a hyper-prior gets its own open node and a
+    node-level energy (``structattn.energy``) a box joined to the node sets it touches. This
+    complements ``render``, which draws the implied adjacency.
+
+    Args:
+        model (Declaration | Callable): a ``structattn.Declaration`` (e.g. a catalogue model)
+            or a Pyro program using ``structattn.nodes``/``edges``/``potential``/``value``.
+        *inputs (Any): the model's inputs, as it is called with them (e.g. ``x``,
+            ``(*batch, N, d)``); they fix the node sets' sizes. Without any, the
+            declaration's ``example_inputs()`` fix them.
+        unrolled: also draw each latent node set as its chain of iterates z⁰ → z¹ → … → z^T
+            (at most the first three steps and the last), each step reading the families
+            that touch it. No effect on a model without latent node sets.
+
+    Returns:
+        The drawing, a ``graphviz.Digraph``.
+
+    Raises:
+        ValueError: ``model`` is neither a ``Declaration`` nor callable.
+        NotImplementedError: no inputs are given and the declaration has no
+            ``example_inputs()``.
+    """
     decl = as_declaration(model)
     if not inputs:
         inputs = example_inputs(decl, "model_graph")

@@ -23,25 +23,45 @@ def to_networkx(model, *inputs, batch_index: int = 0, max_nodes: int | None = No
                 top_k: int | None = None, threshold: float = 0.0) -> nx.MultiDiGraph:
     """The edge structure of ``model`` as an ``nx.MultiDiGraph`` (a ``DiGraph`` subclass).
 
-    Nodes are ``"name[i]"`` for each node of each node set (attributes
-    ``node_set``, ``index``, ``observed``, ``memory``). Each allowed edge x_j → x_i of each
-    family and head is an edge keyed ``"family/h"`` with attributes ``family``,
-    ``head``, ``support`` (True), ``prior`` p(φ_i = j) and, when inputs are
-    given, ``posterior`` p(φ_i = j | x) (for latent node sets, at the compiled reading's
-    final states). Without inputs the declaration's
-    ``example_inputs()`` fix the sizes and only the declared structure is kept.
-    Batched inputs: element ``batch_index`` of the flattened batch is drawn (the graph's
-    ``batch`` says which of how many). ``max_nodes``
-    (optional): refuse families whose two rows (parents and children) hold more nodes,
-    before any O(C·P) work.
+    Nodes are ``"name[i]"`` for each node of each node set (attributes ``node_set``,
+    ``index``, ``observed``, ``memory``). Each allowed edge x_j → x_i of each family and head
+    is an edge keyed ``"family/h"`` with attributes ``family``, ``head``, ``support`` (True),
+    ``prior`` p(φ_i = j) and, when inputs are given, ``posterior`` p(φ_i = j | x) (for latent
+    node sets, at the compiled reading's final states) and ``map``, True on each child's most
+    probable parent per head (the MAP edge). For models that iterate, the graph's ``steps``
+    (per latent) and each edge's ``step`` say which iterate is drawn. The graph's
+    ``families`` describes each family, ``inferred`` says whether a posterior is drawn and
+    ``batch`` is ``(batch_index, batch size)``.
 
-    Large graphs: ``top_k`` keeps each child's k heaviest edges per head and ``threshold``
-    drops edges lighter than it (weights: the posterior when inferred, else the prior), so
-    only those become networkx edges (O(C·k), not O(C·P)). A walk along the edges (multihop
-    attention's ``Hops`` value) adds the node reached after k hops as family ``"name.hopk"``
-    (posterior P^k, prior p^k; ``hop`` and ``walk_of`` in its description). Inferred graphs mark each child's
-    most probable parent per head with ``map=True`` (the MAP edge); for models that iterate,
-    the graph's ``steps`` (per latent) and each edge's ``step`` say which iterate is drawn.
+    Large graphs: ``top_k`` and ``threshold`` prune edges by weight (the posterior when
+    inferred, else the prior), so only the kept ones become networkx edges (O(C·k), not
+    O(C·P)). A walk along the edges (multihop attention's ``Hops`` value) adds the node
+    reached after k hops as family ``"name.hopk"`` (posterior P^k, prior p^k; ``hop`` and
+    ``walk_of`` in its description).
+
+    Args:
+        model (Declaration | Callable): a ``structattn.Declaration`` (e.g. a catalogue model)
+            or a Pyro program using ``structattn.nodes``/``edges``/``potential``/``value``.
+        *inputs (Any): the model's inputs, as it is called with them (e.g. ``x``,
+            ``(*batch, N, d)``): the posterior is read at them. Without any, the
+            declaration's ``example_inputs()`` fix the sizes and only the declared structure
+            is kept.
+        batch_index: the element of the flattened batch that is drawn (default 0).
+        max_nodes: refuse a family whose two rows (parents and children) hold more nodes than
+            this, before any O(C·P) work (default None: any size).
+        top_k: keep only each child's k heaviest edges per head (default None: all).
+        threshold: a probability in [0, 1]: drop edges lighter than it (default 0: every
+            edge of the support is kept).
+
+    Returns:
+        The graph, an ``nx.MultiDiGraph``.
+
+    Raises:
+        ValueError: ``model`` is neither a ``Declaration`` nor callable, ``top_k`` is not a
+            positive int, ``threshold`` is not in [0, 1], a family has more than
+            ``max_nodes`` nodes, or ``batch_index`` is out of range.
+        NotImplementedError: no inputs are given and the declaration has no
+            ``example_inputs()``.
     """
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int)
                               or top_k < 1):

@@ -170,11 +170,39 @@ def _spread_panel(ax, row: _Row, window) -> None:
 
 def plot_attention(model, *inputs, heads=None, batch_index: int = 0,
                    filename: str | os.PathLike | None = None, dpi: int = 110):
-    """Plot the inferred attention of ``model`` on ``inputs`` (module docstring): a matplotlib
-    ``Figure``, saved to ``filename`` (any format matplotlib writes) when given. ``heads``:
-    an int or a list of heads to plot (default all; the title says which are left out).
-    Without inputs the declaration's ``example_inputs()`` are used and the prior is plotted.
-    Costs one dense posterior per family, (H, C, P) — fine for sequences of a few thousand."""
+    """Plot the attention of ``model`` on ``inputs`` as a researcher reads it, not as a graph.
+
+    One row per edge family and head (and per later hop of a walk, as ``render`` draws
+    them), three panels: each child's MAP parent coloured by p(φ_i = j | x); the posterior
+    mass per distance i − j beside the prior's (for a family between two node sets: the
+    attention each parent receives); and the distances holding the central 90% of each
+    child's posterior, its median and its MAP (with a mean-field window, each token's final
+    window W_i). Costs one dense posterior per family, (H, C, P): fine for sequences of a few
+    thousand.
+
+    Args:
+        model (Declaration | Callable): a ``structattn.Declaration`` (e.g. a catalogue model)
+            or a Pyro program using ``structattn.nodes``/``edges``/``potential``/``value``.
+        *inputs (Any): the model's inputs, as it is called with them (e.g. ``x``,
+            ``(*batch, N, d)``): the posterior is plotted at them. Without any, the
+            declaration's ``example_inputs()`` are used and the prior is plotted.
+        heads (int | list[int] | None): the heads to plot (default None: all). The title
+            says which heads are left out.
+        batch_index: the element of the flattened batch that is plotted (default 0).
+        filename: where to save the figure (any format matplotlib writes, from the suffix).
+            None (default): it is not saved.
+        dpi: the saved figure's resolution in dots per inch (default 110).
+
+    Returns:
+        (matplotlib.figure.Figure): The figure, one row of three panels per family and head.
+
+    Raises:
+        ValueError: ``model`` is neither a ``Declaration`` nor callable, a head is not an int
+            below the number of heads, or ``batch_index`` is out of range.
+        NotImplementedError: no inputs are given and the declaration has no
+            ``example_inputs()``.
+        RenderError: ``filename`` cannot be written.
+    """
     import matplotlib.pyplot as plt
 
     decl = as_declaration(model)

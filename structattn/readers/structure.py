@@ -16,8 +16,19 @@ from ..priors.declared import declared_log_prior
 
 @dataclass
 class Structure:
-    """The IR of a declaration run on concrete inputs (``output``: the program's output with
-    placeholder zero values — for shapes only)."""
+    """The IR of a declaration run on concrete inputs.
+
+    ``trace_structure`` builds it. ``latents`` picks the latent node sets out of
+    ``node_sets``; ``support``, ``log_prior`` and ``posterior`` read one family's edge
+    distribution densely.
+
+    Attributes:
+        node_sets: every node set by name (observed, latent and deterministic), in
+            declaration order.
+        families: the edge families (``EdgeFamily``) by name, in declaration order.
+        output: the program's output with placeholder zero values — for shapes only.
+        energies: the ``structattn.energy`` terms by name (None when not given).
+    """
 
     node_sets: dict[str, NodeSet]
     families: dict[str, EdgeFamily]
@@ -149,8 +160,29 @@ class SubstituteExpectations(TraceStructure):
 
 
 def trace_structure(program, *inputs, latent_values: dict | None = None, **kwargs) -> Structure:
-    """Run ``program(*inputs)`` under ``TraceStructure`` and return its ``Structure`` (latent
-    node sets at their initial state, or at ``latent_values``)."""
+    """Run ``program(*inputs)`` under ``TraceStructure`` and return its ``Structure``.
+
+    The program runs once, without gradients; nothing is sampled and no expectation is
+    computed (each value site returns zeros of its shape). Latent node sets stay at their
+    initial state, or at ``latent_values``.
+
+    Args:
+        program (Callable): the declaration (a ``structattn.Declaration``) or a plain Pyro
+            program built from structattn's primitives.
+        *inputs (Any): the program's positional inputs, e.g. ``x`` ``(*batch, n, d)``.
+        latent_values: latent node sets' states by name, each shaped like its initial state;
+            None: every latent at its initial state.
+        **kwargs (Any): the program's keyword inputs.
+
+    Returns:
+        The ``Structure``: node sets, edge families, energies and the program's output.
+
+    Raises:
+        ValueError: the program holds a raw ``pyro.sample`` or ``pyro.factor`` site, declares
+            an edge family, latent node set or energy twice, reads a family's value before
+            declaring a potential, or ``latent_values`` lacks a latent or holds one of another
+            shape; and whatever the primitives refuse as the program declares them.
+    """
     with torch.no_grad(), TraceStructure(latent_values) as reader:
         out = program(*inputs, **kwargs)
     return Structure(reader.node_sets, reader.families, out, dict(reader.energies))

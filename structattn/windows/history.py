@@ -9,19 +9,32 @@ import torch
 
 @dataclass
 class MeanFieldHistory:
-    """What the mean-field window iteration did for one family, per round t:
-    ``windows`` ``(T, *batch, H, N)`` long, ``alpha`` / ``beta`` ``(T, *batch, H, N)`` (q's
-    Beta parameters the posterior of round t used) and ``expected_distance``
-    ``(T, *batch, H, N)`` (E_{p_t}[φ_i]) — a child that has settled keeps its final values;
-    ``iterations`` T (rounds: the slowest child's iterations); ``child_iterations``
-    ``(*batch, H, N)``: each child's own; ``converged``: every child settled within
-    ``max_iters``; ``discarded``: the final predictive tail mass beyond each window (the
-    prior's side only); ``bound``: a certified upper bound on the final posterior's mass
-    beyond each window, over all of the child's past (whatever the rule);
-    ``offset``: the first child's position (children are the last N of offset + N tokens,
-    ``last=``). A child at position 0 (no past) has window 0 and no iterations. ``band``:
-    the Python loop's band reach per round; the compiled kernel builds no band and reports
-    the widest window it scored that round."""
+    """What the mean-field window iteration did for one family, per round t.
+
+    Reported as ``Trace.mean_field[family]``. The per-round tensors have T rows, one per
+    round; a child that has settled keeps its final values. A child at position 0 (no past)
+    has window 0 and no iterations.
+
+    Attributes:
+        windows: each child's window W_i per round, ``(T, *batch, H, N)``, long.
+        alpha: the first of q's Beta parameters that the posterior of round t used,
+            ``(T, *batch, H, N)``.
+        beta: the second of q's Beta parameters that the posterior of round t used,
+            ``(T, *batch, H, N)``.
+        expected_distance: E_{p_t}[φ_i], the expected distance to the parent under round
+            t's posterior, ``(T, *batch, H, N)``.
+        band: the Python loop's band reach per round; the compiled kernel builds no band and
+            reports the widest window it scored that round.
+        iterations: T, the rounds: the slowest child's iterations.
+        converged: whether every child settled within ``max_iters``.
+        discarded: the final predictive tail mass beyond each window (the prior's side
+            only), ``(*batch, H, N)``.
+        child_iterations: each child's own iteration count, ``(*batch, H, N)``.
+        bound: a certified upper bound on the final posterior's mass beyond each window,
+            over all of the child's past (whatever the rule), ``(*batch, H, N)``.
+        offset: the first child's position: the children are the last N of offset + N
+            tokens (``last=``).
+    """
 
     windows: torch.Tensor
     alpha: torch.Tensor

@@ -56,19 +56,39 @@ class ScoreFactors(NamedTuple):
 
 @dataclass(frozen=True)
 class MeanFieldWindows(InferenceScheme):
-    """The mean-field window scheme's options (module docstring):
+    """The mean-field window scheme's options (module docstring).
 
-    tol ∈ (0, 1): the posterior mass a window may leave out (the rules' threshold; under
-    the default rule, "certified", a proven bound per child, reported in the history);
-    max_window ≥ 1: caps every window; max_iters ≥ 1: rounds at most; converge_tol > 0: a
-    child settles when |ΔE[φ_i]| ≤ converge_tol·max(1, E[φ_i]) and its window stops growing;
-    expectation: "digamma" (E[ln q]) or "plug_in" (ln E[q]); update: "conjugate" or
-    "accumulate"; window_rule: a ``WindowRule`` or the name of a built-in one
-    ("certified", "predictive", "edge", "evidence"); initial_window (default: the prior's tail
-    quantile at tol — at 1/2, its median, under the certified rule, which then doubles);
-    grad: "unroll" (back-propagate through every round) or "last" (one differentiable step
-    from the detached fixed point) — ``structattn.iteration(grad=…)`` overrides it, as it
-    does every latent's.
+    Declared on a family whose prior is ``structattn.priors.BetaGeometric`` with
+    ``edges(..., inference=MeanFieldWindows(...))``; its history is reported as
+    ``Trace.mean_field[family]`` (a ``MeanFieldHistory``).
+
+    Args:
+        tol: the posterior mass a window may leave out, in (0, 1) (the rules' threshold;
+            under the default rule, "certified", a proven bound per child, reported in the
+            history).
+        max_window: an int ≥ 1 that caps every window; None, the default, leaves the cap to
+            the child's past and the prior's own window.
+        max_iters: the most rounds, an int ≥ 1.
+        converge_tol: a finite number > 0: a child settles when
+            |ΔE[φ_i]| ≤ converge_tol·max(1, E[φ_i]) and its window stops growing.
+        expectation: "digamma" (E[ln q]) or "plug_in" (ln E[q]).
+        update: "conjugate" (α_i ← a + E[φ_i] − 1, β_i ← b + 1) or "accumulate"
+            (α_i ← α_i + E[φ_i] − 1, β_i ← β_i + 1, the authors' code).
+        window_rule: a ``WindowRule`` or the name of a built-in one ("certified",
+            "predictive", "edge", "evidence").
+        initial_window: the first window, an int ≥ 1 (capped like every window); None,
+            the default, takes the prior's tail quantile at tol — at 1/2, its median, under
+            the certified rule, which then doubles.
+        grad: "unroll" (back-propagate through every round) or "last" (one differentiable
+            step from the detached fixed point); ``structattn.iteration(grad=…)`` overrides
+            it, as it does every latent's.
+
+    Raises:
+        ValueError: when ``expectation``, ``update`` or ``grad`` is not one of its choices,
+            ``window_rule`` is neither a ``WindowRule`` nor a built-in name, ``tol`` is not
+            a number in (0, 1), ``max_window``, ``max_iters`` or ``initial_window`` is given
+            but not an int ≥ 1, or ``converge_tol`` is not a finite number > 0 (bools are
+            refused throughout).
     """
 
     tol: float = 0.05

@@ -12,8 +12,8 @@ import structattn as sa
 from structattn import kernels, triton_kernels
 
 from ..programs import program, scores_of
-from ..reference import band_per_child
 from ..readers.test_windows import brute_mean_field, ceilings
+from ..reference import band_per_child
 
 f64 = torch.float64
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -57,10 +57,10 @@ def test_triton_solve_equals_the_cpu_kernel(N, P, rule, expectation, update, dty
         *(t.cpu() for t in (a, b)), P - N, 0.7, *(t.cpu() for t in (a0, b0, win0, caps)),
         *rest, False)[:7]
     window, alpha, beta, m, steps, settled, bound = zip(got, want, strict=True)
-    assert torch.equal(*window)
     if dtype == f64:
-        assert torch.equal(*steps) and torch.equal(*settled)
-        for name, (x, y) in zip(["α", "β", "E[φ]", "bound"], [alpha, beta, m, bound]):
+        assert torch.equal(*window) and torch.equal(*steps) and torch.equal(*settled)
+        for name, (x, y) in zip(["α", "β", "E[φ]", "bound"], [alpha, beta, m, bound],
+                                strict=True):
             torch.testing.assert_close(x, y, atol=1e-12, rtol=1e-12, msg=name)
     else:
         # (on a GPU, float32 exp and log are the hardware's approximations, a few ulps: a
@@ -68,7 +68,7 @@ def test_triton_solve_equals_the_cpu_kernel(N, P, rule, expectation, update, dty
         same = window[0] == window[1]
         assert same.double().mean() >= (1.0 if DEVICE.type == "cpu" else 0.95)
         assert int((steps[0] - steps[1])[same].abs().max()) <= 1
-        for name, (x, y) in zip(["α", "β", "E[φ]"], [alpha, beta, m]):
+        for name, (x, y) in zip(["α", "β", "E[φ]"], [alpha, beta, m], strict=True):
             torch.testing.assert_close(x[same], y[same], atol=0, rtol=1e-3, msg=name)
         torch.testing.assert_close(bound[0][same], bound[1][same], atol=1e-5, rtol=0)
     if N > 1:

@@ -1,0 +1,46 @@
+"""Every public name of ``structattn`` documents itself in one convention (Google style, as
+the API reference renders it): a function says its arguments under ``Args:`` and what it
+returns under ``Returns:`` (``Yields:`` for a context manager; nothing where it returns
+None); a class its constructor's arguments under ``Args:`` or, for a record the library
+hands back, its fields under ``Attributes:``. Exceptions and warnings need only their
+paragraph."""
+
+import inspect
+
+import pytest
+
+import structattn as sa
+
+
+def _public():
+    for name in sorted(n for n in dir(sa) if not n.startswith("_")):
+        obj = getattr(sa, name)
+        if inspect.ismodule(obj) or not callable(obj):
+            continue
+        yield name, obj
+
+
+def _parameters(fn) -> list:
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return []
+    return [p for p in sig.parameters.values() if p.name not in ("self", "cls")]
+
+
+@pytest.mark.parametrize("name", [n for n, _ in _public()])
+def test_every_public_name_states_its_arguments_and_results(name):
+    obj = getattr(sa, name)
+    doc = inspect.getdoc(obj) or ""
+    assert doc, f"structattn.{name} has no docstring"
+    if inspect.isclass(obj):
+        if issubclass(obj, (Exception, Warning)):
+            return
+        assert "Args:" in doc or "Attributes:" in doc, \
+            f"structattn.{name}: a class documents its Args: (or a record its Attributes:)"
+        return
+    if _parameters(obj):
+        assert "Args:" in doc, f"structattn.{name}: no Args: section"
+    returns = inspect.signature(obj).return_annotation
+    if returns not in (None, "None"):
+        assert "Returns:" in doc or "Yields:" in doc, f"structattn.{name}: no Returns: section"
