@@ -48,6 +48,44 @@ def _node_label(ns) -> str:
         f", tol {o.tol:g}" if o.tol else "") + f"\n(d = {d})"
 
 
+def _plate(dot, k: int, ns, s, colours: dict, sources: dict) -> None:
+    """Node set ``ns``'s plate: its node (shaded observed, dashed latent, dotted
+    deterministic, a box for memories), the plate's label beside it, and the hyper-prior of
+    every family whose children it is."""
+    with dot.subgraph(name=f"cluster_{k}") as c:
+        c.attr(style="rounded", color="#555555")
+        # the plate's label is a node beside x_i: edges are routed around nodes, never
+        # across them (a cluster label is not an obstacle to the router)
+        with c.subgraph() as row:
+            row.attr(rank="same")
+            row.node(f"ns{k}_plate", _esc(f"{ns.name}: i = 1..{ns.size}"),
+                     shape="plaintext", fontsize="10", fontcolor="#555555")
+            row.node(f"ns{k}")
+            row.edge(f"ns{k}", f"ns{k}_plate", style="invis")
+        style = ({"style": "filled", "fillcolor": "#d9d9d9"} if ns.observed
+                 else {"style": "dashed", "penwidth": "1.6"})
+        shape = "ellipse"
+        if isinstance(ns, DeterministicNodeSet):  # a function of others: dotted
+            style = {"style": "dotted", "penwidth": "1.6"}
+        if getattr(ns, "memory", False):  # stored patterns / prototypes
+            style, shape = {"style": "filled,rounded", "fillcolor": "#fff2cc"}, "box"
+        label = _node_label(ns)
+        if sources.get(ns.name):
+            label += "\nstarts from " + ", ".join(sources[ns.name])
+        c.node(f"ns{k}", _esc(label), shape=shape, **style)
+        for f_i, (name, fam) in enumerate(s.families.items()):
+            hyper = fam.prior.hyper_prior()
+            if hyper is None or fam.children is not ns:
+                continue
+            # e.g. q_i ~ Beta(a, b): one per child i, so inside the children's plate,
+            # an open node feeding the family
+            colour = colours[name]
+            c.node(f"hyper{f_i}", _esc(hyper), shape="ellipse", style="dashed",
+                   color=colour, fontcolor=colour)
+            c.edge(f"hyper{f_i}", f"ns{k}", style="dashed", color=colour,
+                   arrowhead="odot")
+
+
 def model_graph(model, *inputs, unrolled: bool = False) -> graphviz.Digraph:
     """Draw the declaration of ``model`` in plate notation: node sets, edge families, priors.
 
@@ -88,38 +126,7 @@ def model_graph(model, *inputs, unrolled: bool = False) -> graphviz.Digraph:
     colours = {name: _COLOURS[f_i % len(_COLOURS)] for f_i, name in enumerate(s.families)}
     sources = _initial_sources(decl, inputs) if s.latents else {}
     for k, ns in enumerate(s.node_sets.values()):
-        with dot.subgraph(name=f"cluster_{k}") as c:
-            c.attr(style="rounded", color="#555555")
-            # the plate's label is a node beside x_i: edges are routed around nodes, never
-            # across them (a cluster label is not an obstacle to the router)
-            with c.subgraph() as row:
-                row.attr(rank="same")
-                row.node(f"ns{k}_plate", _esc(f"{ns.name}: i = 1..{ns.size}"),
-                         shape="plaintext", fontsize="10", fontcolor="#555555")
-                row.node(f"ns{k}")
-                row.edge(f"ns{k}", f"ns{k}_plate", style="invis")
-            style = ({"style": "filled", "fillcolor": "#d9d9d9"} if ns.observed
-                     else {"style": "dashed", "penwidth": "1.6"})
-            shape = "ellipse"
-            if isinstance(ns, DeterministicNodeSet):  # a function of others: dotted
-                style = {"style": "dotted", "penwidth": "1.6"}
-            if getattr(ns, "memory", False):  # stored patterns / prototypes
-                style, shape = {"style": "filled,rounded", "fillcolor": "#fff2cc"}, "box"
-            label = _node_label(ns)
-            if sources.get(ns.name):
-                label += "\nstarts from " + ", ".join(sources[ns.name])
-            c.node(f"ns{k}", _esc(label), shape=shape, **style)
-            for f_i, (name, fam) in enumerate(s.families.items()):
-                hyper = fam.prior.hyper_prior()
-                if hyper is None or fam.children is not ns:
-                    continue
-                # e.g. q_i ~ Beta(a, b): one per child i, so inside the children's plate,
-                # an open node feeding the family
-                colour = colours[name]
-                c.node(f"hyper{f_i}", _esc(hyper), shape="ellipse", style="dashed",
-                       color=colour, fontcolor=colour)
-                c.edge(f"hyper{f_i}", f"ns{k}", style="dashed", color=colour,
-                       arrowhead="odot")
+        _plate(dot, k, ns, s, colours, sources)
     for name, fam in s.families.items():
         colour = colours[name]
         pots = ", ".join(p.describe() for p in fam.potentials) or "none"

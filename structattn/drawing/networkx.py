@@ -19,6 +19,31 @@ def node_id(node_set: str, index: int) -> str:
     return f"{node_set}[{index}]"
 
 
+def _add_edges(G, name, info, prior, post, top_k, threshold, steps) -> None:
+    """Family ``name``'s kept edges (the support, pruned by ``threshold`` and ``top_k`` on the
+    posterior, else the prior) with their prior, posterior and MAP attributes."""
+    weight = post if post is not None else prior  # (H, C, P)
+    keep = prior > 0  # the support (and whatever an approximate posterior reaches)
+    if post is not None:
+        keep |= post > 0
+    if threshold > 0:
+        keep &= weight >= threshold
+    if top_k is not None and top_k < weight.shape[-1]:
+        top = torch.zeros_like(keep)
+        top.scatter_(-1, weight.masked_fill(~keep, -1.0).topk(top_k, -1).indices, True)
+        keep &= top
+    best = weight.masked_fill(~(prior > 0) & ~(weight > 0), -1.0).argmax(-1)  # MAP parent
+    for h, i, j in keep.nonzero().tolist():
+        attrs = {"family": name, "head": h, "support": True, "prior": float(prior[h, i, j])}
+        if post is not None:
+            attrs["posterior"] = float(post[h, i, j])
+            attrs["map"] = bool(best[h, i] == j)
+            if steps:
+                attrs["step"] = max(steps.values())  # drawn at the final iterate
+        G.add_edge(node_id(info["parents"], j), node_id(info["children"], i),
+                   key=f"{name}/{h}", **attrs)
+
+
 def to_networkx(model, *inputs, batch_index: int = 0, max_nodes: int | None = None,
                 top_k: int | None = None, threshold: float = 0.0) -> nx.MultiDiGraph:
     """The edge structure of ``model`` as an ``nx.MultiDiGraph`` (a ``DiGraph`` subclass).
@@ -91,27 +116,7 @@ def to_networkx(model, *inputs, batch_index: int = 0, max_nodes: int | None = No
     for name, info, prior, post in family_tables(structure, batch_index, inferred):
         G.graph["families"][name] = info
         G.graph["batch"] = (batch_index, info["batch"])
-        weight = post if post is not None else prior  # (H, C, P)
-        keep = prior > 0  # the support (and whatever an approximate posterior reaches)
-        if post is not None:
-            keep |= post > 0
-        if threshold > 0:
-            keep &= weight >= threshold
-        if top_k is not None and top_k < weight.shape[-1]:
-            top = torch.zeros_like(keep)
-            top.scatter_(-1, weight.masked_fill(~keep, -1.0).topk(top_k, -1).indices, True)
-            keep &= top
-        best = weight.masked_fill(~(prior > 0) & ~(weight > 0), -1.0).argmax(-1)  # MAP parent
-        for h, i, j in keep.nonzero().tolist():
-            attrs = {"family": name, "head": h, "support": True,
-                     "prior": float(prior[h, i, j])}
-            if post is not None:
-                attrs["posterior"] = float(post[h, i, j])
-                attrs["map"] = bool(best[h, i] == j)
-                if steps:
-                    attrs["step"] = max(steps.values())  # drawn at the final iterate
-            G.add_edge(node_id(info["parents"], j), node_id(info["children"], i),
-                       key=f"{name}/{h}", **attrs)
+        _add_edges(G, name, info, prior, post, top_k, threshold, steps)
     return G
 
 
