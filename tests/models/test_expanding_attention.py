@@ -1,6 +1,6 @@
 """Expanding attention (SPEC.md §5.2), the catalogue model: its own Pyro reading, the last
 tokens, learned a and b, argument checks, an ordinary module. The prior is tested in
-tests/priors/test_beta_geometric.py, its mean-field reading in tests/readers/test_windows.py."""
+tests/priors/test_beta_geometric.py, its mean-field reading in tests/windows/test_windows.py."""
 
 import contextlib
 import warnings

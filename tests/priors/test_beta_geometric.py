@@ -8,7 +8,7 @@ Oracles, none of which reads structattn's lowering:
   nodes (exact for the polynomial-in-q geometric likelihood) and the edges enumerated,
   marginals by ``TraceEnum_ELBO.compute_marginals``.
 
-The mean-field reading is tested in tests/readers/test_windows.py."""
+The mean-field reading is tested in tests/windows/test_windows.py."""
 
 import contextlib
 import math

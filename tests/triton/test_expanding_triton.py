@@ -12,8 +12,8 @@ import structattn as sa
 from structattn import kernels, triton_kernels
 
 from ..programs import program, scores_of
-from ..readers.test_windows import brute_mean_field, ceilings
 from ..reference import band_per_child
+from ..windows.test_windows import brute_mean_field, ceilings
 
 f64 = torch.float64
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -173,7 +173,7 @@ def test_triton_band_per_child_takes_half_precision_as_it_is(dtype, atol, grad_r
 @pytest.mark.parametrize("n", [9, 40])
 def test_triton_layer_equals_the_brute_force_mean_field(n, rule, expectation, update):
     """A whole layer through the Triton kernels (``on_cpu``, no grad) equals the brute-force
-    mean field (tests/readers/test_windows.py: numpy, child by child): posterior and output."""
+    mean field (tests/windows/test_windows.py: numpy, child by child): posterior and output."""
     g = torch.Generator().manual_seed(n)
     heads, d = 2, 4
     x = torch.randn(2, n, d, generator=g, dtype=f64).to(DEVICE)

@@ -2,7 +2,7 @@
 loop it replaces on the CPU, and its fallback.
 
 The loop itself is checked against a float64 brute force of the equations in
-tests/readers/test_windows.py (which also runs the kernel against that brute force); here the two
+tests/windows/test_windows.py (which also runs the kernel against that brute force); here the two
 implementations are compared over random sizes, options and every field of the trace.
 """
 
@@ -16,8 +16,8 @@ from hypothesis import given, settings
 import structattn as sa
 from structattn import kernels
 
-from ..programs import history, program
-from ..reference import band_per_child
+from .programs import history, program
+from .reference import band_per_child
 
 f64 = torch.float64
 
@@ -217,7 +217,7 @@ def test_evaluation_with_grad_enabled_but_nothing_to_differentiate_uses_the_kern
 def test_the_kernel_computes_the_score_ceiling_as_certified_does(dtype):
     """``solve`` without ``high``/``slack`` computes the ceiling itself, in double: the
     rounding slack as ``ceilings.score_ceiling``'s and, for the parents beyond each window,
-    the longest key farther back than it (a running max; ``tests/readers/test_windows.py``
+    the longest key farther back than it (a running max; ``tests/windows/test_windows.py``
     checks its values against a brute force). It is never looser than the call given Python's
     ceiling of the longest key of all: no window longer, and where the windows and steps
     agree, no bound larger — and tighter somewhere."""

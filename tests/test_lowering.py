@@ -5,7 +5,7 @@ import torch
 
 import structattn as sa
 
-from ..reference import heads_of, softmax_attention
+from .reference import heads_of, softmax_attention
 
 TOL = 1e-6
 F64 = torch.float64

@@ -6,7 +6,7 @@ import torch
 
 import structattn as sa
 
-from ..reference import random_support
+from .reference import random_support
 
 
 def _x(*shape):
