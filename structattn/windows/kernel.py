@@ -5,9 +5,12 @@
 window grows; ``attend``: the output at the fixed point; ``infer``: both in one call — the
 no-grad reading, so that a recorded plan holds one node for the inference (the score ceiling
 and the Beta bookkeeping around two calls were twenty small operations, each costing a
-Python call per replay; the kernel computes both itself). ``mean_field_compiled`` is the
-scheme's fast path on the CPU: the same equations as the Python loop (``loop.mean_field``),
-which stays the reference and the path on other devices and for ``grad="unroll"``.
+Python call per replay; the kernel computes both itself); ``band_forward``/``band_backward``:
+``grad="last"``'s one differentiable step, each child's window read in place.
+``mean_field_compiled`` is the scheme's fast path — on the CPU these, on CUDA the Triton
+kernels (``on_triton``): the same equations as the Python loop (``loop.mean_field``), which
+stays the reference and the path for ``grad="unroll"``, a per-round history and rules a
+kernel does not run.
 """
 
 from __future__ import annotations

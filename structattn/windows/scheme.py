@@ -16,8 +16,9 @@ support kind, ``structattn.kinds.window``; this scheme is its approximation.)
 
 Two implementations of the same equations: ``loop.mean_field``, tensor operations over the
 band (any device; the graph for ``grad="unroll"``), and ``kernel.mean_field_compiled``,
-which on the CPU, wherever no graph through the iteration is needed, runs each child's
-whole iteration in one call of the compiled kernel.
+which, wherever no graph through the iteration is needed, runs each child's whole iteration
+in one call of the compiled kernel (the CPU) or of the Triton solve (CUDA), and reads the
+output at the fixed point over each child's own window.
 
 The children may be the last C of the P parent tokens (``layer(x, last=C)``): child i sits
 at position P − C + i, and only those C windows are computed.
