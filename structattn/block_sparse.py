@@ -302,8 +302,8 @@ def block_sparse_attention(a: torch.Tensor, b: torch.Tensor, v: torch.Tensor, sc
 
     Returns:
         ``(out, report)``: ``out`` ``(*lead, N, d)``, child i's posterior expectation of v
-        over the blocks read (renormalised there; at most 2·eps·max‖v_j‖ from the exact one),
-        differentiable in a, b, v and h; ``report`` the ``BlockSparse`` choice.
+            over the blocks read (renormalised there; at most 2·eps·max‖v_j‖ from the exact one),
+            differentiable in a, b, v and h; ``report`` the ``BlockSparse`` choice.
 
     The child blocks are read in groups of the same number of key blocks (the rounds' counts),
     each group in runs of at most ``RUN_ENTRIES`` scores: the scores never

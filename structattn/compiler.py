@@ -194,9 +194,9 @@ def compile(model: Declaration | Callable, *, replay: bool = True, max_plans: in
             starts.
 
     Returns:
-        A ``CompiledModule``: ``layer(*inputs)`` → the model's output with every value
-        replaced by its posterior expectation; ``return_posterior``/``return_trace`` add the
-        posteriors and the iterations' trace.
+        CompiledModule: ``layer(*inputs)`` → the model's output with every value replaced by
+            its posterior expectation; ``return_posterior``/``return_trace`` add the
+            posteriors and the iterations' trace.
 
     Example:
         Causal attention declared as a model, compiled, and checked against Pyro:

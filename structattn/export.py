@@ -165,7 +165,7 @@ def export(model, *example_inputs, dynamic=None, return_posterior: bool = False,
 
     Returns:
         The ``torch.export.ExportedProgram``; its module returns the model's output (and
-        the posteriors with ``return_posterior=True``).
+            the posteriors with ``return_posterior=True``).
 
     Raises:
         ValueError: ``return_trace`` or ``trace_posteriors`` is asked for; a family is read
