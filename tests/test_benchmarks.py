@@ -37,3 +37,17 @@ def test_results_carry_their_provenance(tmp_path, monkeypatch):
     assert _results.save("toy", {}, quick=True) is None
     assert not (tmp_path / "results").exists()
     assert _results.save("toy", {}) == str(tmp_path / "results" / "toy.json")
+
+
+def test_the_results_render_as_the_docs_pictures(tmp_path, monkeypatch):
+    """``render_results.py`` draws the committed results as the docs' pictures: each one it
+    can draw from ``benchmarks/results/`` is a PNG, and the docs' copies exist."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import render_results
+
+    written = render_results.main(["--out", str(tmp_path)])
+    names = {pathlib.Path(w).name for w in written}
+    assert names == {"distance_priors.png", "gpu_kernels.png", "expanding.png"}
+    for w in written:
+        assert pathlib.Path(w).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert (BENCHMARKS.parent / "docs" / "benchmarks" / "img" / pathlib.Path(w).name).exists()
