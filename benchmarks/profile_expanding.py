@@ -133,7 +133,8 @@ def main(argv=None):
             be.fwd_bwd(layer, params, x)
         if not args.smoke:
             torch.cuda.synchronize()
-    table = prof.key_averages().table(sort_by="cpu_time_total" if args.smoke else "cuda_time_total", row_limit=25)
+    order = "cpu_time_total" if args.smoke else "cuda_time_total"
+    table = prof.key_averages().table(sort_by=order, row_limit=25)
     print(table)
     out["profile"] = table
     _results.save("profile_expanding", out, args.json, quick=args.smoke, device=device)
