@@ -44,3 +44,17 @@ def test_every_public_name_states_its_arguments_and_results(name):
     returns = inspect.signature(obj).return_annotation
     if returns not in (None, "None"):
         assert "Returns:" in doc or "Yields:" in doc, f"structattn.{name}: no Returns: section"
+
+
+@pytest.mark.parametrize("name", sorted(sa.models.CATALOGUE))
+def test_every_catalogue_model_states_its_arguments(name):
+    """Each catalogue model's class documents its constructor under ``Args:`` (its factory
+    passes everything through to it)."""
+    declaration = sa.models.CATALOGUE[name].declaration
+    doc = inspect.getdoc(declaration) or ""
+    assert "Args:" in doc, f"structattn.models.{declaration.__name__}: no Args: section"
+    own = [p.name for p in _parameters(declaration.__init__)
+           if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    section = doc.split("Args:", 1)[1]
+    missing = [p for p in own if f"{p} (" not in section and f"{p}:" not in section]
+    assert not missing, f"structattn.models.{declaration.__name__}: Args lacks {missing}"

@@ -84,7 +84,34 @@ class TokenAttention(ProjectedAttention):
     """Attention among one set of tokens x ``(*batch, n, d_model)`` (children = parents):
     d_k defaults to d_model/heads, d_v to d_k, and W_O maps back to d_model. ``rope_base``
     (e.g. 10000.0) puts rotary positions on the potential (``potentials.Rotary``; ``rope_dims``
-    of each head's d_k dimensions rotated, default all), under any prior."""
+    of each head's d_k dimensions rotated, default all), under any prior.
+
+    Args:
+        d_model (int): the tokens' feature size, a positive int; x is ``(*batch, n, d_model)``.
+        d_k (int | None): the per-head size of queries and keys, a positive int; None, the
+            default, takes d_model // heads (then d_model must be divisible by heads).
+        d_v (int | None): the per-head size of the values, a positive int; None, the default,
+            takes d_k.
+        heads (int): the number of heads, a positive int. Default 1.
+        causal (bool): True restricts each token's parents to itself and its past (j ≤ i),
+            as the subclass's prior reads it. Default False.
+        out_proj (bool): True (default) holds ``W_O: (d_model, heads·d_v)``, so the output
+            is ``(*batch, n, d_model)``; False leaves the merged heads ``(*batch, n,
+            heads·d_v)``.
+        temperature (float | torch.Tensor | Sequence[float] | str | None): τ of the
+            potential: a finite number > 0, a floating-point tensor of one element or one per
+            head ``(heads,)`` (a list or tuple of heads numbers becomes one), ``"learned"``
+            (τ = exp(log τ), a parameter initialised at √d_k) or None, the default (√d_k).
+        rope_base (float | None): the base of the rotary frequencies base^(−2k/rope_dims), a
+            finite number > 1 (e.g. 10000.0); None, the default, puts no rotary positions on
+            the potential.
+        rope_dims (int | None): how many of each head's d_k dimensions rotate, an even int
+            ≤ d_k; None, the default, rotates all d_k. Needs ``rope_base``.
+        device (torch.device | str | None): the device of the parameters.
+        dtype (torch.dtype | None): the dtype of the parameters.
+        name (str): the edge family's name, a non-empty string; distinct names let several
+            layers share one model. Default ``"attn"``.
+    """
 
     def __init__(self, d_model, *, d_k=None, d_v=None, heads=1, causal=False, out_proj=True,
                  temperature=None, rope_base=None, rope_dims=None, device=None, dtype=None,

@@ -18,6 +18,18 @@ class AbsolutePositionAttention(TokenAttention):
 
     e: learned ``(max_len, d_model)`` (``positions="learned"``) or fixed sinusoidal
     (``"sinusoidal"``). x: ``(*batch, n ≤ max_len, d_model)`` → ``(*batch, n, d_model)``.
+
+    Args:
+        d_model (int): the tokens' feature size, a positive int (also the encodings' width).
+        max_len (int): the most tokens a call may hold, a positive int: the encodings cover
+            positions 0 … max_len − 1, and a longer x raises a ValueError. Default 512.
+        positions (str): ``"learned"`` (default: a parameter ``(max_len, d_model)``
+            initialised at 0.02·N(0, 1)) or ``"sinusoidal"`` (Vaswani et al.'s fixed
+            encodings, a buffer).
+        device (torch.device | str | None): the device of the parameters and encodings.
+        dtype (torch.dtype | None): the dtype of the parameters and encodings.
+        **kwargs (Any): passed to ``TokenAttention`` (d_k, d_v, heads, causal, out_proj,
+            temperature, rope_base, rope_dims, name).
     """
 
     def __init__(self, d_model, *, max_len=512, positions="learned", device=None, dtype=None,

@@ -22,6 +22,23 @@ class ALiBiAttention(TokenAttention):
     the fast ones).
 
     x: ``(*batch, n, d_model)`` → ``(*batch, n, d_model or heads·d_v)``.
+
+    Args:
+        d_model (int): the tokens' feature size, a positive int.
+        heads (int): the number of heads, a positive int; head h gets the slope
+            m_h = 2^(−8h/heads). Default 1.
+        causal (bool): True (default) restricts each token's parents to itself and its past
+            (j ≤ i); False reads both sides, |i − j|.
+        tol (float | None): the posterior mass a certified window may leave out per token,
+            in (0, 1), causal only; None, the default, reads the whole past.
+        block_size (int): the band's block of tokens, a positive int. Default 64.
+        certificate (str): ``"window"`` (default: one band back from each token) or
+            ``"blocks"`` (the key blocks each block of tokens needs, per head; needs
+            ``tol``).
+        device (torch.device | str | None): the device of the parameters and slopes.
+        dtype (torch.dtype | None): the dtype of the parameters and slopes.
+        **kwargs (Any): passed to ``TokenAttention`` (d_k, d_v, out_proj, temperature,
+            rope_base, rope_dims, name).
     """
 
     def __init__(self, d_model, *, heads=1, causal=True, tol=None, block_size=64,

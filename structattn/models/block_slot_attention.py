@@ -120,6 +120,37 @@ class BlockSlotAttention(SlotAttention):
         slots        z_s  (blocks z_s1 … z_sM)
                     / | \\
         inputs   x_1 … x_N          φ_j ~ Uniform(slots)
+
+    Args:
+        num_slots (int): the number of slots S, a positive int, when a call gives neither
+            slots nor its own ``num_slots``.
+        dim (int): the slots' size, a positive int divisible by ``num_blocks`` (SysBinder's
+            ``slot_size``).
+        num_blocks (int): the blocks M of each slot, a positive int, each of
+            ``dim / num_blocks`` features: the heads of the ``"bind"`` family.
+        num_prototypes (int): the prototypes K of each block's memory, an int ≥ 0; 0 drops
+            the memory (the ``"collapsed"`` recipe needs ≥ 1).
+        iters (int): the slot updates, an int ≥ 0. Default 3.
+        eps (float): ε added to the posterior over slots before its renormalisation over
+            the inputs (the original and blockwise recipes), a finite number ≥ 0.
+            Default 1e-8.
+        hidden_dim (int): the MLP's width, a positive int (SysBinder's ``mlp_hidden_size``):
+            each block's MLP is ``hidden_dim // num_blocks`` wide in the original recipe
+            (so hidden_dim ≥ num_blocks there), ``max(dim, hidden_dim) // num_blocks`` in the
+            blockwise one; the collapsed recipe has no MLP. Default 128.
+        recipe (str): ``"original"`` (default), ``"blockwise"`` or ``"collapsed"``, as
+            above.
+        temperature (float | torch.Tensor | None): τ of the ``"assign"`` family, a finite
+            number > 0 or a tensor; None, the default, takes √dim.
+        memory_temperature (float | torch.Tensor | None): τ_mem of the ``"bind"`` family, a
+            finite number > 0 or a tensor; None, the default, takes √(dim / num_blocks).
+        grad (str): ``"unroll"`` (default: back-propagate through every update) or
+            ``"last"`` (iterate without gradients, then one differentiable step from the
+            detached slots).
+        input_dim (int | None): the inputs' feature size, a positive int (SysBinder's
+            ``input_size``); None, the default, takes dim.
+        device (torch.device | str | None): the device of the parameters.
+        dtype (torch.dtype | None): the dtype of the parameters.
     """
 
     def __init__(self, num_slots, dim, *, num_blocks, num_prototypes, iters=3, eps=1e-8,

@@ -28,6 +28,16 @@ class Classification(Declaration):
     distribution, so −log p(φ_i = c_i | f) is the cross-entropy of the logits f Yᵀ/τ.
     features f: ``(*batch, n, d)`` (network outputs) → E[y_{φ_i}] ``(*batch, n, d)``;
     ``class_probabilities(f)``: ``(*batch, n, num_classes)``.
+
+    Args:
+        d (int): the features' size, a positive int: f is ``(*batch, n, d)`` and the class
+            embeddings Y are ``(num_classes, d)``, initialised at N(0, 1)/√d.
+        num_classes (int): the number of classes, a positive int.
+        temperature (float | torch.Tensor | str): τ of the logits: a finite number > 0, a
+            tensor, or ``"learned"`` (τ = exp(log τ), a parameter initialised at 1).
+            Default 1.0.
+        device (torch.device | str | None): the device of the class embeddings.
+        dtype (torch.dtype | None): the dtype of the class embeddings.
     """
 
     def __init__(self, d, num_classes, *, temperature=1.0, device=None, dtype=None):

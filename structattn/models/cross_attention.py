@@ -23,6 +23,29 @@ class CrossAttention(ProjectedAttention):
         keys     k_1  k_2 … k_N
                    \\   |   /      φ_i ∈ {1..N}
         queries      q_i
+
+    Args:
+        d_query (int): the queries' feature size, a positive int.
+        d_key (int | None): the keys' feature size, a positive int; None, the default, takes
+            d_query.
+        d_k (int | None): the per-head size of the projected queries and keys, a positive
+            int; None, the default, takes d_query // heads (then d_query must be divisible by
+            heads).
+        d_v (int | None): the per-head size of the values, a positive int; None, the default,
+            takes d_k.
+        heads (int): the number of heads, a positive int. Default 1.
+        out_proj (bool): True (default) holds ``W_O: (d_out, heads·d_v)``; False leaves the
+            merged heads, ``(*batch, M, heads·d_v)``.
+        d_out (int | None): the output size with ``out_proj``, a positive int; None, the
+            default, takes d_query. Unused without ``out_proj``.
+        temperature (float | torch.Tensor | Sequence[float] | str | None): τ of the
+            potential: a finite number > 0, a floating-point tensor of one element or one per
+            head ``(heads,)`` (a list or tuple of heads numbers becomes one), ``"learned"``
+            (τ = exp(log τ), a parameter initialised at √d_k) or None, the default (√d_k).
+        device (torch.device | str | None): the device of the parameters.
+        dtype (torch.dtype | None): the dtype of the parameters.
+        name (str): the edge family's name, a non-empty string; distinct names let several
+            layers share one model. Default ``"attn"``.
     """
 
     def __init__(self, d_query, d_key=None, *, d_k=None, d_v=None, heads=1, out_proj=True,

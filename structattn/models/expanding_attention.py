@@ -30,24 +30,11 @@ class ExpandingAttention(TokenAttention):
     q_i ~ Beta(a, b); ψ(x_j, x_i) = x_iᵀW_QᵀW_K x_j / τ; v = W_V x_j; y_i = W_O [E v_i]_heads.
 
     ``variant="exact"``: q integrated out, p(φ = d) = B(a + d − 1, b + 1)/B(a, b), one softmax
-    over the past — with ``tol`` over the shortest window whose posterior mass beyond it is
-    certified ≤ tol for every token (``return_trace=True``: the bound per token, in
-    ``trace.truncation``); with ``prior_tol`` over the window where the *prior's* tail is below
-    it, whatever the scores (the support is cut); at most ``max_window``.
+    over the past — all of it, or a window (``tol``, ``prior_tol``, ``max_window``).
     ``variant="mean_field"``: the paper's scheme
     (``structattn.windows.MeanFieldWindows``, declared on the family), a window per token
     that grows while the posterior needs it; the cost follows the inferred context, not n.
-    ``a``, ``b`` (per head) are learned when ``learn_prior`` (a = softplus(raw) > 0). Token
-    0 has no past: its attention output is zero. Mean-field options (the scheme's): ``tol``
-    (tail mass left outside a window, default 0.05), ``max_window``, ``max_iters``,
-    ``converge_tol``, ``expectation`` ("digamma" | "plug_in"), ``update`` ("conjugate" |
-    "accumulate", the authors' code), ``grad`` ("unroll" | "last": one step from the
-    detached fixed point, O(N·W) memory for long sequences; ``structattn.iteration(grad=…)``
-    overrides it), ``window_rule`` ("certified", the default: a window grows until the
-    posterior mass beyond it is certified ≤ tol | "predictive": until the posterior
-    predictive's tail is, whatever the scores | "edge" | "evidence", or a
-    ``structattn.windows.WindowRule``: see ``structattn.windows.rules``) and
-    ``initial_window``. ``block_size``: the band's block of tokens (both variants).
+    Token 0 has no past: its attention output is zero.
 
     x: ``(*batch, n, d_model)`` → ``(*batch, n, d_model)``. ``return_trace=True`` (mean-field)
     gives the ``Trace``, whose ``mean_field["attn"]`` holds the windows, Beta parameters and
@@ -61,6 +48,47 @@ class ExpandingAttention(TokenAttention):
     ::
 
         … x_{i−3} ← x_{i−2} ← x_{i−1} ← x_i    (φ_i = d: x_i reads x_{i−d}, d ~ BetaGeom(a, b))
+
+    Args:
+        d_model (int): the tokens' feature size, a positive int.
+        heads (int): the number of heads, a positive int. Default 1.
+        a (float | torch.Tensor): the Beta prior's a, finite and > 0: a number (every head)
+            or a floating-point tensor ``()`` or ``(heads,)`` (one per head). Default 1.0.
+        b (float | torch.Tensor): the Beta prior's b, as ``a``. Default 1.0.
+        learn_prior (bool): True (default) learns a and b per head (a = softplus(raw) > 0, a
+            parameter ``raw_prior: (2, heads)``); False keeps them fixed (a buffer).
+        variant (str): ``"mean_field"`` (default) or ``"exact"``, as above.
+        max_iters (int): mean field: the most rounds, a positive int. Default 50.
+        tol (float | None): in (0, 1). Exact: the softmax runs over the shortest window whose
+            posterior mass beyond it is certified ≤ tol for every token
+            (``return_trace=True``: the bound per token, in ``trace.truncation``); None, the
+            default, reads the whole past. Mean field: the tail mass left outside a window;
+            None, the default, takes 0.05.
+        prior_tol (float | None): exact only, in (0, 1), not with ``tol``: the support is cut
+            where the *prior's* tail is below it, whatever the scores; None, the default,
+            cuts nothing.
+        max_window (int | None): a positive int that caps every window (both variants);
+            None, the default, leaves the cap to each token's past.
+        expectation (str): mean field: ``"digamma"`` (default: E[ln q]) or ``"plug_in"``
+            (ln E[q]).
+        update (str): mean field: ``"conjugate"`` (default) or ``"accumulate"`` (the
+            authors' code).
+        grad (str): mean field: ``"unroll"`` (default: back-propagate through every round)
+            or ``"last"`` (one step from the detached fixed point, O(N·W) memory for long
+            sequences); ``structattn.iteration(grad=…)`` overrides it.
+        window_rule (str | structattn.windows.WindowRule): mean field: ``"certified"`` (the
+            default: a window grows until the posterior mass beyond it is certified ≤ tol),
+            ``"predictive"`` (until the posterior predictive's tail is, whatever the scores),
+            ``"edge"``, ``"evidence"``, or a ``structattn.windows.WindowRule``: see
+            ``structattn.windows.rules``.
+        initial_window (int | None): mean field: the first window, a positive int; None, the
+            default, takes the prior's tail quantile at tol.
+        block_size (int): the band's block of tokens (both variants), a positive int.
+            Default 32.
+        converge_tol (float): mean field: a finite number > 0; a token settles when
+            |ΔE[φ_i]| ≤ converge_tol·max(1, E[φ_i]). Default 1e-3.
+        **kwargs (Any): passed to ``TokenAttention`` (d_k, d_v, out_proj, temperature,
+            rope_base, rope_dims, device, dtype, name); ``causal`` is always True.
     """
 
     def __init__(self, d_model, *, heads=1, a=1.0, b=1.0, learn_prior=True,

@@ -29,6 +29,23 @@ class ForgettingAttention(TokenAttention):
     (``structattn.certified``: FoX's adaptive pruning, with a proof); ``block_size``: that
     band's block of tokens; ``certificate="blocks"``: read instead the key blocks each block
     of tokens needs, wherever they lie, per head (``structattn.block_sparse``).
+
+    Args:
+        d_model (int): the tokens' width, x's last dimension ``d_model``; a positive int.
+        heads (int): the number of heads, a positive int; each head has its own forget gate
+            (a row of ``W_f`` and an entry of ``b_f``). Default 1.
+        gate_bias (float): the initial value of every head's gate bias b_h, a finite number.
+            Default 3.0: σ(3) ≈ 0.95, the gates start mostly open.
+        tol (float | None): None (default): read the whole past; a number in (0, 1): read
+            only a window whose posterior mass beyond it is certified ≤ tol per token.
+        block_size (int): the certified band's block of tokens, a positive int. Default 64.
+        certificate (str): ``"window"`` (default: one band back from each token) or
+            ``"blocks"`` (the key blocks each block of tokens needs, per head); ``"blocks"``
+            needs a ``tol``.
+        device (torch.device | str | None): where the parameters live; None: torch's default.
+        dtype (torch.dtype | None): the parameters' dtype; None: torch's default.
+        **kwargs (Any): TokenAttention's options (d_k, d_v, out_proj, temperature, rope_base,
+            rope_dims, name); the model is always causal, so ``causal`` is not among them.
     """
 
     def __init__(self, d_model, *, heads=1, gate_bias=3.0, tol=None, block_size=64,

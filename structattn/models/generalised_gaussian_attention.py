@@ -24,6 +24,23 @@ class GeneralisedGaussianAttention(TokenAttention):
     of 16 tokens), β = ``shape`` (1: Laplace). ``tol`` (causal): read only a window whose
     posterior mass beyond it is certified ≤ tol per token (``structattn.certified``), never the
     dense bias; ``block_size``: that band's block of tokens.
+
+    Args:
+        d_model (int): the tokens' width, x's last dimension ``d_model``; a positive int.
+        heads (int): the number of heads, a positive int; each head has its own ``loc``,
+            ``log_scale`` and ``log_shape``. Default 1.
+        causal (bool): True (default): token i attends to j ≤ i; False: to every token.
+        width (float): the initial prior's width 1/e^s in tokens, a finite number > 0.
+            Default 16.0.
+        shape (float): the initial shape β, a finite number > 0 (1: Laplace, the default;
+            2: Gaussian).
+        tol (float | None): None (default): read every pair the support allows; a number in
+            (0, 1): read only a certified window (needs ``causal=True``).
+        block_size (int): the certified band's block of tokens, a positive int. Default 64.
+        device (torch.device | str | None): where the parameters live; None: torch's default.
+        dtype (torch.dtype | None): the parameters' dtype; None: torch's default.
+        **kwargs (Any): TokenAttention's options (d_k, d_v, out_proj, temperature, rope_base,
+            rope_dims, name).
     """
 
     def __init__(self, d_model, *, heads=1, causal=True, width=16.0, shape=1.0, tol=None,

@@ -22,6 +22,13 @@ class GraphAttention(TokenAttention):
     ``empty="zero"`` lets nodes without parents output zero instead of raising.
     x: ``(*batch, n, d_model)`` → ``(*batch, n, d_model or heads·d_v)``; with an edge list
     the posterior (``return_posterior=True``) is per edge, ``(*batch, heads, E)``.
+
+    Args:
+        d_model (int): the nodes' width, x's last dimension ``d_model``; a positive int.
+        empty (str): what a node without parents gets: ``"error"`` (default): a ValueError;
+            ``"zero"``: a zero output and an all-zero posterior row.
+        **kwargs (Any): TokenAttention's options (d_k, d_v, heads, causal, out_proj,
+            temperature, rope_base, rope_dims, device, dtype, name).
     """
 
     def __init__(self, d_model, *, empty="error", **kwargs):

@@ -22,16 +22,13 @@ class Hopfield(sa.Declaration):
     The CCCP update of ξ is ξ ← Kᵀ softmax(β K ξ), ``update_steps`` times from
     ξ₀ = W_Q r; the output is W_O concat_h(Vᵀ softmax(β K ξ_T)), V = W_V Y — the
     semantics of hopfield-layers' ``Hopfield(update_steps_max=T)`` without
-    normalisation or biases. ``update_steps=0`` is cross attention (one softmax).
-    The inverse temperature is ``beta`` = β (default 1/√d_k) or, as every attention model takes
-    it, ``temperature`` = τ = 1/β (the posterior's, ψ/τ); give one (both only if β·τ = 1).
+    normalisation or biases.
 
     queries r: ``(*batch, M, d_query)``, keys Y: ``(*batch, N, d_key)`` →
     ``(*batch, M, d_out or heads·d_v)``. Parameters ``W_q (heads·d_k, d_query)``,
-    ``W_k (heads·d_k, d_key)``, ``W_v (heads·d_v, d_key)``, ``W_o (d_out, heads·d_v)``;
-    ``projections=False`` drops all four (the classical network of §4.2: ξ₀ = r, K = V = Y,
-    d_query = d_key). The output reads the memory once more at ξ_T, so with V = K (no
-    projections) it is ξ_{T+1}, one retrieval beyond ``trace.states["state"][-1]`` = ξ_T.
+    ``W_k (heads·d_k, d_key)``, ``W_v (heads·d_v, d_key)``, ``W_o (d_out, heads·d_v)``.
+    The output reads the memory once more at ξ_T, so with V = K (no projections) it is
+    ξ_{T+1}, one retrieval beyond ``trace.states["state"][-1]`` = ξ_T.
     Cost per step O(M·N·heads·d_k) (one SDPA call); memory O((M + N)·d).
 
     ::
@@ -39,6 +36,38 @@ class Hopfield(sa.Declaration):
         stored  y_1 … y_N          φ_i ~ Uniform, ψ = β ξ_iᵀ W_K y_j
                    \\ | /
         latent     ξ_i  ← Σ_j p(φ_i = j | ξ) W_K y_j   (T times)
+
+    Args:
+        d_query (int): the queries' width, r's last dimension; a positive int.
+        d_key (int | None): the stored patterns' width, Y's last dimension, a positive int;
+            None (default): ``d_query``.
+        heads (int): the number of heads, a positive int. Default 1.
+        d_k (int | None): each head's size of the state ξ and the keys, a positive int; None
+            (default): d_query/heads, which must then be an int.
+        d_v (int | None): each head's value size, a positive int; None (default): ``d_k``.
+        d_out (int | None): the output's width, W_o's rows, a positive int; None (default):
+            ``d_query``.
+        beta (float | None): the inverse temperature β, a finite number > 0; None (default):
+            1/τ when ``temperature`` is given, else 1/√d_k.
+        temperature (float | None): τ = 1/β, a finite number > 0, as every attention model
+            takes it (the posterior's, ψ/τ); give ``beta`` or ``temperature`` (both only if
+            β·τ = 1).
+        update_steps (int): T, the number of CCCP updates of ξ, an int ≥ 0. Default 0: cross
+            attention (one softmax).
+        tol (float | None): stop once every state moves by at most ``tol`` (max abs) in one
+            step, a finite number > 0 (``update_steps`` is then a budget); None (default):
+            run all ``update_steps``.
+        grad (str): ``"unroll"`` (default: back-propagate through every update) or
+            ``"last"`` (iterate without gradients, then one differentiable update).
+        out_proj (bool): True (default): W_o maps the merged heads to ``d_out``; False: no
+            W_o, the output is ``(*batch, M, heads·d_v)``.
+        projections (bool): True (default): W_q, W_k, W_v and W_o as above; False: none of
+            the four (the classical network of §4.2: ξ₀ = r, K = V = Y), which needs
+            d_key = d_query divisible by ``heads``; d_k = d_v = d_query/heads then, and
+            ``d_k``, ``d_v``, ``d_out`` and ``out_proj`` go unused.
+        name (str): the edge family's name. Default ``"retrieve"``.
+        device (torch.device | str | None): where the parameters live; None: torch's default.
+        dtype (torch.dtype | None): the parameters' dtype; None: torch's default.
     """
 
     def __init__(self, d_query, d_key=None, *, heads=1, d_k=None, d_v=None, d_out=None,

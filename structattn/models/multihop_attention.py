@@ -19,6 +19,14 @@ class MultihopAttention(TokenAttention):
     value is a linear combination of hops); (0, 1, 1) is the paper's (P + P²)VX, (⅓, ⅓, ⅓)
     the authors' code. Compiled as K attention calls on the values (P^k is never formed).
     x: ``(*batch, n, d_model)`` → ``(*batch, n, d_model or heads·d_v)``.
+
+    Args:
+        d_model (int): the tokens' width, x's last dimension ``d_model``; a positive int.
+        hop_weights (tuple[float, ...]): (w_0, …, w_K) with K ≥ 1, finite numbers, not all
+            zero; w_k weighs the value k hops away. Default (0.0, 1.0, 1.0).
+        heads (int): the number of heads, a positive int. Default 1.
+        **kwargs (Any): TokenAttention's options (d_k, d_v, causal, out_proj, temperature,
+            rope_base, rope_dims, device, dtype, name).
     """
 
     def __init__(self, d_model, *, hop_weights=(0.0, 1.0, 1.0), heads=1, **kwargs):

@@ -45,6 +45,26 @@ class PredictiveCoding(sa.Declaration):
         layer l      z_i              φ_li ~ Uniform(layer l − 1): one incoming unit
                     / | \\
         layer l−1  z_1 … z_n          ψ = −(k/2)(z_i − w_ij f(z_j) − b_i)²
+
+    Args:
+        layer_sizes (list[int]): [n_0, …, n_L], the layers' widths, input first: a list or
+            tuple of ≥ 2 positive ints.
+        attention (bool): True (default): each node picks one incoming node of the layer
+            below (``PredictionError``); False: the standard network's node energies.
+        blocks (list[int] | None): None (default): one node per unit; [B_0, …, B_L]: one
+            positive int per layer, B_l dividing n_l, the number of equal blocks (nodes) of
+            layer l. Only with ``attention=True``.
+        precision (float | torch.Tensor): k, the prediction errors' precision: a finite
+            number > 0 (or a tensor). Default 1.0.
+        activation (str | None): f, applied to the layer below before its prediction:
+            ``"tanh"`` (default) or None (the identity).
+        steps (int): the number of gradient steps on F for each latent layer, an int ≥ 0.
+            Default 20.
+        step_size (float): η of those steps, a finite number > 0. Default 0.1.
+        grad (str): ``"unroll"`` (default: back-propagate through every step) or ``"last"``
+            (iterate without gradients, then one differentiable step).
+        device (torch.device | str | None): where the parameters live; None: torch's default.
+        dtype (torch.dtype | None): the parameters' dtype; None: torch's default.
     """
 
     def __init__(self, layer_sizes, *, attention=True, blocks=None, precision=1.0,

@@ -46,6 +46,26 @@ class PredictorChoiceCoding(sa.Declaration):
         predictions   g_1  g_2 … g_K
                       \\    |    /          φ_l ~ Uniform(K): one predictor
         layer l          z_l              ψ = −T‖z_l − g_φ‖
+
+    Args:
+        layer_sizes (Sequence[int]): ``[n_0, …, n_L]``, a list or tuple of ≥ 2 positive ints,
+            bottom-up: the data's width first, the label's last.
+        predictors (int): K, the predictors of each layer, a positive int. Default 4.
+        temperature (float | torch.Tensor): T, the error's weight in ψ (the authors'
+            temperature), a finite number > 0. Default 1.0.
+        norm (str): the error: ``"euclidean"`` (default: ψ = −T‖·‖₂) or ``"squared"``
+            (ψ = −(T/2)‖·‖²).
+        label_init (float | None): the state every unit of the top layer starts at when no
+            label is given, a finite number; None (default): 1/n_L.
+        steps (int): gradient steps of inference on F, an int ≥ 0 (0: the latent layers stay
+            at their starting states). Default 20.
+        step_size (float): dt on the authors' scale (a step of dt/T on F), a finite
+            number > 0. Default 0.1.
+        grad (str): ``"unroll"`` (default: back-propagate through every step) or ``"last"``
+            (iterate without gradients, then one differentiable step).
+        device (torch.device | str | None): where the weights are made; None: PyTorch's
+            default.
+        dtype (torch.dtype | None): the weights' dtype; None: PyTorch's default.
     """
 
     def __init__(self, layer_sizes, *, predictors=4, temperature=1.0, norm="euclidean",

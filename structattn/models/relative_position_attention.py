@@ -17,6 +17,18 @@ class RelativePositionAttention(TokenAttention):
     ψ = x_iᵀW_QᵀW_K x_j / τ; v = W_V x_j. The log prior is an additive SDPA bias.
 
     x: ``(*batch, n, d_model)`` → ``(*batch, n, d_model or heads·d_v)``.
+
+    Args:
+        d_model (int): the tokens' features, a positive int.
+        max_distance (int): K, an int ≥ 0: offsets i − j are clipped to [−K, K], one learned
+            logit per head and clipped offset (``position_logits``, initially 0: uniform).
+            Default 16.
+        heads (int): attention heads, a positive int. Default 1.
+        device (torch.device | str | None): where the parameters are made; None: PyTorch's
+            default.
+        dtype (torch.dtype | None): the parameters' dtype; None: PyTorch's default.
+        **kwargs (Any): TokenAttention's options (d_k, d_v, causal, out_proj, temperature,
+            rope_base, rope_dims, name).
     """
 
     def __init__(self, d_model, *, max_distance=16, heads=1, device=None, dtype=None, **kwargs):

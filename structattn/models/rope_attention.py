@@ -21,6 +21,14 @@ class RoPEAttention(TokenAttention):
     Rotary positions go with any prior: ``forgetting_attention(d, rope_base=10000.0)`` is
     FoX with RoPE (FoX's "Pro" recipe), and likewise for ALiBi, stick-breaking and
     expanding attention. Cost as self attention's, plus the rotation of Q and K.
+
+    Args:
+        d_model (int): the tokens' features, a positive int.
+        causal (bool): whether token i attends only to tokens j ≤ i. Default True.
+        rope_base (float): the base of the frequencies θ_k = base^(−2k/dims), a finite
+            number > 1. Default 10000.0.
+        **kwargs (Any): TokenAttention's options (d_k, d_v, heads, out_proj, temperature,
+            rope_dims, device, dtype, name).
     """
 
     def __init__(self, d_model, *, causal=True, rope_base=10000.0, **kwargs):

@@ -21,6 +21,28 @@ class SelfAttention(TokenAttention):
     ::
 
         x_1 → x_2 → x_3 → …   (causal: every x_j with j ≤ i may be φ_i)
+
+    Args:
+        d_model (int): the tokens' features, a positive int.
+        d_k (int | None): each head's query and key size, a positive int; None (default):
+            d_model / heads (which must then divide d_model).
+        d_v (int | None): each head's value size, a positive int; None (default): d_k.
+        heads (int): attention heads, a positive int. Default 1.
+        causal (bool): whether token i attends only to tokens j ≤ i. Default False.
+        out_proj (bool): whether W_O maps the merged heads back to d_model (default True);
+            False: the output is the heads' values, ``heads·d_v`` wide.
+        temperature (float | torch.Tensor | str | None): τ, a finite number > 0, a tensor of
+            one value or one per head ``(heads,)``, or ``"learned"`` (τ = exp(log τ), a
+            parameter starting at √d_k); None (default): √d_k.
+        rope_base (float | None): rotary positions on the potential with this base, a
+            finite number > 1 (e.g. 10000.0); None (default): none.
+        rope_dims (int | None): the rotated dimensions of each head, even and ≤ d_k; only
+            with ``rope_base``; None (default): d_k.
+        device (torch.device | str | None): where the parameters are made; None: PyTorch's
+            default.
+        dtype (torch.dtype | None): the parameters' dtype; None: PyTorch's default.
+        name (str): the edge family's name, a non-empty string (distinct names let layers
+            share a model). Default ``"attn"``.
     """
 
     def model(self, x, support=None):

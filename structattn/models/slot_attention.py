@@ -47,6 +47,26 @@ class SlotAttention(sa.Declaration):
         slots   z_1  z_2 … z_S      φ_j ~ Uniform(slots): softmax over slots
                   \\   |   /
         inputs       x_j
+
+    Args:
+        num_slots (int): S, the slots drawn when a call gives neither ``slots`` nor
+            ``num_slots``, a positive int.
+        dim (int): each slot's size, a positive int.
+        iters (int): slot updates, an int ≥ 0. Default 3.
+        eps (float): ε added to each assignment weight before the weights are normalised over
+            inputs (the original recipe's updates), a finite number ≥ 0. Default 1e-8.
+        hidden_dim (int): the width of the original recipe's MLP, a positive int (the MLP
+            uses max(dim, hidden_dim)). Default 128.
+        recipe (str): ``"original"`` (default) or ``"collapsed"``, as above.
+        temperature (float | torch.Tensor | None): τ of the potential (the dot product's
+            divisor in the original recipe, of −‖z_s − k_j‖²/(2τ) in the collapsed one), a
+            finite number > 0; None (default): √dim.
+        grad (str): ``"unroll"`` (default: back-propagate through every update) or
+            ``"last"`` (iterate without gradients, then one differentiable update).
+        input_dim (int | None): the inputs' features, a positive int; None (default): dim.
+        device (torch.device | str | None): where the parameters are made; None: PyTorch's
+            default.
+        dtype (torch.dtype | None): the parameters' dtype; None: PyTorch's default.
     """
 
     def __init__(self, num_slots, dim, *, iters=3, eps=1e-8, hidden_dim=128, recipe="original",

@@ -22,6 +22,17 @@ class StickBreakingAttention(TokenAttention):
     n×n posterior; ``return_trace=True`` gives ``trace.leftover[name]`` ``(*batch, H, n)``.
     ``tol``: the stick left at which the kernel stops a scan (``StickBreaking``; None: under
     rounding, 0: every pair).
+
+    Args:
+        d_model (int): the tokens' features, a positive int.
+        heads (int): attention heads, a positive int. Default 1.
+        tol (float | None): the stick left at which the kernel stops a scan, a number in
+            [0, 1); None (default): the rounding level.
+        device (torch.device | str | None): where the parameters are made; None: PyTorch's
+            default.
+        dtype (torch.dtype | None): the parameters' dtype; None: PyTorch's default.
+        **kwargs (Any): TokenAttention's options (d_k, d_v, out_proj, temperature, rope_base,
+            rope_dims, name); ``causal`` is always True here.
     """
 
     def __init__(self, d_model, *, heads=1, tol=None, device=None, dtype=None, **kwargs):
