@@ -24,19 +24,34 @@ KEY_BLOCK = 32
 MAX_KEY_BLOCKS = 64
 
 
-def score_ceiling(a: torch.Tensor, b: torch.Tensor, scale: float):
+def score_ceiling(a: torch.Tensor, b: torch.Tensor, scale: float, computed_in=None):
     """``(high, slack)``, each ``(*lead, N)`` float64: ``high`` ≥ every score child i can have,
-    S_i = |scale|·‖a_i‖·max_j ‖b_j‖, plus ``slack``, the most a score computed in the factors'
-    dtype can be off by (γ_k·S_i, γ_k = k·u/(1 − k·u), the error bound of a k-term dot
-    product): a computed log-sum minus the child's slack is a lower bound of the true one."""
+    S_i = |scale|·‖a_i‖·max_j ‖b_j‖, plus ``slack``, the most a score computed in
+    ``computed_in`` (default: the factors' dtype) can be off by (γ_k·S_i, γ_k = k·u/(1 − k·u),
+    the error bound of a k-term dot product): a computed log-sum minus the child's slack is a
+    lower bound of the true one."""
     with torch.no_grad():
         k = a.shape[-1]
-        unit = torch.finfo(a.dtype).eps / 2
+        dtype = a.dtype if computed_in is None else computed_in
+        unit = torch.finfo(dtype).eps / 2
         gamma = k * unit / (1 - k * unit)
         ceiling = (abs(scale) * a.detach().to(torch.float64).norm(dim=-1)
                    * b.detach().to(torch.float64).norm(dim=-1).amax(-1, keepdim=True))
-        slack = gamma * ceiling + 4 * torch.finfo(a.dtype).tiny
+        slack = gamma * ceiling + 4 * torch.finfo(dtype).tiny
         return ceiling + slack, slack
+
+
+def running_ceilings(a: torch.Tensor, b: torch.Tensor, scale: float, computed_in=None):
+    """``(reach, slack, run)`` float64, what a window's tail ceiling is made of: per child
+    ``reach`` = |scale|·‖a_i‖ and ``score_ceiling``'s ``slack`` ``(*lead, N)``, and the keys'
+    running maximum length ``run`` = max_{j' ≤ j} ‖b_j'‖ ``(*lead, P)``. Every parent
+    farther back than child i's window W scores at most reach_i·run_{i−W−1} + slack_i (a
+    running max: a long key nearby does not weigh on the tail)."""
+    with torch.no_grad():
+        reach = a.detach().to(torch.float64).norm(dim=-1) * abs(scale)
+        run = b.detach().to(torch.float64).norm(dim=-1).cummax(-1).values
+        _, slack = score_ceiling(a, b, scale, computed_in)
+        return reach, slack, run
 
 
 def _key_blocks(b: torch.Tensor, key_block: int, low: torch.dtype) -> dict:

@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..ceilings import running_ceilings
 from . import interpreted
 from ._tiles import load_tile, scalar, settings, statistics, width
 from .band_per_child import _scores, _span, attend_backward, attend_forward
@@ -214,20 +215,6 @@ def _solve(A, B, A0, B0, W0, HEAD, SLACK, RUN, SCALE, TOL, CTOL,
     tl.store(BOUND + out, bound, mask=rmask)
 
 
-def _ceilings(a: torch.Tensor, b: torch.Tensor, scale: float, stat: torch.dtype):
-    """In float64 (``windows.scores.BandScores``'s formula, as the C++ kernel computes it):
-    ``head`` = |scale|·‖a_i‖ (G, N), the running longest key ``run`` = max_{j' ≤ j} ‖b_j'‖
-    (G, P), and the rounding slack γ_k·|scale|·‖a_i‖·max_j ‖b_j‖ + 4·tiny in ``stat``."""
-    k = a.shape[-1]
-    unit = torch.finfo(stat).eps / 2
-    gamma = k * unit / (1 - k * unit)
-    head = a.double().norm(dim=-1) * abs(scale)
-    run = torch.cummax(b.double().norm(dim=-1), dim=-1).values
-    longest = run[:, -1:] if run.shape[-1] else torch.zeros_like(head[:, :1])
-    slack = head * longest * gamma + 4 * torch.finfo(stat).tiny
-    return head.contiguous(), slack.contiguous(), run.contiguous()
-
-
 @torch.library.custom_op("structattn_triton::mean_field_solve", mutates_args=())
 def solve(a: torch.Tensor, b: torch.Tensor, offset: int, scale: float, a0: torch.Tensor,
           b0: torch.Tensor, win0: torch.Tensor, tol: float,
@@ -253,7 +240,8 @@ def solve(a: torch.Tensor, b: torch.Tensor, offset: int, scale: float, a0: torch
     done = torch.empty(G, N, dtype=torch.int8, device=a.device)
     if G and N:
         a, b = a.contiguous(), b.contiguous()
-        head, slack, run = _ceilings(a, b, scale, stat)
+        # (the scores are computed in ``stat``, whatever the factors' dtype)
+        head, slack, run = (t.contiguous() for t in running_ceilings(a, b, scale, stat))
         common = dict(settings(a.dtype, width(K), 32, 32), BK=width(K))
         if not interpreted():
             common.update(SOLVE)

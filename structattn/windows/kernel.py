@@ -21,10 +21,9 @@ import torch
 
 from .._eager import eager
 from .._validation import checks_on, is_exporting, is_recording
-from ..beta import log_q_expectations
-from . import on_triton
+from . import fixed_point, on_triton
 from .history import MeanFieldHistory
-from .scores import BandScores, tail
+from .scores import tail
 
 
 @dataclass(frozen=True)
@@ -140,29 +139,6 @@ def _register(ops) -> None:
     torch.library.register_autograd(f"{lib}::band_forward", backward, setup_context=setup)
 
 
-def fixed_point_posterior(a, b, scale, off: int, block: int, work, expectation: str,
-                          window, alpha, beta, dtype):
-    """The posterior at a fixed point ``(window, α, β)`` (each ``(G, N)``, G = batch · heads)
-    on a band over all P tokens (the first P − N, not children, at window 0), with grad where
-    ``a (*lead, N, k)``, ``b (*lead, P, k)``, α and β carry it; → (band, layout)."""
-    front = torch.nn.functional.pad
-    lead, n, n_all = a.shape[:-2], a.shape[-2], b.shape[-2]
-    reach = max(1, int(window.max()) if window.numel() else 1)
-    scores = BandScores(front(a, (0, 0, off, 0)), b, scale, n_all, reach, block, work)
-    lay = scores.layout
-
-    def blocked(t):  # (*lead, N) → (G', B), the front and padding slots at 0
-        return lay.children(front(t, (off, 0))[..., None])[..., 0].reshape(-1, lay.block)
-
-    win_b = blocked(window.reshape(*lead, n))
-    # padding slots at Beta(1, 1): finite digammas, no NaN in the backward
-    e = log_q_expectations(blocked(alpha.reshape(*lead, n) - 1) + 1,
-                           blocked(beta.reshape(*lead, n) - 1) + 1, expectation)[0]
-    p, _ = scores.posterior(None, win_b, e)
-    p = (p * (win_b >= 1)[..., None]).reshape(scores.shape).to(dtype)
-    return p, lay
-
-
 def _last_step(ops, problem: KernelProblem, fixed, tensors, lead, expectation: str,
                band_posterior):
     """``grad="last"``'s reading: one differentiable step from the detached fixed point (as
@@ -174,11 +150,8 @@ def _last_step(ops, problem: KernelProblem, fixed, tensors, lead, expectation: s
     a, b, a0, b0 = tensors  # (*lead, N, k), (*lead, P, k), (H|1,), (H|1,)
     work, off, (G, n) = problem.a.dtype, problem.offset, problem.initial_window.shape
     n_all = b.shape[-2]
-    a_prior = a0[:, None].expand(*lead, n)
-    b_prior = b0[:, None].expand(*lead, n)
-    alpha = fixed().alpha.reshape(*lead, n) + (a_prior - a_prior.detach())
-    beta = fixed().beta.reshape(*lead, n) + (b_prior - b_prior.detach())
-    e = log_q_expectations(alpha, beta, expectation)[0].reshape(G, n)  # E[ln q_i]
+    alpha, beta, e = fixed_point.step_from(fixed().alpha, fixed().beta, a0, b0, lead,
+                                           expectation)  # (G, N) each
     kernels.with_rules("mean_field", _register)  # the band op's autograd rule
     a_g = a.to(work).reshape(G, n, a.shape[-1])  # (with their graphs)
     b_g = b.to(work).reshape(G, n_all, b.shape[-1])
@@ -242,7 +215,7 @@ def mean_field_compiled(family, factors, scheme, grad: str, record: bool):
     unrolled = grad == "unroll" and torch.is_grad_enabled() and any(
         t.requires_grad for t in (a, b, a0, b0))
     if on_triton.applies(a, b, scheme, record, unrolled):
-        return on_triton.mean_field_triton(family, factors, scheme, grad, fixed_point_posterior)
+        return on_triton.mean_field_triton(family, factors, scheme, grad)
     if xc.device.type != "cpu" or unrolled or work not in (torch.float32, torch.float64) \
             or scheme.window_rule.code is None:
         return None
@@ -276,7 +249,7 @@ def mean_field_compiled(family, factors, scheme, grad: str, record: bool):
     history = _history(problem, fixed(), lead, scheme.expectation, xc.dtype) if record else None
 
     def band_posterior(alpha, beta):
-        return fixed_point_posterior(a, b, scale, off, prior.block_size, work,
+        return fixed_point.posterior(a, b, scale, off, prior.block_size, work,
                                      scheme.expectation, fixed().window, alpha, beta, xc.dtype)
 
     if grad == "last" and torch.is_grad_enabled():

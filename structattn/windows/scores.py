@@ -13,7 +13,7 @@ import torch
 
 from .. import band
 from ..beta import log_beta
-from ..ceilings import score_ceiling
+from ..ceilings import running_ceilings
 
 
 class BandScores:
@@ -78,16 +78,13 @@ class BandScores:
         max_{j' ≤ j} ‖b_j'‖ ``(G_lead, N)``."""
         if self._runs is None:
             lay = self.layout
-            a, b, scale = self._factors
-            wide = torch.float64
+            a, b, _ = self._factors
             lead = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
             n = a.shape[-2]
-            a_norm = a.detach().to(wide).norm(dim=-1).expand(*lead, n) * abs(scale)
-            b_run = b.detach().to(wide).norm(dim=-1).cummax(-1).values.expand(*lead, n)
-            _, slack = score_ceiling(*self._factors)  # (*lead, N) float64
+            reach, slack, run = running_ceilings(*self._factors)
             self._runs = tuple(lay.children(t.expand(*lead, n)[..., None])[..., 0]
-                               .reshape(-1, lay.block) for t in (a_norm, slack)) \
-                + (b_run.reshape(-1, n),)
+                               .reshape(-1, lay.block) for t in (reach, slack)) \
+                + (run.expand(*lead, n).reshape(-1, n),)
         return self._runs
 
     def tail_ceiling(self, rows, win):

@@ -75,25 +75,6 @@ def test_triton_solve_equals_the_cpu_kernel(N, P, rule, expectation, update, dty
         assert int(got[0].max()) > 4 and int(got[4].max()) > 2  # windows grew, over steps
 
 
-@pytest.mark.parametrize("expectation", ["digamma", "plug_in"])
-@pytest.mark.parametrize("a0, b0, initial", [(1.0, 1.0, None), (16.0, 2.0, None),
-                                             (0.7, 1.3, None), (2.0, 1.0, 5)])
-@pytest.mark.parametrize("rule", ["certified", "edge"])
-def test_triton_first_windows_are_the_schemes(expectation, a0, b0, initial, rule):
-    """One first window per head, read from every W at once: ``initial_windows``' own, each
-    child's taken at most its past (the kernel's min(i, cap)); Beta(1, 1) at the median puts
-    P(φ > 1) = ½ exactly on the threshold, where the same function must give the same W."""
-    from structattn.windows.on_triton import first_windows
-
-    scheme = sa.MeanFieldWindows(tol=0.05, expectation=expectation, window_rule=rule,
-                                 initial_window=initial)
-    a0s, b0s = torch.tensor([a0, a0 * 2], dtype=f64), torch.tensor([b0, b0], dtype=f64)
-    for cap in (1, 7, 300):
-        caps, want = scheme.initial_windows(a0s, b0s, (3, 2), 40, cap, offset=5)
-        got = first_windows(a0s, b0s, scheme, cap)
-        assert torch.equal(torch.minimum(got[:, None], caps[5:]).expand(3, 2, 40), want)
-
-
 def test_triton_solve_refuses_a_rule_it_does_not_run():
     a, b, a0, b0, win0, _ = _problem(2, 5, 5, 3, f64, 0)
     with pytest.raises(ValueError, match=r"rule must be one of \[1, 3\].*got 0"):

@@ -371,3 +371,27 @@ def test_a_window_rule_of_ones_own_runs_in_the_loop():
     torch.testing.assert_close(post[0, 0, 1:].sum(-1), torch.ones(19, dtype=f64), atol=1e-12,
                                rtol=0)
     assert int(w[-1].max()) > 1  # it grew somewhere
+
+
+@pytest.mark.parametrize("expectation", ["digamma", "plug_in"])
+@pytest.mark.parametrize("a0, b0, initial", [(1.0, 1.0, None), (16.0, 2.0, None),
+                                             (0.7, 1.3, None), (2.0, 1.0, 5)])
+@pytest.mark.parametrize("rule", ["certified", "edge"])
+def test_first_windows_are_the_bisections(expectation, a0, b0, initial, rule):
+    """One first window per head, read from every W at once (``first_windows``, what the
+    Triton solve takes), then each child's taken at most its past (``initial_windows``):
+    equal to ``beta_quantile``'s bisection (or the plug-in geometric's closed form) at the
+    rule's start. Beta(1, 1) at the median puts P(φ > 1) = ½ exactly on the threshold, where
+    the same function must give the same W."""
+    from structattn.beta import beta_quantile, plug_in_quantile
+
+    scheme = sa.MeanFieldWindows(tol=0.05, expectation=expectation, window_rule=rule,
+                                 initial_window=initial)
+    a0s, b0s = torch.tensor([a0, a0 * 2], dtype=f64), torch.tensor([b0, b0], dtype=f64)
+    quantile = beta_quantile if expectation == "digamma" else plug_in_quantile
+    for cap in (1, 7, 300):
+        caps, got = scheme.initial_windows(a0s, b0s, (3, 2), 40, cap, offset=5)
+        head = torch.full((2,), min(initial, cap)) if initial is not None else \
+            quantile(a0s, b0s, scheme.window_rule.start_tail or scheme.tol, cap)
+        assert torch.equal(scheme.first_windows(a0s, b0s, cap), head)
+        assert torch.equal(got, torch.minimum(head[:, None].expand(3, 2, 40), caps[5:]))
