@@ -52,6 +52,17 @@ def dot(x, y, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
         return tl.dot(x, y, input_precision=PRECISION)
 
 
+@triton.jit
+def online_softmax(logit, top):
+    """One tile of an online softmax (FlashAttention's) over each row's logits ``(BM, BN)``
+    (−∞ off its support), given its running maximum ``top`` ``(BM,)``: ``(p, shrink,
+    new)`` — the tile's e^{logit − new}, the factor e^{top − new} that rescales the running
+    sums, and the new maximum (a row with nothing yet keeps −∞, with p and shrink 0)."""
+    new = tl.maximum(top, tl.max(logit, axis=1))
+    safe = tl.where(new == -float("inf"), 0.0, new)  # a row with nothing yet
+    return tl.exp(logit - safe[:, None]), tl.exp(top - safe), new
+
+
 _HALF = (torch.float16, torch.bfloat16)
 
 
@@ -95,5 +106,5 @@ def settings(dtype: torch.dtype, widest: int, children: int = 128, parents: int 
                 num_stages=stages)
 
 
-__all__ = ["add_tile", "dot", "load_row", "load_tile", "scalar", "settings", "statistics",
-           "store_tile", "width"]
+__all__ = ["add_tile", "dot", "load_row", "load_tile", "online_softmax", "scalar", "settings",
+           "statistics", "store_tile", "width"]

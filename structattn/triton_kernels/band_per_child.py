@@ -18,7 +18,17 @@ import torch
 import triton
 import triton.language as tl
 
-from ._tiles import add_tile, dot, load_tile, scalar, settings, statistics, store_tile, width
+from ._tiles import (
+    add_tile,
+    dot,
+    load_tile,
+    online_softmax,
+    scalar,
+    settings,
+    statistics,
+    store_tile,
+    width,
+)
 
 
 @triton.jit
@@ -76,10 +86,7 @@ def _attend_forward(A, B, U, E, WIN, O, LSE, SCALE, N, P, K, D, offset,
         s, dist, on, b = _scores(a, B, g, sbg, sbp, sbk, cols, ks, P, K, pos, w, live, scale,
                                  PRECISION, UPCAST)
         logit = tl.where(on, s + dist.to(ACC) * e[:, None], -float("inf"))
-        new = tl.maximum(top, tl.max(logit, axis=1))
-        safe = tl.where(new == -float("inf"), 0.0, new)
-        p = tl.exp(logit - safe[:, None])
-        shrink = tl.exp(top - safe)
+        p, shrink, new = online_softmax(logit, top)
         u = load_tile(U, g, sug, cols, sup, P, ds, sud, D)
         total = total * shrink + tl.sum(p, axis=1)
         acc = acc * shrink[:, None] + dot(p.to(u.dtype), u, PRECISION, UPCAST)

@@ -31,7 +31,7 @@ import triton.language as tl
 
 from ..ceilings import running_ceilings
 from . import interpreted
-from ._tiles import load_tile, scalar, settings, statistics, width
+from ._tiles import load_tile, online_softmax, scalar, settings, statistics, width
 from .band_per_child import _scores, _span, attend_backward, attend_forward
 
 #: the window rules this kernel runs, by their number in ``structattn.windows.rules``
@@ -105,19 +105,13 @@ def _posterior_pass(a, B, g, sbg, sbp, sbk, ks, P, K, pos, w, live, e, scale,
                                  PRECISION, UPCAST)
         d = dist.to(ACC)
         logit = tl.where(on, s + d * e[:, None], -float("inf"))
-        new = tl.maximum(top, tl.max(logit, axis=1))
-        safe = tl.where(new == -float("inf"), 0.0, new)
-        p = tl.exp(logit - safe[:, None])
-        shrink = tl.exp(top - safe)
+        p, shrink, new = online_softmax(logit, top)
         z = z * shrink + tl.sum(p, axis=1)
         zd = zd * shrink + tl.sum(p * d, axis=1)
         top = new
         if RULE == 1:
             raw = tl.where(on, s, -float("inf"))
-            ev_new = tl.maximum(ev_top, tl.max(raw, axis=1))
-            ev_safe = tl.where(ev_new == -float("inf"), 0.0, ev_new)
-            q = tl.exp(raw - ev_safe[:, None])
-            ev_shrink = tl.exp(ev_top - ev_safe)
+            q, ev_shrink, ev_new = online_softmax(raw, ev_top)
             ev_z = ev_z * ev_shrink + tl.sum(q, axis=1)
             ev_outer = ev_outer * ev_shrink + tl.sum(
                 tl.where(dist > (w // 2)[:, None], q, 0.0), axis=1)

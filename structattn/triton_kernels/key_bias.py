@@ -22,7 +22,17 @@ import triton
 import triton.language as tl
 
 from . import interpreted
-from ._tiles import dot, load_row, load_tile, scalar, settings, statistics, store_tile, width
+from ._tiles import (
+    dot,
+    load_row,
+    load_tile,
+    online_softmax,
+    scalar,
+    settings,
+    statistics,
+    store_tile,
+    width,
+)
 
 
 @triton.jit
@@ -99,10 +109,7 @@ def _forward_span(acc, top, total, a, B, U, H, g, rows, ks, ds, lo, hi, sbg, sbp
         cols = start + tl.arange(0, BN)
         s, b = _tile(a, B, H, g, rows, cols, ks, sbg, sbp, sbk, shg, shp, C, P, K, scale, w,
                      CAUSAL, WINDOWED, MASKED, PRECISION, UPCAST)
-        new = tl.maximum(top, tl.max(s, axis=1))
-        safe = tl.where(new == -float("inf"), 0.0, new)  # a row with nothing yet
-        p = tl.exp(s - safe[:, None])
-        shrink = tl.exp(top - safe)
+        p, shrink, new = online_softmax(s, top)
         u = load_tile(U, g, sug, cols, sup, P, ds, sud, D)
         total = total * shrink + tl.sum(p, axis=1)
         acc = acc * shrink[:, None] + dot(p.to(u.dtype), u, PRECISION, UPCAST)
