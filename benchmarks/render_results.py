@@ -49,6 +49,31 @@ def _machine(data) -> str:
     return f"{p.get('cores', '?')}-core CPU, {p.get('threads', '?')} threads"
 
 
+def _grouped_bars(ax, variants, sizes, value, xlabel: str, label: bool = True) -> None:
+    """One horizontal bar per variant and N, ``value(n, variant)``, grouped by variant, on a
+    log scale with a dashed line at 1; ``label``: name the variants (and put the first at
+    the top) — once per shared axis."""
+    height = 0.8 / len(sizes)
+    for k, n in enumerate(sizes):
+        ax.barh([i + k * height for i in range(len(variants))],
+                [value(n, v) for v in variants], height=height, label=f"N = {n:,}")
+    ax.axvline(1.0, color="#555555", lw=0.8, ls="--")
+    ax.set_xscale("log")
+    ax.set_xlabel(xlabel)
+    if label:
+        ax.set_yticks([i + 0.4 - height / 2 for i in range(len(variants))], variants)
+        ax.invert_yaxis()
+
+
+def _save(fig, out: str, name: str) -> str:
+    """Lay ``fig`` out, write it to ``out/name`` and close it; → the path."""
+    fig.tight_layout()
+    path = os.path.join(out, name)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def distance_priors(out: str) -> str | None:
     """Time and memory ratios to causal SDPA per prior and N (the CPU's runs)."""
     runs = {}  # N → {variant: row}
@@ -67,28 +92,20 @@ def distance_priors(out: str) -> str | None:
     variants = [v for v in dict.fromkeys(k for n in sizes for k in runs[n])
                 if v != "causal SDPA"]
     fig, axes = plt.subplots(1, 2, figsize=(13, 0.42 * len(variants) + 1.8), sharey=True)
-    height = 0.8 / len(sizes)
-    for k, n in enumerate(sizes):
-        ys = [i + k * height for i in range(len(variants))]
+
+    def memory(n, v):
         base = runs[n].get("causal SDPA", {}).get("peak_bytes")
-        time = [runs[n].get(v, {}).get("paired", float("nan")) for v in variants]
-        memory = [runs[n][v]["peak_bytes"] / base if v in runs[n] and base else float("nan")
-                  for v in variants]
-        axes[0].barh(ys, time, height=height, label=f"N = {n:,}")
-        axes[1].barh(ys, memory, height=height, label=f"N = {n:,}")
-    for ax, what in zip(axes, ("forward+backward time", "peak memory"), strict=True):
-        ax.axvline(1.0, color="#555555", lw=0.8, ls="--")
-        ax.set_xscale("log")
-        ax.set_xlabel(f"{what} ÷ causal SDPA's (log scale; left of the dashed line: less)")
-    axes[0].set_yticks([i + 0.4 - height / 2 for i in range(len(variants))], variants)
-    axes[0].invert_yaxis()
+        return runs[n][v]["peak_bytes"] / base if v in runs[n] and base else float("nan")
+    for ax, what, value, first in (
+            (axes[0], "forward+backward time",
+             lambda n, v: runs[n].get(v, {}).get("paired", float("nan")), True),
+            (axes[1], "peak memory", memory, False)):
+        _grouped_bars(ax, variants, sizes, value, label=first,
+                      xlabel=f"{what} ÷ causal SDPA's (log scale; left of the dashed line: "
+                             f"less)")
     axes[1].legend(loc="upper right", fontsize=8)
     fig.suptitle(f"Distance priors against causal SDPA — {machine}, float32", fontsize=11)
-    fig.tight_layout()
-    path = os.path.join(out, "distance_priors.png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, out, "distance_priors.png")
 
 
 def gpu_kernels(out: str) -> str | None:
@@ -124,11 +141,7 @@ def gpu_kernels(out: str) -> str | None:
         ax.legend(fontsize=8)
     fig.suptitle(f"Triton kernels on {data['results'].get('device', _machine(data))}, {dtype}",
                  fontsize=11)
-    fig.tight_layout()
-    path = os.path.join(out, "gpu_kernels.png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, out, "gpu_kernels.png")
 
 
 def expanding(out: str) -> str | None:
@@ -143,24 +156,13 @@ def expanding(out: str) -> str | None:
     variants = list(dict.fromkeys(r["variant"].strip() for r in rows
                                   if r["variant"] != "full causal SDPA"))
     fig, ax = plt.subplots(figsize=(9, 0.5 * len(variants) + 1.6))
-    height = 0.8 / len(sizes)
-    for k, n in enumerate(sizes):
-        by = {r["variant"].strip(): r["speedup_vs_full"] for r in rows if r["n"] == n}
-        ax.barh([i + k * height for i in range(len(variants))],
-                [by.get(v, float("nan")) for v in variants], height=height, label=f"N = {n:,}")
-    ax.axvline(1.0, color="#555555", lw=0.8, ls="--")
-    ax.set_xscale("log")
-    ax.set_yticks([i + 0.4 - height / 2 for i in range(len(variants))], variants)
-    ax.invert_yaxis()
-    ax.set_xlabel("speed-up over full causal SDPA, forward+backward (log scale)")
+    speedup = {(r["n"], r["variant"]): r["speedup_vs_full"] for r in rows}
+    _grouped_bars(ax, variants, sizes, lambda n, v: speedup.get((n, v), float("nan")),
+                  xlabel="speed-up over full causal SDPA, forward+backward (log scale)")
     ax.legend(fontsize=8)
-    ax.set_title(f"Expanding attention against full causal SDPA — "
-                 f"{_machine(data)}", fontsize=10)
-    fig.tight_layout()
-    path = os.path.join(out, "expanding.png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    ax.set_title(f"Expanding attention against full causal SDPA — {_machine(data)}",
+                 fontsize=10)
+    return _save(fig, out, "expanding.png")
 
 
 def main(argv=None):
