@@ -5,6 +5,8 @@ bound of a k-term dot product) — so a certificate built on it holds in float32
 
 - ``score_ceiling(a, b, scale)``: per child, |scale|·‖a_i‖·max_j ‖b_j‖ (Cauchy–Schwarz) and
   the rounding slack;
+- ``running_ceilings``: its parts for a window's tail — |scale|·‖a_i‖, the slack and the
+  keys' running longest length (the mean-field rule's ceiling, in every reading);
 - ``key_block_ceilings``: per child and key block, the smallest of three bounds — the
   block's element-wise box, its longest key (the ball), its centre's ball — tight where a
   block's keys cluster;
