@@ -12,6 +12,7 @@ from . import kinds as kinds
 from . import measures as measures
 from . import potentials as potentials
 from . import priors as priors
+from . import reading as reading
 from . import triton_kernels as triton_kernels
 from . import values as values
 from . import windows as windows

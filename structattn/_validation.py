@@ -11,15 +11,14 @@ from __future__ import annotations
 import contextlib
 import math
 import numbers
-import threading
+from dataclasses import replace
 
 import torch
 
-from ._direct import direct_readers
+from . import reading
 
 _DEFAULT = True  # the process-wide default (set_validation)
 _QUEUED = True  # whether a replayed call on a GPU queues its verdicts (structattn.verdicts)
-_local = threading.local()  # per-thread overrides (the validation() context manager)
 
 
 def set_validation(enabled: bool, queued: bool | None = None) -> None:
@@ -41,7 +40,9 @@ def set_validation(enabled: bool, queued: bool | None = None) -> None:
     _DEFAULT = bool(enabled)
     if queued is not None:
         _QUEUED = bool(queued)
-    _local.__dict__.pop("override", None)
+    ctx = reading.context()
+    if ctx.validate is not None:  # the calling thread's override is dropped
+        reading._set(replace(ctx, validate=None))
 
 
 def checks_on() -> bool:
@@ -49,9 +50,10 @@ def checks_on() -> bool:
     check would break the graph) — unless a plan is recorded or a program exported, where
     checks become flags (``passes``). While a plan is recorded ``as_guards`` (checks off, on
     the CPU), the checks are recorded too: there they guard the plan, not the call."""
-    if not is_validating():
-        return getattr(_local, "as_guards", False)
-    return not torch.compiler.is_compiling() or getattr(_local, "flags", None) is not None
+    ctx = reading.context()
+    if not (_DEFAULT if ctx.validate is None else ctx.validate):
+        return ctx.as_guards
+    return ctx.flags is not None or not torch.compiler.is_compiling()
 
 
 def is_validating() -> bool:
@@ -61,7 +63,7 @@ def is_validating() -> bool:
         The thread's own setting inside a ``validation()`` block, otherwise the
             process-wide default of ``set_validation`` (True unless changed).
     """
-    override = getattr(_local, "override", None)
+    override = reading.context().validate
     return _DEFAULT if override is None else override
 
 
@@ -79,12 +81,8 @@ def validation(enabled: bool):
     Yields:
         (None): nothing; the block runs with the setting in force.
     """
-    old = getattr(_local, "override", None)
-    _local.override = bool(enabled)
-    try:
+    with reading.entered(validate=bool(enabled)):
         yield
-    finally:
-        _local.override = old
 
 
 @contextlib.contextmanager
@@ -94,23 +92,18 @@ def recording(flags: list, *, exporting: bool = False, as_guards: bool = False):
     must be finite) to ``flags`` instead of reading them. ``as_guards``: with the checks off,
     record them all the same, as the conditions under which the plan is valid (the replay
     re-reads a call that fails one, and that reading, unchecked, carries NaN its own way)."""
-    old = (getattr(_local, "flags", None), getattr(_local, "exporting", False),
-           getattr(_local, "as_guards", False))
-    _local.flags, _local.exporting, _local.as_guards = flags, exporting, as_guards
-    try:
+    with reading.entered(flags=flags, exporting=exporting, as_guards=as_guards):
         yield
-    finally:
-        _local.flags, _local.exporting, _local.as_guards = old
 
 
 def is_exporting() -> bool:
     """Whether ``structattn.export`` is reading the declaration in this thread."""
-    return getattr(_local, "exporting", False)
+    return reading.context().exporting
 
 
 def is_recording() -> bool:
     """Whether a plan is being recorded in this thread (``structattn.replay``)."""
-    return getattr(_local, "flags", None) is not None
+    return reading.context().flags is not None
 
 
 def verdict(ok: torch.Tensor) -> bool:
@@ -124,7 +117,7 @@ def passes(ok: torch.Tensor) -> bool:
     """A value check's ``verdict(ok)``; while a plan is recorded, True after noting ``ok``: the
     replay reads every noted verdict (or, on a GPU, queues them: ``structattn.verdicts``),
     and a call whose verdict fails is read again, check by check, to raise the message."""
-    flags = getattr(_local, "flags", None)
+    flags = reading.context().flags
     if flags is None:
         return verdict(ok)
     flags.append(ok)
@@ -134,7 +127,7 @@ def passes(ok: torch.Tensor) -> bool:
 def may_hold(flag: torch.Tensor) -> bool:
     """``bool(flag)`` for a shortcut that skips a check when it cannot fail (e.g. no −∞ in a
     table: no empty row); True while a plan is recorded, so that the full check is recorded."""
-    return True if getattr(_local, "flags", None) is not None else bool(flag)
+    return True if reading.context().flags is not None else bool(flag)
 
 
 def first_true(flags: torch.Tensor) -> tuple[int, ...] | None:
@@ -170,8 +163,8 @@ def blame_parameters(what: str) -> None:
     being read, when ``what`` — states computed from the inputs and the parameters — turned out
     non-finite and such a parameter exists; return otherwise. Reads the parameters only on this
     failure path (the compiled reading tells which declaration it reads: ``reader.declaration``)."""
-    module = next((r.declaration for r in reversed(direct_readers())
-                   if getattr(r, "declaration", None) is not None), None)
+    module = next((r.declaration for r in reversed(reading.readings())
+                   if r.declaration is not None), None)
     if module is not None:
         check_parameters(module, f"; {what}, computed from it, is non-finite")
 

@@ -141,7 +141,7 @@ class CompiledModule(nn.Module):
                                 f"False; got {flag!r} ({type(flag).__name__})")
         with Marginalise(record_posterior=return_posterior, record_trace=return_trace,
                          record_trace_posteriors=trace_posteriors,
-                         declaration=self.declaration).direct() as reader:
+                         declaration=self.declaration) as reader:
             out = self.declaration.model(*inputs, **kwargs)
         result = (out,)
         if return_posterior:
@@ -164,7 +164,7 @@ class CompiledModule(nn.Module):
         gradient with respect to the parameters at fixed states is predictive coding's local
         learning rule: ``layer.free_energy(x, latents=final).sum().backward()``."""
         with Marginalise(latent_values=latents, record_trace=latents is None,
-                         declaration=self.declaration).direct() as reader:
+                         declaration=self.declaration) as reader:
             self.declaration.model(*inputs, **kwargs)
         if latents is None and reader.trace is not None and reader.trace.free_energy is not None:
             return reader.trace.free_energy[-1]

@@ -17,9 +17,8 @@ from dataclasses import dataclass
 
 import pyro
 import torch
-from pyro.poutine.runtime import effectful
 
-from ._direct import direct_readers
+from . import reading
 from .nodes import NodeSet, depends_on
 
 
@@ -39,6 +38,10 @@ class Energy:
                              f"tensor of shape {tuple(batch)}; got {got}")
         return e
 
+    def pyro_factor(self) -> Energy:
+        """Pyro's reading (``structattn.reading.PYRO``): ``pyro.factor(name, −E)``."""
+        return _factor_energy(self)
+
     def touches(self, node_set) -> bool:
         return any(depends_on(ns, node_set) for ns in self.node_sets)
 
@@ -51,9 +54,6 @@ def _factor_energy(term: Energy) -> Energy:
             stack.enter_context(plate)
         pyro.factor(term.name, -term.value()[..., None, None])  # (*batch, heads=1, nodes=1)
     return term
-
-
-_energy_effect = effectful(_factor_energy, type="structattn_energy")
 
 
 def energy(name: str, fn, *node_sets: NodeSet) -> Energy:
@@ -95,7 +95,4 @@ def energy(name: str, fn, *node_sets: NodeSet) -> Energy:
                              f"must share batch dims; got {tuple(batch)} and "
                              f"{tuple(ns.batch_shape)}")
     term = Energy(name, fn, tuple(node_sets))
-    readers = direct_readers()
-    if readers:
-        return readers[-1].energy(term)
-    return _energy_effect(term, name=name)
+    return reading.current_reading().energy(term)

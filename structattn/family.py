@@ -4,9 +4,9 @@
 plain Pyro (no structattn reader active) it *is* a ``pyro.sample`` site of a
 ``Categorical`` over parents inside plates ``(*batch, heads, children)``, marked
 for parallel enumeration; its potentials become ``pyro.factor`` sites and its
-value a ``pyro.deterministic`` site. Under a structattn reader (a Pyro
-``Messenger`` reacting to ``structattn_edges`` messages) the same call returns a
-symbolic handle instead and nothing is sampled.
+value is v_i(x, φ_i) at the sampled φ. Under another reading
+(``structattn.reading``: the compiled ``Marginalise``, ``TraceStructure``) the same call
+returns that reading's handle instead and nothing is sampled.
 
 ::
 
@@ -24,9 +24,8 @@ from typing import Any
 import pyro
 import pyro.distributions as dist
 import torch
-from pyro.poutine.runtime import effectful
 
-from ._direct import direct_readers
+from . import reading
 from ._validation import same_device, shape_str
 from .kinds.base import Support
 from .nodes import NodeSet
@@ -123,6 +122,10 @@ class EdgeFamily:
         scheme = "" if self.inference is None else f", read by {self.inference.describe()}"
         return (f"φ {self.name!r}: {self.parents.name} → {self.children.name}, "
                 f"prior {self.prior.describe()}, heads={self.heads}{scheme}")
+
+    def pyro_sample(self) -> SampledEdge:
+        """Pyro's reading (``structattn.reading.PYRO``): φ a ``pyro.sample`` site."""
+        return _sample_edges(self)
 
     def validate_structure(self) -> None:
         c, p = self.children.states, self.parents.states
@@ -258,9 +261,6 @@ def _sample_edges(family: EdgeFamily) -> SampledEdge:
     return SampledEdge(family, index, index == family.parents.size if none else None)
 
 
-_edges_effect = effectful(_sample_edges, type="structattn_edges")
-
-
 def edges(name: str, children: NodeSet, parents: NodeSet, prior: Prior, *, heads: int = 1,
           inference: InferenceScheme | None = None) -> Any:
     """Declare the edge family ``name``: for each child i (and head), φ_i ~ prior over parents.
@@ -317,10 +317,7 @@ def edges(name: str, children: NodeSet, parents: NodeSet, prior: Prior, *, heads
                          f"{type(inference).__name__}")
     family = EdgeFamily(name, children, parents, prior, heads, inference=inference)
     family.validate_structure()
-    readers = direct_readers()
-    if readers:  # a compiled module's reader, entered without Pyro's stack
-        return readers[-1].edge(family)
-    return _edges_effect(family, name=name)
+    return reading.current_reading().edges(family)
 
 
 def potential(edge: Any, potential: Potential) -> None:

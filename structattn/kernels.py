@@ -35,6 +35,8 @@ import warnings
 
 import torch
 
+from . import reading
+
 __all__ = ["available", "build", "build_error", "cache_directory", "disabled", "key_bias",
            "mean_field_windows", "stick_breaking", "with_rules"]
 
@@ -56,21 +58,17 @@ _FLAGS = {"key_bias": ["-march=native"], "mean_field": ["-march=native", "-ffp-c
 _lock = threading.Lock()
 #: kernel → its ops, why its build failed, whether it was tried
 _states: dict = {k: {"ops": None, "error": None, "tried": False, "rules": False} for k in _KERNELS}
-_off = threading.local()
 
 
 def _enabled() -> bool:
-    return os.environ.get("STRUCTATTN_KERNELS", "1") != "0" and not getattr(_off, "depth", 0)
+    return reading.context().kernels and os.environ.get("STRUCTATTN_KERNELS", "1") != "0"
 
 
 @contextlib.contextmanager
 def disabled():
-    """Use the Python loops inside this block (this thread)."""
-    _off.depth = getattr(_off, "depth", 0) + 1
-    try:
+    """Use the Python loops inside this block (this thread; ``ReadingContext.kernels``)."""
+    with reading.entered(kernels=False):
         yield
-    finally:
-        _off.depth -= 1
 
 
 def _machine() -> str:

@@ -26,16 +26,14 @@ from __future__ import annotations
 
 import contextlib
 import math
-import threading
 from dataclasses import dataclass, replace
 
 import pyro
 import pyro.distributions as dist
 import torch
 from pyro.distributions import constraints
-from pyro.poutine.runtime import effectful
 
-from ._direct import direct_readers
+from . import reading
 from ._validation import is_recording, passes, shape_str
 from .nodes import NodeSet, _make_node_set
 
@@ -113,9 +111,6 @@ def check_options(o: IterationOptions, where: str = "latent") -> None:
         raise ValueError(f"{where}: grad must be one of {GRADIENTS}; got {o.grad!r}")
 
 
-_overrides = threading.local()
-
-
 @contextlib.contextmanager
 def iteration(**options):
     """Override every latent's iteration options in this thread.
@@ -141,17 +136,13 @@ def iteration(**options):
         raise ValueError(f"structattn.iteration: unknown options {sorted(unknown)}; expected "
                          f"some of {sorted(IterationOptions.__dataclass_fields__)}")
     check_options(replace(IterationOptions(), **options), "structattn.iteration")
-    old = getattr(_overrides, "options", {})
-    _overrides.options = {**old, **options}
-    try:
+    with reading.entered(iteration={**reading.context().iteration, **options}):
         yield
-    finally:
-        _overrides.options = old
 
 
 def iteration_overrides() -> dict:
     """The options ``structattn.iteration(...)`` sets in this thread (name → value)."""
-    return dict(getattr(_overrides, "options", {}))
+    return dict(reading.context().iteration)
 
 
 class LatentNodeSet(NodeSet):
@@ -185,9 +176,13 @@ class LatentNodeSet(NodeSet):
         # per step: each is an operation, and another in the backward, at every step)
         self._prior_terms: dict = {}
 
+    def pyro_sample(self) -> LatentNodeSet:
+        """Pyro's reading (``structattn.reading.PYRO``): z a ``pyro.sample`` site."""
+        return _sample_latent(self)
+
     @property
     def options(self) -> IterationOptions:
-        over = getattr(_overrides, "options", None)
+        over = reading.context().iteration
         return replace(self._options, **over) if over else self._options
 
     def prior_precision(self):
@@ -290,7 +285,6 @@ def _sample_latent(node_set: LatentNodeSet) -> LatentNodeSet:
     return node_set
 
 
-_latent_effect = effectful(_sample_latent, type="structattn_latent")
 
 
 def latent(name: str, init: torch.Tensor, *, loc=0.0, scale=1.0, steps: int = 3,
@@ -334,17 +328,7 @@ def latent(name: str, init: torch.Tensor, *, loc=0.0, scale=1.0, steps: int = 3,
     """
     options = IterationOptions(steps, tol, damping, update, step_size, grad)
     node_set = _make_latent(name, init, loc, scale, options, features)
-    readers = direct_readers()
-    if readers:
-        return readers[-1].latent(node_set)
-    return _latent_effect(node_set, name=name)
-
-
-def _infer_default(*node_sets):
-    return node_sets
-
-
-_infer_effect = effectful(_infer_default, type="structattn_infer")
+    return reading.current_reading().latent(node_set)
 
 
 def infer(*node_sets: LatentNodeSet):
@@ -369,10 +353,6 @@ def infer(*node_sets: LatentNodeSet):
         if not isinstance(ns, LatentNodeSet):
             raise ValueError(f"structattn.infer takes latent node sets from structattn.latent(...); "
                              f"got {type(ns).__name__}")
-    readers = direct_readers()
-    if readers:
-        readers[-1].infer()
-    else:
-        _infer_effect(*node_sets, name="structattn.infer")
+    reading.current_reading().infer(node_sets)
     states = tuple(ns.states for ns in node_sets)
     return states[0] if len(states) == 1 else states

@@ -11,9 +11,8 @@ from dataclasses import dataclass, field
 
 import pyro
 import torch
-from pyro.poutine.runtime import effectful
 
-from ._direct import direct_readers
+from . import reading
 from ._validation import check_finite, shape_str
 
 
@@ -104,11 +103,6 @@ def _make_node_set(name: str, states, features: int | None = None, observed: boo
     return NodeSet(name, states, observed)
 
 
-@effectful(type="structattn_nodes")
-def _nodes(name, states, features=None, observed=True):
-    return _make_node_set(name, states, features, observed)
-
-
 def nodes(name: str, states: torch.Tensor, *, features: int | None = None,
           memory: bool = False) -> NodeSet:
     """Declare an observed node set ``name`` with states ``(*batch, n, features)``.
@@ -132,12 +126,9 @@ def nodes(name: str, states: torch.Tensor, *, features: int | None = None,
         >>> sa.nodes("x", torch.zeros(2, 5, 4)).size  # the number of nodes
         5
     """
-    if direct_readers():  # a compiled module: no Pyro message needed
-        ns = _make_node_set(name, states, features, True)
-    else:
-        ns = _nodes(name, states, features, True, name=name)
+    ns = _make_node_set(name, states, features, True)
     ns.memory = bool(memory)
-    return ns
+    return reading.current_reading().nodes(ns)
 
 
 class DeterministicNodeSet(NodeSet):
@@ -232,11 +223,6 @@ def _make_deterministic(name, fn, sources, features=None, pullback=None):
     return ns
 
 
-@effectful(type="structattn_nodes")
-def _deterministic(name, fn, sources, features=None, pullback=None):
-    return _make_deterministic(name, fn, sources, features, pullback)
-
-
 def deterministic(name: str, fn, *node_sets: NodeSet, features: int | None = None,
                   pullback=None) -> NodeSet:
     """Declare a node set ``name`` whose states are ``fn(*states of node_sets)``.
@@ -271,6 +257,5 @@ def deterministic(name: str, fn, *node_sets: NodeSet, features: int | None = Non
             (a non-empty float tensor ``(*batch, n, features)`` with the first node set's batch
             dims, and finite while the checks are on).
     """
-    if direct_readers():
-        return _make_deterministic(name, fn, node_sets, features, pullback)
-    return _deterministic(name, fn, node_sets, features, pullback, name=name)
+    return reading.current_reading().nodes(
+        _make_deterministic(name, fn, node_sets, features, pullback))

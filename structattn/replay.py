@@ -44,7 +44,7 @@ from functools import partial
 import torch
 from torch.utils import _pytree as pytree
 
-from . import _validation, kernels, triton_kernels
+from . import _validation, kernels, reading
 from .certified import CertifiedWindow
 from .latent import iteration_overrides
 from .plans.fast_path import _Last
@@ -127,7 +127,7 @@ class Plans:
         key = [getattr(layer.declaration, "structure_version", 0), torch.is_grad_enabled(),
                torch.is_inference_mode_enabled(), torch.is_autocast_enabled(),
                _validation.is_validating(), kernels._enabled(),
-               triton_kernels._cpu.__dict__.get("depth")]
+               reading.context().triton_on_cpu]
         try:
             for x in inputs:
                 key.append((x.shape, x.dtype, x.device, x.requires_grad, x.layout)

@@ -10,8 +10,7 @@ from math import isfinite
 
 import torch
 
-from .. import _validation, kernels, triton_kernels
-from ..latent import _overrides
+from .. import _validation, reading
 from ..verdicts import DEVICES, call_failed
 from .internals import STORAGE, VERSION, tensor_guards
 from .plan import _MISSED, _constant_flags, _constants, _flags_pass, _output, _read, hold, stamp
@@ -20,6 +19,7 @@ from .plan import _MISSED, _constant_flags, _constants, _flags_pass, _output, _r
 #: update): ``os.environ.get`` is three Python frames, which after a call's tensor work cost
 #: as much as a small kernel (measured: 7–10 µs in place at B=1, N=16)
 _environ = getattr(os.environ, "_data", os.environ)
+_slot, _DEFAULT_CONTEXT = reading._slot, reading.DEFAULT  # the ReadingContext in force
 _KERNELS_KEY = os.environ.encodekey("STRUCTATTN_KERNELS") if _environ is not os.environ \
     else "STRUCTATTN_KERNELS"
 
@@ -30,10 +30,8 @@ def _modes(declaration) -> tuple:
     every call)."""
     return (declaration.__dict__.get("structure_version", 0), torch.is_grad_enabled(),
             torch.is_inference_mode_enabled(), torch.is_autocast_enabled(),
-            _validation._local.__dict__.get("override"), _validation._DEFAULT,
-            _environ.get(_KERNELS_KEY), kernels._off.__dict__.get("depth"),
-            triton_kernels._cpu.__dict__.get("depth"),
-            _overrides.__dict__.get("options"))  # replaced, never changed in place
+            _slot.__dict__.get("context", _DEFAULT_CONTEXT), _validation._DEFAULT,
+            _environ.get(_KERNELS_KEY))
 
 
 class _Last:

@@ -1,4 +1,5 @@
-"""Readings of a declaration, each a Pyro effect handler (``Messenger``)."""
+"""The readings of a declaration besides plain Pyro's (``structattn.reading``): the compiled
+one (``Marginalise``) and the structure's (``TraceStructure``), each entered with ``with``."""
 
 from .marginalise import Marginalise as Marginalise
 from .structure import Structure as Structure

@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import contextlib
-
-from pyro.poutine.messenger import Messenger
-
 from .. import lowering
-from .._direct import direct_readers
 from ..family import EdgeFamily
 from ..iterate import Engine, touches
 from ..latent import LatentNodeSet, place_latent
+from ..reading import Reading
 from ..trace import Trace
 
 
@@ -31,10 +27,11 @@ class MarginalEdge:
         return self.reader.expectation(fam)
 
 
-class Marginalise(Messenger):
-    """Pyro effect handler: ``structattn_edges`` sites return ``MarginalEdge`` handles and
-    ``structattn.value`` returns E_{p(φ|x)}[v] (SDPA fast path, or the dense twin when
-    ``record_posterior``). Families seen are kept in ``self.families`` (the IR).
+class Marginalise(Reading):
+    """The compiled reading (``structattn.reading``), entered with ``with Marginalise(...):``:
+    ``structattn.edges`` returns ``MarginalEdge`` handles and ``structattn.value`` returns
+    E_{p(φ|x)}[v] (SDPA fast path, or the dense twin when ``record_posterior``). Families seen
+    are kept in ``self.families`` (the IR).
 
     Latent node sets (``structattn.latent``) start at their initial state; ``infer`` (called
     by ``structattn.infer`` or by the first value of a family touching a latent) iterates
@@ -64,28 +61,11 @@ class Marginalise(Messenger):
         self._caches: dict = {}
         self._final_ops: dict = {}
 
-    def _pyro_structattn_edges(self, msg):
-        msg["value"] = self.edge(msg["args"][0])
-        msg["done"] = True
-
-    def _pyro_structattn_latent(self, msg):
-        msg["value"] = self.latent(msg["args"][0])
-        msg["done"] = True
-
-    def _pyro_structattn_energy(self, msg):
-        msg["value"] = self.energy(msg["args"][0])
-        msg["done"] = True
-
     def energy(self, term):
         if term.name in self.energies:
             raise ValueError(f"energy {term.name!r} is declared twice in one model")
         self.energies[term.name] = term
         return term
-
-    def _pyro_structattn_infer(self, msg):
-        self.infer()
-        msg["value"] = msg["args"]
-        msg["done"] = True
 
     def latent(self, node_set: LatentNodeSet) -> LatentNodeSet:
         if node_set.name in self.latents:
@@ -94,8 +74,9 @@ class Marginalise(Messenger):
         self.latents[node_set.name] = node_set
         return node_set
 
-    def infer(self) -> None:
-        """Iterate the pending latents to their fixed point (see ``structattn.iterate``)."""
+    def infer(self, node_sets=()) -> None:
+        """Iterate the pending latents — every latent declared so far, whichever
+        ``node_sets`` asks for — to their fixed point (see ``structattn.iterate``)."""
         pending = [z for z in self.latents.values() if not z.inferred]
         if not pending:  # e.g. every layer clamped: the posteriors at the observed states
             if self.record_posterior:
@@ -124,23 +105,11 @@ class Marginalise(Messenger):
             for name in engine.families:
                 self.posteriors[name] = self._final_ops[name].posterior()
 
-    def edge(self, family) -> MarginalEdge:
+    def edges(self, family) -> MarginalEdge:
         if family.name in self.families:
             raise ValueError(f"edge family {family.name!r} is declared twice in one model")
         self.families[family.name] = family
         return MarginalEdge(family, self)
-
-    @contextlib.contextmanager
-    def direct(self):
-        """Enter this reader without Pyro's handler stack: the primitives call it directly.
-        Compiled modules use this — same reading, no Pyro ``Message`` per site, so
-        ``torch.compile`` traces one graph."""
-        stack = direct_readers()
-        stack.append(self)
-        try:
-            yield self
-        finally:
-            stack.pop()
 
     def expectation(self, family: EdgeFamily):
         # a family the iteration used: its operator at the inferred states (prior tables, the

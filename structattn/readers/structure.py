@@ -12,6 +12,7 @@ from ..family import EdgeFamily
 from ..latent import LatentNodeSet, place_latent
 from ..nodes import NodeSet
 from ..priors.declared import declared_log_prior
+from ..reading import Reading
 
 
 @dataclass
@@ -74,19 +75,8 @@ class StructureEdge:
         return self.reader.expectation(self.family)
 
 
-class TraceStructure(Messenger):
-    """Records node sets (in declaration order), edge families, latent node sets and energies
-    without computing any expectation: values are zeros of the right shape. It shares no code
-    with the compiled reading (``Marginalise``), so an oracle that traces the structure first
-    never runs the lowering. Latents stay at their initial state, or at ``latent_values``."""
-
-    def __init__(self, latent_values: dict | None = None):
-        super().__init__()
-        self.latent_values = latent_values
-        self.node_sets: dict[str, NodeSet] = {}
-        self.families: dict[str, EdgeFamily] = {}
-        self.latents: dict = {}
-        self.energies: dict = {}
+class _RawSites(Messenger):
+    """Refuses a raw Pyro site in a declaration read by ``TraceStructure``."""
 
     def _pyro_sample(self, msg):
         """Every random variable of a declaration comes from a structattn primitive; a raw
@@ -105,38 +95,55 @@ class TraceStructure(Messenger):
             f"log-likelihoods with structattn.potential(...) and other terms of −log p with "
             f"structattn.energy(...)")
 
-    def _pyro_post_structattn_nodes(self, msg):
-        ns = msg["value"]
-        self.node_sets.setdefault(ns.name, ns)
 
-    def _pyro_structattn_edges(self, msg):
-        family = msg["args"][0]
+class TraceStructure(Reading):
+    """Records node sets (in declaration order), edge families, latent node sets and energies
+    without computing any expectation: values are zeros of the right shape. It shares no code
+    with the compiled reading (``Marginalise``), so an oracle that traces the structure first
+    never runs the lowering. Latents stay at their initial state, or at ``latent_values``."""
+
+    def __init__(self, latent_values: dict | None = None):
+        super().__init__()
+        self.latent_values = latent_values
+        self.node_sets: dict[str, NodeSet] = {}
+        self.families: dict[str, EdgeFamily] = {}
+        self.latents: dict = {}
+        self.energies: dict = {}
+
+    def __enter__(self):
+        self._refusal = _RawSites().__enter__()  # inside the reading: leaves it first
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        super().__exit__(*exc)
+        return self._refusal.__exit__(*exc)
+
+    def nodes(self, ns):
+        self.node_sets.setdefault(ns.name, ns)
+        return ns
+
+    def edges(self, family):
         if family.name in self.families:
             raise ValueError(f"edge family {family.name!r} is declared twice in one model")
         self.families[family.name] = family
         for ns in (family.parents, family.children):
             self.node_sets.setdefault(ns.name, ns)
-        msg["value"], msg["done"] = StructureEdge(family, self), True
+        return StructureEdge(family, self)
 
-    def _pyro_structattn_latent(self, msg):
-        node_set = msg["args"][0]
+    def latent(self, node_set):
         if node_set.name in self.latents:
             raise ValueError(f"latent node set {node_set.name!r} is declared twice in one model")
         place_latent(node_set, self.latent_values)
         node_set.inferred = True  # the structure only: no iteration
         self.latents[node_set.name] = node_set
         self.node_sets.setdefault(node_set.name, node_set)
-        msg["value"], msg["done"] = node_set, True
+        return node_set
 
-    def _pyro_structattn_energy(self, msg):
-        term = msg["args"][0]
+    def energy(self, term):
         if term.name in self.energies:
             raise ValueError(f"energy {term.name!r} is declared twice in one model")
         self.energies[term.name] = term
-        msg["value"], msg["done"] = term, True
-
-    def _pyro_structattn_infer(self, msg):
-        msg["value"], msg["done"] = msg["args"], True
+        return term
 
     def expectation(self, family):
         family.check_complete()

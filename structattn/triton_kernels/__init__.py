@@ -23,7 +23,8 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
-import threading
+
+from .. import reading
 
 __all__ = ["available", "interpreted", "on_cpu", "serves"]
 
@@ -44,19 +45,14 @@ def interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-_cpu = threading.local()
-
-
 @contextlib.contextmanager
 def on_cpu():
     """A context in which the library calls the Triton kernels on CPU tensors too, where the
     interpreter is on (``TRITON_INTERPRET=1``): how the tests check a whole layer through
-    them without a GPU. Per thread; part of a compiled module's signature."""
-    _cpu.depth = getattr(_cpu, "depth", 0) + 1
-    try:
+    them without a GPU. Per thread (``ReadingContext.triton_on_cpu``); part of a compiled
+    module's signature."""
+    with reading.entered(triton_on_cpu=True):
         yield
-    finally:
-        _cpu.depth -= 1
 
 
 def serves(*tensors) -> bool:
@@ -66,5 +62,5 @@ def serves(*tensors) -> bool:
         return False
     if all(t.is_cuda for t in tensors):
         return available()
-    return (getattr(_cpu, "depth", 0) > 0 and interpreted() and available()
+    return (reading.context().triton_on_cpu and interpreted() and available()
             and all(t.device.type == "cpu" for t in tensors))

@@ -7,9 +7,11 @@ lengths from the posterior over q (``structattn/credible.py``: ``credible_contex
 from ..certified import CertifiedWindow, certify
 from ..credible import CredibleContext, credible_context
 from .history import MeanFieldHistory
-from .rules import RULES, Certified, Edge, Evidence, Predictive, Round, WindowRule
+from .rules import (RULES, CertifiedRule, EdgeRule, EvidenceRule, PredictiveRule, Round,
+                    WindowRule)
 from .scheme import MeanFieldOperator, MeanFieldWindows, ScoreFactors
 
 __all__ = ["MeanFieldHistory", "MeanFieldOperator", "MeanFieldWindows", "ScoreFactors", "RULES",
-           "WindowRule", "Round", "Certified", "Predictive", "Edge", "Evidence", "certify",
+           "WindowRule", "Round", "CertifiedRule", "PredictiveRule", "EdgeRule", "EvidenceRule",
+           "certify",
            "CertifiedWindow", "CredibleContext", "credible_context"]

@@ -4,14 +4,14 @@ A rule is a small object: ``grow(round)`` gives the next windows of the children
 updates (the Python loop), and ``code`` names the same rule in the compiled kernel
 (``csrc/mean_field_windows.cpp``, ``enum Rule``). Built in:
 
-- ``Predictive()``: W_i ← the smallest W with the posterior predictive tail P(φ_i > W) < tol
+- ``PredictiveRule()``: W_i ← the smallest W with the posterior predictive tail P(φ_i > W) < tol
   (never below W_i): a window grows only while the posterior predicts mass beyond it;
-- ``Edge()``: W_i ← 2 W_i while the evidence alone (softmax of ψ over the window, the prior
+- ``EdgeRule()``: W_i ← 2 W_i while the evidence alone (softmax of ψ over the window, the prior
   left out) puts more than tol on the window's outer half d > W_i/2;
-- ``Evidence()``: W_i ← 2 W_i while the posterior, extended beyond the window with the
+- ``EvidenceRule()``: W_i ← 2 W_i while the posterior, extended beyond the window with the
   unseen parents' likelihood set to the window's typical one, puts more than tol beyond
   it (``BandScores.beyond_mass``).
-- ``Certified()`` (the default): W_i ← 2 W_i while a certified upper bound on the
+- ``CertifiedRule()`` (the default): W_i ← 2 W_i while a certified upper bound on the
   φ-update's mass beyond the window, over all of the child's past, exceeds tol — the
   unseen parents at the largest score they could have (``BandScores.certified_mass``), so
   a strong match far back is never left out because the prior's tail is light.
@@ -80,7 +80,7 @@ def _doubled(r: Round, outer: torch.Tensor) -> torch.Tensor:
                        torch.minimum(2 * r.window, r.caps), r.window)
 
 
-class Predictive(WindowRule):
+class PredictiveRule(WindowRule):
     """Grow to the posterior predictive's tail quantile at tol while the tail beyond the
     window is ≥ tol."""
 
@@ -97,7 +97,7 @@ class Predictive(WindowRule):
         return out
 
 
-class Edge(WindowRule):
+class EdgeRule(WindowRule):
     """Double while the evidence puts more than tol on the window's outer half."""
 
     code, name = 1, "edge"
@@ -106,7 +106,7 @@ class Edge(WindowRule):
         return _doubled(r, r.scores.outer_evidence(r.rows, r.window))
 
 
-class Evidence(WindowRule):
+class EvidenceRule(WindowRule):
     """Double while the posterior mass beyond the window (unseen parents at the window's
     typical likelihood) exceeds tol."""
 
@@ -116,7 +116,7 @@ class Evidence(WindowRule):
         return _doubled(r, r.scores.beyond_mass(r.rows, r.window, r.e_ln_q, r.caps))
 
 
-class Certified(WindowRule):
+class CertifiedRule(WindowRule):
     """Double while the certified bound on the posterior mass beyond the window, over the
     child's whole past, exceeds tol (it stops at the cap, reporting the bound it reached)."""
 
@@ -132,7 +132,8 @@ class Certified(WindowRule):
 
 
 #: the built-in rules by name (``MeanFieldWindows(window_rule="edge")`` reads this)
-RULES = {rule.name: rule for rule in (Certified(), Predictive(), Edge(), Evidence())}
+RULES = {rule.name: rule
+         for rule in (CertifiedRule(), PredictiveRule(), EdgeRule(), EvidenceRule())}
 
 
 def as_rule(rule) -> WindowRule:

@@ -269,7 +269,8 @@ def test_edge_rule_looks_further_back_until_it_finds_the_parent():
 
     def prog(x):
         t = sa.nodes("x", x)
-        scheme = sa.MeanFieldWindows(window_rule=sa.windows.Edge(), initial_window=2, tol=0.05)
+        scheme = sa.MeanFieldWindows(window_rule=sa.windows.EdgeRule(), initial_window=2,
+                                     tol=0.05)
         phi = sa.edges("attn", t, t, sa.priors.BetaGeometric(8.0, 1.0), inference=scheme)
         sa.potential(phi, sa.potentials.Bilinear(Wq, Wk, temperature=1.0))
         return sa.value(phi, sa.values.Identity())
