@@ -17,6 +17,15 @@ Everything else derives from it:
 
 ALiBi, the generalised Gaussian, the beta-geometric and a user's own (a power law, say) are
 such priors: one short file each, with no tables of their own.
+
+A *non-stationary* distance prior — FoX's forget gate, whose weight at a distance depends on
+the tokens in between — sets ``stationary = False`` and states no ``log_at_distance``; it
+keeps the options, the support and the certified window of the base, and overrides what
+reads its weights: ``log_weight`` (Pyro's reading and the dense table), ``heads``,
+``log_tail_mass`` (the certificate's tail) and, where its band weights are not simply
+``log_weight`` at the band's pairs, ``log_weights_on_band``. ``log_by_distance`` is then
+None (the window operator reads the band weights, or the prior's ``terms``), and the tables
+check it as any prior's (``PriorTables.validate``).
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ import torch
 
 from .._validation import checks_on, passes
 from ..certified import certificate_option, window_options
+from ..kinds.dense import DenseOperator
 from ..kinds.window import Window
 from .base import Prior
 from .tables import PriorTables, _check_log_weights
@@ -38,14 +48,24 @@ class DistancePrior(Prior):
 
     #: the nearest distance on the support: 0 (the child itself) or 1 (strictly the past)
     first: int = 0
+    #: whether the log weight depends on the distance alone (False: see the module docstring)
+    stationary: bool = True
+    #: the band's block of children (the window operator's ``band.BandLayout``, certified
+    #: truncation's and the mean-field windows' bands), an int ≥ 1
+    block_size: int = 64
+    #: how a ``tol`` is read (the window operator; ``structattn.export`` names it): "window"
+    #: (the shortest band certified for every child and head, ``structattn.certified``) or
+    #: "blocks" (the key blocks each block of children needs, per head,
+    #: ``structattn.block_sparse``: a prior whose log weight separates as g_i + h_j)
+    certificate: str = "window"
 
     def __init__(self, owner: str, *, causal: bool = True, tol: float | None = None,
                  block_size: int = 64, certificate: str = "window"):
         """``owner`` names the prior in error messages. ``causal``: j ≤ i (else every
         parent); ``tol`` (causal only): the posterior mass a certified window may leave out
         per child, None to read all of the past; ``block_size``: the band's block of
-        children; ``certificate``: how ``tol`` is read, "window" or "blocks" (``Prior.
-        certificate``). Each is checked, a ValueError naming ``owner`` otherwise."""
+        children; ``certificate``: how ``tol`` is read, "window" or "blocks" (the class
+        attributes). Each is checked, a ValueError naming ``owner`` otherwise."""
         self.causal = bool(causal)
         self.tol, self.block_size = window_options(owner, tol, block_size, self.causal)
         self.certificate = certificate_option(owner, certificate, tol)
@@ -59,8 +79,11 @@ class DistancePrior(Prior):
     def log_at_distance(self, d: torch.Tensor, dtype=None) -> torch.Tensor:
         """The unnormalised log weight ``(heads or 1, *d.shape)`` at integer distances ``d``
         (negative ones too where the support is not causal), in ``dtype`` (None: the
-        parameters' own). Called by ``log_weight``, ``log_by_distance`` and ``heads``."""
-        raise NotImplementedError
+        parameters' own). Called by ``log_weight``, ``log_by_distance`` and ``heads``; a
+        stationary prior must state it (a non-stationary one does not: it raises)."""
+        raise NotImplementedError(
+            f"{type(self).__name__} states no log_at_distance: a stationary DistancePrior "
+            f"must; a non-stationary one (stationary = False) overrides log_weight instead")
 
     @property
     def heads(self) -> int:
@@ -99,12 +122,55 @@ class DistancePrior(Prior):
         offset = self.child_offset(*sizes)
         return self.log_at_distance(child + offset - parent)  # (H|1, *index)
 
-    def log_by_distance(self, window: int, device, dtype) -> torch.Tensor:
+    def log_by_distance(self, window: int, device, dtype) -> torch.Tensor | None:
         """``(heads or 1, window + 1)``: the log weight at each distance d = 0..window, in
-        ``dtype``. Read by the window operator (its band's table, FlexAttention's score),
-        ``Prior.log_weights_on_band``, ``Prior.log_tail_mass`` and the tables' check."""
+        ``dtype``; None for a non-stationary prior. Read by the window operator (its band's
+        table, FlexAttention's score), ``log_weights_on_band``, ``log_tail_mass`` and the
+        tables' check."""
+        if not self.stationary:
+            return None
         return self.log_at_distance(torch.arange(window + 1, device=device), dtype).reshape(
             -1, window + 1).to(device)
+
+    def log_weights_on_band(self, layout, width: int, first: int, device, dtype,
+                            blocks: slice = slice(None)):
+        """The log weights at a band's (child i, parent i − d) pairs (``structattn.band``
+        layout over N = ``layout.n`` tokens, children and parents alike) for ``first`` ≤ d ≤
+        min(``width``, i), −∞ at every other slot: ``(…, nb, B, L)`` in ``dtype`` (``blocks``:
+        those blocks only). Read by the window operator (its band's bias) and certified
+        truncation (the evidence inside a window). Default: from ``log_by_distance``, or
+        ``log_weight`` at the pairs for a non-stationary prior."""
+        inside = layout.within(width, first, device, blocks)  # (nb, B, L)
+        table = self.log_by_distance(width, device, dtype)
+        if table is not None:
+            lw = table[:, layout.distance(device).clamp(0, width)][:, None]  # (H|1, 1, B, L)
+        else:
+            n = layout.n
+            child = layout.child_positions(device)[blocks, :, None].clamp(max=n - 1)  # (nb, B, 1)
+            parent = layout.parent_positions(device)[blocks, None].clamp(0, n - 1)  # (nb, 1, L)
+            lw = self.log_weight(child, parent, (n, n)).to(dtype)  # (…, nb, B, L)
+        return lw.masked_fill(~inside, float("-inf"))
+
+    def log_tail_mass(self, width: int, num_tokens: int, device, dtype) -> torch.Tensor:
+        """log of an upper bound on Σ_{j < i − width} w_ij — the prior's unnormalised weight
+        (the units of ``log_weight``) of child i's parents farther back than ``width`` —
+        broadcastable to ``(*batch, heads, N)``; −∞ where there are none. Read by certified
+        truncation (``structattn.certified``). Default: the distance table summed from
+        width + 1 to the longest distance N − 1 (a child's own past ends sooner: an upper
+        bound); a non-stationary prior overrides it."""
+        table = self.log_by_distance(num_tokens - 1, device, dtype)
+        if table is None:
+            raise NotImplementedError(
+                f"{type(self).__name__} is not stationary and states no log_tail_mass: "
+                f"certified truncation needs the prior's weight beyond a window")
+        if width + 1 >= num_tokens:
+            return torch.full_like(table[:, :1], float("-inf"))
+        beyond = torch.logcumsumexp(table.flip(-1), -1).flip(-1)  # [d]: log Σ_{d' ≥ d}
+        return beyond[:, width + 1:width + 2]  # (H|1, 1)
+
+    def reading(self, support):
+        """The support's operator: a ``Window``'s reads this prior's band hooks."""
+        return support.operator or DenseOperator
 
     def tables(self, num_children, num_parents, device):
         return DistanceTables(self, num_children, num_parents, device)
@@ -114,15 +180,16 @@ class DistancePrior(Prior):
 
 
 class DistanceTables(PriorTables):
-    """The generic tables, except that declaring a family whose support is a window checks
-    each parameter's heads and the prior's distance table ``(heads, N)`` instead of the dense
-    C×P one, which a window never builds: every log weight is one of its entries (d =
-    (offset + i) − j ≤ N − 1), and every child reads its nearest distance. Any other support is the dense operator's, whose table is read anyway: the
+    """The generic tables, except that declaring a family whose support is a window, under a
+    stationary prior, checks each parameter's heads and the prior's distance table ``(heads,
+    N)`` instead of the dense C×P one, which a window never builds: every log weight is one
+    of its entries (d = (offset + i) − j ≤ N − 1), and every child reads its nearest
+    distance. Any other support is the dense operator's, whose table is read anyway: the
     generic check."""
 
     def validate(self, family: str, *, batch_shape=(), heads: int = 1) -> None:
         prior = self.prior
-        if not isinstance(self.support, Window):
+        if not (prior.stationary and isinstance(self.support, Window)):
             return super().validate(family, batch_shape=batch_shape, heads=heads)
         for name, h in prior.head_counts().items():
             if h not in (1, heads):
