@@ -36,11 +36,6 @@ from ._registry import PriorEntry
 from .distance import DistancePrior
 
 
-#: the mean-field options that moved to ``structattn.windows.MeanFieldWindows``
-_SCHEME_OPTIONS = ("inference", "expectation", "update", "max_iters", "converge_tol", "grad",
-                   "window_rule", "initial_window")
-
-
 def _positive(name, value):
     """A float or a tensor (scalar or ``(heads,)``) of Beta parameters, checked > 0."""
     return check_positive("BetaGeometric prior", name, value)
@@ -73,24 +68,17 @@ class BetaGeometric(DistancePrior):
     certified per child (the trace's ``truncation[family]`` reports the bound per token);
     ``prior_tol`` ∈ (0, 1): instead cut the support where the prior's tail is below it (the
     model changes: Pyro reads the cut support too); ``max_window`` ≥ 1 caps the support;
-    ``block_size``: the banded kernel's block of children. Paper §5.2, SPEC.md
-    "Geometric–Beta prior".
+    ``block_size``: the banded kernel's block of children. The mean-field options (``grad``,
+    ``window_rule``, ``max_iters``, …) are not the prior's (an unknown keyword is a
+    ``TypeError``): they belong to ``structattn.windows.MeanFieldWindows``, declared on the
+    family. Paper §5.2, SPEC.md "Geometric–Beta prior".
     """
 
     first = 1  # strictly the past: the first token has none (``empty`` "zero")
 
     def __init__(self, a=1.0, b=1.0, *, tol: float | None = None,
                  prior_tol: float | None = None, max_window: int | None = None,
-                 block_size: int = 32, **moved):
-        if moved:
-            known = sorted(set(moved) & set(_SCHEME_OPTIONS))
-            unknown = sorted(set(moved) - set(_SCHEME_OPTIONS))
-            if unknown:
-                raise TypeError(f"BetaGeometric got unexpected keyword arguments {unknown}")
-            raise ValueError(f"BetaGeometric prior: {known} are options of the mean-field "
-                             f"inference scheme, not of the prior; declare it on the family: "
-                             f"structattn.edges(..., prior, inference=structattn.windows."
-                             f"MeanFieldWindows(...))")
+                 block_size: int = 32):
         self.a, self.b = _positive("a", a), _positive("b", b)
         _check_options(tol, prior_tol, max_window, block_size)
         super().__init__("BetaGeometric prior", causal=True, tol=tol, block_size=block_size)
