@@ -96,7 +96,7 @@ def certify(a: torch.Tensor, b: torch.Tensor, scale: float, prior, eps: float, *
     ``a``: child factors ``(*batch, H, N, k)``, ``b``: parent factors of the same N tokens
     (child i reads parents i − d, ``first`` ≤ d ≤ i); ``scale``: the scores' factor;
     ``prior``: states ``log_weights_on_band`` and ``log_tail_mass`` (``structattn.priors.
-    Prior``; a stationary prior by its ``log_by_distance`` alone); ``block``: the band's
+    DistancePrior``; a stationary prior by its ``log_by_distance`` alone); ``block``: the band's
     block of children; ``widest``: the widest window worth a band — the sequence jumps from
     the last width within it to the longest past, which needs no scoring when it is the
     whole past (no ``cap``): every bound is 0 there. ``per_lead``: for a reading that gives

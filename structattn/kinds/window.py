@@ -1,10 +1,11 @@
 """Window supports — each child reads the parents first ≤ d ≤ W positions back, d = i − j,
 first = 1 (j < i) or 0 (j ≤ i) — and their operator: one banded
 ``scaled_dot_product_attention`` call (``structattn.band``), O(N·W), or FlexAttention with a
-block mask on CUDA. The prior gives its log weights on the band (``Prior.
-log_weights_on_band``: from its distance table ``log_by_distance`` where it states one, as
-the geometric–Beta prior of expanding attention does, else from ``log_weight``, as a forget
-gate). A prior with a certified ``tol`` and no width of its own reads the window certified
+block mask on CUDA. The prior is a ``structattn.priors.DistancePrior`` (``Prior.reading``
+gives any other the dense operator): it gives its log weights on the band
+(``log_weights_on_band``: from its distance table ``log_by_distance`` where it states one,
+as the geometric–Beta prior of expanding attention does, else its own, as a forget gate's),
+its ``block_size`` and its ``certificate``. A prior with a certified ``tol`` and no width of its own reads the window certified
 for the call (``structattn.certified``), or all of the past through the dense operator; one
 whose ``certificate`` is "blocks" reads the key blocks certified for each block of children,
 per head (``structattn.block_sparse``).

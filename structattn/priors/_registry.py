@@ -34,7 +34,9 @@ class PriorEntry:
       tensors) → Prior`` at C = P = 5 — for the gradient check (None: no parameter has a
       gradient to check);
     - ``certified``: ``(generator) → Prior``, a causal instance with ``tol`` (a prior that
-      certifies truncation): the generic test holds its certificate to Pyro's whole past.
+      certifies truncation), read with 2 heads over N = 48 tokens (a prior with a parameter
+      per token, a forget gate, has 48): the generic test holds its certificate to Pyro's
+      whole past.
     """
 
     prior: type

@@ -44,6 +44,9 @@ class ALiBi(DistancePrior):
     def heads(self) -> int:
         return len(self.slopes)
 
+    def head_counts(self):
+        return {"slopes": len(self.slopes)}
+
     def terms(self, num_children, num_parents, device):
         """Under j ≤ i, −m|i − j| = −m·i + m·j: a difference of per-token terms."""
         if not self.causal:

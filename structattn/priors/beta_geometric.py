@@ -32,14 +32,8 @@ import torch
 
 from .._validation import check_positive, checks_on, passes
 from ..beta import beta_quantile, log_beta
-from ..kinds.window import Window
 from ._registry import PriorEntry
-from .base import Prior
-from .tables import PriorTables
-
-#: the mean-field options that moved to ``structattn.windows.MeanFieldWindows``
-_SCHEME_OPTIONS = ("inference", "expectation", "update", "max_iters", "converge_tol", "grad",
-                   "window_rule", "initial_window")
+from .distance import DistancePrior
 
 
 def _positive(name, value):
@@ -47,7 +41,25 @@ def _positive(name, value):
     return check_positive("BetaGeometric prior", name, value)
 
 
-class BetaGeometric(Prior):
+def _check_options(tol, prior_tol, max_window, block_size) -> None:
+    """The prior's options, each refused by name: ``tol`` and ``prior_tol`` in (0, 1), not
+    both; ``max_window`` and ``block_size`` ints ≥ 1."""
+    for name, val, what in (("tol", tol, "the posterior mass left outside a window"),
+                            ("prior_tol", prior_tol, "the prior's tail mass cut off")):
+        if val is not None and (isinstance(val, bool) or not isinstance(val, (int, float))
+                                or not 0 < val < 1):
+            raise ValueError(f"BetaGeometric prior: {name} ({what}) must be in (0, 1); "
+                             f"got {val!r}")
+    if tol is not None and prior_tol is not None:
+        raise ValueError(f"BetaGeometric prior: give tol (a certified posterior bound) or "
+                         f"prior_tol (a cut of the prior's tail), not both; got tol={tol!r}, "
+                         f"prior_tol={prior_tol!r}")
+    for name, val in (("max_window", max_window), ("block_size", block_size)):
+        if val is not None and (isinstance(val, bool) or not isinstance(val, int) or val < 1):
+            raise ValueError(f"BetaGeometric prior: {name} must be an int ≥ 1; got {val!r}")
+
+
+class BetaGeometric(DistancePrior):
     """``p(φ_i = d) = B(a + d − 1, b + 1) / B(a, b)`` for the distance d = i − j ≥ 1 back from
     child i; ``a``, ``b``: floats or tensors ``()`` / ``(heads,)`` (learnable: gradients flow
     through ``lgamma`` / ``digamma``). The child at position 0 has no parent: zero output.
@@ -56,42 +68,21 @@ class BetaGeometric(Prior):
     certified per child (the trace's ``truncation[family]`` reports the bound per token);
     ``prior_tol`` ∈ (0, 1): instead cut the support where the prior's tail is below it (the
     model changes: Pyro reads the cut support too); ``max_window`` ≥ 1 caps the support;
-    ``block_size``: the banded kernel's block of children. Paper §5.2, SPEC.md
-    "Geometric–Beta prior".
+    ``block_size``: the banded kernel's block of children. The mean-field options (``grad``,
+    ``window_rule``, ``max_iters``, …) are not the prior's (an unknown keyword is a
+    ``TypeError``): they belong to ``structattn.windows.MeanFieldWindows``, declared on the
+    family. Paper §5.2, SPEC.md "Geometric–Beta prior".
     """
 
-    empty = "zero"  # the first token has no past
+    first = 1  # strictly the past: the first token has none (``empty`` "zero")
 
     def __init__(self, a=1.0, b=1.0, *, tol: float | None = None,
                  prior_tol: float | None = None, max_window: int | None = None,
-                 block_size: int = 32, **moved):
-        if moved:
-            known = sorted(set(moved) & set(_SCHEME_OPTIONS))
-            unknown = sorted(set(moved) - set(_SCHEME_OPTIONS))
-            if unknown:
-                raise TypeError(f"BetaGeometric got unexpected keyword arguments {unknown}")
-            raise ValueError(f"BetaGeometric prior: {known} are options of the mean-field "
-                             f"inference scheme, not of the prior; declare it on the family: "
-                             f"structattn.edges(..., prior, inference=structattn.windows."
-                             f"MeanFieldWindows(...))")
+                 block_size: int = 32):
         self.a, self.b = _positive("a", a), _positive("b", b)
-        for name, val, what in (("tol", tol, "the posterior mass left outside a window"),
-                                ("prior_tol", prior_tol, "the prior's tail mass cut off")):
-            if val is not None and (isinstance(val, bool) or not isinstance(val, (int, float))
-                                    or not 0 < val < 1):
-                raise ValueError(f"BetaGeometric prior: {name} ({what}) must be in (0, 1); "
-                                 f"got {val!r}")
-        if tol is not None and prior_tol is not None:
-            raise ValueError(f"BetaGeometric prior: give tol (a certified posterior bound) or "
-                             f"prior_tol (a cut of the prior's tail), not both; got tol={tol!r}, "
-                             f"prior_tol={prior_tol!r}")
-        for name, val in (("max_window", max_window), ("block_size", block_size)):
-            if val is not None and (isinstance(val, bool) or not isinstance(val, int)
-                                    or val < 1):
-                raise ValueError(f"BetaGeometric prior: {name} must be an int ≥ 1; "
-                                 f"got {val!r}")
-        self.tol, self.prior_tol = tol, prior_tol
-        self.max_window, self.block_size = max_window, block_size
+        _check_options(tol, prior_tol, max_window, block_size)
+        super().__init__("BetaGeometric prior", causal=True, tol=tol, block_size=block_size)
+        self.prior_tol, self.max_window = prior_tol, max_window
 
     # -- the prior's parameters, per head ---------------------------------------------------
     def params(self, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,9 +95,12 @@ class BetaGeometric(Prior):
 
     @property
     def heads(self) -> int:
-        sizes = [self.a.numel() if isinstance(self.a, torch.Tensor) else 1,
-                 self.b.numel() if isinstance(self.b, torch.Tensor) else 1]
-        return max(sizes)
+        return max(self.head_counts().values())
+
+    def head_counts(self):
+        """``a``'s and ``b``'s heads, each checked against the family's."""
+        return {name: v.numel() if isinstance(v, torch.Tensor) else 1
+                for name, v in (("a", self.a), ("b", self.b))}
 
     def log_pmf(self, distance: torch.Tensor, device=None, dtype=torch.float64) -> torch.Tensor:
         """log p(φ = d) ``(heads or 1, *distance.shape)`` for integer distances d ≥ 1."""
@@ -119,10 +113,6 @@ class BetaGeometric(Prior):
         """log P(φ > W) = log B(a + W, b) − log B(a, b), ``(heads or 1,)``."""
         a, b = self.params(device, dtype)
         return log_beta(a + window, b) - log_beta(a, b)
-
-    def log_tail_mass(self, width, num_tokens, device, dtype) -> torch.Tensor:
-        """log P(φ > width) ``(heads or 1, 1)``: the closed form over every distance."""
-        return self.log_tail(width, device, dtype).reshape(-1, 1)
 
     def window(self, num_parents: int) -> int | None:
         """The support's window: the smallest W with P(φ > W) < ``prior_tol`` (over heads),
@@ -150,13 +140,34 @@ class BetaGeometric(Prior):
             return torch.zeros_like(a)
         return self.log_tail(w, "cpu", torch.float64).exp()
 
-    # -- the Prior contract ----------------------------------------------------------------
+    # -- the DistancePrior contract ---------------------------------------------------------
+    def log_at_distance(self, d, dtype=None):
+        """log p(φ = d) ``(heads or 1, *d.shape)``, −∞ at d < 1, computed in at least float32
+        and returned in ``dtype`` (None: float64). The support's cuts (``window``: the
+        ``prior_tol`` quantile, ``max_window``) stay the support's: on it this is the pmf."""
+        dtype = torch.float64 if dtype is None else dtype
+        pmf = self.log_pmf(d.clamp(min=1), d.device, dtype)
+        return pmf.masked_fill(d < 1, float("-inf")).to(dtype)
+
+    def child_offset(self, num_children, num_parents):
+        """The children are the last C of the P tokens: child i sits at P − C + i."""
+        return num_parents - num_children
+
+    def log_tail_mass(self, width, num_tokens, device, dtype) -> torch.Tensor:
+        """log P(φ > width) ``(heads or 1, 1)``: the closed form over every distance."""
+        return self.log_tail(width, device, dtype).reshape(-1, 1)
+
     def check_nodes(self, family, children, parents) -> None:
-        """Fewer children than parents: the children must be the parents' last C tokens (the
-        distance is read from there); a value check, on while validation is."""
+        """The children are the parents' tokens: all of them, or (fewer children than
+        parents) their last C — the distance is read from there; the latter a value check,
+        on while validation is."""
         c, p = children.size, parents.size
-        if c >= p or not checks_on():
-            return  # c > p: the tables' own check says so
+        if c > p:
+            raise ValueError(f"edge family {family!r}: a BetaGeometric prior is over distances "
+                             f"back along one sequence, so the children are the parents' tokens "
+                             f"(all, or the last C of them); got {c} children and {p} parents")
+        if c == p or not checks_on():
+            return
         xc, xp = children.states, parents.states
         if xc.shape[-1] != xp.shape[-1] or xc.shape[:-2] != torch.broadcast_shapes(
                 xc.shape[:-2], xp.shape[:-2]) or not passes(
@@ -166,33 +177,13 @@ class BetaGeometric(Prior):
                              f"last {c} tokens, but node set {children.name!r} is not "
                              f"{parents.name!r}[..., {p - c}:, :]")
 
-    def tables(self, num_children, num_parents, device) -> PriorTables:
-        return BetaGeometricTables(self, num_children, num_parents, device)
-
-    def support(self, num_children, num_parents):
-        """1 ≤ d ≤ window for the distance d = (P − C + i) − j: with C < P the children are
-        the last C of the P tokens (child i at P − C + i)."""
-        return Window(self.window(num_parents), offset=num_parents - num_children)
-
-    def log_weight(self, child, parent, sizes):
-        """log p(φ_i = d) at the distance d (outside 1 ≤ d the support excludes the pair)."""
-        C, P = sizes
-        d = (child + (P - C) - parent).clamp(min=1)
-        return self.log_pmf(d, child.device, torch.float64)  # (H|1, *index)
-
-    def log_by_distance(self, window: int, device, dtype) -> torch.Tensor:
-        """``(heads or 1, window + 1)``: log p(φ = d) for d = 0..window (−∞ at d = 0)."""
-        d = torch.arange(window + 1, device=device)
-        table = self.log_pmf(d.clamp(min=1), device, dtype)
-        return table.masked_fill(d == 0, float("-inf")).to(dtype)
-
     def hyper_prior(self) -> str:
         """The hyper-prior, as drawn in plate notation."""
         def show(v):
             return f"{v:g}" if isinstance(v, float) else "a" if v is self.a else "b"
         return f"q_i ~ Beta({show(self.a)}, {show(self.b)})\np(φ_i = d | q_i) = (1 − q_i) q_i^(d−1)"
 
-    def short_support(self) -> str:
+    def short_support(self, num_children: int = 2, num_parents: int = 2) -> str:
         w = "" if self.prior_tol is None and self.max_window is None else ", windowed"
         return f"1 ≤ i − j{w}"
 
@@ -204,24 +195,6 @@ class BetaGeometric(Prior):
             return ("(" + ", ".join(f"{x:.3g}" for x in vals) + ")" if len(vals) <= 4
                     else f"tensor{tuple(v.shape)}")
         return f"BetaGeometric(a={show(self.a)}, b={show(self.b)}, {self.short_support()})"
-
-
-class BetaGeometricTables(PriorTables):
-    """The generic tables, except that declaring a family checks the heads of ``a`` and ``b``
-    instead of building the dense C×P table (the window lowerings never need it)."""
-
-    def validate(self, family: str, *, batch_shape=(), heads: int = 1) -> None:
-        for name, v in (("a", self.prior.a), ("b", self.prior.b)):
-            h = v.numel() if isinstance(v, torch.Tensor) else 1
-            if h not in (1, heads):
-                raise ValueError(f"edge family {family!r}: BetaGeometric {name} has {h} entries "
-                                 f"(one per head) but the family has heads={heads}; give a "
-                                 f"scalar or a tensor of shape ({heads},)")
-        if self.num_children > self.num_parents:
-            raise ValueError(f"edge family {family!r}: a BetaGeometric prior is over distances "
-                             f"back along one sequence, so the children are the parents' tokens "
-                             f"(all, or the last C of them); got {self.num_children} children "
-                             f"and {self.num_parents} parents")
 
 
 def _formula(prior, C, P):
@@ -245,7 +218,8 @@ ENTRY = PriorEntry(
     BetaGeometric,
     lambda C, P, g: [BetaGeometric(1.5, torch.tensor([1.0, 3.0], dtype=torch.float64)),
                      BetaGeometric(2.0, 2.0, prior_tol=0.3),
-                     BetaGeometric(max_window=2)] if C <= P else [],
+                     BetaGeometric(max_window=2),
+                     BetaGeometric(2.0, 3.0, tol=0.1, block_size=2)] if C <= P else [],
     _formula,
     bad={"a must be finite and > 0": lambda: BetaGeometric(-1.0, 1.0),
          r"tol \(the posterior mass left outside a window\) must be in \(0, 1\)":
@@ -253,4 +227,8 @@ ENTRY = PriorEntry(
          "max_window must be an int ≥ 1": lambda: BetaGeometric(max_window=0)},
     parameters=lambda g: ((torch.rand(2, generator=g, dtype=torch.float64) + 0.5,
                            torch.rand(2, generator=g, dtype=torch.float64) + 0.5),
-                          lambda a, b: BetaGeometric(a, b)))
+                          lambda a, b: BetaGeometric(a, b)),
+    # a short look-back (E[q] ≈ 0.05): at N = 48 the certified window is 16, not the past
+    certified=lambda g: BetaGeometric(torch.tensor([1.0, 2.0], dtype=torch.float64),
+                                      torch.tensor([20.0, 30.0], dtype=torch.float64),
+                                      tol=1e-2, block_size=8))

@@ -57,7 +57,8 @@ def _formula(prior, C, P):
     import numpy as np
 
     logits = np.broadcast_to(prior.logits.detach().numpy(), (*prior.logits.shape[:-2], C, P))
-    return np.where(_support_np(prior, C, P), logits, -np.inf).reshape(-1, C, P)
+    on = _support_np(C, P, prior.causal, prior.mask)
+    return np.where(on, logits, -np.inf).reshape(-1, C, P)
 
 
 def _cases(C, P, g):

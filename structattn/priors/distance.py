@@ -1,20 +1,31 @@
-"""Distance priors: p(φ_i = j) depends on the distance d = i − j alone.
+"""Distance priors: p(φ_i = j) weighs the distance d = i − j back from child i.
 
-A ``DistancePrior`` states one thing, ``log_at_distance(d)``: the unnormalised log weight at
-integer distances d (``(heads or 1, *d.shape)``; −∞ excludes a distance). Everything else
-derives from it:
+A stationary ``DistancePrior`` states one thing, ``log_at_distance(d)``: the unnormalised
+log weight at integer distances d (``(heads or 1, *d.shape)``; −∞ excludes a distance).
+Everything else derives from it:
 
 - ``log_weight`` at (child, parent) pairs, and ``log_by_distance`` (the table d = 0..W that
-  certified truncation reads);
+  the window operator reads on its band and certified truncation sums for its tail);
 - the support: j ≤ i (``causal``) or every parent, from the distance ``first`` (0: the child
-  itself, 1: strictly the past); with ``tol`` all of the past, read through a certified
-  window (``structattn.certified``) in blocks of ``block_size`` children — the model, and so
-  Pyro's reading, is still the whole past;
-- the tables: declaring a family checks the distance table ``(heads, N)``, never a dense C×P
-  one (a certified window never builds it), and the heads.
+  itself, 1: strictly the past), up to the prior's own ``window`` if it has one; with
+  ``tol`` all of the past, read through a certified window (``structattn.certified``) in
+  blocks of ``block_size`` children — the model, and so Pyro's reading, is still the whole
+  past;
+- the tables: declaring a family whose support is a window checks the distance table
+  ``(heads, N)`` and each parameter's heads, never a dense C×P table (a window never
+  builds it).
 
-ALiBi, the generalised Gaussian and a user's own (a power law, say) are such priors: one
-short file each, with no tables of their own.
+ALiBi, the generalised Gaussian, the beta-geometric and a user's own (a power law, say) are
+such priors: one short file each, with no tables of their own.
+
+A *non-stationary* distance prior — FoX's forget gate, whose weight at a distance depends on
+the tokens in between — sets ``stationary = False`` and states no ``log_at_distance``; it
+keeps the options, the support and the certified window of the base, and overrides what
+reads its weights: ``log_weight`` (Pyro's reading and the dense table), ``heads``,
+``log_tail_mass`` (the certificate's tail) and, where its band weights are not simply
+``log_weight`` at the band's pairs, ``log_weights_on_band``. ``log_by_distance`` is then
+None (the window operator reads the band weights, or the prior's ``terms``), and the tables
+check it as any prior's (``PriorTables.validate``).
 """
 
 from __future__ import annotations
@@ -23,6 +34,7 @@ import torch
 
 from .._validation import checks_on, passes
 from ..certified import certificate_option, window_options
+from ..kinds.dense import DenseOperator
 from ..kinds.window import Window
 from .base import Prior
 from .tables import PriorTables, _check_log_weights
@@ -31,13 +43,29 @@ from .uniform import dense_support
 
 class DistancePrior(Prior):
     """Base class of priors over the distance d = i − j (module docstring): a subclass calls
-    ``super().__init__`` with its options and states ``log_at_distance`` and ``heads``."""
+    ``super().__init__`` with its options and states ``log_at_distance`` (and ``heads``, if
+    it can say it without evaluating a weight)."""
 
     #: the nearest distance on the support: 0 (the child itself) or 1 (strictly the past)
     first: int = 0
+    #: whether the log weight depends on the distance alone (False: see the module docstring)
+    stationary: bool = True
+    #: the band's block of children (the window operator's ``band.BandLayout``, certified
+    #: truncation's and the mean-field windows' bands), an int ≥ 1
+    block_size: int = 64
+    #: how a ``tol`` is read (the window operator; ``structattn.export`` names it): "window"
+    #: (the shortest band certified for every child and head, ``structattn.certified``) or
+    #: "blocks" (the key blocks each block of children needs, per head,
+    #: ``structattn.block_sparse``: a prior whose log weight separates as g_i + h_j)
+    certificate: str = "window"
 
     def __init__(self, owner: str, *, causal: bool = True, tol: float | None = None,
                  block_size: int = 64, certificate: str = "window"):
+        """``owner`` names the prior in error messages. ``causal``: j ≤ i (else every
+        parent); ``tol`` (causal only): the posterior mass a certified window may leave out
+        per child, None to read all of the past; ``block_size``: the band's block of
+        children; ``certificate``: how ``tol`` is read, "window" or "blocks" (the class
+        attributes). Each is checked, a ValueError naming ``owner`` otherwise."""
         self.causal = bool(causal)
         self.tol, self.block_size = window_options(owner, tol, block_size, self.causal)
         self.certificate = certificate_option(owner, certificate, tol)
@@ -51,52 +79,126 @@ class DistancePrior(Prior):
     def log_at_distance(self, d: torch.Tensor, dtype=None) -> torch.Tensor:
         """The unnormalised log weight ``(heads or 1, *d.shape)`` at integer distances ``d``
         (negative ones too where the support is not causal), in ``dtype`` (None: the
-        parameters' own)."""
-        raise NotImplementedError
+        parameters' own). Called by ``log_weight``, ``log_by_distance`` and ``heads``; a
+        stationary prior must state it (a non-stationary one does not: it raises)."""
+        raise NotImplementedError(
+            f"{type(self).__name__} states no log_at_distance: a stationary DistancePrior "
+            f"must; a non-stationary one (stationary = False) overrides log_weight instead")
 
     @property
     def heads(self) -> int:
-        """How many heads of parameters the prior has (1: shared by every head)."""
+        """How many heads of parameters the prior has (1: shared by every head); read by
+        ``head_counts`` and ``describe``. Default: the rows of ``log_at_distance``."""
         return self.log_at_distance(torch.zeros(1, dtype=torch.long)).shape[0]
+
+    def head_counts(self) -> dict[str, int]:
+        """How many heads each parameter has, by name (each must be 1 or the family's
+        heads); read by the tables when a family is declared. Default: ``{"parameters":
+        heads}``; a prior whose parameters may disagree names each."""
+        return {"parameters": self.heads}
+
+    def window(self, num_parents: int) -> int | None:
+        """The longest distance the support holds for ``num_parents`` parents, or None (all
+        of the past); read by ``support``. Default None (the beta-geometric cuts it)."""
+        return None
+
+    def child_offset(self, num_children: int, num_parents: int) -> int:
+        """Where child i sits among the parents: position ``child_offset`` + i; read by
+        ``support`` and ``log_weight``. Default 0 (the children are the first C tokens; the
+        beta-geometric's are the last C, a decoding step: P − C)."""
+        return 0
 
     # -- derived ----------------------------------------------------------------------------
     def support(self, num_children, num_parents):
-        if self.tol is not None:  # all of the past, read through a certified window
-            return Window(None, first=self.first)
-        if self.first == 1:  # strictly the past, j < i
-            return Window(None, first=1)
-        return dense_support(self.causal, None)
+        """``first`` ≤ d ≤ ``window`` with d = (``child_offset`` + i) − j, a ``Window`` (read
+        by the banded window operator); all of j ≤ i (or every parent, not ``causal``) with
+        no ``tol`` is the dense operator's ``Causal`` (or ``AllParents``)."""
+        width, offset = self.window(num_parents), self.child_offset(num_children, num_parents)
+        if self.tol is None and self.first == 0 and width is None and offset == 0:
+            return dense_support(self.causal, None)
+        return Window(width, offset=offset, first=self.first)
 
     def log_weight(self, child, parent, sizes):
-        return self.log_at_distance(child - parent)  # (H|1, *index)
+        offset = self.child_offset(*sizes)
+        return self.log_at_distance(child + offset - parent)  # (H|1, *index)
 
-    def log_by_distance(self, window, device, dtype):
-        """``(heads or 1, window + 1)`` at d = 0..window (a stationary prior)."""
+    def log_by_distance(self, window: int, device, dtype) -> torch.Tensor | None:
+        """``(heads or 1, window + 1)``: the log weight at each distance d = 0..window, in
+        ``dtype``; None for a non-stationary prior. Read by the window operator (its band's
+        table, FlexAttention's score), ``log_weights_on_band``, ``log_tail_mass`` and the
+        tables' check."""
+        if not self.stationary:
+            return None
         return self.log_at_distance(torch.arange(window + 1, device=device), dtype).reshape(
             -1, window + 1).to(device)
 
+    def log_weights_on_band(self, layout, width: int, first: int, device, dtype,
+                            blocks: slice = slice(None)):
+        """The log weights at a band's (child i, parent i − d) pairs (``structattn.band``
+        layout over N = ``layout.n`` tokens, children and parents alike) for ``first`` ≤ d ≤
+        min(``width``, i), −∞ at every other slot: ``(…, nb, B, L)`` in ``dtype`` (``blocks``:
+        those blocks only). Read by the window operator (its band's bias) and certified
+        truncation (the evidence inside a window). Default: from ``log_by_distance``, or
+        ``log_weight`` at the pairs for a non-stationary prior."""
+        inside = layout.within(width, first, device, blocks)  # (nb, B, L)
+        table = self.log_by_distance(width, device, dtype)
+        if table is not None:
+            lw = table[:, layout.distance(device).clamp(0, width)][:, None]  # (H|1, 1, B, L)
+        else:
+            n = layout.n
+            child = layout.child_positions(device)[blocks, :, None].clamp(max=n - 1)  # (nb, B, 1)
+            parent = layout.parent_positions(device)[blocks, None].clamp(0, n - 1)  # (nb, 1, L)
+            lw = self.log_weight(child, parent, (n, n)).to(dtype)  # (…, nb, B, L)
+        return lw.masked_fill(~inside, float("-inf"))
+
+    def log_tail_mass(self, width: int, num_tokens: int, device, dtype) -> torch.Tensor:
+        """log of an upper bound on Σ_{j < i − width} w_ij — the prior's unnormalised weight
+        (the units of ``log_weight``) of child i's parents farther back than ``width`` —
+        broadcastable to ``(*batch, heads, N)``; −∞ where there are none. Read by certified
+        truncation (``structattn.certified``). Default: the distance table summed from
+        width + 1 to the longest distance N − 1 (a child's own past ends sooner: an upper
+        bound); a non-stationary prior overrides it."""
+        table = self.log_by_distance(num_tokens - 1, device, dtype)
+        if table is None:
+            raise NotImplementedError(
+                f"{type(self).__name__} is not stationary and states no log_tail_mass: "
+                f"certified truncation needs the prior's weight beyond a window")
+        if width + 1 >= num_tokens:
+            return torch.full_like(table[:, :1], float("-inf"))
+        beyond = torch.logcumsumexp(table.flip(-1), -1).flip(-1)  # [d]: log Σ_{d' ≥ d}
+        return beyond[:, width + 1:width + 2]  # (H|1, 1)
+
+    def reading(self, support):
+        """The support's operator: a ``Window``'s reads this prior's band hooks."""
+        return support.operator or DenseOperator
+
     def tables(self, num_children, num_parents, device):
-        return (DistanceTables if self.tol is not None else PriorTables)(
-            self, num_children, num_parents, device)
+        return DistanceTables(self, num_children, num_parents, device)
 
     def describe(self) -> str:
         return f"{type(self).__name__}(heads={self.heads}, {self.short_support()})"
 
 
 class DistanceTables(PriorTables):
-    """The generic tables, except that declaring a family checks the prior's distance table
-    ``(heads, N)`` instead of the dense C×P one, which a certified window never builds:
-    every log weight is one of its entries (j ≤ i reads d = 0..N − 1), and every child reads
-    its nearest distance."""
+    """The generic tables, except that declaring a family whose support is a window, under a
+    stationary prior, checks each parameter's heads and the prior's distance table ``(heads,
+    N)`` instead of the dense C×P one, which a window never builds: every log weight is one
+    of its entries (d = (offset + i) − j ≤ N − 1), and every child reads its nearest
+    distance. Any other support is the dense operator's, whose table is read anyway: the
+    generic check."""
 
     def validate(self, family: str, *, batch_shape=(), heads: int = 1) -> None:
-        prior, n = self.prior, max(self.num_children, self.num_parents)
-        h = prior.heads
-        if h not in (1, heads):
-            raise ValueError(f"edge family {family!r}: {type(prior).__name__} has {h} heads "
-                             f"of parameters but the family has heads={heads}")
+        prior = self.prior
+        if not (prior.stationary and isinstance(self.support, Window)):
+            return super().validate(family, batch_shape=batch_shape, heads=heads)
+        for name, h in prior.head_counts().items():
+            if h not in (1, heads):
+                raise ValueError(f"edge family {family!r}: {type(prior).__name__} {name} has {h} "
+                                 f"entries (one per head) but the family has heads={heads}; "
+                                 f"give a scalar or a tensor of shape ({heads},)")
         if not checks_on():
             return
+        n = max(self.num_children, self.num_parents)
         table = prior.log_by_distance(max(n - 1, 0), self.device, None)  # (H, N)
         _check_log_weights(family, table, "at distance index")
         nearest = table[:, prior.first] if table.shape[-1] > prior.first else table[:, :0]

@@ -5,20 +5,23 @@ from __future__ import annotations
 import torch
 
 from .._validation import checks_on, passes, shape_str
-from ..certified import certificate_option, window_options
-from ..kinds.window import Window
 from ._registry import PriorEntry
-from .base import Prior
-from .uniform import dense_support
+from .distance import DistancePrior
 
 
-class ForgettingGate(Prior):
+class ForgettingGate(DistancePrior):
     """``p(φ_i = j) ∝ Π_{l=j+1..i} f_l`` over j ≤ i: each token l between a child and a parent
     forgets with its own gate f_l ∈ (0, 1] (data-dependent: FoX's f_l = σ(wᵀx_l + b), one per
     head). With c = cumsum(log f) the log weight is c_i − c_j — a difference of per-token terms
     (``terms``), so the dense operator lowers it, on the CPU, as the fused kernel with −c_j as
     its mask (trained through ``csrc/key_bias.cpp``'s backward), elsewhere as plain SDPA with
     one more key dimension — never an N×N bias. A constant gate f is ALiBi with slope m = −log f.
+
+    A distance prior that is not stationary (``DistancePrior``'s module docstring): the weight
+    of a distance depends on the gates in between, so it states no ``log_at_distance``; the
+    options, the support (j ≤ i, through a certified window with ``tol``) and the window come
+    from the base, and it overrides what reads its weights: ``log_weight``, the band's
+    weights (the cumulative sum in the certificate's float64) and the tail (exact, O(N)).
 
     ``log_f``: ``(…, N)`` log gates (≤ 0), their leading dims (batch, heads) broadcasting
     against ``(*batch, heads)``; N is the number of parents, children are its first C tokens.
@@ -29,6 +32,8 @@ class ForgettingGate(Prior):
     they lie, per head (``structattn.block_sparse``). The model, and so Pyro's reading, is
     still all of the past.
     """
+
+    stationary = False
 
     def __init__(self, log_f: torch.Tensor, *, tol: float | None = None, block_size: int = 64,
                  certificate: str = "window"):
@@ -42,9 +47,8 @@ class ForgettingGate(Prior):
                              f"f = exp(log_f) in (0, 1]); got {bad.numel()} entries outside, e.g. "
                              f"{float(bad[0])!r}. Use torch.nn.functional.logsigmoid(gate logits)")
         self.log_f = log_f
-        self.tol, self.block_size = window_options("ForgettingGate prior", tol,
-                                                             block_size, True)
-        self.certificate = certificate_option("ForgettingGate prior", certificate, tol)
+        super().__init__("ForgettingGate prior", causal=True, tol=tol, block_size=block_size,
+                         certificate=certificate)
 
     def cumulative(self, dtype=None) -> torch.Tensor:
         """c_k = Σ_{l ≤ k} log f_l, ``(…, N)``, summed in ``dtype`` (None: log_f's, at least
@@ -54,10 +58,14 @@ class ForgettingGate(Prior):
         dtype = torch.promote_types(self.log_f.dtype, torch.float32) if dtype is None else dtype
         return torch.cumsum(self.log_f, -1, dtype=dtype)
 
-    def support(self, num_children, num_parents):
-        if self.tol is not None:  # all of the past, j ≤ i, read through a certified window
-            return Window(None, first=0)
-        return dense_support(True, None)
+    @property
+    def heads(self) -> int:
+        """The heads dim of ``log_f`` (its second-to-last; 1 for a gate shared by every head)."""
+        return self.log_f.shape[-2] if self.log_f.dim() > 1 else 1
+
+    def log_weight(self, child, parent, sizes):
+        c = self.cumulative()
+        return c[..., child] - c[..., parent]  # (…, *index)
 
     def log_weights_on_band(self, layout, width, first, device, dtype,
                             blocks=slice(None)):
@@ -87,10 +95,6 @@ class ForgettingGate(Prior):
                              f"parent ({parents.size}) and at most as many children "
                              f"({children.size})")
 
-    def log_weight(self, child, parent, sizes):
-        c = self.cumulative()
-        return c[..., child] - c[..., parent]  # (…, *index)
-
     def terms(self, num_children, num_parents, device):
         c = self.cumulative().to(device)
         return c[..., :num_children], -c[..., :num_parents]
@@ -111,11 +115,24 @@ def _gates(g, P=5):
     return -torch.rand(2, P, generator=g, dtype=torch.float64) - 0.05
 
 
+def _cases(C, P, g):
+    if C > P:
+        return []
+    return [ForgettingGate(-torch.rand(2, P, generator=g, dtype=torch.float64)),
+            ForgettingGate(-torch.rand(2, P, generator=g, dtype=torch.float64), tol=0.1,
+                           block_size=2)]
+
+
+def _certified(g, n=48):
+    """Gates f = σ(z), z ~ N(−0.5, 1), at N = ``n`` (``check_certificate``'s)."""
+    logits = torch.randn(2, n, generator=g, dtype=torch.float64) - 0.5
+    return ForgettingGate(torch.nn.functional.logsigmoid(logits), tol=1e-2, block_size=8)
+
+
 ENTRY = PriorEntry(
-    ForgettingGate,
-    lambda C, P, g: [ForgettingGate(-torch.rand(2, P, generator=g, dtype=torch.float64))]
-    if C <= P else [],
+    ForgettingGate, _cases,
     _formula,
     bad={"log_f must be finite and ≤ 0": lambda: ForgettingGate(torch.ones(5)),
          "log_f must be a float tensor": lambda: ForgettingGate(torch.zeros(5).long())},
-    parameters=lambda g: ((_gates(g),), lambda t: ForgettingGate(t)))
+    parameters=lambda g: ((_gates(g),), lambda t: ForgettingGate(t)),
+    certified=_certified)

@@ -60,7 +60,11 @@ class GeneralisedGaussian(DistancePrior):
 
     @property
     def heads(self) -> int:
-        return self.loc.numel()
+        return max(t.numel() for t in (self.loc, self.log_scale, self.shape))
+
+    def head_counts(self):
+        return {"loc": self.loc.numel(), "log_scale": self.log_scale.numel(),
+                "shape": self.shape.numel()}
 
     def describe(self) -> str:
         return f"GeneralisedGaussian(heads={self.heads}, {self.short_support()})"

@@ -64,17 +64,18 @@ class Uniform(Prior):
         return f"Uniform({self.short_support()})"
 
 
-def _support_np(prior, C, P):
-    """The support as a numpy mask ``(C, P)``: j ≤ i (``causal``) ∩ the mask ∩ the edges."""
+def _support_np(C, P, causal: bool, mask=None, edge_index=None):
+    """A dense support as a numpy mask ``(C, P)``: j ≤ i (``causal``) ∩ ``mask`` ∩ the edges
+    of ``edge_index`` (each None: no restriction)."""
     import numpy as np
 
     i, j = np.arange(C)[:, None], np.arange(P)[None, :]
-    on = np.ones((C, P), dtype=bool) & ((j <= i) if prior.causal else True)
-    if getattr(prior, "mask", None) is not None:
-        on = on & prior.mask.numpy()
-    if getattr(prior, "edge_index", None) is not None:
+    on = np.ones((C, P), dtype=bool) & ((j <= i) if causal else True)
+    if mask is not None:
+        on = on & mask.numpy()
+    if edge_index is not None:
         edges = np.zeros((C, P), dtype=bool)
-        parents, children = prior.edge_index.numpy()
+        parents, children = edge_index.numpy()
         edges[children, parents] = True
         on = on & edges
     return on
@@ -93,7 +94,8 @@ def _cases(C, P, g):
 def _formula(prior, C, P):
     import numpy as np
 
-    return np.where(_support_np(prior, C, P), 0.0, -np.inf)[None]
+    on = _support_np(C, P, prior.causal, prior.mask, prior.edge_index)
+    return np.where(on, 0.0, -np.inf)[None]
 
 
 ENTRY = PriorEntry(

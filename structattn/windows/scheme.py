@@ -61,7 +61,9 @@ class MeanFieldWindows(InferenceScheme):
 
     Declared on a family whose prior is ``structattn.priors.BetaGeometric`` with
     ``edges(..., inference=MeanFieldWindows(...))``; its history is reported as
-    ``Trace.mean_field[family]`` (a ``MeanFieldHistory``).
+    ``Trace.mean_field[family]`` (a ``MeanFieldHistory``). The options below live here, not
+    on the prior (``BetaGeometric(grad=...)`` is a ``TypeError``: the prior only states
+    p(φ_i = d)).
 
     Args:
         tol: the posterior mass a window may leave out, in (0, 1) (the rules' threshold;

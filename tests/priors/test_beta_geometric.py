@@ -140,19 +140,25 @@ def test_prior_tail_cut_is_the_renormalised_window_and_reports_the_discarded_mas
     (dict(tol=0.1, prior_tol=0.1), "give tol .* or prior_tol .*, not both"),
     (dict(max_window=0), "max_window must be an int ≥ 1"),
     (dict(block_size=0), "block_size must be an int ≥ 1"),
-    # the mean-field options belong to the family's inference scheme, and the prior says so
-    (dict(inference="mean_field"), r"\['inference'\] are options of the mean-field inference "
-                                   r"scheme, not of the prior; declare it on the family"),
-    (dict(window_rule="edge", grad="last"), r"\['grad', 'window_rule'\] are options of the "
-                                            r"mean-field inference scheme"),
 ])
 def test_bad_prior_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         sa.priors.BetaGeometric(**kwargs)
 
 
+@pytest.mark.parametrize("kwargs,match", [
+    # the mean-field options are the family's inference scheme's (MeanFieldWindows), not the
+    # prior's: Python's own TypeError names the first one
+    (dict(inference="mean_field"), r"unexpected keyword argument 'inference'"),
+    (dict(window_rule="edge", grad="last"), r"unexpected keyword argument 'window_rule'"),
+])
+def test_mean_field_options_are_not_the_priors(kwargs, match):
+    with pytest.raises(TypeError, match=match):
+        sa.priors.BetaGeometric(**kwargs)
+
+
 def test_unknown_prior_argument_is_a_type_error():
-    with pytest.raises(TypeError, match=r"unexpected keyword arguments \['windw'\]"):
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'windw'"):
         sa.priors.BetaGeometric(windw=3)
 
 

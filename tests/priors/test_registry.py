@@ -33,6 +33,19 @@ def test_every_public_prior_has_an_entry():
     assert all(e.prior is getattr(sa.priors, name) for name, e in ENTRIES.items())
 
 
+def test_every_distance_prior_takes_the_generic_tables_and_is_certified():
+    """The priors over the distance — ALiBi, the beta-geometric, FoX's gate (not stationary),
+    the generalised Gaussian — are ``DistancePrior``s with no tables of their own, and each
+    entry states a certified instance and its parameters, so the generic tests below hold
+    their certificates and gradients."""
+    distance = {n for n, e in ENTRIES.items() if issubclass(e.prior, sa.priors.DistancePrior)}
+    assert distance == {"ALiBi", "BetaGeometric", "ForgettingGate", "GeneralisedGaussian"}
+    for name in distance:
+        entry = ENTRIES[name]
+        assert entry.prior.tables is sa.priors.DistancePrior.tables, name
+        assert entry.certified is not None and entry.parameters is not None, name
+
+
 @pytest.mark.parametrize("name", sorted(ENTRIES))
 def test_bad_parameters_are_refused_by_name(name):
     check_bad(ENTRIES[name])
