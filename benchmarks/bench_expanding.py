@@ -5,8 +5,8 @@ back (mean distance 16). x_i = [k_i ; k_{i−φ_i}] with unit random keys k (32 
 W_Q = c·[0 I], W_K = [I 0] make the true parent's score c and the others ≈ c·N(0, 1/32).
 The same W_Q, W_K, W_V, W_O serve every variant:
 
-- ``expanding (mean-field)``: ``sa.models.expanding_attention(variant="mean_field")``, a
-  window per token inferred from the data (prior a, b as stated; tol 0.05, certified: the
+- ``expanding (mean-field)``: ``sa.models.expanding_attention(d, inference=sa.MeanFieldWindows(
+  tol=…))``, a window per token inferred from the data (prior a, b as stated; tol 0.05, certified: the
   default window rule bounds the posterior mass each window leaves out);
 - ``expanding (mean-field, grad='last')``: the same, iterating without a graph (in the
   compiled CPU kernel, ``structattn.kernels``; on CUDA in Triton,
@@ -75,9 +75,10 @@ def build(d, sharpness, a, b, variant, tol, grad="unroll", block=32):
     half = d // 2
     # exact: the prior-tail cut (prior_tol), the rule this row has always measured; mean
     # field: tol under the default window rule (certified since 2026-11-24)
-    cut = dict(prior_tol=tol) if variant == "exact" else dict(tol=tol)
-    m = sa.models.expanding_attention(d, a=a, b=b, variant=variant, temperature=1.0,
-                                      block_size=block, grad=grad, **cut)
+    reading = (dict(inference=None, prior_tol=tol) if variant == "exact" else
+               dict(inference=sa.MeanFieldWindows(tol=tol, grad=grad)))
+    m = sa.models.expanding_attention(d, a=a, b=b, temperature=1.0, block_size=block,
+                                      **reading)
     with torch.no_grad():
         m.W_q.zero_()[:half, half:] = torch.eye(half) * sharpness  # (d, d): reads the parent key
         m.W_k.zero_()[:half, :half] = torch.eye(half)  # reads the own key

@@ -67,7 +67,7 @@ def build(variant, cfg):
         layer = sa.compile(m)
         return (lambda: layer(x)), [x, *m.parameters()]
     B, M, N, H, d, T = (cfg[k] for k in ("hop_B", "hop_M", "hop_N", "hop_H", "hop_d", "steps"))
-    m = sa.models.hopfield(H * d, H * d, heads=H, d_k=d, update_steps=T)
+    m = sa.models.hopfield(H * d, H * d, heads=H, d_k=d, iteration=sa.IterationOptions(steps=T))
     r = torch.randn(B, M, H * d, requires_grad=True)
     Y = torch.randn(B, N, H * d, requires_grad=True)
     if variant == "hopfield-hand":
@@ -227,7 +227,8 @@ def section_ground_truth(cfg, log):
     """Compiled fixed point vs Pyro's MAP (float64, a small problem with a unique optimum)."""
     torch.manual_seed(0)
     B, M, N, d = cfg["gt_B"], cfg["gt_M"], cfg["gt_N"], cfg["gt_d"]
-    m = sa.models.hopfield(d, heads=1, update_steps=10_000, tol=1e-12, beta=0.5 / d,
+    m = sa.models.hopfield(d, heads=1, beta=0.5 / d,
+                           iteration=sa.IterationOptions(steps=10_000, tol=1e-12),
                            dtype=torch.float64)
     r, Y = torch.randn(B, M, d, dtype=torch.float64), torch.randn(B, N, d, dtype=torch.float64)
     layer = sa.compile(m)

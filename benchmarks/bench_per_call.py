@@ -188,7 +188,7 @@ def section_iterative(cfg, log):
     r = torch.randn(1, M, d, device=dev, requires_grad=True)
     Y = torch.randn(1, N, d, device=dev, requires_grad=True)
     for T in (1, 3, 10):
-        m = sa.models.hopfield(d, d, update_steps=T).to(dev)
+        m = sa.models.hopfield(d, d, iteration=sa.IterationOptions(steps=T)).to(dev)
         layer = sa.compile(m)
         torch.testing.assert_close(layer(r, Y), hopfield_by_hand(m, r, Y), rtol=1e-4, atol=1e-5)
         params = [r, Y, *m.parameters()]

@@ -52,7 +52,7 @@ def build(d_model: int):
         "generalised Gaussian (μ=8, β=2)": sa.models.generalised_gaussian_attention(
             d_model, width=6.0, shape=2.0, tol=1e-2, block_size=8, dtype=f64),
         "geometric–Beta (a=4, b=1.5)": sa.models.expanding_attention(
-            d_model, variant="exact", a=4.0, b=1.5, tol=1e-2, dtype=f64),
+            d_model, inference=None, a=4.0, b=1.5, tol=1e-2, dtype=f64),
         "stick-breaking": sa.models.stick_breaking_attention(d_model, dtype=f64),
     }
     first = next(iter(models.values()))

@@ -7,8 +7,8 @@ when it would fall off the start), the other 48 tokens are distractors ~ N(0, 0.
 target is y = W z₀ (A ~ U[0, 1)^{D×D}, W ~ N(1, 1) of shape 1 × D, fixed per seed).
 
 Models: one attention layer and a linear read-out of the last token, ŷ = w·h_T + c:
-``sa.models.expanding_attention(D, variant="mean_field")`` (a, b learned, initialised at
-``--a``, ``--b``; windows at tail mass ``--tol``) and ``sa.models.self_attention(D,
+``sa.models.expanding_attention(D, inference=sa.MeanFieldWindows(...))`` (a, b learned,
+initialised at ``--a``, ``--b``; windows at tail mass ``--tol``) and ``sa.models.self_attention(D,
 causal=True)``. Adam (lr 5e-4 as the authors; no weight decay: with wd 2 neither model
 learns in our budget), MSE on the last token, mini-batches of 32 (the authors' code is
 batch size 1), ``--steps`` steps, seeds 0…S−1, p ∈ {1/2, 1/5, 1/10, 1/25}, D ∈ {10, 50}.
@@ -105,11 +105,9 @@ class Regressor(nn.Module):
 def make(kind, d, args, seed):
     torch.manual_seed(seed)
     if kind == "expanding":
-        attn = sa.models.expanding_attention(d, a=args.a, b=args.b, tol=args.tol,
-                                             variant="mean_field", update=args.update,
-                                             expectation=args.expectation,
-                                             window_rule=args.window_rule,
-                                             initial_window=args.initial_window)
+        attn = sa.models.expanding_attention(d, a=args.a, b=args.b, inference=sa.MeanFieldWindows(
+            tol=args.tol, update=args.update, expectation=args.expectation,
+            window_rule=args.window_rule, initial_window=args.initial_window))
     else:
         attn = sa.models.self_attention(d, causal=True)
     return Regressor(attn)

@@ -312,8 +312,8 @@ def hopfield_verdict(seed: int):
     stored = torch.randn(1, 6, 4, generator=g, dtype=F64)
     stored = 2 * stored / stored.norm(dim=-1, keepdim=True)  # ‖y_j‖ = 2: no pattern dominates
     queries = stored[:, :3] + 0.3 * torch.randn(1, 3, 4, generator=g, dtype=F64)
-    m = sa.models.hopfield(4, projections=False, beta=3.0, update_steps=1000, tol=1e-12,
-                           dtype=F64)
+    m = sa.models.hopfield(4, projections=False, beta=3.0,
+                           iteration=sa.IterationOptions(steps=1000, tol=1e-12), dtype=F64)
     return sa.inference.compare(m, queries, stored, method="exact")
 
 

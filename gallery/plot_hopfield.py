@@ -61,7 +61,8 @@ def corrupt(patterns: torch.Tensor, flips: int, generator: torch.Generator) -> t
 
 def classical_hopfield(beta: float, steps: int) -> sa.models.Hopfield:
     """One head, no projections: the paper's network on raw patterns."""
-    return sa.models.hopfield(D, projections=False, beta=beta, update_steps=steps, dtype=F64)
+    return sa.models.hopfield(D, projections=False, beta=beta,
+                              iteration=sa.IterationOptions(steps=steps), dtype=F64)
 
 
 def retrieve(patterns, queries, beta, steps):

@@ -4,10 +4,11 @@ The network: token + learned position embeddings, ``--layers`` pre-LayerNorm res
 each ``x ← x + attn(LN(x))`` with ``attn = sa.compile(sa.models.self_attention(d_model,
 heads=…, causal=True, name=f"attn{l}"))`` and ``x ← x + MLP(LN(x))``, then a final LayerNorm
 and a linear head to the vocabulary. ``--model iterative`` replaces each block's MLP by an
-associative memory: ``sa.compile(sa.models.hopfield(d_model, update_steps=3))`` whose queries
-are the tokens and whose stored patterns are learned parameters (per token, so causality
-is kept), so every block runs a latent iteration (three CCCP updates of the Hopfield state,
-back-propagated through) under DistributedDataParallel.
+associative memory: ``sa.compile(sa.models.hopfield(d_model,
+iteration=sa.IterationOptions(steps=3)))`` whose queries are the tokens and whose stored
+patterns are learned parameters (per token, so causality is kept), so every block runs a
+latent iteration (three CCCP updates of the Hopfield state, back-propagated through) under
+DistributedDataParallel.
 
 The task: next-token prediction on repeating patterns. Each sequence is a random pattern of
 ``--period`` tokens (vocabulary ``--vocab``) repeated to ``--seq-len``; the first period is
@@ -61,8 +62,8 @@ class HopfieldMemory(nn.Module):
     def __init__(self, d_model, heads, patterns, update_steps, name):
         super().__init__()
         self.stored = nn.Parameter(torch.randn(patterns, d_model))
-        self.retrieve = sa.compile(sa.models.hopfield(d_model, heads=heads, update_steps=update_steps,
-                                                      name=name))
+        self.retrieve = sa.compile(sa.models.hopfield(
+            d_model, heads=heads, iteration=sa.IterationOptions(steps=update_steps), name=name))
 
     def forward(self, x):
         keys = self.stored.expand(*x.shape[:-2], *self.stored.shape)  # same batch dims as x

@@ -170,10 +170,10 @@ def make_attention(name: str, d: int, heads: int, window: int, layer: int):
         "fox+rope": lambda: models.forgetting_attention(d, rope_base=10000.0, **kw),  # FoX Pro
         "gaussian": lambda: models.generalised_gaussian_attention(d, width=float(window), **kw),
         "stick_breaking": lambda: models.stick_breaking_attention(d, **kw),
-        "expanding_exact": lambda: models.expanding_attention(d, variant="exact", tol=1e-3,
+        "expanding_exact": lambda: models.expanding_attention(d, inference=None, tol=1e-3,
                                                               a=4.0, b=1.0, **kw),
-        "expanding_mf": lambda: models.expanding_attention(d, variant="mean_field",
-                                                           grad="last", a=4.0, b=1.0, **kw),
+        "expanding_mf": lambda: models.expanding_attention(
+            d, inference=sa.MeanFieldWindows(grad="last"), a=4.0, b=1.0, **kw),
     }
     if name not in table:
         raise ValueError(f"--attention: unknown variant {name!r}; choose from {sorted(table)}")

@@ -117,20 +117,23 @@ def credible_from_mean_field(history, level: float = 0.9) -> CredibleContext:
 def credible_context(layer, x: torch.Tensor, level: float = 0.9) -> CredibleContext:
     """Each token's central credible interval of q and of its context length 1/(1 − q) at
     ``level``, for a compiled expanding-attention layer (``sa.compile(expanding_attention(
-    …))``) on input ``x``: from the exact posterior over distances (``variant="exact"``) or
+    …))``) on input ``x``: from the exact posterior over distances (``inference=None``) or
     the mean-field q factor."""
+    from .models.expanding_attention import ExpandingAttention
+
     level = _check_level(level)
     model = getattr(layer, "declaration", None)
     if model is None:
         raise ValueError(f"credible_context: layer must be a compiled layer (structattn."
                          f"compile(model)); got {type(layer).__name__}")
     with torch.no_grad():
-        if getattr(model, "variant", None) == "exact":
+        if isinstance(model, ExpandingAttention) and model.inference is None:
             _, post = layer(x, return_posterior=True)
             return credible_from_posterior(post, model.a, model.b, level)
         _, trace = layer(x, return_trace=True)
     if not trace.mean_field:
         raise ValueError(f"credible_context: {type(model).__name__} has no geometric–Beta "
-                         f"family read by mean field nor variant='exact'")
+                         f"family read by mean field nor an exact expanding attention "
+                         f"(inference=None)")
     (history,) = trace.mean_field.values()
     return credible_from_mean_field(history, level)

@@ -84,7 +84,7 @@ def _refuse_data_dependent(layer: CompiledModule, inputs: tuple, kwargs: dict) -
                 f"structattn.export: {name} cannot be exported: edge family {fam.name!r} is read "
                 f"by {type(fam.inference).__name__}, whose windows are sized from the data on "
                 f"every call, so no single program holds it; export its exact reading "
-                f"(e.g. variant='exact') or run it under structattn")
+                f"(e.g. expanding attention's inference=None) or run it under structattn")
         if isinstance(fam.prior, BetaGeometric) and fam.prior.prior_tol is not None:
             raise ValueError(
                 f"structattn.export: {name} cannot be exported: edge family {fam.name!r} cuts "

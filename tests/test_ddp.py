@@ -35,7 +35,7 @@ def _make(name):
         m = sa.models.self_attention(8, heads=2, causal=True, dtype=f64)
         shapes = [(BATCH, 5, 8)]
     elif name == "hopfield":  # latent state ξ, 3 CCCP updates back-propagated through
-        m = sa.models.hopfield(8, 6, heads=2, update_steps=3, dtype=f64)
+        m = sa.models.hopfield(8, 6, heads=2, iteration=sa.IterationOptions(steps=3), dtype=f64)
         shapes = [(BATCH, 3, 8), (BATCH, 7, 6)]
     elif name == "slot_attention":  # EM on the slots from explicit initial slots (no RNG draw)
         m = sa.models.slot_attention(3, 8, iters=3, recipe="collapsed", temperature=0.5, dtype=f64)

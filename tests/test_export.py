@@ -123,16 +123,16 @@ REFUSED = {
     "ALiBi tol": (lambda: sa.models.alibi_attention(8, heads=2, tol=1e-3), "certified window"),
     "BAM tol": (lambda: sa.models.generalised_gaussian_attention(8, heads=2, tol=1e-3),
                 "certified window"),
-    "expanding exact tol": (lambda: sa.models.expanding_attention(8, heads=2, variant="exact",
+    "expanding exact tol": (lambda: sa.models.expanding_attention(8, heads=2, inference=None,
                                                                   tol=1e-3), "certified window"),
     "FoX blocks": (lambda: sa.models.forgetting_attention(8, heads=2, tol=1e-3,
                                                           certificate="blocks"),
                    "certified key blocks"),
     "expanding exact prior_tol": (lambda: sa.models.expanding_attention(
-        8, heads=2, variant="exact", prior_tol=0.05), "prior_tol=0.05"),
+        8, heads=2, inference=None, prior_tol=0.05), "prior_tol=0.05"),
     "expanding mean field": (lambda: sa.models.expanding_attention(8, heads=2), "MeanFieldWindows"),
-    "expanding grad=last": (lambda: sa.models.expanding_attention(8, heads=2, grad="last"),
-                            "MeanFieldWindows"),
+    "expanding grad=last": (lambda: sa.models.expanding_attention(
+        8, heads=2, inference=sa.MeanFieldWindows(grad="last")), "MeanFieldWindows"),
 }
 
 
@@ -156,7 +156,7 @@ def test_a_failed_export_prints_nothing_but_its_error(capfd, monkeypatch):
     when the export fails: the library's error alone comes out."""
     exporting = importlib.import_module("structattn.export")  # (sa.export is the function)
     monkeypatch.setattr(exporting, "_refuse_data_dependent", lambda *a: None)  # let torch try
-    m = sa.models.expanding_attention(8, heads=2, variant="exact", prior_tol=0.05)
+    m = sa.models.expanding_attention(8, heads=2, inference=None, prior_tol=0.05)
     with pytest.raises(ValueError, match=r"^structattn.export: ExpandingAttention could not be "
                                          r"exported"):
         sa.export(m, torch.randn(1, 40, 8))

@@ -79,8 +79,9 @@ def test_kernel_equals_the_loop(n, heads, batch, rule, expectation, update, max_
 def test_without_a_trace_the_output_is_the_same():
     """Nobody asks for the trace: the kernel keeps no history, and the output is unchanged."""
     torch.manual_seed(1)
-    m = sa.models.expanding_attention(8, heads=2, a=2.0, b=1.0, window_rule="evidence",
-                                      initial_window=4, dtype=f64)
+    m = sa.models.expanding_attention(8, heads=2, a=2.0, b=1.0, dtype=f64,
+                                      inference=sa.MeanFieldWindows(window_rule="evidence",
+                                                                    initial_window=4))
     layer, x = sa.compile(m), torch.randn(3, 40, 8, dtype=f64)
     with torch.no_grad():
         y_traced, trace = layer(x, return_trace=True)
@@ -98,8 +99,9 @@ def test_grad_last_gradients_equal_the_loop(rule):
     takes the one differentiable step; gradients in x, W_q, W_k, W_v, a and b match the
     loop's."""
     torch.manual_seed(2)
-    m = sa.models.expanding_attention(8, heads=2, a=torch.tensor([1.5, 3.0]), b=1.0, grad="last",
-                                      window_rule=rule, initial_window=3, dtype=f64)
+    m = sa.models.expanding_attention(8, heads=2, a=torch.tensor([1.5, 3.0]), b=1.0, dtype=f64,
+                                      inference=sa.MeanFieldWindows(grad="last", window_rule=rule,
+                                                                    initial_window=3))
     layer = sa.compile(m)
     x = torch.randn(2, 35, 8, dtype=f64, requires_grad=True)
     grads = []
@@ -184,8 +186,9 @@ def test_torch_compile_runs_the_kernel_path():
 
 def test_threads_do_not_change_the_result():
     torch.manual_seed(6)
-    m = sa.models.expanding_attention(8, heads=2, a=1.5, b=1.0, window_rule="evidence",
-                                      initial_window=2, dtype=f64)
+    m = sa.models.expanding_attention(8, heads=2, a=1.5, b=1.0, dtype=f64,
+                                      inference=sa.MeanFieldWindows(window_rule="evidence",
+                                                                    initial_window=2))
     layer, x = sa.compile(m), torch.randn(3, 300, 8, dtype=f64)
     threads = torch.get_num_threads()
     try:

@@ -439,7 +439,7 @@ def test_an_input_checked_through_its_projection_leaves_the_plan():
     second, which implies the first (the weights are known finite) — and a NaN or inf in r is
     still refused with the reading's message naming r's node set, checks on or off."""
     torch.manual_seed(0)
-    m = sa.models.hopfield(6, 5, update_steps=2, dtype=torch.float64)
+    m = sa.models.hopfield(6, 5, iteration=sa.IterationOptions(steps=2), dtype=torch.float64)
     layer = sa.compile(m)
     r, Y = torch.randn(1, 3, 6, dtype=torch.float64), torch.randn(1, 4, 5, dtype=torch.float64)
     for _ in range(3):

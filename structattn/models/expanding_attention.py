@@ -18,9 +18,6 @@ from structattn.windows import MeanFieldWindows
 from ._catalogue import TOKEN_SIZES, Entry, randn64
 from ._projections import TokenAttention
 
-VARIANTS = ("exact", "mean_field")
-
-
 def _softplus_inverse(v: float) -> float:
     return v + math.log(-math.expm1(-v))
 
@@ -29,11 +26,14 @@ class ExpandingAttention(TokenAttention):
     """φ_i = distance back from token i (parent i − φ_i), p(φ_i = d | q_i) = (1 − q_i) q_i^{d−1},
     q_i ~ Beta(a, b); ψ(x_j, x_i) = x_iᵀW_QᵀW_K x_j / τ; v = W_V x_j; y_i = W_O [E v_i]_heads.
 
-    ``variant="exact"``: q integrated out, p(φ = d) = B(a + d − 1, b + 1)/B(a, b), one softmax
-    over the past — all of it, or a window (``tol``, ``prior_tol``, ``max_window``).
-    ``variant="mean_field"``: the paper's scheme
-    (``structattn.windows.MeanFieldWindows``, declared on the family), a window per token
-    that grows while the posterior needs it; the cost follows the inferred context, not n.
+    ``inference=sa.MeanFieldWindows(...)`` (the default, ``MeanFieldWindows()``): the paper's
+    scheme, declared on the family and taken whole — a window per token that grows while
+    the posterior needs it; the cost follows the inferred context, not n. Its options
+    (``tol``, ``max_window``, ``max_iters``, ``converge_tol``, ``expectation``, ``update``,
+    ``window_rule``, ``initial_window``, ``grad``) live on the scheme.
+    ``inference=None``: the exact reading, q integrated out,
+    p(φ = d) = B(a + d − 1, b + 1)/B(a, b), one softmax over the past — all of it, or a
+    window (the prior's ``tol``, ``prior_tol``, ``max_window``).
     Token 0 has no past: its attention output is zero.
 
     x: ``(*batch, n, d_model)`` → ``(*batch, n, d_model)``. ``return_trace=True`` (mean-field)
@@ -57,54 +57,60 @@ class ExpandingAttention(TokenAttention):
         b (float | torch.Tensor): the Beta prior's b, as ``a``. Default 1.0.
         learn_prior (bool): True (default) learns a and b per head (a = softplus(raw) > 0, a
             parameter ``raw_prior: (2, heads)``); False keeps them fixed (a buffer).
-        variant (str): ``"mean_field"`` (default) or ``"exact"``, as above.
-        max_iters (int): mean field: the most rounds, a positive int. Default 50.
-        tol (float | None): in (0, 1). Exact: the softmax runs over the shortest window whose
-            posterior mass beyond it is certified ≤ tol for every token
-            (``return_trace=True``: the bound per token, in ``trace.truncation``); None, the
-            default, reads the whole past. Mean field: the tail mass left outside a window;
-            None, the default, takes 0.05.
-        prior_tol (float | None): exact only, in (0, 1), not with ``tol``: the support is cut
-            where the *prior's* tail is below it, whatever the scores; None, the default,
-            cuts nothing.
-        max_window (int | None): a positive int that caps every window (both variants);
-            None, the default, leaves the cap to each token's past.
-        expectation (str): mean field: ``"digamma"`` (default: E[ln q]) or ``"plug_in"``
-            (ln E[q]).
-        update (str): mean field: ``"conjugate"`` (default) or ``"accumulate"`` (the
-            authors' code).
-        grad (str): mean field: ``"unroll"`` (default: back-propagate through every round)
-            or ``"last"`` (one step from the detached fixed point, O(N·W) memory for long
-            sequences); ``structattn.iteration(grad=…)`` overrides it.
-        window_rule (str | structattn.windows.WindowRule): mean field: ``"certified"`` (the
-            default: a window grows until the posterior mass beyond it is certified ≤ tol),
-            ``"predictive"`` (until the posterior predictive's tail is, whatever the scores),
-            ``"edge"``, ``"evidence"``, or a ``structattn.windows.WindowRule``: see
-            ``structattn.windows.rules``.
-        initial_window (int | None): mean field: the first window, a positive int; None, the
-            default, takes the prior's tail quantile at tol.
-        block_size (int): the band's block of tokens (both variants), a positive int.
+        inference (structattn.MeanFieldWindows | None): the mean-field scheme, whole (its
+            ``tol``, ``max_window``, ``max_iters``, ``converge_tol``, ``expectation``,
+            ``update``, ``window_rule``, ``initial_window`` and ``grad``; see
+            ``structattn.MeanFieldWindows``), or None for the exact reading. Default
+            ``MeanFieldWindows()``: tol 0.05, at most 50 rounds, converge_tol 1e-3, digamma
+            expectation, conjugate update, certified windows from the prior's tail quantile,
+            ``grad="unroll"`` (``structattn.iteration(grad=…)`` overrides it).
+        tol (float | None): exact reading only (``inference=None``), in (0, 1): the softmax
+            runs over the shortest window whose posterior mass beyond it is certified ≤ tol
+            for every token (``return_trace=True``: the bound per token, in
+            ``trace.truncation``); None, the default, reads the whole past. The mean-field
+            windows take their own: ``MeanFieldWindows(tol=…)``.
+        prior_tol (float | None): exact reading only, in (0, 1), not with ``tol``: the
+            support is cut where the *prior's* tail is below it, whatever the scores; None,
+            the default, cuts nothing.
+        max_window (int | None): exact reading only, a positive int that caps the prior's
+            window; None, the default, leaves it to each token's past. The mean-field
+            windows take their own: ``MeanFieldWindows(max_window=…)``.
+        block_size (int): the band's block of tokens (both readings), a positive int.
             Default 32.
-        converge_tol (float): mean field: a finite number > 0; a token settles when
-            |ΔE[φ_i]| ≤ converge_tol·max(1, E[φ_i]). Default 1e-3.
         **kwargs (Any): passed to ``TokenAttention`` (d_k, d_v, out_proj, temperature,
             rope_base, rope_dims, device, dtype, name); ``causal`` is always True.
+
+    Raises:
+        ValueError: ``inference`` neither a ``MeanFieldWindows`` nor None; ``tol``,
+            ``prior_tol`` or ``max_window`` (the exact reading's prior options) given with a
+            mean-field scheme; or a size, a, b or prior option outside its range — each naming
+            the argument and the value given.
+        TypeError: a keyword neither this class nor ``TokenAttention`` takes, e.g. one of the
+            scheme's options (``max_iters``, ``grad``, ``window_rule``, …), which live on
+            ``MeanFieldWindows``.
     """
 
     def __init__(self, d_model, *, heads=1, a=1.0, b=1.0, learn_prior=True,
-                 variant="mean_field", max_iters=50, tol=None, prior_tol=None, max_window=None,
-                 expectation="digamma", update="conjugate", grad="unroll",
-                 window_rule="certified", initial_window=None, block_size=32,
-                 converge_tol=1e-3, **kwargs):
-        super().__init__(d_model, heads=heads, causal=True, **kwargs)
+                 inference=MeanFieldWindows(), tol=None, prior_tol=None, max_window=None,
+                 block_size=32, **kwargs):
         owner = type(self).__name__
-        for what, v in (("max_iters", max_iters), ("block_size", block_size),
-                        ("max_window", max_window), ("initial_window", initial_window)):
+        super().__init__(d_model, heads=heads, causal=True, **kwargs)
+        for what, v in (("block_size", block_size), ("max_window", max_window)):
             if v is not None:
                 check_size(owner, what, v)
-        if variant not in VARIANTS:
-            raise ValueError(f"ExpandingAttention: variant must be one of {VARIANTS}; "
-                             f"got {variant!r}")
+        if inference is not None and not isinstance(inference, MeanFieldWindows):
+            raise ValueError(f"{owner}: inference must be a structattn.MeanFieldWindows (the "
+                             f"mean-field reading) or None (the exact reading); got "
+                             f"{inference!r}")
+        if inference is not None:  # the prior's own truncation is the exact reading's
+            for what, v, scheme in (
+                    ("tol", tol, "MeanFieldWindows(tol=…)"),
+                    ("prior_tol", prior_tol, "MeanFieldWindows(tol=…, window_rule=…)"),
+                    ("max_window", max_window, "MeanFieldWindows(max_window=…)")):
+                if v is not None:
+                    raise ValueError(f"{owner}: {what} (an option of the exact reading's "
+                                     f"prior, inference=None) must be None with a mean-field "
+                                     f"scheme, whose windows take {scheme}; got {what}={v!r}")
         kw = {"device": kwargs.get("device"), "dtype": kwargs.get("dtype")}
         rows = []
         for name, v in (("a", a), ("b", b)):  # a float, or one value per head
@@ -119,23 +125,13 @@ class ExpandingAttention(TokenAttention):
             self.raw_prior = nn.Parameter(raw)  # (2, heads): softplus⁻¹ of (a, b)
         else:
             self.register_buffer("raw_prior", raw)
-        self.variant = variant
-        # the prior's truncation (exact) or the scheme's options (mean field), checked now
+        #: the mean-field scheme, or None (the exact reading)
+        self.inference = inference
+        # the prior's truncation (exact reading; the scheme's windows otherwise), checked now
         # (the prior is rebuilt each forward from the current a, b)
-        if variant == "exact":
-            self._prior_options = dict(tol=tol, prior_tol=prior_tol, max_window=max_window,
-                                       block_size=block_size)
-            self.inference = None
-        else:
-            if prior_tol is not None:
-                raise ValueError("ExpandingAttention: prior_tol (a cut of the prior's tail) is "
-                                 "an option of variant='exact'; the mean-field windows take "
-                                 "tol and window_rule")
-            self._prior_options = dict(block_size=block_size)
-            self.inference = MeanFieldWindows(
-                tol=0.05 if tol is None else tol, max_window=max_window, max_iters=max_iters,
-                converge_tol=converge_tol, expectation=expectation, update=update,
-                window_rule=window_rule, initial_window=initial_window, grad=grad)
+        self._prior_options = (dict(block_size=block_size) if inference is not None else
+                               dict(tol=tol, prior_tol=prior_tol, max_window=max_window,
+                                    block_size=block_size))
         self.prior()
 
     @property
@@ -186,7 +182,7 @@ def expanding_attention(d_model, **kwargs) -> ExpandingAttention:
 
 
 def _case(**kwargs):
-    """The default (mean-field) reading; ``variant="exact"`` for the exact one."""
+    """The default (mean-field) reading; ``inference=None`` for the exact one."""
     m = expanding_attention(6, heads=2, a=1.5, b=2.0, dtype=torch.float64, **kwargs)
     with torch.no_grad():
         m.raw_prior.add_(torch.randn_like(m.raw_prior) * 0.3)  # heads with their own a, b
@@ -197,6 +193,5 @@ def _case(**kwargs):
 #: approximation of the exact posterior; the generic tests also run the exact variant
 ENTRY = Entry(expanding_attention, ExpandingAttention, case=_case,
               example=dict(d_model=8, heads=2, a=2.0, b=2.0), exact=False,
-              variants={"exact": functools.partial(_case, variant="exact")},
-              sizes={**TOKEN_SIZES, "max_iters": 1, "max_window": 1, "initial_window": 1,
-                     "block_size": 1})
+              variants={"exact": functools.partial(_case, inference=None)},
+              sizes={**TOKEN_SIZES, "max_window": 1, "block_size": 1})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -10,6 +11,7 @@ from torch import nn
 
 import structattn as sa
 from structattn.checks import check_size
+from structattn.latent import IterationOptions
 
 from ._catalogue import Entry, randn64
 
@@ -19,10 +21,11 @@ class Hopfield(sa.Declaration):
     v = W_V y_j — per head. Collapsed free energy (per query and head, up to a constant):
     β·E(ξ) with E(ξ) = −(1/β)·lse(β K ξ) + ½‖ξ‖², K = W_K Y (Ramsauer et al.'s energy).
 
-    The CCCP update of ξ is ξ ← Kᵀ softmax(β K ξ), ``update_steps`` times from
+    The CCCP update of ξ is ξ ← Kᵀ softmax(β K ξ), T = ``iteration.steps`` times from
     ξ₀ = W_Q r; the output is W_O concat_h(Vᵀ softmax(β K ξ_T)), V = W_V Y — the
     semantics of hopfield-layers' ``Hopfield(update_steps_max=T)`` without
-    normalisation or biases.
+    normalisation or biases. How the latent ξ is iterated is its ``IterationOptions``,
+    taken whole (``iteration=sa.IterationOptions(steps=3, tol=1e-6)``).
 
     queries r: ``(*batch, M, d_query)``, keys Y: ``(*batch, N, d_key)`` →
     ``(*batch, M, d_out or heads·d_v)``. Parameters ``W_q (heads·d_k, d_query)``,
@@ -52,13 +55,15 @@ class Hopfield(sa.Declaration):
         temperature (float | None): τ = 1/β, a finite number > 0, as every attention model
             takes it (the posterior's, ψ/τ); give ``beta`` or ``temperature`` (both only if
             β·τ = 1).
-        update_steps (int): T, the number of CCCP updates of ξ, an int ≥ 0. Default 0: cross
-            attention (one softmax).
-        tol (float | None): stop once every state moves by at most ``tol`` (max abs) in one
-            step, a finite number > 0 (``update_steps`` is then a budget); None (default):
-            run all ``update_steps``.
-        grad (str): ``"unroll"`` (default: back-propagate through every update) or
-            ``"last"`` (iterate without gradients, then one differentiable update).
+        iteration (structattn.IterationOptions): how the latent state ξ is inferred, passed
+            whole to ``structattn.latent``: ``steps`` (T, the number of updates of ξ, an
+            int ≥ 0; 0: cross attention, one softmax), ``tol`` (stop once every state moves
+            by at most tol, max abs, in one step; ``steps`` is then a budget), ``damping``,
+            ``update`` (``"cccp"``: the update above; ``"gradient"`` or a callable: see
+            ``structattn.IterationOptions``), ``step_size`` and ``grad`` (``"unroll"``:
+            back-propagate through every update; ``"last"``: iterate without gradients,
+            then one differentiable update). Default ``IterationOptions(steps=0)``: cross
+            attention.
         out_proj (bool): True (default): W_o maps the merged heads to ``d_out``; False: no
             W_o, the output is ``(*batch, M, heads·d_v)``.
         projections (bool): True (default): W_q, W_k, W_v and W_o as above; False: none of
@@ -71,7 +76,7 @@ class Hopfield(sa.Declaration):
     """
 
     def __init__(self, d_query, d_key=None, *, heads=1, d_k=None, d_v=None, d_out=None,
-                 beta=None, temperature=None, update_steps=0, tol=None, grad="unroll",
+                 beta=None, temperature=None, iteration=IterationOptions(steps=0),
                  out_proj=True, projections=True, name="retrieve", device=None, dtype=None):
         super().__init__()
         d_query, heads = check_size("Hopfield", "d_query", d_query), check_size(
@@ -90,12 +95,13 @@ class Hopfield(sa.Declaration):
         d_k = d_query // heads if d_k is None else d_k
         d_v = d_k if d_v is None else d_v
         d_k, d_v = check_size("Hopfield", "d_k", d_k), check_size("Hopfield", "d_v", d_v)
-        update_steps = check_size("Hopfield", "update_steps", update_steps, 0)
+        if not isinstance(iteration, IterationOptions):
+            raise ValueError(f"Hopfield: iteration must be a structattn.IterationOptions (e.g. "
+                             f"IterationOptions(steps=3)); got {iteration!r}")
         beta = _inverse_temperature(beta, temperature, d_k)
-        sa.IterationOptions(steps=update_steps, tol=tol, grad=grad)  # check them now
         kw = {"device": device, "dtype": dtype}
         self.d_query, self.d_key, self.heads, self.d_k, self.d_v = d_query, d_key, heads, d_k, d_v
-        self.beta, self.update_steps, self.tol, self.grad = float(beta), update_steps, tol, grad
+        self.beta, self.iteration = float(beta), iteration
         self.family_name = name
         self.projections = bool(projections)
         self.W_q = self.W_k = self.W_v = self.W_o = None
@@ -114,13 +120,19 @@ class Hopfield(sa.Declaration):
         """τ = 1/β, the temperature of the tempered posterior (as every attention model's)."""
         return 1.0 / self.beta
 
+    @property
+    def update_steps(self) -> int:
+        """T, the number of updates of ξ: ``iteration.steps``, read by this name."""
+        return self.iteration.steps
+
     def model(self, queries, keys):
         self.check_inputs(queries=queries, keys=keys)
         stored = sa.nodes("stored", keys, features=self.d_key, memory=True)
         sa.nodes("queries", queries, features=self.d_query)  # the observed cue r
         init = queries if self.W_q is None else F.linear(queries, self.W_q)
-        state = sa.latent("state", init, scale=self.beta ** -0.5, steps=self.update_steps,
-                          tol=self.tol, grad=self.grad)
+        state = sa.latent("state", init, scale=self.beta ** -0.5,
+                          **{f.name: getattr(self.iteration, f.name)
+                             for f in dataclasses.fields(self.iteration)})
         phi = sa.edges(self.family_name, state, stored, sa.priors.Uniform(), heads=self.heads)
         if self.projections:
             psi = sa.potentials.Bilinear(None, self.W_k, heads=self.heads,
@@ -170,11 +182,12 @@ def hopfield(d_query, d_key=None, **kwargs) -> Hopfield:
 
 
 def _case():
-    m = hopfield(7, 5, heads=2, d_k=3, d_v=2, beta=0.8, update_steps=3, dtype=torch.float64)
+    m = hopfield(7, 5, heads=2, d_k=3, d_v=2, beta=0.8, iteration=IterationOptions(steps=3),
+                 dtype=torch.float64)
     return m, (randn64(2, 3, 7), randn64(2, 6, 5))
 
 
 #: the catalogue's statement (structattn/models/_catalogue.py)
 ENTRY = Entry(hopfield, Hopfield, case=_case,
-              example=dict(d_query=8, heads=2, update_steps=3),
-              sizes=dict(d_query=1, d_key=1, heads=1, d_k=1, d_v=1, d_out=1, update_steps=0))
+              example=dict(d_query=8, heads=2, iteration=IterationOptions(steps=3)),
+              sizes=dict(d_query=1, d_key=1, heads=1, d_k=1, d_v=1, d_out=1))

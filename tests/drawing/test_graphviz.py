@@ -56,7 +56,7 @@ def test_declared_render_needs_example_inputs():
 
 
 def test_latent_nodes_are_drawn_open_observed_shaded():
-    m = sa.models.hopfield(4, update_steps=2, dtype=torch.float64)
+    m = sa.models.hopfield(4, iteration=sa.IterationOptions(steps=2), dtype=torch.float64)
     G = sa.to_networkx(m, *m.example_inputs(n=3))
     latent = {n for n, d in G.nodes(data=True) if not d["observed"]}
     assert latent == {f"state[{i}]" for i in range(3)}

@@ -99,7 +99,7 @@ def test_layout_check_sees_a_crossing():
 def test_hopfield_queries_feed_the_first_state():
     """state⁽⁰⁾ = W_Q·queries: the unrolled chain starts from the queries plate (found in
     autograd's graph); slot attention's slots start from their own argument (no such edge)."""
-    m = sa.models.hopfield(8, 8, heads=2, update_steps=3)
+    m = sa.models.hopfield(8, 8, heads=2, iteration=sa.IterationOptions(steps=3))
     _, edges, _ = _layout(sa.model_graph(m, unrolled=True))
     starts = [(t["label"], h["label"]) for t, h, label, _ in edges if label == "initial state"]
     assert starts == [("queries_i\\nobserved", "state^(0)")]

@@ -80,7 +80,8 @@ def test_compare_with_samples_catches_a_non_affine_program():
 
 def _hopfield():
     torch.manual_seed(0)
-    m = sa.models.hopfield(6, heads=2, update_steps=500, tol=1e-13, beta=0.5, dtype=f64)
+    m = sa.models.hopfield(6, heads=2, beta=0.5,
+                           iteration=sa.IterationOptions(steps=500, tol=1e-13), dtype=f64)
     return m, torch.randn(1, 3, 6, dtype=f64), torch.randn(1, 7, 6, dtype=f64)
 
 

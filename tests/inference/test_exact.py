@@ -55,7 +55,7 @@ def test_raw_pyro_sites_are_refused_with_what_to_use_instead():
 
 
 def test_exact_on_a_latent_model_asks_for_latent_states():
-    m = sa.models.hopfield(4, update_steps=2, dtype=f64)
+    m = sa.models.hopfield(4, iteration=sa.IterationOptions(steps=2), dtype=f64)
     r, Y = torch.randn(1, 2, 4, dtype=f64), torch.randn(1, 3, 4, dtype=f64)
     with pytest.raises(ValueError, match="pass latents="):
         sa.inference.exact(m, r, Y)

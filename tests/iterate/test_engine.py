@@ -41,7 +41,8 @@ def test_gradient_rule_and_damping_follow_their_definitions():
 
 
 def test_tolerance_stops_early_and_says_so():
-    m = sa.models.hopfield(4, 4, beta=0.2, update_steps=500, tol=1e-9, dtype=f64)
+    m = sa.models.hopfield(4, 4, beta=0.2, iteration=sa.IterationOptions(steps=500, tol=1e-9),
+                           dtype=f64)
     r, Y = torch.randn(1, 2, 4, dtype=f64), torch.randn(1, 5, 4, dtype=f64)
     _, trace = sa.compile(m)(r, Y, return_trace=True)
     assert trace.converged is True and trace.steps < 500
@@ -51,7 +52,7 @@ def test_tolerance_stops_early_and_says_so():
 
 
 def test_trace_posteriors_per_step_and_last_posterior():
-    m = sa.models.hopfield(4, 4, heads=2, d_k=2, update_steps=3, dtype=f64)
+    m = sa.models.hopfield(4, 4, heads=2, d_k=2, iteration=sa.IterationOptions(steps=3), dtype=f64)
     r, Y = torch.randn(2, 3, 4, dtype=f64), torch.randn(2, 5, 4, dtype=f64)
     out, post, trace = sa.compile(m)(r, Y, return_posterior=True, return_trace=True,
                                      trace_posteriors=True)
@@ -76,7 +77,7 @@ def _gradcheck_params(layer, inputs):
 
 @pytest.mark.parametrize("T", [1, 3])
 def test_gradcheck_one_step_and_unrolled_loop(T):
-    m = sa.models.hopfield(4, 3, heads=2, d_k=2, update_steps=T, dtype=f64)
+    m = sa.models.hopfield(4, 3, heads=2, d_k=2, iteration=sa.IterationOptions(steps=T), dtype=f64)
     assert _gradcheck_params(sa.compile(m), (torch.randn(2, 3, 4, dtype=f64),
                                              torch.randn(2, 4, 3, dtype=f64)))
     c = sa.models.slot_attention(2, 3, iters=T, recipe="collapsed", dtype=f64)
@@ -130,7 +131,7 @@ def test_state_dict_round_trip_and_float32(tmp_path):
     m2.load_state_dict(torch.load(path, weights_only=True))
     x, z = torch.randn(2, 10, 8), torch.randn(2, 3, 8)
     assert torch.equal(sa.compile(m)(x, z), sa.compile(m2)(x, z))
-    h = sa.models.hopfield(8, update_steps=2).to(torch.bfloat16)
+    h = sa.models.hopfield(8, iteration=sa.IterationOptions(steps=2)).to(torch.bfloat16)
     y = sa.compile(h)(torch.randn(2, 3, 8, dtype=torch.bfloat16),
                       torch.randn(2, 5, 8, dtype=torch.bfloat16))
     assert y.dtype == torch.bfloat16 and torch.isfinite(y).all()
@@ -139,8 +140,8 @@ def test_state_dict_round_trip_and_float32(tmp_path):
 def test_torch_compile_traces_the_loop_in_one_graph():
     import torch._dynamo
 
-    cases = [(sa.models.hopfield(8, heads=2, update_steps=3), (torch.randn(2, 3, 8),
-                                                              torch.randn(2, 5, 8))),
+    cases = [(sa.models.hopfield(8, heads=2, iteration=sa.IterationOptions(steps=3)),
+              (torch.randn(2, 3, 8), torch.randn(2, 5, 8))),
              (sa.models.slot_attention(3, 8, iters=2, hidden_dim=8), (torch.randn(2, 6, 8),
                                                                      torch.randn(2, 3, 8)))]
     for m, inputs in cases:

@@ -7,11 +7,11 @@ import structattn as sa
 
 
 @pytest.mark.parametrize("build,match", [
-    (lambda: sa.models.hopfield(4, update_steps=-1), "update_steps"),
+    (lambda: sa.models.hopfield(4, iteration=sa.IterationOptions(steps=-1)), "steps"),
     (lambda: sa.models.hopfield(4, beta=0.0), "beta"),
     (lambda: sa.models.hopfield(4, beta=-1.0), "beta"),
-    (lambda: sa.models.hopfield(4, update_steps=3, tol=0.0), "tol"),
-    (lambda: sa.models.hopfield(4, update_steps=3, tol=-1e-3), "tol"),
+    (lambda: sa.models.hopfield(4, iteration=sa.IterationOptions(steps=3, tol=0.0)), "tol"),
+    (lambda: sa.models.hopfield(4, iteration=sa.IterationOptions(steps=3, tol=-1e-3)), "tol"),
     (lambda: sa.models.slot_attention(0, 8), "num_slots"),
     (lambda: sa.models.slot_attention(3, 8, recipe="nope"), "recipe"),
     (lambda: sa.models.slot_attention(3, 8, iters=-2),

@@ -75,7 +75,8 @@ def test_hopfield_energy_is_minus_the_empirical_log_normaliser():
     free energy from the edge family and from the measure; and a declaration whose energy is
     −G (``structattn.energy``, no edge family) reaches the same fixed point."""
     beta = 0.8
-    m = sa.models.hopfield(4, projections=False, beta=beta, update_steps=6, dtype=f64)
+    m = sa.models.hopfield(4, projections=False, beta=beta, iteration=sa.IterationOptions(steps=6),
+                           dtype=f64)
     r, Y = torch.randn(2, 3, 4, dtype=f64), torch.randn(2, 5, 4, dtype=f64)
     out, trace = sa.compile(m)(r, Y, return_trace=True)
     h = Empirical(Y)

@@ -78,7 +78,7 @@ def test_rotary_under_every_prior_equals_pyro_enumerating_the_definition(model, 
 
 def test_expanding_attention_takes_rotary_positions_too():
     torch.manual_seed(2)
-    m = sa.models.expanding_attention(8, heads=2, d_k=4, variant="exact", rope_base=100.0,
+    m = sa.models.expanding_attention(8, heads=2, d_k=4, inference=None, rope_base=100.0,
                                       dtype=f64)
     report = sa.inference.compare(m, torch.randn(1, 6, 8, dtype=f64))
     assert report.passed and report.max_abs_diff < 1e-10, report

@@ -90,7 +90,7 @@ def test_the_certificate_holds_for_float32_scores():
 
 
 def _identity_layer(**kwargs):
-    m = sa.models.expanding_attention(2, heads=1, a=2.0, b=2.0, variant="exact",
+    m = sa.models.expanding_attention(2, heads=1, a=2.0, b=2.0, inference=None,
                                       temperature=1.0, dtype=f64, **kwargs)
     with torch.no_grad():
         for w in (m.W_q, m.W_k, m.W_v, m.W_o):
@@ -126,9 +126,9 @@ def test_the_compiled_layer_stays_within_its_bound_of_the_whole_past(tol):
     n, d = 300, 16
     x = torch.randn(2, n, d, dtype=f64)
     x[:, 1:] = 0.7 * x[:, :-1] + 0.3 * x[:, 1:]  # nearby tokens alike: windows stay short
-    full = sa.models.expanding_attention(d, heads=2, a=2.0, b=8.0, variant="exact",
+    full = sa.models.expanding_attention(d, heads=2, a=2.0, b=8.0, inference=None,
                                          dtype=f64)
-    cut = sa.models.expanding_attention(d, heads=2, a=2.0, b=8.0, variant="exact", tol=tol,
+    cut = sa.models.expanding_attention(d, heads=2, a=2.0, b=8.0, inference=None, tol=tol,
                                         dtype=f64)
     cut.load_state_dict(full.state_dict())
     _, p_full = sa.compile(full)(x, return_posterior=True)
@@ -157,7 +157,7 @@ def test_the_window_is_chosen_again_for_every_call():
 
 def test_gradients_through_a_certified_window():
     torch.manual_seed(2)
-    m = sa.models.expanding_attention(4, heads=2, a=1.5, b=3.0, variant="exact", tol=0.05,
+    m = sa.models.expanding_attention(4, heads=2, a=1.5, b=3.0, inference=None, tol=0.05,
                                       block_size=4, dtype=f64)
     # slow drift: short windows; 48 tokens, since a band wider than half the sequence (here
     # 16 + 4 of 30) is not read: it would cost more than the whole past
@@ -186,13 +186,14 @@ def test_bad_certificate_arguments_are_refused():
         certify(a, a, 1.0, sa.priors.BetaGeometric(), 0)
     with pytest.raises(ValueError, match="factors of the same N tokens"):
         certify(a, a[..., :4, :], 1.0, sa.priors.BetaGeometric(), 0.1)
-    with pytest.raises(ValueError, match="prior_tol .* is an option of variant='exact'"):
+    with pytest.raises(ValueError, match=r"prior_tol \(an option of the exact reading's prior, "
+                                         r"inference=None\) must be None with a mean-field"):
         sa.models.expanding_attention(4, prior_tol=0.1)
 
 
-def _mean_field_layer(**kwargs):
+def _mean_field_layer(**options):
     m = sa.models.expanding_attention(2, heads=1, a=2.0, b=2.0, temperature=1.0, dtype=f64,
-                                      **kwargs)
+                                      inference=sa.MeanFieldWindows(**options))
     with torch.no_grad():
         for w in (m.W_q, m.W_k, m.W_v, m.W_o):
             w.copy_(torch.eye(2, dtype=f64))
@@ -230,8 +231,8 @@ def test_the_mean_field_bound_holds_over_the_whole_past(rule):
     x = torch.randn(2, n, d, dtype=f64)
     x[:, 1:] = 0.6 * x[:, :-1] + 0.4 * x[:, 1:]
     x[:, -1] = x[:, 20] * 2  # a strong (or strongly negative) match far back
-    m = sa.models.expanding_attention(d, heads=heads, a=2.0, b=2.0, tol=1e-3,
-                                      window_rule=rule, dtype=f64)
+    m = sa.models.expanding_attention(d, heads=heads, a=2.0, b=2.0, dtype=f64,
+                                      inference=sa.MeanFieldWindows(tol=1e-3, window_rule=rule))
     _, trace = sa.compile(m)(x, return_trace=True)
     h = trace.mean_field["attn"]
     q = (x @ m.W_q.T).unflatten(-1, (heads, -1)).transpose(-2, -3)

@@ -19,7 +19,7 @@ f64 = torch.float64
 
 def _case(n=6, seed=0):
     torch.manual_seed(seed)
-    m = sa.models.expanding_attention(2, variant="exact", a=2.0, b=1.5, out_proj=False,
+    m = sa.models.expanding_attention(2, inference=None, a=2.0, b=1.5, out_proj=False,
                                       dtype=f64)
     x = torch.randn(1, n, 2, dtype=f64)
     x[0, 1] = x[0, n - 1] = torch.tensor([1.5, 0.0], dtype=f64)  # a match 4 back from the last

@@ -184,7 +184,7 @@ def test_triton_grad_last_equals_the_loops_gradients(n, heads):
     and every parameter — the projections and the prior's a, b — equal the Python loop's
     (kernels off: autograd through PyTorch)."""
     torch.manual_seed(n)
-    m = sa.models.expanding_attention(8, heads=heads, variant="mean_field", grad="last",
+    m = sa.models.expanding_attention(8, heads=heads, inference=sa.MeanFieldWindows(grad="last"),
                                       dtype=f64, device=DEVICE)
     x = (torch.randn(2, n, 8, dtype=f64, device=DEVICE) * 2).requires_grad_()
     params = [p for p in m.parameters() if p.requires_grad]
@@ -204,7 +204,7 @@ def test_triton_ops_are_one_node_each_of_a_plan():
     """A recorded plan holds ``mean_field_solve`` and the band op once each, and no
     synchronising read of the windows; every call equals the loop's."""
     torch.manual_seed(4)
-    m = sa.models.expanding_attention(8, heads=2, variant="mean_field", dtype=f64,
+    m = sa.models.expanding_attention(8, heads=2, inference=sa.MeanFieldWindows(), dtype=f64,
                                       device=DEVICE)
     x = torch.randn(2, 40, 8, dtype=f64, device=DEVICE)
     layer = sa.compile(m)

@@ -336,7 +336,8 @@ def test_grad_last_trains_a_and_b_and_agrees_with_the_forward():
         torch.testing.assert_close(p_over, p_last, atol=0, rtol=0)
         torch.testing.assert_close(p_last, p_unroll, atol=1e-12, rtol=0)
         torch.testing.assert_close(p_free, p_unroll, atol=1e-12, rtol=0)
-    m = sa.models.expanding_attention(4, heads=2, variant="mean_field", grad="last", dtype=f64)
+    m = sa.models.expanding_attention(4, heads=2, inference=sa.MeanFieldWindows(grad="last"),
+                                      dtype=f64)
     sa.compile(m)(torch.randn(2, 12, 4, dtype=f64)).sum().backward()
     assert m.raw_prior.grad is not None and bool(torch.isfinite(m.raw_prior.grad).all())
     assert bool((m.raw_prior.grad != 0).all())
