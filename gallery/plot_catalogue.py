@@ -1,4 +1,7 @@
-"""Every catalogue model, drawn: its declared structure (prior over edges) and the structure
+"""The catalogue: declared and inferred structure
+==============================================
+
+Every catalogue model, drawn: its declared structure (prior over edges) and the structure
 it infers on example inputs (posterior over edges), with a heat map of each posterior.
 
 Reads ``structattn.models.REGISTRY``, so a new model appears here without editing this

@@ -1,4 +1,7 @@
-"""Distance priors side by side: what each one expects a token to read, and what it reads.
+"""Distance priors side by side
+============================
+
+What each distance prior expects a token to read, and what it reads.
 
 Five priors over which past token a query reads, each a catalogue model with the same
 W_Q, W_K, W_V and the same input — random tokens, and 20 back from the last one the token it

@@ -1,4 +1,7 @@
-"""Expanding attention on the paper's toy task (§5.2; REFERENCE.md, "Expanding toy data"),
+"""Expanding attention on the toy task
+===================================
+
+Expanding attention on the paper's toy task (§5.2; REFERENCE.md, "Expanding toy data"),
 against full causal self attention.
 
 Data: T = 50 tokens of D features. z₀ ~ U[0, 2)^D, the query z₁ = z₀ A + N(0, 0.1²) is the

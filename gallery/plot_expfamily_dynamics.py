@@ -1,4 +1,7 @@
-"""Exponential-family dynamics (SPEC "Exponential-family view"): attention plus residual is a
+"""Exponential-family dynamics
+===========================
+
+Exponential-family dynamics (SPEC "Exponential-family view"): attention plus residual is a
 gradient-ascent step η ← η + ∇G(βη) on the log-normaliser G of an intrinsic measure h; it
 expands the point cloud, and a renormalisation RN contracts it. The drafts conjecture that
 the composed map η ← RN(η + ∇G(βη)) has a Gaussian equilibrium. This script measures it.

@@ -1,4 +1,7 @@
-"""Predictive coding with attention over incoming units or blocks (paper §4.4, appendix 7.2) against the
+"""Predictive coding with attention
+================================
+
+Predictive coding with attention over incoming units or blocks (paper §4.4, appendix 7.2) against the
 standard precision-weighted network, trained with the local learning rule on scikit-learn's
 bundled 8 × 8 digits (no download): 64 pixels scaled to [0, 1], 10 classes one-hot, a fixed
 split of 1,397 training and 400 test digits.

@@ -1,4 +1,7 @@
-"""Quickstart: declare attention as a Pyro model, compile it, check it against Pyro, draw it.
+"""Quickstart: declare, compile, check, draw
+=========================================
+
+Declare attention as a Pyro model, compile it, check it against Pyro, draw it.
 
 1. declare causal multi-head self attention (the catalogue's declaration) and a
    model of our own (local-window attention over a memory, ten lines);

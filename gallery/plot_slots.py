@@ -1,4 +1,7 @@
-"""Slot attention separating blobs, untrained (paper §4.3): the collapsed recipe is EM for a
+"""Slot attention separating blobs
+===============================
+
+Slot attention separating blobs, untrained (paper §4.3): the collapsed recipe is EM for a
 Gaussian mixture over the keys with the slots as means, so it groups points with no
 training at all; the original recipe with random weights does not.
 
