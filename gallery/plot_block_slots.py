@@ -49,6 +49,7 @@ binds the right colour (argmax of the final binding posterior).
 Run: ``python gallery/plot_block_slots.py [--scenes B] [--points N] [--iters T]
 [--restarts R] [--out DIR] [--quick]``
 """
+# mkdocs_gallery_thumbnail_path = "../gallery/results/block_slots_scene0.png"
 
 from __future__ import annotations
 

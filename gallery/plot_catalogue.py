@@ -7,6 +7,7 @@ it infers on example inputs (posterior over edges), with a heat map of each post
 Reads ``structattn.models.REGISTRY``, so a new model appears here without editing this
 file. Run: ``python gallery/plot_catalogue.py [--out DIR] [--quick]``
 """
+# mkdocs_gallery_thumbnail_path = "../gallery/results/block_slot_attention_inferred.png"
 
 from __future__ import annotations
 

@@ -26,6 +26,7 @@ also the 80% credible interval of the context length 1/(1 − q)
 Writes ``distance_priors.png`` to ``--out`` (default ``gallery/output/distance_priors``).
 Run: ``python gallery/plot_distance_priors.py [--out DIR] [--quick]``
 """
+# mkdocs_gallery_thumbnail_path = "../gallery/results/distance_priors.png"
 
 from __future__ import annotations
 

@@ -34,6 +34,7 @@ Run: ``python gallery/plot_expanding.py [--steps N] [--seeds S] [--window-rule p
 [--initial-window W] [--tol T] [--out DIR] [--quick]`` (the savings run: ``--window-rule evidence
 --initial-window 8 --tol 1e-6 --ds 50``)
 """
+# mkdocs_gallery_thumbnail_path = "../gallery/results/expanding_evidence_windows.png"
 
 from __future__ import annotations
 

@@ -55,6 +55,7 @@ renormalisation) and one verdict line per renormalisation.
 Run: ``python gallery/plot_expfamily_dynamics.py [--points N] [--dim D] [--steps T] [--beta B]
 [--betas B …] [--seeds S] [--cross-renorm R] [--out DIR] [--quick]``
 """
+# mkdocs_gallery_thumbnail_path = "../gallery/results/expfamily_gaussianity.png"
 
 from __future__ import annotations
 

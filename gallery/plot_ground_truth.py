@@ -46,6 +46,7 @@ verdict (the test suite).
 Run: ``python gallery/plot_ground_truth.py [--draws N] [--warmup W] [--svi-steps S]
 [--verdict-draws V] [--no-hopfield] [--out DIR] [--quick]``
 """
+# mkdocs_gallery_thumbnail_path = "../gallery/results/ground_truth_density.png"
 
 from __future__ import annotations
 

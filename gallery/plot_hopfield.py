@@ -25,6 +25,7 @@ Shows (``gallery/output/hopfield/``):
 Run: ``python gallery/plot_hopfield.py [--patterns N] [--steps T] [--beta B] [--flips F]
 [--out DIR] [--quick]``
 """
+# mkdocs_gallery_thumbnail_path = "../gallery/results/hopfield_retrieval.png"
 
 from __future__ import annotations
 

@@ -21,6 +21,7 @@ setting; ``--quick`` is a tiny run for the test suite. Writes learning curves (m
 and inter-quartile band over seeds) and a table of final MSE on held-out samples.
 Run: ``python gallery/plot_multihop.py [--steps N] [--seeds S] [--out DIR] [--quick]``
 """
+# mkdocs_gallery_thumbnail_path = "../gallery/results/multihop_learning_curves.png"
 
 from __future__ import annotations
 

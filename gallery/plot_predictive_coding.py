@@ -55,6 +55,7 @@ training and 10 test steps, no recorded plans (the test suite).
 Run: ``python gallery/plot_predictive_coding.py [--epochs E] [--seeds S] [--hidden H]
 [--blocks K] [--precision K] [--sharp-precision K] [--lr LR] [--out DIR] [--quick]``
 """
+# mkdocs_gallery_thumbnail_path = "../gallery/results/pc_learning_curves.png"
 
 from __future__ import annotations
 

@@ -14,6 +14,7 @@ Declare attention as a Pyro model, compile it, check it against Pyro, draw it.
 Writes its pictures to ``--out`` (default ``gallery/output/quickstart``).
 Run: ``python gallery/plot_quickstart.py [--out DIR] [--quick]``
 """
+# mkdocs_gallery_thumbnail_path = "assets/self_attention_inferred.png"
 
 from __future__ import annotations
 

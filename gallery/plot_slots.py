@@ -41,6 +41,7 @@ a dependency) and best-permutation accuracy, averaged over scenes.
 Run: ``python gallery/plot_slots.py [--scenes B] [--points N] [--blobs K] [--iters T]
 [--restarts R] [--out DIR] [--quick]``
 """
+# mkdocs_gallery_thumbnail_path = "../gallery/results/slots_scene0.png"
 
 from __future__ import annotations
 

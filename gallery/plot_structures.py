@@ -15,6 +15,7 @@ Writes (``gallery/output/structures/``): ``<model>_declared.svg/png``,
 model appears without editing this file.
 Run: ``python gallery/plot_structures.py [--out DIR] [--quick]`` (``--quick``: four models).
 """
+# mkdocs_gallery_thumbnail_path = "../gallery/results/structures_dynamics.png"
 
 from __future__ import annotations
 
