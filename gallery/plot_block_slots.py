@@ -1,4 +1,7 @@
-"""Block-slot attention binding separate factors, untrained (Singh et al. 2023; paper §4.3):
+"""Block-slot attention binding position and colour
+================================================
+
+Block-slot attention binding separate factors, untrained (Singh et al. 2023; paper §4.3):
 the collapsed recipe is EM on two edge families at once — each point picks a slot
 (``"assign"``) and each block of each slot picks a prototype from a memory (``"bind"``) — so
 with the slots' position block and colour block reading separate prototype sets it groups the
@@ -46,6 +49,7 @@ binds the right colour (argmax of the final binding posterior).
 Run: ``python gallery/plot_block_slots.py [--scenes B] [--points N] [--iters T]
 [--restarts R] [--out DIR] [--quick]``
 """
+# mkdocs_gallery_thumbnail_path = "../gallery/results/block_slots_scene0.png"
 
 from __future__ import annotations
 

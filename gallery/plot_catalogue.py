@@ -1,9 +1,13 @@
-"""Every catalogue model, drawn: its declared structure (prior over edges) and the structure
+"""The catalogue: declared and inferred structure
+==============================================
+
+Every catalogue model, drawn: its declared structure (prior over edges) and the structure
 it infers on example inputs (posterior over edges), with a heat map of each posterior.
 
 Reads ``structattn.models.REGISTRY``, so a new model appears here without editing this
 file. Run: ``python gallery/plot_catalogue.py [--out DIR] [--quick]``
 """
+# mkdocs_gallery_thumbnail_path = "../gallery/results/block_slot_attention_inferred.png"
 
 from __future__ import annotations
 

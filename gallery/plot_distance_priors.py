@@ -1,4 +1,7 @@
-"""Distance priors side by side: what each one expects a token to read, and what it reads.
+"""Distance priors side by side
+============================
+
+What each distance prior expects a token to read, and what it reads.
 
 Five priors over which past token a query reads, each a catalogue model with the same
 W_Q, W_K, W_V and the same input — random tokens, and 20 back from the last one the token it
@@ -14,8 +17,8 @@ layer with W_Q = 0 (no potential, so the posterior is the prior), on a log scale
 stick-breaking has no prior apart from its scores, so its panel shows the geometric it
 becomes at three constant β. Row 2: the posterior p(φ_i = i − d | x) of the same token from
 each compiled layer, with the planted match marked and each prior's window: the distance
-holding 95% of the posterior mass; the certified window at tol = 1e-3 (``tol``: the
-posterior mass beyond it is proved ≤ 1e-3, ``structattn.certified``) — this token's own and
+holding 95% of the posterior mass; the certified window at tol = 1e-2 (``tol``: the
+posterior mass beyond it is proved ≤ 1e-2, ``structattn.certified``) — this token's own and
 the band the layer read, for every model but stick-breaking; for the geometric–Beta prior
 also the 80% credible interval of the context length 1/(1 − q)
 (``sa.windows.credible_context``); for stick-breaking the leftover mass ("no parent").
@@ -23,6 +26,7 @@ also the 80% credible interval of the context length 1/(1 − q)
 Writes ``distance_priors.png`` to ``--out`` (default ``gallery/output/distance_priors``).
 Run: ``python gallery/plot_distance_priors.py [--out DIR] [--quick]``
 """
+# mkdocs_gallery_thumbnail_path = "../gallery/results/distance_priors.png"
 
 from __future__ import annotations
 

@@ -1,4 +1,7 @@
-"""Expanding attention on the paper's toy task (§5.2; REFERENCE.md, "Expanding toy data"),
+"""Expanding attention on the toy task
+===================================
+
+Expanding attention on the paper's toy task (§5.2; REFERENCE.md, "Expanding toy data"),
 against full causal self attention.
 
 Data: T = 50 tokens of D features. z₀ ~ U[0, 2)^D, the query z₁ = z₀ A + N(0, 0.1²) is the
@@ -31,6 +34,7 @@ Run: ``python gallery/plot_expanding.py [--steps N] [--seeds S] [--window-rule p
 [--initial-window W] [--tol T] [--out DIR] [--quick]`` (the savings run: ``--window-rule evidence
 --initial-window 8 --tol 1e-6 --ds 50``)
 """
+# mkdocs_gallery_thumbnail_path = "../gallery/results/expanding_evidence_windows.png"
 
 from __future__ import annotations
 

@@ -1,4 +1,7 @@
-"""Exponential-family dynamics (SPEC "Exponential-family view"): attention plus residual is a
+"""Exponential-family dynamics
+===========================
+
+Exponential-family dynamics (SPEC "Exponential-family view"): attention plus residual is a
 gradient-ascent step η ← η + ∇G(βη) on the log-normaliser G of an intrinsic measure h; it
 expands the point cloud, and a renormalisation RN contracts it. The drafts conjecture that
 the composed map η ← RN(η + ∇G(βη)) has a Gaussian equilibrium. This script measures it.
@@ -52,6 +55,7 @@ renormalisation) and one verdict line per renormalisation.
 Run: ``python gallery/plot_expfamily_dynamics.py [--points N] [--dim D] [--steps T] [--beta B]
 [--betas B …] [--seeds S] [--cross-renorm R] [--out DIR] [--quick]``
 """
+# mkdocs_gallery_thumbnail_path = "../gallery/results/expfamily_gaussianity.png"
 
 from __future__ import annotations
 

@@ -1,4 +1,7 @@
-"""One model with a latent node set, its compiled posterior beside SVI and MCMC ground truth.
+"""Ground truth with SVI and MCMC
+==============================
+
+One model with a latent node set, its compiled posterior beside SVI and MCMC ground truth.
 
 The model is the conjugate toy of ``tests/inference/helpers.py``: a latent point z ∈ ℝ² with
 prior z ~ N(0, s²I) picks one of three observed points x_j (uniform prior, φ ~ Uniform), with
@@ -43,6 +46,7 @@ verdict (the test suite).
 Run: ``python gallery/plot_ground_truth.py [--draws N] [--warmup W] [--svi-steps S]
 [--verdict-draws V] [--no-hopfield] [--out DIR] [--quick]``
 """
+# mkdocs_gallery_thumbnail_path = "../gallery/results/ground_truth_density.png"
 
 from __future__ import annotations
 

@@ -1,4 +1,7 @@
-"""A modern continuous Hopfield network retrieving stored patterns (paper §4.2; Ramsauer et
+"""A modern Hopfield network
+=========================
+
+A modern continuous Hopfield network retrieving stored patterns (paper §4.2; Ramsauer et
 al. 2021): a Hopfield layer with identity projections stores N = 200 random ±1 patterns of
 d = 8 × 8 = 64 pixels as its keys; each query is a stored pattern with its bottom half
 occluded (set to 0) and 6 of its 32 visible pixels flipped. Each update
@@ -22,6 +25,7 @@ Shows (``gallery/output/hopfield/``):
 Run: ``python gallery/plot_hopfield.py [--patterns N] [--steps T] [--beta B] [--flips F]
 [--out DIR] [--quick]``
 """
+# mkdocs_gallery_thumbnail_path = "../gallery/results/hopfield_retrieval.png"
 
 from __future__ import annotations
 

@@ -1,4 +1,7 @@
-"""Multihop attention on the paper's toy task (§5.1): one layer, two layers, multihop.
+"""Multihop attention on the toy task
+==================================
+
+Multihop attention on the paper's toy task (§5.1): one layer, two layers, multihop.
 
 Data (REFERENCE.md, the authors' generator): per problem instance A ~ U[0,1)^{D×D} and
 W ~ N(1, 1)^{1×D}; per sample a chain z₀ ~ U[0,10)^D, z_k = z_{k−1}A + N(0, 1) (k = 1, 2),
@@ -18,6 +21,7 @@ setting; ``--quick`` is a tiny run for the test suite. Writes learning curves (m
 and inter-quartile band over seeds) and a table of final MSE on held-out samples.
 Run: ``python gallery/plot_multihop.py [--steps N] [--seeds S] [--out DIR] [--quick]``
 """
+# mkdocs_gallery_thumbnail_path = "../gallery/results/multihop_learning_curves.png"
 
 from __future__ import annotations
 

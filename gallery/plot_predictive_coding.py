@@ -1,4 +1,7 @@
-"""Predictive coding with attention over incoming units or blocks (paper §4.4, appendix 7.2) against the
+"""Predictive coding with attention
+================================
+
+Predictive coding with attention over incoming units or blocks (paper §4.4, appendix 7.2) against the
 standard precision-weighted network, trained with the local learning rule on scikit-learn's
 bundled 8 × 8 digits (no download): 64 pixels scaled to [0, 1], 10 classes one-hot, a fixed
 split of 1,397 training and 400 test digits.
@@ -52,6 +55,7 @@ training and 10 test steps, no recorded plans (the test suite).
 Run: ``python gallery/plot_predictive_coding.py [--epochs E] [--seeds S] [--hidden H]
 [--blocks K] [--precision K] [--sharp-precision K] [--lr LR] [--out DIR] [--quick]``
 """
+# mkdocs_gallery_thumbnail_path = "../gallery/results/pc_learning_curves.png"
 
 from __future__ import annotations
 

@@ -1,4 +1,7 @@
-"""Quickstart: declare attention as a Pyro model, compile it, check it against Pyro, draw it.
+"""Quickstart: declare, compile, check, draw
+=========================================
+
+Declare attention as a Pyro model, compile it, check it against Pyro, draw it.
 
 1. declare causal multi-head self attention (the catalogue's declaration) and a
    model of our own (local-window attention over a memory, ten lines);
@@ -11,6 +14,7 @@
 Writes its pictures to ``--out`` (default ``gallery/output/quickstart``).
 Run: ``python gallery/plot_quickstart.py [--out DIR] [--quick]``
 """
+# mkdocs_gallery_thumbnail_path = "assets/self_attention_inferred.png"
 
 from __future__ import annotations
 

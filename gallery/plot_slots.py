@@ -1,4 +1,7 @@
-"""Slot attention separating blobs, untrained (paper §4.3): the collapsed recipe is EM for a
+"""Slot attention separating blobs
+===============================
+
+Slot attention separating blobs, untrained (paper §4.3): the collapsed recipe is EM for a
 Gaussian mixture over the keys with the slots as means, so it groups points with no
 training at all; the original recipe with random weights does not.
 
@@ -38,6 +41,7 @@ a dependency) and best-permutation accuracy, averaged over scenes.
 Run: ``python gallery/plot_slots.py [--scenes B] [--points N] [--blobs K] [--iters T]
 [--restarts R] [--out DIR] [--quick]``
 """
+# mkdocs_gallery_thumbnail_path = "../gallery/results/slots_scene0.png"
 
 from __future__ import annotations
 

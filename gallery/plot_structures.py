@@ -1,4 +1,7 @@
-"""Every catalogue model's structure, in one sheet: its declaration in plate notation
+"""Structure in plate notation and in motion
+=========================================
+
+Every catalogue model's structure, in one sheet: its declaration in plate notation
 (``sa.model_graph``, the iteration unrolled where it iterates) beside the adjacency it infers
 on example inputs (``sa.render``: one panel per family and head, edge width = p(φ_i = j | x),
 MAP edges bold), plus a sheet of structure that moves: expanding attention's windows per
@@ -12,6 +15,7 @@ Writes (``gallery/output/structures/``): ``<model>_declared.svg/png``,
 model appears without editing this file.
 Run: ``python gallery/plot_structures.py [--out DIR] [--quick]`` (``--quick``: four models).
 """
+# mkdocs_gallery_thumbnail_path = "../gallery/results/structures_dynamics.png"
 
 from __future__ import annotations
 
