@@ -96,7 +96,7 @@ def test_modes_are_fields_of_one_context_restored_on_exit_also_after_an_error():
             raise RuntimeError
         assert reading.context().iteration == {}
     assert reading.context() is reading.DEFAULT
-    with pytest.raises(Exception), Marginalise():
+    with pytest.raises(ValueError, match="inside a reading"), Marginalise():
         raise ValueError("inside a reading")
     assert reading.readings() == ()
 

@@ -5,10 +5,10 @@ block mask on CUDA. The prior is a ``structattn.priors.DistancePrior`` (``Prior.
 gives any other the dense operator): it gives its log weights on the band
 (``log_weights_on_band``: from its distance table ``log_by_distance`` where it states one,
 as the geometric–Beta prior of expanding attention does, else its own, as a forget gate's),
-its ``block_size`` and its ``certificate``. A prior with a certified ``tol`` and no width of its own reads the window certified
-for the call (``structattn.certified``), or all of the past through the dense operator; one
-whose ``certificate`` is "blocks" reads the key blocks certified for each block of children,
-per head (``structattn.block_sparse``).
+its ``block_size`` and its ``certificate``. A prior with a certified ``tol`` and no width
+of its own reads the window certified for the call (``structattn.certified``), or all of the
+past through the dense operator; one whose ``certificate`` is "blocks" reads the key blocks
+certified for each block of children, per head (``structattn.block_sparse``).
 
 The children may be the last C of the P parent tokens (a decoding step): child i sits at
 position P − C + i (``offset`` = P − C); the dense reading serves that case.

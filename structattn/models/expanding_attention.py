@@ -18,6 +18,7 @@ from structattn.windows import MeanFieldWindows
 from ._catalogue import TOKEN_SIZES, Entry, randn64
 from ._projections import TokenAttention
 
+
 def _softplus_inverse(v: float) -> float:
     return v + math.log(-math.expm1(-v))
 

@@ -7,8 +7,7 @@ lengths from the posterior over q (``structattn/credible.py``: ``credible_contex
 from ..certified import CertifiedWindow, certify
 from ..credible import CredibleContext, credible_context
 from .history import MeanFieldHistory
-from .rules import (RULES, CertifiedRule, EdgeRule, EvidenceRule, PredictiveRule, Round,
-                    WindowRule)
+from .rules import RULES, CertifiedRule, EdgeRule, EvidenceRule, PredictiveRule, Round, WindowRule
 from .scheme import MeanFieldOperator, MeanFieldWindows, ScoreFactors
 
 __all__ = ["MeanFieldHistory", "MeanFieldOperator", "MeanFieldWindows", "ScoreFactors", "RULES",
