@@ -81,8 +81,11 @@ def validation(enabled: bool):
     Yields:
         (None): nothing; the block runs with the setting in force.
     """
-    with reading.entered(validate=bool(enabled)):
+    old = reading._set(reading.derived(reading.context(), validate=bool(enabled)))
+    try:
         yield
+    finally:
+        reading._set(old)
 
 
 @contextlib.contextmanager

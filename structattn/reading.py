@@ -76,6 +76,31 @@ def _set(ctx: ReadingContext) -> ReadingContext:
     return old
 
 
+_DERIVED: dict = {}  # (id(context), changes) → (context, derived context): see ``derived``
+
+
+def derived(ctx: ReadingContext, **changes) -> ReadingContext:
+    """``ctx`` with ``changes`` (``dataclasses.replace``) — the same object each time for the
+    same ``ctx`` and hashable changes, outside a reading and a recording: a mode entered on
+    every call (``with structattn.validation(False): layer(x)``) then keeps one context, which
+    a plan's fast path compares by identity, and costs no new object."""
+    if ctx.readings or ctx.flags is not None:
+        return replace(ctx, **changes)
+    try:
+        key = (id(ctx), *sorted(changes.items()))
+        hash(key)
+    except TypeError:  # e.g. iteration overrides (a dict)
+        return replace(ctx, **changes)
+    hit = _DERIVED.get(key)
+    if hit is not None and hit[0] is ctx:
+        return hit[1]
+    if len(_DERIVED) > 256:  # contexts of iteration overrides come and go
+        _DERIVED.clear()
+    new = replace(ctx, **changes)
+    _DERIVED[key] = (ctx, new)
+    return new
+
+
 @contextlib.contextmanager
 def entered(**changes):
     """Context manager: the context in force with ``changes`` (``ReadingContext`` fields by
@@ -87,7 +112,7 @@ def entered(**changes):
     Yields:
         (ReadingContext): the context in force inside the block.
     """
-    ctx = replace(context(), **changes)
+    ctx = derived(context(), **changes)
     old = _set(ctx)
     try:
         yield ctx

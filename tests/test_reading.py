@@ -135,3 +135,19 @@ def test_no_primitive_sends_a_pyro_message_of_its_own():
     used = [p.relative_to(PACKAGE).as_posix() for p in sorted(PACKAGE.rglob("*.py"))
             if re.search(r"\beffectful\b", p.read_text())]
     assert used == []
+
+
+def test_a_mode_entered_on_every_call_keeps_one_context():
+    """``with sa.validation(False): layer(x)`` on every call: the same context object each
+    time (a plan's fast path compares it by identity); inside a reading, a fresh one."""
+    with sa.validation(False):
+        first = reading.context()
+    with sa.validation(False):
+        assert reading.context() is first
+    with sa.kernels.disabled(), sa.validation(False):
+        other = reading.context()
+        assert other is not first and other.kernels is False and other.validate is False
+    with Marginalise() as r, sa.validation(False):
+        assert reading.context() is not first and reading.context().readings == (r,)
+    with sa.iteration(steps=2):  # unhashable overrides: a new context, the same fields
+        assert reading.context().iteration == {"steps": 2}
