@@ -1,11 +1,11 @@
 """Edge families: one categorical edge variable φ_i per child, over its allowed parents.
 
-``edges(name, children, parents, prior)`` is the declaration's edge site. Run as
-plain Pyro (no structattn reader active) it *is* a ``pyro.sample`` site of a
-``Categorical`` over parents inside plates ``(*batch, heads, children)``, marked
-for parallel enumeration; its potentials become ``pyro.factor`` sites and its
-value is v_i(x, φ_i) at the sampled φ. Under another reading
-(``structattn.reading``: the compiled ``Marginalise``, ``TraceStructure``) the same call
+``edges(name, children, parents, prior)`` is the declaration's edge site. Read by plain
+Pyro (``structattn.reading.PYRO``, when no other reading is entered) it *is* a
+``pyro.sample`` site of a ``Categorical`` over parents inside plates ``(*batch, heads,
+children)``, marked for parallel enumeration; its potentials become ``pyro.factor`` sites
+and its value v_i(x, φ_i) at the sampled φ a deterministic site (``values.value_term``).
+Under another reading (the compiled ``Marginalise``, ``TraceStructure``) the same call
 returns that reading's handle instead and nothing is sampled.
 
 ::
