@@ -41,8 +41,7 @@ def grid(num_children: int, num_parents: int, device) -> tuple[torch.Tensor, tor
         device (torch.device | str | None): where to build the indices.
 
     Returns:
-        tuple[torch.Tensor, torch.Tensor]: the child indices ``(C, 1)`` and the parent
-        indices ``(1, P)``.
+        The child indices ``(C, 1)`` and the parent indices ``(1, P)``.
 
     Example:
         >>> from structattn.kinds import Causal, grid

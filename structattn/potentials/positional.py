@@ -61,7 +61,8 @@ class Positional(Potential):
         return f"Positional({self.base.describe()})"
 
 
-def sinusoidal(n: int, d: int, *, device=None, dtype=torch.float32, base: float = 10000.0):
+def sinusoidal(n: int, d: int, *, device=None, dtype=torch.float32,
+               base: float = 10000.0) -> torch.Tensor:
     """Vaswani et al.'s fixed encodings: e[p, 2k] = sin(p/base^(2k/d)), e[p, 2k+1] = cos(·).
 
     Computed in float64, then cast to ``dtype``; for ``Positional``'s encodings.
@@ -75,7 +76,7 @@ def sinusoidal(n: int, d: int, *, device=None, dtype=torch.float32, base: float 
         base (float): the base of the wavelengths base^(2k/d). Default 10000.
 
     Returns:
-        torch.Tensor: the encodings ``(n, d)``.
+        The encodings, a tensor ``(n, d)``.
 
     Example:
         >>> import structattn as sa

@@ -39,7 +39,7 @@ def value_term(name: str, value: torch.Tensor, *, family: str, edge: str | None,
         weight (float): the term's weight. Default 1.
 
     Returns:
-        torch.Tensor: ``weight · value``.
+        ``weight · value``, the tensor recorded.
     """
     value = value * weight
     # A tensor mask, not mask(False): Pyro's mask(False) log-prob is a float32 zero whatever
