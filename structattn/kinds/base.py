@@ -165,8 +165,8 @@ class Operator:
     states, ``attend(u) = P u`` and the rest (module docstring).
 
     Everything a subclass does not override comes from the dense twin (``dense_twin``), so
-    a support kind's operator is correct before it is fast. The lowering builds one per
-    family and call (``Prior.reading`` names the class).
+    a support kind's operator is correct before it is fast. The lowering builds one for a
+    family at its current node states (``Prior.reading`` names the class).
 
     Args:
         family (EdgeFamily): the edge family (``structattn.family.EdgeFamily``) whose
