@@ -6,7 +6,8 @@ import importlib
 
 import pytest
 
-MODULES = ["structattn.family", "structattn.nodes", "structattn.compiler"]
+MODULES = ["structattn.family", "structattn.nodes", "structattn.compiler", "structattn.kinds.base",
+           "structattn.kinds.window", "structattn.potentials.positional"]
 
 
 @pytest.mark.parametrize("name", MODULES)

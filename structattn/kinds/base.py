@@ -31,7 +31,26 @@ import torch
 
 
 def grid(num_children: int, num_parents: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(C, 1)`` child and ``(1, P)`` parent indices: every (i, j) pair, broadcast."""
+    """Every (child, parent) index pair, as two long tensors that broadcast to ``(C, P)``.
+
+    The grid a support's ``contains`` and a prior's ``log_weight`` are evaluated on.
+
+    Args:
+        num_children (int): C, the number of children.
+        num_parents (int): P, the number of parents.
+        device (torch.device | str | None): where to build the indices.
+
+    Returns:
+        The child indices ``(C, 1)`` and the parent indices ``(1, P)``.
+
+    Example:
+        >>> from structattn.kinds import Causal, grid
+        >>> i, j = grid(2, 3, "cpu")
+        >>> i.shape, j.shape
+        (torch.Size([2, 1]), torch.Size([1, 3]))
+        >>> Causal().contains(i, j).tolist()
+        [[True, False, False], [True, True, False]]
+    """
     return (torch.arange(num_children, device=device)[:, None],
             torch.arange(num_parents, device=device)[None, :])
 
@@ -64,13 +83,19 @@ def keep_nonfinite_rows(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> 
 
 
 class Support:
-    """Φ_i ⊆ {0, …, P − 1} for every child i: the set of parents a child may choose.
+    """Base class of support kinds: Φ_i ⊆ {0, …, P − 1}, the parents child i may choose.
 
-    A subclass states ``contains(child, parent)``; it may also name the ``Operator``
-    subclass that lowers it (``operator``; default: the dense operator, a masked SDPA call)
-    and give its dense mask faster than the grid (``dense``)."""
+    A subclass states ``contains(child, parent)``, the definition; it may also name the
+    ``Operator`` subclass that lowers it (``operator``) and give its dense mask faster than
+    the grid (``dense``). Supports intersect with ``&`` (``Intersection``). The base class
+    takes no constructor arguments.
 
-    #: the Operator subclass lowering this kind (None: ``DenseOperator``)
+    Attributes:
+        operator (type | None): the ``Operator`` subclass lowering this kind, a class
+            attribute (a prior's ``reading`` may choose another). None (default):
+            ``DenseOperator``, one masked SDPA call.
+    """
+
     operator: type | None = None
 
     def contains(self, child: torch.Tensor, parent: torch.Tensor) -> torch.Tensor:
@@ -98,7 +123,17 @@ class Support:
 
 
 class Intersection(Support):
-    """Φ_i = the parents every part allows (e.g. j ≤ i ∧ a mask)."""
+    """Φ_i = the parents every part allows (e.g. j ≤ i ∧ a mask); what ``a & b`` gives.
+
+    Lowered by the operator its parts name (at most one does), else by the dense operator.
+
+    Args:
+        *parts (Support): the supports to intersect; an ``Intersection`` among them
+            contributes its own parts.
+
+    Raises:
+        ValueError: parts naming different operators.
+    """
 
     def __init__(self, *parts: Support):
         self.parts = [q for p in parts for q in (p.parts if isinstance(p, Intersection) else [p])]
@@ -126,19 +161,31 @@ class Intersection(Support):
 
 
 class Operator:
-    """The attention operator of one edge family at the current node states.
+    """Base class of attention operators: one edge family's posterior P at the current node
+    states, ``attend(u) = P u`` and the rest (module docstring).
 
-    ``cache`` (one dict per family, kept across the steps of an iterating reader) holds
-    what does not change while latents move: the prior's tables and an observed side's
-    factor. Everything not overridden comes from the dense twin."""
+    Everything a subclass does not override comes from the dense twin (``dense_twin``), so
+    a support kind's operator is correct before it is fast. The lowering builds one for a
+    family at its current node states (``Prior.reading`` names the class).
+
+    Args:
+        family (EdgeFamily): the edge family (``structattn.family.EdgeFamily``) whose
+            posterior it reads, at its node sets' current states.
+        cache (dict | None): what does not change while latents move — the prior's tables,
+            an observed side's factor — kept across the steps of an iterating reader, one
+            dict per family. None (default): a new, empty one.
+
+    Attributes:
+        history: what an inference scheme iterated to build this operator
+            (``structattn.scheme``); None for a support kind's closed-form operator.
+        kind_name (str): how error messages name this operator's support (e.g.
+            ``"an edge-list"``). Default ``"this"``.
+    """
 
     #: the dense lowering every kind falls back on: the subclass declared with
     #: ``dense_twin=True`` (``structattn.kinds.dense.DenseOperator``)
     _dense_twin: type | None = None
-    #: what an inference scheme iterated to build this operator (``structattn.scheme``);
-    #: None for a support kind's closed-form operator
     history = None
-    #: how error messages name this operator's support ("an edge-list support …")
     kind_name = "this"
 
     def __init__(self, family, cache: dict | None = None):

@@ -44,7 +44,14 @@ def with_parent_terms(a, b, u, h, scale: float):
 
 
 class AllParents(Support):
-    """Φ_i = every parent."""
+    """Φ_i = every parent: no mask (``dense`` is None).
+
+    Takes no constructor arguments.
+
+    Attributes:
+        operator (type | None): None: lowered by the dense operator, one SDPA call without a
+            mask.
+    """
 
     def contains(self, child, parent):
         return torch.ones(torch.broadcast_shapes(child.shape, parent.shape), dtype=torch.bool,
@@ -58,7 +65,14 @@ class AllParents(Support):
 
 
 class Causal(Support):
-    """Φ_i = {j ≤ i}: a child reads itself and the parents before it."""
+    """Φ_i = {j ≤ i}: a child reads itself and the parents before it.
+
+    Takes no constructor arguments.
+
+    Attributes:
+        operator (type | None): None: lowered by the dense operator, through SDPA's fused
+            ``is_causal`` path (``is_causal``).
+    """
 
     def contains(self, child, parent):
         return parent <= child
@@ -74,7 +88,13 @@ class Causal(Support):
 
 
 class Before(Support):
-    """Φ_i = {j < i}: a child reads the parents strictly before it (the first child none)."""
+    """Φ_i = {j < i}: a child reads the parents strictly before it (the first child none).
+
+    Takes no constructor arguments.
+
+    Attributes:
+        operator (type | None): None: lowered by the dense operator, with a boolean mask.
+    """
 
     def contains(self, child, parent):
         return parent < child
@@ -87,8 +107,13 @@ class Before(Support):
 
 
 class Mask(Support):
-    """Φ_i = {j : mask[…, i, j]} for a boolean ``(…, C, P)`` mask (batch and heads dims
-    broadcast)."""
+    """Φ_i = {j : mask[…, i, j]}: the parents a boolean mask allows.
+
+    Args:
+        mask (torch.Tensor): a boolean tensor ``(…, C, P)``, its batch and heads dims
+            broadcasting against ``(*batch, heads)``; not checked here (the priors that take
+            one, ``Uniform`` and ``Categorical``, check its dtype).
+    """
 
     def __init__(self, mask: torch.Tensor):
         self.mask = mask
@@ -105,7 +130,16 @@ class Mask(Support):
 
 
 class DenseOperator(Operator, dense_twin=True):
-    """The dense lowering of any support (module docstring)."""
+    """The dense lowering of any support (module docstring): one SDPA call, or the dense
+    posterior softmax(ψ + log prior) when it is asked for or a potential has no factors.
+
+    Every other operator's dense twin (``Operator.dense_twin``).
+
+    Args:
+        family (EdgeFamily): the edge family whose posterior it reads (``Operator``).
+        cache (dict | None): what an iterating reader keeps across steps (``Operator``).
+            None (default): a new, empty one.
+    """
 
     def __init__(self, family, cache=None):
         super().__init__(family, cache)

@@ -13,8 +13,15 @@ from .base import Operator, Support
 
 
 class EdgeListOperator(Operator):
-    """Segment softmax over each child's incoming edges (module docstring); the posterior is
-    per edge, ``(*batch, H, E)``, aligned with ``family.tables.edges()``."""
+    """Segment softmax over each child's incoming edges (module docstring), for an
+    ``EdgeList`` support; the posterior is per edge, ``(*batch, H, E)``, aligned with
+    ``family.tables.edges()``. Needs exactly one factorised potential.
+
+    Args:
+        family (EdgeFamily): the edge family whose posterior it reads (``Operator``).
+        cache (dict | None): what an iterating reader keeps across steps (``Operator``).
+            None (default): a new, empty one.
+    """
 
     kind_name = "an edge-list"
 
@@ -82,8 +89,15 @@ def _scatter(dense, p, dst, src):
 
 
 class EdgeList(Support):
-    """Φ_i = {src_e : dst_e = i} for ``edge_index = (src, dst)`` (row 0 parents j, row 1
-    children i); with ``causal`` only the edges j ≤ i."""
+    """Φ_i = {src_e : dst_e = i}: the parents of the graph's edges into child i, lowered by
+    ``EdgeListOperator`` in O(E) memory.
+
+    Args:
+        edge_index (torch.Tensor): the graph, ``(src, dst)``, a long tensor ``(2, E)``: row 0
+            the parents j, row 1 the children i; not checked here (``Uniform`` checks its
+            dtype).
+        causal (bool): keep only the edges with j ≤ i. Default False.
+    """
 
     operator = EdgeListOperator  # its lowering: a segment softmax over the edges
 

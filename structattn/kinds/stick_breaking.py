@@ -114,8 +114,17 @@ def fused(a, b, v, scale: float, tol: float | None = None):
 
 
 class StickBreakingOperator(Operator):
-    """Attention under a stick-breaking prior: ``attend(u) = P u`` with P the scan's
-    distribution (module docstring); everything else from the dense table."""
+    """Attention under a stick-breaking prior (``structattn.priors.StickBreaking``):
+    ``attend(u) = P u`` with P the scan's distribution (module docstring), through a fused
+    kernel where one applies (``fused``: C++ on the CPU, Triton on CUDA); everything else
+    from the dense table. Reports each child's leftover mass (``leftover``); has no
+    log-partition (no latent node sets).
+
+    Args:
+        family (EdgeFamily): the edge family whose posterior it reads (``Operator``).
+        cache (dict | None): what an iterating reader keeps across steps (``Operator``).
+            None (default): a new, empty one.
+    """
 
     kind_name = "a stick-breaking"
 

@@ -35,7 +35,16 @@ def keep_from_position(n: int, device, dtype) -> torch.Tensor:
 
 
 class WindowOperator(Operator):
-    """The banded lowering of a window support (module docstring)."""
+    """The banded lowering of a ``Window`` support (module docstring) under a
+    ``DistancePrior``: one banded reading, a certified window or key blocks (``tol``), or
+    the dense twin where none applies. Reports certified truncation's choice
+    (``truncation``).
+
+    Args:
+        family (EdgeFamily): the edge family whose posterior it reads (``Operator``).
+        cache (dict | None): what an iterating reader keeps across steps (``Operator``).
+            None (default): a new, empty one.
+    """
 
     def __init__(self, family, cache=None):
         super().__init__(family, cache)
@@ -251,8 +260,29 @@ def _flex_available() -> bool:
 
 
 class Window(Support):
-    """Φ_i = {j : first ≤ (offset + i) − j ≤ width} (``width`` None: all of the past;
-    ``first`` 1: the parents before the child, 0: the child too)."""
+    """Φ_i = {j : first ≤ (offset + i) − j ≤ width}: the parents at most ``width`` positions
+    back from the child, lowered by ``WindowOperator``.
+
+    Args:
+        width (int | None): the longest distance read, an int (not checked); None: all of
+            the past.
+        offset (int): where child i sits among the parents, position ``offset + i``: 0
+            (default) when the children are the parents' first tokens, P − C when they are
+            the last C (a decoding step).
+        first (int): the nearest distance read: 1 (default: the parents before the child) or
+            0 (the child too).
+
+    Raises:
+        ValueError: ``first`` not 0 or 1.
+
+    Example:
+        >>> from structattn.kinds import Window
+        >>> Window(2).dense(4, 4, "cpu").int()
+        tensor([[0, 0, 0, 0],
+                [1, 0, 0, 0],
+                [1, 1, 0, 0],
+                [0, 1, 1, 0]], dtype=torch.int32)
+    """
 
     operator = WindowOperator  # its lowering: one banded reading
 

@@ -37,6 +37,19 @@ import torch
 
 
 class Potential:
+    """Base class of edge potentials ψ(x_j, x_i), the log-likelihood of the edge x_j → x_i.
+
+    A subclass states ``factors`` (or its halves ``child_factor`` and ``parent_factor``
+    with ``factor_scale``) or ``pairwise``, and, for the Pyro reading, ``at`` from its own
+    definition (module docstring); ``validate`` refuses node sets it cannot read, and the
+    ``expected_*`` hooks serve latent node sets. The base class takes no constructor
+    arguments.
+
+    Attributes:
+        heads (int): how many heads the potential scores, H in its tables
+            ``(*batch, H, C, P)``; a class attribute or set by the constructor. Default 1.
+    """
+
     heads: int = 1
 
     @property

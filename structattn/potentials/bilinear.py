@@ -21,17 +21,29 @@ from .temperature import (
 
 
 class Bilinear(Potential):
-    """``ψ_h(x_j, x_i) = (W_Q^h x_i)ᵀ (W_K^h x_j) / τ`` for each head h.
+    """``ψ_h(x_j, x_i) = (W_Q^h x_i)ᵀ (W_K^h x_j) / τ_h`` for each head h.
 
-    W_q: ``(heads*d_k, d_child)``, W_k: ``(heads*d_k, d_parent)``; either may be None for
-    the identity (that side's states are already ``heads*d_k`` features, e.g. a Hopfield
-    state ξ). The temperature τ > 0 tempers the posterior (default √d_k); it may be a
-    float, a (learnable) scalar tensor, or one per head: a tensor of shape ``(heads,)``, ψ_h
-    divided by τ_h. Paper §3.2, Table 1; §4.2 (Hopfield).
-
-    Linear in each side, so for a latent side the expected gradient is one attention call,
+    The temperature tempers the posterior. Paper §3.2, Table 1; §4.2 (Hopfield). Linear in
+    each side, so for a latent side the expected gradient is one attention call,
     E[∂ψ/∂x_i] = W_Qᵀ Σ_j p_ij W_K x_j / τ (children) or W_Kᵀ Σ_i p_ij W_Q x_i / τ (parents),
     and the curvature is zero (the CCCP update is closed-form).
+
+    Args:
+        W_q (torch.Tensor | None): the query projection, a matrix ``(heads*d_k, d_child)``;
+            None: the identity (the children's states are already ``heads*d_k`` features,
+            e.g. a Hopfield state ξ).
+        W_k (torch.Tensor | None): the key projection, a matrix ``(heads*d_k, d_parent)``
+            with as many rows as ``W_q``; None: the identity, as for ``W_q`` (not both None).
+        heads (int): the number of heads H, a positive int dividing the rows. Default 1.
+        temperature (float | torch.Tensor | None): τ > 0: a finite float, a (learnable)
+            scalar tensor, or one per head, a floating-point tensor ``(heads,)`` (a list of
+            floats becomes one); a tensor's values are checked when the family is declared.
+            None (default): √d_k.
+
+    Raises:
+        ValueError: ``heads`` not a positive int, ``W_q`` or ``W_k`` not a matrix or None,
+            both None, rows that differ or are not a multiple of ``heads``, or a
+            ``temperature`` that is not a finite number > 0, a scalar tensor or one per head.
     """
 
     def __init__(self, W_q: torch.Tensor | None, W_k: torch.Tensor | None, *, heads: int = 1,

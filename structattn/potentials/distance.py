@@ -12,13 +12,24 @@ from .temperature import check_temperature, check_temperature_value
 
 
 class Distance(Potential):
-    """``ψ(x_j, x_i) = −(k/p)‖x_i − x_j‖₂^p`` with precision k > 0 and power p = 1 (the
-    Euclidean norm: a cone, whose gradient has length k wherever x_i ≠ x_j) or p = 2
-    (−(k/2)‖x_i − x_j‖², an isotropic Gaussian of variance 1/k). One head.
+    """``ψ(x_j, x_i) = −(k/p)‖x_i − x_j‖₂^p`` with precision k > 0 and power p ∈ {1, 2}. One
+    head.
 
-    Dense (``pairwise``: O(children · parents · d)); for a latent side the expected gradient is
-    −k Σ_j p_ij ‖e_ij‖^{p−2} e_ij (children) or k Σ_i p_ij ‖e_ij‖^{p−2} e_ij (parents), with
-    e_ij = x_i − x_j and, for p = 1, the subgradient 0 where e_ij = 0.
+    p = 1 is the Euclidean norm of the error (a cone, whose gradient has length k wherever
+    x_i ≠ x_j; the authors' predictive-coding code), p = 2 its square, an isotropic Gaussian
+    of variance 1/k. Dense (``pairwise``: O(children · parents · d)); for a latent side the
+    expected gradient is −k Σ_j p_ij ‖e_ij‖^{p−2} e_ij (children) or k Σ_i p_ij ‖e_ij‖^{p−2}
+    e_ij (parents), with e_ij = x_i − x_j and, for p = 1, the subgradient 0 where e_ij = 0.
+    Children and parents have the same width d (checked when the family is declared).
+
+    Args:
+        precision (float | torch.Tensor): k, a finite float > 0 or a one-element
+            floating-point tensor (learnable; its value checked > 0 when the family is
+            declared). Default 1.
+        power (int): p, 1 (default: the Euclidean norm) or 2 (its square).
+
+    Raises:
+        ValueError: ``power`` not 1 or 2, or a ``precision`` float that is not finite and > 0.
     """
 
     heads = 1

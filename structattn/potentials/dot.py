@@ -11,11 +11,25 @@ from .temperature import check_temperature, check_temperature_value, inverse, pe
 
 
 class DotProduct(Potential):
-    """``ψ_h(x_j, x_i) = ⟨x_i^h, x_j^h⟩ / τ`` on the h-th of ``heads`` equal slices of the
-    features — e.g. a classification layer's ``f_θ(X)_iᵀ y_j`` (paper Table 1, one head) or
-    a Hopfield retrieval ``β ξᵀ x_j`` (τ = 1/β, §4.2). τ > 0 (float, scalar tensor, or one
-    per head: shape ``(heads,)``), default 1.
-    Linear in each side: closed-form expected gradient, zero curvature."""
+    """``ψ_h(x_j, x_i) = ⟨x_i^h, x_j^h⟩ / τ_h`` on the h-th of ``heads`` equal slices of the
+    features, with no projections.
+
+    E.g. a classification layer's ``f_θ(X)_iᵀ y_j`` (paper Table 1, one head) or a Hopfield
+    retrieval ``β ξᵀ x_j`` (τ = 1/β, §4.2). Children and parents have the same width, a
+    multiple of ``heads`` (checked when the family is declared). Linear in each side:
+    closed-form expected gradient, zero curvature.
+
+    Args:
+        temperature (float | torch.Tensor): τ > 0: a finite float, a (learnable) scalar
+            tensor, or one per head, a floating-point tensor ``(heads,)`` (a list of floats
+            becomes one); a tensor's values are checked when the family is declared.
+            Default 1.
+        heads (int): the number of heads H, a positive int. Default 1.
+
+    Raises:
+        ValueError: ``heads`` not a positive int, or a ``temperature`` that is not a finite
+            number > 0, a scalar tensor or one per head.
+    """
 
     def __init__(self, *, temperature: float | torch.Tensor = 1.0, heads: int = 1):
         if not isinstance(heads, int) or isinstance(heads, bool) or heads < 1:

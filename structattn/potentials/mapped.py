@@ -7,13 +7,23 @@ from .base import Potential
 
 
 class Mapped(Potential):
-    """``ψ'(x_j, x_i) = ψ(g(x_j), f(x_i))`` with any differentiable maps f (``children``) and
-    g (``parents``), e.g. a LayerNorm and a biased projection (the original slot attention:
-    ``q = to_q(LayerNorm(z))``). Either map may be None (identity).
+    """``ψ'(x_j, x_i) = ψ(g(x_j), f(x_i))``: a potential ψ on transformed node states.
 
-    The closed-form expected gradient of the base potential does not survive a nonlinear
-    map, so a latent side is differentiated by autograd and has no CCCP update; observed
-    sides are still mapped once per forward by the iterative engine.
+    E.g. a LayerNorm and a biased projection (the original slot attention:
+    ``q = to_q(LayerNorm(z))``). The closed-form expected gradient of the base potential
+    does not survive a nonlinear map, so a latent side is differentiated by autograd and has
+    no CCCP update; observed sides are still mapped once per forward by the iterative
+    engine. It has the base potential's heads.
+
+    Args:
+        base (Potential): ψ, the potential evaluated on the mapped states.
+        children (Callable | None): f, any differentiable map of the children's states
+            ``(*batch, C, d)``. None (default): the identity.
+        parents (Callable | None): g, any differentiable map of the parents' states
+            ``(*batch, P, d)``. None (default): the identity.
+
+    Raises:
+        ValueError: ``base`` not a ``Potential``, or a map that is neither callable nor None.
     """
 
     def __init__(self, base: Potential, *, children=None, parents=None):

@@ -10,10 +10,17 @@ from .base import Potential
 
 class Positional(Potential):
     """``ψ'(x_j, x_i) = ψ(x_j + e_j, x_i + e_i)``: absolute positional encodings enter the
-    potential only (paper Table 1), the value still reads x_j.
+    potential only (paper Table 1); the value still reads x_j.
 
-    base: the potential to shift; e_children ``(…, C, d)`` and e_parents ``(…, P, d)``
-    (default: e_children) — learned or sinusoidal (``sinusoidal(n, d)``).
+    It has the base potential's heads. The encodings are checked when the family is
+    declared: each broadcasts against its node set's states and ends with its ``(n, d)``.
+
+    Args:
+        base (Potential): ψ, the potential evaluated at the shifted states.
+        e_children (torch.Tensor): the children's encodings e_i ``(…, C, d)``, learned or
+            fixed (``sinusoidal(C, d)``).
+        e_parents (torch.Tensor | None): the parents' encodings e_j ``(…, P, d)``. None
+            (default): ``e_children`` (self-attention).
     """
 
     def __init__(self, base: Potential, e_children: torch.Tensor,
@@ -54,8 +61,29 @@ class Positional(Potential):
         return f"Positional({self.base.describe()})"
 
 
-def sinusoidal(n: int, d: int, *, device=None, dtype=torch.float32, base: float = 10000.0):
-    """Vaswani et al.'s fixed encodings: e[p, 2k] = sin(p/base^(2k/d)), e[p, 2k+1] = cos(·)."""
+def sinusoidal(n: int, d: int, *, device=None, dtype=torch.float32,
+               base: float = 10000.0) -> torch.Tensor:
+    """Vaswani et al.'s fixed encodings: e[p, 2k] = sin(p/base^(2k/d)), e[p, 2k+1] = cos(·).
+
+    Computed in float64, then cast to ``dtype``; for ``Positional``'s encodings.
+
+    Args:
+        n (int): the number of positions p = 0..n−1.
+        d (int): the encoding width (an odd d ends with a sine column).
+        device (torch.device | str | None): where to build the table. None (default):
+            PyTorch's default device.
+        dtype (torch.dtype): the returned dtype. Default float32.
+        base (float): the base of the wavelengths base^(2k/d). Default 10000.
+
+    Returns:
+        The encodings, a tensor ``(n, d)``.
+
+    Example:
+        >>> import structattn as sa
+        >>> e = sa.potentials.sinusoidal(3, 4)
+        >>> e.shape, e[0].tolist()
+        (torch.Size([3, 4]), [0.0, 1.0, 0.0, 1.0])
+    """
     pos = torch.arange(n, device=device, dtype=torch.float64)[:, None]
     freq = base ** (-torch.arange(0, d, 2, device=device, dtype=torch.float64) / d)
     e = torch.zeros(n, d, device=device, dtype=torch.float64)

@@ -17,18 +17,32 @@ ACTIVATIONS = {None: (lambda x: x, lambda fx: torch.ones_like(fx)),
 class PredictionError(Potential):
     """``ψ(z_j, z_i) = −(k/2)‖z_i − W_ij f(z_j) − b_i‖²``: node i predicted from the one
     incoming node j its edge chose (paper §4.4, appendix 7.2), with precision k > 0 and
-    activation f ∈ {None (identity), "tanh"}. Marginalising the choice puts a softmax over
-    squared prediction errors where a standard predictive-coding network has fixed precisions.
+    activation f. Marginalising the choice puts a softmax over squared prediction errors
+    where a standard predictive-coding network has fixed precisions.
 
-    - Scalar units (the paper's derivation): node states ``(*batch, n, 1)``, ``W``:
-      ``(children, parents)`` (one weight w_ij per edge), ``bias``: ``(children,)``.
-    - Blocks of units competing (the paper's suggestion, "similar to multidimensional token
-      representations"): node states ``(*batch, n, d)``, ``W``: ``(children, parents, d_child,
-      d_parent)`` (one matrix per edge), ``bias``: ``(children, d_child)``.
+    ``W`` takes two shapes (Args): scalar units (the paper's derivation) and blocks of units
+    competing (the paper's suggestion, "similar to multidimensional token
+    representations"). Expected gradients in closed form: −k(z_i − b_i − Σ_j p_ij
+    W_ij f(z_j)) (children) and k f'(z_j) ⊙ Σ_i p_ij W_ijᵀ(z_i − W_ij f(z_j) − b_i)
+    (parents); curvature k for a child. Dense: O(children · parents · d_child · d_parent)
+    per evaluation. One head.
 
-    Expected gradients in closed form: −k(z_i − b_i − Σ_j p_ij W_ij f(z_j)) (children) and
-    k f'(z_j) ⊙ Σ_i p_ij W_ijᵀ(z_i − W_ij f(z_j) − b_i) (parents); curvature k for a child.
-    Dense: O(children · parents · d_child · d_parent) per evaluation.
+    Args:
+        W (torch.Tensor): the edge weights: a matrix ``(children, parents)``, one weight
+            w_ij per edge, for scalar node states ``(*batch, n, 1)``; or a tensor
+            ``(children, parents, d_child, d_parent)``, one matrix per edge, for node states
+            ``(*batch, n, d)``. The node sets' sizes and widths must match it (checked when
+            the family is declared).
+        bias (torch.Tensor | None): b_i, ``(children,)`` for a matrix ``W``, ``(children,
+            d_child)`` for blocks. None (default): no bias.
+        precision (float | torch.Tensor): k, a finite float > 0 or a one-element
+            floating-point tensor (learnable; its value checked > 0 when the family is
+            declared). Default 1.
+        activation (str | None): f, None (default: the identity) or ``"tanh"``.
+
+    Raises:
+        ValueError: ``W`` not a tensor of 2 or 4 dims, ``bias`` of the wrong shape, an
+            unknown ``activation``, or a ``precision`` float that is not finite and > 0.
     """
 
     heads = 1

@@ -20,14 +20,34 @@ class Rotary(Bilinear):
     p·θ_k, θ_k = ``base``^(−2k/``dims``) — the "rotate half" layout of GPT-NeoX and LLaMA's
     common implementations; dimensions from ``dims`` on (``dims`` < d_k: partial rotary) are
     not rotated. Since R_iᵀR_j = R_{j−i}, ψ depends on the positions only through j − i.
-    Positions default to 0..n−1 along each node set (``child_positions`` and
-    ``parent_positions``, ``(n,)``, override them, e.g. for a decoding step's last tokens).
 
     Lowered as the bilinear potential on rotated factors: the fused kernels (SDPA, the key-
     bias, stick-breaking and window kernels) read R_i a_i and R_j b_j, so rotary positions
     work with any prior. The Pyro reading (``at``) computes ψ from its definition in complex
     form, Re Σ_k (q_k conj(k_k)) e^{i(i−j)θ_k} over the pairs q_k = a_k + i·a_{k+m} (and the
     unrotated rest), never from the factors.
+
+    Args:
+        W_q (torch.Tensor | None): the query projection ``(heads*d_k, d_child)``, or None for
+            the identity (``Bilinear``).
+        W_k (torch.Tensor | None): the key projection ``(heads*d_k, d_parent)``, or None for
+            the identity (not both None).
+        heads (int): the number of heads, a positive int dividing the rows. Default 1.
+        temperature (float | torch.Tensor | None): τ > 0, a float, a scalar tensor or one per
+            head ``(heads,)`` (``Bilinear``). None (default): √d_k.
+        base (float): the frequencies' base, θ_k = base^(−2k/dims), a finite number > 1.
+            Default 10000.
+        dims (int | None): the rotated dimensions of each head, an even positive int ≤ d_k
+            (less: partial rotary). None (default): d_k.
+        child_positions (torch.Tensor | None): the children's positions, a tensor ``(C,)``
+            (checked when the family is declared), e.g. a decoding step's last tokens. None
+            (default): 0..C−1.
+        parent_positions (torch.Tensor | None): the parents' positions ``(P,)``, as
+            ``child_positions``. None (default): 0..P−1.
+
+    Raises:
+        ValueError: an argument ``Bilinear`` refuses, ``base`` not a finite number > 1, or
+            ``dims`` not a positive int, odd or > d_k.
     """
 
     def __init__(self, W_q: torch.Tensor | None, W_k: torch.Tensor | None, *, heads: int = 1,

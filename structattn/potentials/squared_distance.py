@@ -19,15 +19,26 @@ from .temperature import (
 
 
 class SquaredDistance(Potential):
-    """``ψ_h(x_j, x_i) = −‖x_i^h − x_j^h‖² / (2τ)`` on the h-th of ``heads`` equal slices of
-    the features (τ > 0: the component variance, a float, a scalar tensor or one per head,
-    shape ``(heads,)``; one head: the whole vector).
+    """``ψ_h(x_j, x_i) = −‖x_i^h − x_j^h‖² / (2τ_h)`` on the h-th of ``heads`` equal slices of
+    the features (one head: the whole vector): an isotropic Gaussian mixture component.
 
     Factorised for the fused kernels as ⟨a_i, b_j⟩/τ with a = [x_i, −½‖x_i‖², 1] and
     b = [x_j, 1, −½‖x_j‖²] per head. For a latent side the expected gradient is
     (Σ_j p_ij x_j − x_i)/τ (children) or (Σ_i p_ij x_i − m_j x_j)/τ with m_j = Σ_i p_ij
     (parents), and the curvature is 1/τ resp. m_j/τ: the CCCP/EM update is the
-    posterior-weighted mean (a Gaussian mixture's M-step).
+    posterior-weighted mean (a Gaussian mixture's M-step). Children and parents have the
+    same width, a multiple of ``heads`` (checked when the family is declared).
+
+    Args:
+        temperature (float | torch.Tensor): τ > 0, the component variance: a finite float, a
+            (learnable) scalar tensor, or one per head, a floating-point tensor ``(heads,)``
+            (a list of floats becomes one); a tensor's values are checked when the family is
+            declared. Default 1.
+        heads (int): the number of heads H, a positive int. Default 1.
+
+    Raises:
+        ValueError: ``heads`` not a positive int, or a ``temperature`` that is not a finite
+            number > 0, a scalar tensor or one per head.
     """
 
     def __init__(self, *, temperature: float | torch.Tensor = 1.0, heads: int = 1):

@@ -18,25 +18,29 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class PriorEntry:
-    """One prior.
+    """What one prior states about itself for the generic tests (module docstring).
 
-    - ``prior``: the class (exported as ``structattn.priors.<Class>``);
-    - ``cases``: ``(C, P, generator) → [Prior, …]``, float64 instances at C children and P
-      parents (the configurations every generic test reads; those that need C ≤ P only
-      there);
-    - ``formula``: ``(prior, C, P) → numpy array (heads or 1, C, P)``, the unnormalised log
-      prior written from the prior's definition in plain numpy (−∞ off the support), or None
-      where the log prior is not a table of the prior's own (stick-breaking's reads its
-      potential; its own tests compare it with Pyro);
-    - ``bad``: ``{message pattern: () → Prior}``, constructions with a bad parameter, each
-      refused with a ValueError matching its pattern;
-    - ``parameters``: ``(generator) → (tensors, build)`` — float64 parameters and ``build(*
-      tensors) → Prior`` at C = P = 5 — for the gradient check (None: no parameter has a
-      gradient to check);
-    - ``certified``: ``(generator) → Prior``, a causal instance with ``tol`` (a prior that
-      certifies truncation), read with 2 heads over N = 48 tokens (a prior with a parameter
-      per token, a forget gate, has 48): the generic test holds its certificate to Pyro's
-      whole past.
+    A record: ``structattn/priors/NAME.py`` ends with ``ENTRY = PriorEntry(...)``, and
+    ``structattn.priors.REGISTRY`` maps the class name (``name``) to it.
+
+    Attributes:
+        prior (type): the class, exported as ``structattn.priors.<Class>``.
+        cases (Callable): ``(C, P, generator) → [Prior, …]``, float64 instances at C children
+            and P parents (the configurations every generic test reads; those that need
+            C ≤ P only there).
+        formula (Callable | None): ``(prior, C, P) → numpy array (heads or 1, C, P)``, the
+            unnormalised log prior written from the prior's definition in plain numpy (−∞ off
+            the support); None where the log prior is not a table of the prior's own
+            (stick-breaking's reads its potential; its own tests compare it with Pyro).
+        bad (dict): ``{message pattern: () → Prior}``, constructions with a bad parameter, each
+            refused with a ValueError matching its pattern. Default empty.
+        parameters (Callable | None): ``(generator) → (tensors, build)``, float64 parameters
+            and ``build(*tensors) → Prior`` at C = P = 5, for the gradient check; None
+            (default): no parameter has a gradient to check.
+        certified (Callable | None): ``(generator) → Prior``, a causal instance with ``tol``
+            (a prior that certifies truncation), read with 2 heads over N = 48 tokens (a
+            prior with a parameter per token, a forget gate, has 48): the generic test holds
+            its certificate to Pyro's whole past. None (default): the prior certifies nothing.
     """
 
     prior: type
@@ -48,6 +52,7 @@ class PriorEntry:
 
     @property
     def name(self) -> str:
+        """The prior's class name, its key in ``REGISTRY``."""
         return self.prior.__name__
 
 

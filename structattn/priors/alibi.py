@@ -15,15 +15,33 @@ def alibi_slopes(heads: int) -> torch.Tensor:
 
 
 class ALiBi(DistancePrior):
-    """``p(φ_i = j) ∝ exp(−m_h |i − j|)`` per head (ALiBi, Press et al. 2022): a
-    relative-position prior with fixed slopes m (default: the geometric 2^(−8h/H)).
+    """``p(φ_i = j) ∝ exp(−m_h |i − j|)`` per head h (ALiBi, Press et al. 2022).
 
-    ``tol`` ∈ (0, 1) (causal only): the compiled reading reads the shortest window whose
-    posterior mass beyond it is certified ≤ tol for every child (``structattn.certified``;
-    the trace's ``truncation[family]`` reports it), in blocks of ``block_size`` children; with
-    ``certificate="blocks"``, the key blocks each block of children needs, per head
-    (``structattn.block_sparse``). The model, and so Pyro's reading, is still all of the
-    past."""
+    A relative-position prior with fixed slopes m, by default the paper's geometric
+    2^(−8h/H), h = 1..H. Under j ≤ i its log weight is −m·i + m·j, a difference of per-token
+    terms (``terms``): the dense and window operators lower it as one more key dimension,
+    never a C×P bias.
+
+    Args:
+        heads (int): the number of heads H of the default slopes; ignored when ``slopes`` is
+            given. Default 1.
+        slopes (torch.Tensor | None): the slopes m, a 1-D tensor ``(heads,)`` (or anything
+            ``torch.as_tensor`` takes) of finite m ≥ 0 (the values checked while validation
+            is on). None (default): 2^(−8h/H).
+        causal (bool): the support j ≤ i; False (default): every parent.
+        tol (float | None): causal only: the compiled reading reads the shortest window whose
+            posterior mass beyond it is certified ≤ tol for every child, in (0, 1)
+            (``structattn.certified``; the trace's ``truncation[family]`` reports it); the
+            model, and so Pyro's reading, is still all of the past. None (default): all of
+            the past.
+        block_size (int): the band's block of children, an int ≥ 1. Default 64.
+        certificate (str): ``"window"`` (default) or, with a ``tol``, ``"blocks"``: the key
+            blocks each block of children needs, per head (``structattn.block_sparse``).
+
+    Raises:
+        ValueError: ``slopes`` not 1-D or not finite and ≥ 0, or an option ``DistancePrior``
+            refuses (``tol``, ``block_size``, ``certificate``).
+    """
 
     def __init__(self, heads: int = 1, *, slopes: torch.Tensor | None = None, causal: bool = False,
                  tol: float | None = None, block_size: int = 64, certificate: str = "window"):

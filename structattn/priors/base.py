@@ -31,24 +31,35 @@ from .tables import PriorTables
 
 
 class Prior:
-    """Base class of edge priors (see the module docstring for the contract). A prior over
-    the distance i − j (a band, certified truncation) is a ``structattn.priors.
-    DistancePrior``, which adds its own hooks."""
+    """Base class of edge priors p(φ_i = j): a support Φ_i and log weights w_ij on it.
 
-    #: a child with no allowed parent: "error" (ValueError) or "zero" (zero value, zero
-    #: posterior); read by the tables, the family's outcomes and every reading. Default "error"
+    A subclass states ``support`` and ``log_weight`` (module docstring); every other hook
+    has a default derived from them. A prior over the distance i − j (a band, certified
+    truncation) is a ``structattn.priors.DistancePrior``, which adds its own hooks. The base
+    class takes no constructor arguments; a subclass sets the attributes below where it
+    departs from their defaults.
+
+    Attributes:
+        empty (str): what a child with no allowed parent gets: ``"error"`` (refused with a
+            ValueError while validating) or ``"zero"`` (a zero value and an all-zero posterior
+            row); read by the tables, the family's outcomes and every reading. Default
+            ``"error"``.
+        leftover (bool): whether "no parent" is an outcome of every child (weighted like one
+            more parent under a uniform prior; its value is zero), not only of children
+            without parents; read by the family and Pyro's reading (``declared_log_prior``).
+            Default False (``StickBreaking``: True).
+        max_potentials (int | None): the most potentials a family under this prior takes,
+            checked when a potential is added; None: any number. Default None
+            (``StickBreaking``: 1).
+        tol (float | None): a tolerance the prior's own reading may spend: a distance prior's
+            certified posterior mass outside its window (``DistancePrior``), stick-breaking's
+            leftover stick that stops a scan; read by their operators and by
+            ``structattn.export``, which refuses a certified window. None (default): none.
+    """
+
     empty: str = "error"
-    #: whether "no parent" is an outcome of every child (weighted like one more parent under
-    #: a uniform prior; its value is zero), not only of children without parents; read by the
-    #: family and Pyro's reading (``declared_log_prior``). Default False (stick-breaking: True)
     leftover: bool = False
-    #: the most potentials a family under this prior takes (None: any number); read when a
-    #: potential is added to the family. Default None (stick-breaking: 1)
     max_potentials: int | None = None
-    #: a tolerance the prior's own reading may spend (None: none): a distance prior's
-    #: certified posterior mass outside its window (``DistancePrior``), stick-breaking's
-    #: leftover stick that stops a scan; read by their operators and by
-    #: ``structattn.export``, which refuses a certified window. Default None
     tol: float | None = None
 
     # -- what a subclass states -------------------------------------------------

@@ -61,17 +61,35 @@ def _check_options(tol, prior_tol, max_window, block_size) -> None:
 
 class BetaGeometric(DistancePrior):
     """``p(φ_i = d) = B(a + d − 1, b + 1) / B(a, b)`` for the distance d = i − j ≥ 1 back from
-    child i; ``a``, ``b``: floats or tensors ``()`` / ``(heads,)`` (learnable: gradients flow
-    through ``lgamma`` / ``digamma``). The child at position 0 has no parent: zero output.
+    child i: the geometric–Beta prior of expanding attention (module docstring).
 
-    ``tol`` ∈ (0, 1): the posterior mass the compiled reading may leave outside its window,
-    certified per child (the trace's ``truncation[family]`` reports the bound per token);
-    ``prior_tol`` ∈ (0, 1): instead cut the support where the prior's tail is below it (the
-    model changes: Pyro reads the cut support too); ``max_window`` ≥ 1 caps the support;
-    ``block_size``: the banded kernel's block of children. The mean-field options (``grad``,
-    ``window_rule``, ``max_iters``, …) are not the prior's (an unknown keyword is a
-    ``TypeError``): they belong to ``structattn.windows.MeanFieldWindows``, declared on the
-    family. Paper §5.2, SPEC.md "Geometric–Beta prior".
+    Strictly the past: the child at position 0 has no parent and gets a zero output. The
+    mean-field options (``grad``, ``window_rule``, ``max_iters``, …) are not the prior's (an
+    unknown keyword is a ``TypeError``): they belong to
+    ``structattn.windows.MeanFieldWindows``, declared on the family. Paper §5.2, SPEC.md
+    "Geometric–Beta prior".
+
+    Args:
+        a (float | torch.Tensor): the Beta's first parameter, a float or a floating-point
+            tensor ``()`` or ``(heads,)``, finite and > 0 (a tensor's values checked while
+            validation is on); learnable: gradients flow through ``lgamma`` and ``digamma``.
+            Default 1.
+        b (float | torch.Tensor): the Beta's second parameter, as ``a``. Default 1.
+        tol (float | None): the posterior mass the compiled reading may leave outside its
+            window, in (0, 1), certified per child (the trace's ``truncation[family]``
+            reports the bound per token); the model, and Pyro's reading, stay the whole past.
+            None (default): read all of the past.
+        prior_tol (float | None): instead of ``tol``, cut the support where the prior's tail
+            P(φ > W) falls below it, in (0, 1) (``discarded_mass``): the model changes, and
+            Pyro reads the cut support too. None (default): no cut.
+        max_window (int | None): the longest distance on the support, an int ≥ 1. None
+            (default): no cap.
+        block_size (int): the banded kernel's block of children, an int ≥ 1. Default 32.
+
+    Raises:
+        ValueError: ``a`` or ``b`` not finite and > 0 (or a tensor not ``()`` or
+            ``(heads,)``), ``tol`` or ``prior_tol`` outside (0, 1), both given, or
+            ``max_window`` or ``block_size`` not an int ≥ 1.
     """
 
     first = 1  # strictly the past: the first token has none (``empty`` "zero")

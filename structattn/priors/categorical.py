@@ -10,13 +10,26 @@ from .uniform import _support_np, dense_support
 
 
 class Categorical(Prior):
-    """``p(φ_i = j) = softmax_{j∈Φ_i}(b_ij)`` with logits ``b`` of shape ``(…, children, parents)``
-    (broadcast over batch and heads: ``(C, P)``, ``(H, C, P)`` or ``(*batch, H, C, P)``).
+    """``p(φ_i = j) = softmax_{j∈Φ_i}(b_ij)`` with explicit logits b on the support Φ_i.
 
-    −∞ logits exclude a parent from the support. Lowered as an additive bias.
-    ``empty="zero"`` gives children with no allowed parent a zero value and an all-zero
-    posterior row (default ``"error"``: refused while validating).
-    Paper Table 1 (relative positional encodings).
+    Lowered as an additive bias (the logits tensor itself is the dense log table). Paper
+    Table 1 (relative positional encodings).
+
+    Args:
+        logits (torch.Tensor): the logits b, a floating-point tensor ``(…, C, P)``
+            broadcasting against ``(*batch, heads, C, P)``: ``(C, P)``, ``(H, C, P)``,
+            ``(*batch, H, C, P)``, or ``(1, P)`` for one row shared by every child. A −∞
+            logit excludes a parent from the support.
+        causal (bool): Φ_i ∩ {j ≤ i}. Default False.
+        support (torch.Tensor | None): Φ_i ∩ {j : support[…, i, j]}, a boolean mask
+            ``(…, C, P)`` (batch and heads dims broadcast). None (default): no mask.
+        empty (str): a child with no allowed parent: ``"error"`` (default: refused with a
+            ValueError while validating) or ``"zero"`` (a zero value and an all-zero
+            posterior row).
+
+    Raises:
+        ValueError: ``logits`` not a floating-point tensor, ``support`` not a boolean tensor,
+            or ``empty`` not ``"error"`` or ``"zero"``.
     """
 
     def __init__(self, logits: torch.Tensor, *, causal: bool = False,

@@ -42,30 +42,48 @@ from .uniform import dense_support
 
 
 class DistancePrior(Prior):
-    """Base class of priors over the distance d = i − j (module docstring): a subclass calls
-    ``super().__init__`` with its options and states ``log_at_distance`` (and ``heads``, if
-    it can say it without evaluating a weight)."""
+    """Base class of priors over the distance d = i − j back from child i (module docstring).
 
-    #: the nearest distance on the support: 0 (the child itself) or 1 (strictly the past)
+    A stationary subclass states ``log_at_distance`` (and ``heads``, if it can say it
+    without evaluating a weight) and calls ``super().__init__`` with its options; every
+    other hook derives from them.
+
+    Args:
+        owner (str): how error messages name the prior, e.g. ``"ALiBi prior"``.
+        causal (bool): the support j ≤ i; False: every parent. Default True.
+        tol (float | None): causal only: the posterior mass per child a certified window may
+            leave out, in (0, 1) (``structattn.certified``); the model, and so Pyro's
+            reading, is still all of the past. None (default): read all of the past.
+        block_size (int): the band's block of children (the window operator's
+            ``band.BandLayout``, certified truncation's and the mean-field windows' bands),
+            an int ≥ 1. Default 64.
+        certificate (str): how ``tol`` is read: ``"window"`` (default: the shortest band
+            certified for every child and head) or ``"blocks"`` (the key blocks each block of
+            children needs, per head, ``structattn.block_sparse``; needs a ``tol``, and
+            applies to a prior whose log weight separates as g_i + h_j). The window operator
+            reads it; ``structattn.export`` names it.
+
+    Attributes:
+        first (int): the nearest distance on the support, a class attribute: 0 (default: the
+            child itself) or 1 (strictly the past; the first child then has no parent and
+            gets a zero output).
+        stationary (bool): whether the log weight depends on the distance alone, a class
+            attribute. Default True (False: see the module docstring).
+
+    Raises:
+        ValueError: naming ``owner``: a ``tol`` outside (0, 1) or with ``causal=False``, a
+            ``block_size`` that is not an int ≥ 1, a ``certificate`` other than
+            ``"window"`` or ``"blocks"``, or ``"blocks"`` without a ``tol``.
+    """
+
     first: int = 0
-    #: whether the log weight depends on the distance alone (False: see the module docstring)
     stationary: bool = True
-    #: the band's block of children (the window operator's ``band.BandLayout``, certified
-    #: truncation's and the mean-field windows' bands), an int ≥ 1
     block_size: int = 64
-    #: how a ``tol`` is read (the window operator; ``structattn.export`` names it): "window"
-    #: (the shortest band certified for every child and head, ``structattn.certified``) or
-    #: "blocks" (the key blocks each block of children needs, per head,
-    #: ``structattn.block_sparse``: a prior whose log weight separates as g_i + h_j)
     certificate: str = "window"
 
     def __init__(self, owner: str, *, causal: bool = True, tol: float | None = None,
                  block_size: int = 64, certificate: str = "window"):
-        """``owner`` names the prior in error messages. ``causal``: j ≤ i (else every
-        parent); ``tol`` (causal only): the posterior mass a certified window may leave out
-        per child, None to read all of the past; ``block_size``: the band's block of
-        children; ``certificate``: how ``tol`` is read, "window" or "blocks" (the class
-        attributes). Each is checked, a ValueError naming ``owner`` otherwise."""
+        """Check and keep the options (the class docstring's Args)."""
         self.causal = bool(causal)
         self.tol, self.block_size = window_options(owner, tol, block_size, self.causal)
         self.certificate = certificate_option(owner, certificate, tol)

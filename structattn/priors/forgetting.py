@@ -10,27 +10,41 @@ from .distance import DistancePrior
 
 
 class ForgettingGate(DistancePrior):
-    """``p(φ_i = j) ∝ Π_{l=j+1..i} f_l`` over j ≤ i: each token l between a child and a parent
-    forgets with its own gate f_l ∈ (0, 1] (data-dependent: FoX's f_l = σ(wᵀx_l + b), one per
-    head). With c = cumsum(log f) the log weight is c_i − c_j — a difference of per-token terms
-    (``terms``), so the dense operator lowers it, on the CPU, as the fused kernel with −c_j as
-    its mask (trained through ``csrc/key_bias.cpp``'s backward), elsewhere as plain SDPA with
-    one more key dimension — never an N×N bias. A constant gate f is ALiBi with slope m = −log f.
+    """``p(φ_i = j) ∝ Π_{l=j+1..i} f_l`` over j ≤ i (FoX, Lin et al. 2025): each token l between
+    a child and a parent forgets with its own gate f_l ∈ (0, 1].
 
-    A distance prior that is not stationary (``DistancePrior``'s module docstring): the weight
-    of a distance depends on the gates in between, so it states no ``log_at_distance``; the
-    options, the support (j ≤ i, through a certified window with ``tol``) and the window come
-    from the base, and it overrides what reads its weights: ``log_weight``, the band's
-    weights (the cumulative sum in the certificate's float64) and the tail (exact, O(N)).
+    The gates are data-dependent (FoX's f_l = σ(wᵀx_l + b), one per head). With c =
+    cumsum(log f) the log weight is c_i − c_j, a difference of per-token terms (``terms``),
+    so the dense operator lowers it, on the CPU, as the fused kernel with −c_j as its mask
+    (trained through ``csrc/key_bias.cpp``'s backward), elsewhere as plain SDPA with one more
+    key dimension — never an N×N bias. A constant gate f is ALiBi with slope m = −log f.
 
-    ``log_f``: ``(…, N)`` log gates (≤ 0), their leading dims (batch, heads) broadcasting
-    against ``(*batch, heads)``; N is the number of parents, children are its first C tokens.
-    ``tol`` ∈ (0, 1): the compiled reading reads the shortest window whose posterior mass
-    beyond it is certified ≤ tol for every child (``structattn.certified``, from the gates'
-    own tail: FoX's pruning, with a proof), in blocks of ``block_size`` children; with
-    ``certificate="blocks"``, the key blocks each block of children needs instead, wherever
-    they lie, per head (``structattn.block_sparse``). The model, and so Pyro's reading, is
-    still all of the past.
+    A distance prior that is not stationary (``DistancePrior``'s module docstring): the
+    weight of a distance depends on the gates in between, so it states no
+    ``log_at_distance``; the options, the support (j ≤ i, through a certified window with
+    ``tol``) and the window come from the base, and it overrides what reads its weights:
+    ``log_weight``, the band's weights (the cumulative sum in the certificate's float64) and
+    the tail (exact, O(N)). The children are the first C of the N parent tokens.
+
+    Args:
+        log_f (torch.Tensor): the log gates log f_l, a floating-point tensor ``(…, N)`` with
+            one entry per parent token, finite and ≤ 0 (values checked while validation is
+            on; ``torch.nn.functional.logsigmoid`` of gate logits gives them); its leading
+            dims (batch, heads) broadcast against ``(*batch, heads)``.
+        tol (float | None): the compiled reading reads the shortest window whose posterior
+            mass beyond it is certified ≤ tol for every child, in (0, 1)
+            (``structattn.certified``, from the gates' own tail: FoX's pruning, with a
+            proof); the model, and so Pyro's reading, is still all of the past. None
+            (default): all of the past.
+        block_size (int): the band's block of children, an int ≥ 1. Default 64.
+        certificate (str): ``"window"`` (default) or, with a ``tol``, ``"blocks"``: the key
+            blocks each block of children needs instead, wherever they lie, per head
+            (``structattn.block_sparse``).
+
+    Raises:
+        ValueError: ``log_f`` not a floating-point tensor of at least one dim, or not finite
+            and ≤ 0; or an option ``DistancePrior`` refuses (``tol``, ``block_size``,
+            ``certificate``).
     """
 
     stationary = False

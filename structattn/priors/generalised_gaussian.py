@@ -18,16 +18,29 @@ def _per_head(name: str, t) -> torch.Tensor:
 
 
 class GeneralisedGaussian(DistancePrior):
-    """``p(φ_i = j) ∝ exp(−|(i − j − μ_h)·e^{s_h}|^{β_h})`` per head h: a learned location μ
-    (the preferred distance), log scale s and shape β > 0 — β = 1 is a Laplace prior (ALiBi's
-    −m|i − j| with μ = 0, e^s = m), β = 2 a Gaussian, β → ∞ a window. Not a difference of
-    per-token terms, so it lowers as an additive ``(heads, C, P)`` bias.
+    """``p(φ_i = j) ∝ exp(−|(i − j − μ_h)·e^{s_h}|^{β_h})`` per head h (BAM).
 
-    ``loc``, ``log_scale``, ``shape``: scalars or ``(heads,)``; ``causal``: j ≤ i; ``tol`` ∈
-    (0, 1) (causal only): the compiled reading reads the shortest window whose posterior mass
-    beyond it is certified ≤ tol for every child (``structattn.certified``), in blocks of
-    ``block_size`` children — never the dense bias; the model, and so Pyro's reading, is still
-    all of the past.
+    A learned location μ (the preferred distance), log scale s and shape β > 0: β = 1 is a
+    Laplace prior (ALiBi's −m|i − j| with μ = 0, e^s = m), β = 2 a Gaussian, β → ∞ a window.
+    Not a difference of per-token terms, so the dense reading adds it as a ``(heads, C, P)``
+    bias; a certified window (``tol``) never builds that bias.
+
+    Args:
+        loc (float | torch.Tensor): μ, a float or a floating-point tensor ``()`` or
+            ``(heads,)``, finite (values checked while validation is on).
+        log_scale (float | torch.Tensor): s, as ``loc``.
+        shape (float | torch.Tensor): β, as ``loc``, finite and > 0.
+        causal (bool): the support j ≤ i; False: every parent. Default True.
+        tol (float | None): causal only: the compiled reading reads the shortest window whose
+            posterior mass beyond it is certified ≤ tol for every child, in (0, 1)
+            (``structattn.certified``); the model, and so Pyro's reading, is still all of the
+            past. None (default): all of the past.
+        block_size (int): the band's block of children, an int ≥ 1. Default 64.
+
+    Raises:
+        ValueError: a parameter that is not a float scalar or a 1-D float tensor, ``loc`` or
+            ``log_scale`` not finite, ``shape`` not finite and > 0, or an option
+            ``DistancePrior`` refuses (``tol``, ``block_size``).
     """
 
     def __init__(self, loc, log_scale, shape, *, causal: bool = True, tol: float | None = None,

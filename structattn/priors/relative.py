@@ -17,9 +17,20 @@ def offsets(num_children: int, num_parents: int, device) -> torch.Tensor:
 
 
 class RelativePosition(Prior):
-    """``p(φ_i = j) ∝ exp(b_{clip(i−j, −K, K)})`` with logits ``b`` of shape ``(2K+1,)`` or
-    ``(heads, 2K+1)`` (index ``K + i − j``), learned or fixed; K = ``max_distance``.
-    Lowered as an additive bias ``(heads, C, P)``. Paper Table 1 (relative positional encodings).
+    """``p(φ_i = j) ∝ exp(b_{clip(i−j, −K, K)})``: logits b indexed by the clipped offset.
+
+    Learned or fixed; offsets beyond ±K share the outermost logit. Lowered as an additive
+    bias ``(heads, C, P)``. Paper Table 1 (relative positional encodings).
+
+    Args:
+        logits (torch.Tensor): b, a floating-point tensor ``(2K+1,)`` (shared by every head)
+            or ``(heads, 2K+1)``, entry ``K + i − j`` for the offset i − j; its odd length
+            gives K (``max_distance``).
+        causal (bool): the support j ≤ i; False (default): every parent.
+
+    Raises:
+        ValueError: ``logits`` not a floating-point tensor of 1 or 2 dims with an odd last
+            dim.
     """
 
     def __init__(self, logits: torch.Tensor, *, causal: bool = False):

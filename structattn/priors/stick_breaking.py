@@ -33,10 +33,15 @@ class StickBreaking(Prior):
 
     Children are the first C tokens of the parents (self-attention over a sequence).
 
-    ``tol``: the kernel stops a child's scan once the stick it has left is ≤ tol — a
-    certified bound on the posterior mass it does not read, since everything further back
-    weighs less than the stick together. Default None: 2⁻¹⁰ of the dtype's epsilon, under
-    rounding; 0 reads every pair. (Pyro's reading and the dense reading scan the whole past.)
+    Args:
+        tol (float | None): the kernel stops a child's scan once the stick it has left is
+            ≤ tol, a number in [0, 1): a certified bound on the posterior mass it does not
+            read, since everything further back weighs less than the stick together; 0 reads
+            every pair (Pyro's reading and the dense reading scan the whole past). None
+            (default): 2⁻¹⁰ of the dtype's epsilon, under rounding.
+
+    Raises:
+        ValueError: ``tol`` neither None nor a number in [0, 1).
     """
 
     empty = "zero"  # the first child has no parent before it: zero value

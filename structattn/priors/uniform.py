@@ -19,15 +19,26 @@ def dense_support(causal: bool, mask: torch.Tensor | None):
 
 
 class Uniform(Prior):
-    """``p(φ_i = j) = 1/|Φ_i|``, Φ_i = all parents, optionally ∩ {j ≤ i} (``causal``)
-    and ∩ {j : support[…, i, j]} (a boolean mask ``(…, children, parents)``) or ∩ the
-    graph ``edge_index`` ``(2, E)`` (row 0 parents j, row 1 children i; lowered to an
-    O(E)-memory segment softmax, never a C×P matrix).
+    """``p(φ_i = j) = 1/|Φ_i|`` on the support Φ_i: all parents, optionally restricted.
 
-    ``empty="error"`` (default) refuses children with no allowed parent;
-    ``empty="zero"`` gives them a zero value and an all-zero posterior row.
-
+    Φ_i is every parent, ∩ {j ≤ i} with ``causal``, ∩ a dense mask (``support``) or ∩ a
+    graph (``edge_index``, lowered to an O(E)-memory segment softmax, never a C×P matrix).
     Paper §3.2 (cross/self attention), Table 1 (graph/sparse attention).
+
+    Args:
+        causal (bool): Φ_i ∩ {j ≤ i}. Default False.
+        support (torch.Tensor | None): Φ_i ∩ {j : support[…, i, j]}, a boolean mask
+            ``(…, C, P)`` (batch and heads dims broadcast). None (default): no mask.
+        edge_index (torch.Tensor | None): Φ_i ∩ the graph's edges, an int64 tensor ``(2, E)``
+            (row 0 parents j, row 1 children i); not with ``support``. None (default): no
+            graph.
+        empty (str): a child with no allowed parent: ``"error"`` (default: refused with a
+            ValueError while validating) or ``"zero"`` (a zero value and an all-zero
+            posterior row).
+
+    Raises:
+        ValueError: ``support`` not a boolean tensor, ``edge_index`` not an int64 tensor,
+            both given, or ``empty`` not ``"error"`` or ``"zero"``.
     """
 
     def __init__(self, *, causal: bool = False, support: torch.Tensor | None = None,

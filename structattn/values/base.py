@@ -23,8 +23,24 @@ from ..heads import gather_parents
 
 def value_term(name: str, value: torch.Tensor, *, family: str, edge: str | None,
                weight: float = 1.0) -> torch.Tensor:
-    """Record ``weight · value`` as a term of ``family``'s value that depends on edge site
-    ``edge`` only (``None``: on no edge). Returns ``weight · value``."""
+    """Record ``weight · value`` as a term of ``family``'s value that depends on one edge site.
+
+    A deterministic Pyro site (masked out of the log density) tagged with the family and
+    the edge, so that ground truth is Σ_terms E_{Pyro marginal}[term] (module docstring).
+    Called by a value's ``pyro_value``.
+
+    Args:
+        name (str): the term's Pyro site name, unique in the model (e.g. ``"attn.value"``).
+        value (torch.Tensor): the term, ``(…, d)`` (its last dim is the event dim), e.g. the
+            chosen parents' values ``(*batch, H, C, d_v)``.
+        family (str): the name of the edge family whose value it is part of.
+        edge (str | None): the edge site the term depends on (the family's, or a hop's);
+            None: on no edge.
+        weight (float): the term's weight. Default 1.
+
+    Returns:
+        ``weight · value``, the tensor recorded.
+    """
     value = value * weight
     # A tensor mask, not mask(False): Pyro's mask(False) log-prob is a float32 zero whatever
     # the value's dtype, which breaks float64 enumeration once a term joins a contraction.
@@ -36,8 +52,21 @@ def value_term(name: str, value: torch.Tensor, *, family: str, edge: str | None,
 
 
 class Value:
+    """Base class of value functions v_i(x, φ): what child i predicts given the edges.
+
+    A subclass states ``parent_values`` for a value of the chosen parent alone (the
+    expectation is then one attention call), or overrides ``expectation`` and
+    ``pyro_value`` (module docstring); ``validate`` refuses node sets it cannot read. The
+    base class takes no constructor arguments.
+
+    Attributes:
+        heads (int): how many heads the value has, H in ``(*batch, H, P, d_v)``; a class
+            attribute or set by the constructor. Default 1.
+        single_edge (bool): whether v_i depends on φ_i alone, not on a walk of several edges
+            (``Hops``: False). Default True.
+    """
+
     heads: int = 1
-    #: v_i depends on φ_i alone (not on a walk of several edges)
     single_edge: bool = True
 
     def parent_values(self, parents: torch.Tensor) -> torch.Tensor:

@@ -18,9 +18,8 @@ class Hops(Linear):
     """``v_i(x, φ) = Σ_k w_k W_V x_{φ^k(i)}``, φ^0(i) = i, φ^k(i) = φ_{φ^{k−1}(i)}: the value of
     a walk of k steps along the edges ⇒ E[v] = Σ_k w_k P^k (V X).
 
-    weights ``w = (w_0, …, w_K)``: the paper's (P + P²)VX is ``(0, 1, 1)`` (the default);
-    the authors' code uses ``(⅓, ⅓, ⅓)``. Compiled, P^k is never formed: attention is
-    applied to the values k times (K SDPA calls). Children and parents must be one node set.
+    Compiled, P^k is never formed: attention is applied to the values k times (K SDPA
+    calls). Children and parents must be one node set (checked when the family is declared).
 
     The Pyro reading draws each hop afresh from the posterior edge of the node reached,
     φ^k_i ~ p(φ_{φ^{k−1}_i} | x) (a random walk on the attention graph), for which
@@ -28,6 +27,18 @@ class Hops(Linear):
     That posterior is built from the prior's log table and each declared potential's own
     ``at`` — the quantities of the family's ``pyro.factor`` sites — never from the
     compiler's score tables (``_edge_log_posterior``).
+
+    Args:
+        W_v (torch.Tensor): the value projection W_V, a matrix ``(heads*d_v, d_parent)``, as
+            ``Linear``'s.
+        weights (Sequence[float]): the hop weights ``(w_0, …, w_K)``, K ≥ 1, finite numbers
+            (negative or zero allowed), not all zero. Default ``(0, 1, 1)``: the paper's
+            (P + P²)VX; the authors' code uses ``(⅓, ⅓, ⅓)``.
+        heads (int): the number of heads, dividing ``W_v``'s rows. Default 1.
+
+    Raises:
+        ValueError: a ``W_v`` ``Linear`` refuses, or ``weights`` not a sequence of finite
+            numbers, shorter than 2, or all zero.
     """
 
     single_edge = False

@@ -11,7 +11,18 @@ from .base import Value
 
 
 class Linear(Value):
-    """``v_i(x, φ_i = j) = W_V^h x_j`` per head h; W_v: ``(heads*d_v, d_parent)``. Paper §3.2."""
+    """``v_i(x, φ_i = j) = W_V^h x_j`` per head h: a projection of the chosen parent's state.
+    Paper §3.2.
+
+    Args:
+        W_v (torch.Tensor): the value projection, a matrix ``(heads*d_v, d_parent)``, head h's
+            W_V^h its h-th block of d_v rows; the parents' width must be ``d_parent``
+            (checked when the family is declared).
+        heads (int): the number of heads H, a positive int dividing ``W_v``'s rows. Default 1.
+
+    Raises:
+        ValueError: ``W_v`` not a matrix whose rows are a multiple of ``heads``.
+    """
 
     def __init__(self, W_v: torch.Tensor, *, heads: int = 1):
         if not isinstance(W_v, torch.Tensor) or W_v.dim() != 2 or W_v.shape[0] % heads:
