@@ -24,8 +24,8 @@ class Empirical(Measure):
             None, the default: uniform, 1/N.
 
     Raises:
-        ValueError: points or log_weights not finite floating-point tensors of at least 2
-            (1) dims, or log_weights not of shape ``(*batch, N)``.
+        ValueError: points not a finite floating-point tensor of at least 2 dims, or
+            log_weights not a finite floating-point tensor of shape ``(*batch, N)``.
     """
 
     def __init__(self, points: torch.Tensor, log_weights: torch.Tensor | None = None):
