@@ -81,11 +81,20 @@ def _machine() -> str:
 
 
 def cache_directory(kernel: str) -> str:
-    """Where ``kernel``'s library is built and kept: ``<root>/structattn/<name>-<key>``, root
-    ``TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``. The key hashes what the library
-    depends on — its source, the compiler flags, torch's version and C++ ABI, Python's, the
-    CPU's flags — and nothing of the environment's paths: a second virtual environment with
-    the same torch finds it built, and one with another torch builds its own."""
+    """Where ``kernel``'s library is built and kept: ``<root>/structattn/<name>-<key>``.
+
+    The root is ``TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``. The key hashes what
+    the library depends on — its source and the headers, the compiler flags, torch's version
+    and C++ ABI, Python's, the CPU's flags — and nothing of the environment's paths: a second
+    virtual environment with the same torch finds it built, one with another torch builds
+    its own.
+
+    Args:
+        kernel (str): the kernel, "mean_field", "stick_breaking" or "key_bias".
+
+    Returns:
+        str: the directory's path (it need not exist yet).
+    """
     source, name, _ = _KERNELS[kernel]
     csrc = os.path.join(os.path.dirname(__file__), "csrc")
     with open(os.path.join(csrc, source), "rb") as f:
@@ -187,8 +196,18 @@ def _ops(kernel: str):
 
 
 def with_rules(kernel: str, register):
-    """A kernel's ops after ``register(ops)`` — its Python rules: fake kernels, an autograd
-    formula — has run, once per process; None where kernels are off or the build failed."""
+    """A kernel's ops, its Python rules registered on them once per process.
+
+    Args:
+        kernel (str): the kernel, "mean_field", "stick_breaking" or "key_bias" (built on
+            first use).
+        register (Callable): called with the ops the first time only, to register their
+            Python rules (fake kernels, an autograd formula).
+
+    Returns:
+        The kernel's ops, or None where kernels are off or the build failed (``register``
+        is then not called).
+    """
     ops = _ops(kernel)
     if ops is None:
         return None

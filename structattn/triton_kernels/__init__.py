@@ -56,8 +56,18 @@ def on_cpu():
 
 
 def serves(*tensors) -> bool:
-    """Whether the library calls the Triton kernels for these tensors: on a CUDA device with
-    Triton installed, or on the CPU inside ``on_cpu()`` under the interpreter."""
+    """Whether the library calls the Triton kernels for these tensors.
+
+    It does on a CUDA device with Triton installed, or on the CPU inside ``on_cpu()`` under
+    the interpreter (``TRITON_INTERPRET=1``).
+
+    Args:
+        *tensors (torch.Tensor): the tensors a kernel would read; all on CUDA, or all on
+            the CPU.
+
+    Returns:
+        bool: True where the Triton kernels serve them; False for no tensors.
+    """
     if not tensors:
         return False
     if all(t.is_cuda for t in tensors):
