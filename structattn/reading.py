@@ -65,7 +65,11 @@ _slot = threading.local()  # .context: the thread's ReadingContext, when not DEF
 
 
 def context() -> ReadingContext:
-    """The ``ReadingContext`` in force in the calling thread."""
+    """The ``ReadingContext`` in force in the calling thread.
+
+    Returns:
+        ReadingContext: the thread's context (``DEFAULT`` where none was entered).
+    """
     return getattr(_slot, "context", DEFAULT)
 
 
@@ -207,11 +211,19 @@ PYRO = PyroReading()
 
 
 def current_reading() -> Reading:
-    """The innermost reading entered in the calling thread, or ``PYRO``."""
+    """The reading that answers a primitive called now, in the calling thread.
+
+    Returns:
+        Reading: the innermost reading entered, or ``PYRO`` where none is.
+    """
     readings = getattr(_slot, "context", DEFAULT).readings
     return readings[-1] if readings else PYRO
 
 
 def readings() -> tuple:
-    """The readings entered in the calling thread, innermost last (empty: Pyro reads)."""
+    """The readings entered in the calling thread.
+
+    Returns:
+        tuple: the readings, innermost last (empty: Pyro reads).
+    """
     return getattr(_slot, "context", DEFAULT).readings
