@@ -205,7 +205,7 @@ def check_size(owner: str, name: str, value, least: int = 1) -> int:
     Args:
         owner (str): who takes the argument, the message's prefix (e.g. "Bilinear").
         name (str): the argument's name in the message.
-        value: the value given; numpy integers are accepted, bools, floats and strings
+        value (int): the value given; numpy integers are accepted, bools, floats and strings
             refused.
         least (int): the smallest value allowed; default 1.
 
@@ -235,7 +235,7 @@ def check_positive(owner: str, name: str, value):
             ``(heads,)``; bools refused.
 
     Returns:
-        float | torch.Tensor: a number as a float, a tensor as it is.
+        (float | torch.Tensor): a number as a float, a tensor as it is.
 
     Raises:
         ValueError: ``"<owner>: <name> must be finite and > 0 …"``, or a tensor that is not

@@ -109,7 +109,7 @@ def certify(a: torch.Tensor, b: torch.Tensor, scale: float, prior, eps: float, *
         b (torch.Tensor): the parents' factors of the same N tokens, ``(*batch, H, N, k)``
             (leading dimensions broadcast); child i reads parents i − d, ``first`` ≤ d ≤ i.
         scale (float): the scores' factor, s_id = scale·⟨a_i, b_{i−d}⟩.
-        prior: states ``log_weights_on_band`` and ``log_tail_mass`` (a
+        prior (DistancePrior): states ``log_weights_on_band`` and ``log_tail_mass`` (a
             ``structattn.priors.DistancePrior``).
         eps (float): the posterior mass a window may leave out, in (0, 1).
         start (int): the sequence's first width; default 16.

@@ -130,7 +130,7 @@ def credible_context(layer, x: torch.Tensor, level: float = 0.9) -> CredibleCont
     Beta(α_i, β_i) of its one geometric–Beta family; no gradient flows.
 
     Args:
-        layer: a compiled layer (``structattn.compile(expanding_attention(…))``).
+        layer (CompiledModule): a compiled layer (``structattn.compile(expanding_attention(…))``).
         x (torch.Tensor): the layer's input, as its forward takes it.
         level (float): the intervals' probability, in (0, 1); default 0.9.
 

@@ -71,7 +71,7 @@ def disabled():
     Per thread (``ReadingContext.kernels``).
 
     Yields:
-        None.
+        (None): the block runs with the kernels off.
     """
     with reading.entered(kernels=False):
         yield
@@ -216,8 +216,8 @@ def with_rules(kernel: str, register):
             Python rules (fake kernels, an autograd formula).
 
     Returns:
-        The kernel's ops, or None where kernels are off or the build failed (``register``
-        is then not called).
+        (object | None): the kernel's ops, or None where kernels are off or the build failed (``register``
+            is then not called).
     """
     ops = _ops(kernel)
     if ops is None:
@@ -235,8 +235,8 @@ def mean_field_windows():
     """The mean-field kernel's ops, built on first use.
 
     Returns:
-        The ops (``solve``, ``attend``), or None where kernels are off or the build failed
-        (then: one ``RuntimeWarning`` saying why, and the Python loop).
+        (object | None): the ops (``solve``, ``attend``), or None where kernels are off or the build failed
+            (then: one ``RuntimeWarning`` saying why, and the Python loop).
     """
     return _ops("mean_field")
 
@@ -245,8 +245,8 @@ def stick_breaking():
     """The stick-breaking kernel's ops, built on first use.
 
     Returns:
-        The ops (``forward``, ``backward``), or None where kernels are off or the build
-        failed (then: one ``RuntimeWarning`` saying why, and the dense reading).
+        (object | None): the ops (``forward``, ``backward``), or None where kernels are off or the build
+            failed (then: one ``RuntimeWarning`` saying why, and the dense reading).
     """
     return _ops("stick_breaking")
 
@@ -255,8 +255,8 @@ def key_bias():
     """The key-bias kernel's ops: attention with a per-parent term, and its gradient.
 
     Returns:
-        The ops (``forward``, ``backward``), or None where kernels are off or the build
-        failed (then: one ``RuntimeWarning`` saying why, and the widened head).
+        (object | None): the ops (``forward``, ``backward``), or None where kernels are off or the build
+            failed (then: one ``RuntimeWarning`` saying why, and the widened head).
     """
     return _ops("key_bias")
 

@@ -97,7 +97,7 @@ def derived(ctx: ReadingContext, **changes) -> ReadingContext:
 
     Returns:
         ReadingContext: ``ctx`` with the changes (a new one inside a reading or a recording,
-        or where a change is unhashable).
+            or where a change is unhashable).
     """
     if ctx.readings or ctx.flags is not None:
         return replace(ctx, **changes)
@@ -191,7 +191,7 @@ class PyroReading(Reading):
     one that answers when no other reading is entered.
 
     Attributes:
-        declaration: None (a plain Pyro run names no declaration).
+        declaration (None): None (a plain Pyro run names no declaration).
         context (ReadingContext | None): the context the reading was entered in; None
             before it is entered.
     """

@@ -173,8 +173,8 @@ def compare(model, *inputs, method: str = "exact", atol: float | None = None,
     """Check the compiled module against ground truth from the same declaration: a verdict.
 
     Args:
-        model: a declaration (compiled here) or a ``CompiledModule``.
-        *inputs: the model's inputs (keep them small: the ground truth is the oracle).
+        model (Declaration | CompiledModule): a declaration (compiled here) or a ``CompiledModule``.
+        *inputs (Any): the model's inputs (keep them small: the ground truth is the oracle).
         method (str): "exact" (the default): Pyro's enumeration at the same states (output,
             posteriors, values, latent models' free energy, within ``atol``), latent models
             also against Pyro's MAP (in the verdict once the iteration converged); "samples":
@@ -193,7 +193,7 @@ def compare(model, *inputs, method: str = "exact", atol: float | None = None,
         fit_options (dict | None): keyword arguments of the "svi"/"mcmc" fitter (e.g.
             ``{"num_steps": 500}``) or, for a latent model read exactly, of ``map_estimate``
             (``max_iter``, ``gtol``, ``init``, ``progress``).
-        **kwargs: the model's keyword inputs.
+        **kwargs (Any): the model's keyword inputs.
 
     Returns:
         Comparison: the differences, ``checks`` and ``passed``.

@@ -34,7 +34,7 @@ class ExactPosterior:
         expectations (dict): per family f, E[v_i], ``(*batch, H, C, d_v)``.
         map_edges (dict): per family f, argmax_j p(φ_i = j | x), ``(*batch, H, C)`` (long;
             P — "no parent" — for a child without any parent under ``empty="zero"``).
-        output: the program's output with each value replaced by its expectation — equal
+        output (Any): the program's output with each value replaced by its expectation — equal
             to E[output] when the program is affine in its values (``sample`` estimates
             E[output] without that assumption).
         free_energy (float | None): −log p(x, z) with the edges summed out (z the given
@@ -222,16 +222,17 @@ def exact(model, *inputs, latents: dict | None = None, max_bytes: int = 4 * 2**3
     ``(P, *batch, H, C, d)`` tables: keep inputs small (it is the oracle, not the layer).
 
     Args:
-        model: a ``structattn`` declaration (e.g. a catalogue model) or a callable Pyro
-            program that declares with ``structattn.nodes``/``edges``/``potential``/``value``.
-        *inputs: the program's inputs.
+        model (Declaration | Callable): a ``structattn`` declaration (e.g. a catalogue
+            model) or a Pyro program built from ``structattn.nodes``/``edges``/``potential``/
+            ``value``.
+        *inputs (Any): the program's inputs.
         latents (dict | None): states by latent node set name, required when the model has
             latent node sets (``structattn.latent``): they are observed there, so everything
             is exact conditional on them (e.g. a compiled layer's final iterate, or
             ``map_estimate(...).latents``). None, the default: no latents.
         max_bytes (int): the most memory the enumeration may take (estimated first);
             default 4 GiB.
-        **kwargs: the program's keyword inputs.
+        **kwargs (Any): the program's keyword inputs.
 
     Returns:
         ExactPosterior: the marginals, expectations, MAP edges, output and free energy.

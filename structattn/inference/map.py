@@ -65,15 +65,16 @@ def map_estimate(model, *inputs, init: dict | None = None, max_iter: int = 500,
     ``gtol`` or a round makes no progress.
 
     Args:
-        model: a ``structattn`` declaration (e.g. a catalogue model) or a callable Pyro
-            program that declares with ``structattn.nodes``/``edges``/``potential``/``value``.
-        *inputs: the program's inputs.
+        model (Declaration | Callable): a ``structattn`` declaration (e.g. a catalogue
+            model) or a Pyro program built from ``structattn.nodes``/``edges``/``potential``/
+            ``value``.
+        *inputs (Any): the program's inputs.
         init (dict | None): starting states by latent name; None, the default: each latent's
             declared ``init`` (the compiled reading's start, so both find the same optimum).
         max_iter (int): the L-BFGS iterations at most (in rounds of 20); default 500.
         gtol (float): the gradient's max-norm that counts as converged; default 1e-10.
         progress (bool): show a tqdm bar; default False.
-        **kwargs: the program's keyword inputs.
+        **kwargs (Any): the program's keyword inputs.
 
     Returns:
         MAPEstimate: ẑ, its free energy, the losses and whether it converged.

@@ -24,9 +24,10 @@ def mcmc(model, *inputs, num_samples: int = 200, warmup_steps: int = 200, num_ch
     and the program's output. Chains start from the declared initial states.
 
     Args:
-        model: a ``structattn`` declaration (e.g. a catalogue model) or a callable Pyro
-            program that declares with ``structattn.nodes``/``edges``/``potential``/``value``.
-        *inputs: the program's inputs.
+        model (Declaration | Callable): a ``structattn`` declaration (e.g. a catalogue
+            model) or a Pyro program built from ``structattn.nodes``/``edges``/``potential``/
+            ``value``.
+        *inputs (Any): the program's inputs.
         num_samples (int): draws per chain, an int ≥ 1; default 200.
         warmup_steps (int): NUTS warm-up steps per chain, an int ≥ 0; default 200.
         num_chains (int): an int ≥ 1; default 1.
@@ -35,11 +36,11 @@ def mcmc(model, *inputs, num_samples: int = 200, warmup_steps: int = 200, num_ch
         max_tree_depth (int): NUTS' maximum tree depth; default 8.
         parallel (bool): run the chains in processes through Pyro's multiprocessing (spawn:
             the model must be picklable, e.g. a catalogue model); default False.
-        **kwargs: the program's keyword inputs.
+        **kwargs (Any): the program's keyword inputs.
 
     Returns:
         Draws: ``latents`` / ``edges`` / ``outputs`` with leading (chain, draw) dims and
-        ``stats["diverging"]`` per draw.
+            ``stats["diverging"]`` per draw.
 
     Raises:
         ValueError: ``num_samples``, ``warmup_steps`` or ``num_chains`` out of range, or a

@@ -23,20 +23,21 @@ def predictive(model, *inputs, num_samples: int = 100, posterior=None, chains: i
     (cycled through ``Draws``), edges from p(φ | x, z) at each (``infer_discrete``).
 
     Args:
-        model: a ``structattn`` declaration (e.g. a catalogue model) or a callable Pyro
-            program that declares with ``structattn.nodes``/``edges``/``potential``/``value``.
-        *inputs: the program's inputs.
+        model (Declaration | Callable): a ``structattn`` declaration (e.g. a catalogue
+            model) or a Pyro program built from ``structattn.nodes``/``edges``/``potential``/
+            ``value``.
+        *inputs (Any): the program's inputs.
         num_samples (int): the number of draws, a positive int, a multiple of ``chains``;
             default 100.
         posterior (SVIResult | Draws | None): a fit from ``svi`` or draws from ``mcmc``;
             None, the default: the prior predictive.
         chains (int): the groups the draws are dealt into; default 1.
         seed (int): the RNG seed of the prior predictive; default 0.
-        **kwargs: the program's keyword inputs.
+        **kwargs (Any): the program's keyword inputs.
 
     Returns:
         Draws: leading (chain, draw) dims; ``to_arviz(group="prior")`` files a prior
-        predictive in the ``prior`` group.
+            predictive in the ``prior`` group.
 
     Raises:
         ValueError: ``num_samples`` out of range, a posterior of another type or whose

@@ -27,18 +27,19 @@ def sample(model, *inputs, num_samples: int = 200, chains: int = 1, progress: bo
     program (the oracle, small inputs).
 
     Args:
-        model: a ``structattn`` declaration (e.g. a catalogue model) or a callable Pyro
-            program that declares with ``structattn.nodes``/``edges``/``potential``/``value``.
-        *inputs: the program's inputs.
+        model (Declaration | Callable): a ``structattn`` declaration (e.g. a catalogue
+            model) or a Pyro program built from ``structattn.nodes``/``edges``/``potential``/
+            ``value``.
+        *inputs (Any): the program's inputs.
         num_samples (int): the number of draws, an int ≥ 2; default 200.
         chains (int): the groups the draws are dealt into, an int ≥ 1 dividing
             ``num_samples``; default 1.
         progress (bool): show a tqdm bar; default False.
-        **kwargs: the program's keyword inputs.
+        **kwargs (Any): the program's keyword inputs.
 
     Returns:
         Draws: ``edges[family]`` ``(chains, num_samples / chains, *batch, H, C)`` and
-        ``outputs`` ``(chains, num_samples / chains, *output)``.
+            ``outputs`` ``(chains, num_samples / chains, *output)``.
 
     Raises:
         ValueError: ``num_samples`` or ``chains`` out of range, or a model that declares no

@@ -35,12 +35,13 @@ class SVIResult:
 
     Attributes:
         losses (list): −ELBO per step.
-        guide: the fitted guide (its parameters live in ``params``).
-        params: the Pyro parameter store scope holding the guide's parameters.
+        guide (Callable): the fitted guide (its parameters live in ``params``).
+        params (dict): the Pyro parameter store's state holding the guide's parameters.
         latents (dict): the guide's median per latent node set, ``(*batch, n, d)``.
         marginals (dict): per family f, E_{q(z)}[p(φ_i = j | x, z)], ``(*batch, H, C, P)``.
         converged (bool): whether the stopping rule fired before ``num_steps``.
-        program: the Pyro program fitted; inputs (tuple), kwargs (dict): its inputs.
+        program (Callable): the Pyro program fitted; inputs (tuple), kwargs (dict): its
+            inputs.
     """
 
     losses: list
@@ -101,10 +102,11 @@ def svi(model, *inputs, guide="map", num_steps: int = 2000, lr: float = 0.01,
     Initialised at the declared initial states; the tqdm bar shows the ELBO.
 
     Args:
-        model: a ``structattn`` declaration (e.g. a catalogue model) or a callable Pyro
-            program that declares with ``structattn.nodes``/``edges``/``potential``/``value``.
-        *inputs: the program's inputs.
-        guide: "map" (``AutoDelta``, a point mass; the default), "normal" (``AutoNormal``,
+        model (Declaration | Callable): a ``structattn`` declaration (e.g. a catalogue
+            model) or a Pyro program built from ``structattn.nodes``/``edges``/``potential``/
+            ``value``.
+        *inputs (Any): the program's inputs.
+        guide (str | Callable): "map" (``AutoDelta``, a point mass; the default), "normal" (``AutoNormal``,
             a mean-field Normal) or a callable Pyro guide over the latent sites (each state
             ``(*batch, 1, n, d)``).
         num_steps (int): the most steps, a positive int; default 2000.
@@ -118,7 +120,7 @@ def svi(model, *inputs, guide="map", num_steps: int = 2000, lr: float = 0.01,
             other than "map"; default 32.
         progress (bool): show a tqdm bar; default True.
         seed (int): the RNG seed; default 0.
-        **kwargs: the program's keyword inputs.
+        **kwargs (Any): the program's keyword inputs.
 
     Returns:
         SVIResult: the losses, guide, latents' medians and edge marginals.

@@ -57,7 +57,7 @@ def residual_dynamics(points: torch.Tensor, steps: int, *, renorm: str | None = 
 
     Returns:
         torch.Tensor: the trajectory ``(steps + 1, *batch, N, d)``; ``[0]`` is the start as
-        given (not renormalised).
+            given (not renormalised).
 
     Raises:
         ValueError: ``steps`` not an int ≥ 0, an unknown ``renorm``, ``beta`` not a finite

@@ -33,8 +33,8 @@ def gpb2_collapse(means, covariances, transition, W, noise=None, prior=None):
         prior (torch.Tensor | None): π, ``(M,)``; None, the default: uniform, 1/M.
 
     Returns:
-        tuple: the means m ``(M', d')``, the covariances S ``(M', d', d')`` and the weights
-        w ``(M, M')`` (normalised over the source i, per target j).
+        (tuple): the means m ``(M', d')``, the covariances S ``(M', d', d')`` and the weights
+            w ``(M, M')`` (normalised over the source i, per target j).
 
     Raises:
         ValueError: a transition without M rows, covariances not ``(…, M, d, d)``, or a

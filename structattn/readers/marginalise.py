@@ -48,7 +48,7 @@ class Marginalise(Reading):
         latent_values (dict | None): latent node sets' states by name: fixed there, no
             iteration (the reading of a model at a point, e.g. Pyro's MAP); None, the
             default: iterated from their initial states.
-        declaration: the declaration read, whose parameters an error names when states
+        declaration (nn.Module | None): the declaration read, whose parameters an error names when states
             computed from them are non-finite; default None.
 
     Attributes:

@@ -62,7 +62,7 @@ def on_cpu():
     a compiled module's signature.
 
     Yields:
-        None.
+        (None): the block runs with the Triton kernels on CPU tensors too.
     """
     with reading.entered(triton_on_cpu=True):
         yield

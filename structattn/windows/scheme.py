@@ -203,7 +203,7 @@ class MeanFieldOperator(Operator):
     latent node sets). The compiled kernel solves it where it can, the Python loop otherwise.
 
     Args:
-        family: the edge family (its prior a ``BetaGeometric``), with exactly one
+        family (EdgeFamily): the edge family (its prior a ``BetaGeometric``), with exactly one
             factorised potential ψ = scale·⟨a_i, b_j⟩ (e.g. ``Bilinear``).
         scheme (MeanFieldWindows): the scheme's options.
         record (bool): whether to keep the iteration's ``MeanFieldHistory``; default False.
