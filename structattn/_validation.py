@@ -142,7 +142,19 @@ def first_true(flags: torch.Tensor) -> tuple[int, ...] | None:
 
 
 def check_finite(what: str, tensor: torch.Tensor) -> None:
-    """Raise a ValueError naming ``what`` when ``tensor`` holds NaN or ±inf."""
+    """Refuse NaN and ±inf: a ValueError naming ``what`` when ``tensor`` holds any.
+
+    A no-op while validation is off (``structattn.set_validation(False)``). The message
+    counts the non-finite entries and gives the first one's index; where the declaration
+    being read has a non-finite parameter, the error names that parameter instead.
+
+    Args:
+        what (str): the tensor's name in the message (e.g. "input x").
+        tensor (torch.Tensor): the tensor to check, any shape.
+
+    Raises:
+        ValueError: ``tensor`` holds NaN or ±inf (or a parameter it came from does).
+    """
     if not checks_on():
         return
     # A finite sum means every entry is finite (NaN or ±inf anywhere poisons it), and the
@@ -188,9 +200,22 @@ def check_parameters(module, because: str = "") -> None:
 
 
 def check_size(owner: str, name: str, value, least: int = 1) -> int:
-    """A size argument (heads, widths, counts, steps): an int ≥ ``least`` (numpy integers
-    accepted; bools, floats and strings refused), returned as an int; otherwise a ValueError
-    ``"<owner>: <name> must be a positive int; got <value>"`` (or ``an int ≥ <least>``)."""
+    """A size argument (heads, widths, counts, steps) checked: an integer ≥ ``least``.
+
+    Args:
+        owner (str): who takes the argument, the message's prefix (e.g. "Bilinear").
+        name (str): the argument's name in the message.
+        value (int): the value given; numpy integers are accepted, bools, floats and strings
+            refused.
+        least (int): the smallest value allowed; default 1.
+
+    Returns:
+        int: ``value`` as an int.
+
+    Raises:
+        ValueError: ``"<owner>: <name> must be a positive int; got <value>"`` (or ``an
+            int ≥ <least>``) when ``value`` is not an integer ≥ ``least``.
+    """
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
         want = "a positive int" if least == 1 else f"an int ≥ {least}"
         raise ValueError(f"{owner}: {name} must be {want}; got {value!r}")
@@ -198,10 +223,24 @@ def check_size(owner: str, name: str, value, least: int = 1) -> int:
 
 
 def check_positive(owner: str, name: str, value):
-    """A float, or a floating-point tensor ``()`` or ``(heads,)`` (e.g. Beta parameters),
-    checked finite and > 0 — a tensor's values while checks are on, naming a diverged
-    parameter it was computed from — and returned (a float for a number); otherwise a
-    ValueError ``"<owner>: <name> must be finite and > 0 …"``."""
+    """A positive parameter (e.g. a Beta parameter) checked: finite and > 0.
+
+    A tensor's values are checked while validation is on; where they are non-finite and a
+    parameter of the declaration being read diverged, the error names that parameter.
+
+    Args:
+        owner (str): who takes the argument, the message's prefix.
+        name (str): the argument's name in the message.
+        value (float | torch.Tensor): a number, or a floating-point tensor ``()`` or
+            ``(heads,)``; bools refused.
+
+    Returns:
+        (float | torch.Tensor): a number as a float, a tensor as it is.
+
+    Raises:
+        ValueError: ``"<owner>: <name> must be finite and > 0 …"``, or a tensor that is not
+            floating point or has more than one dimension.
+    """
     if isinstance(value, torch.Tensor):
         if not value.is_floating_point() or value.dim() > 1:
             raise ValueError(f"{owner}: {name} must be a float or a floating-point "
@@ -221,9 +260,20 @@ def check_positive(owner: str, name: str, value):
 
 
 def check_layer_sizes(owner: str, layer_sizes, order: str) -> list[int]:
-    """A network's layer sizes: a list or tuple of ≥ 2 positive ints (``order`` says which
-    end is which, e.g. "input first"), returned as a list of ints; a ValueError otherwise,
-    naming the list or the entry (``layer_sizes[l]``)."""
+    """A network's layer sizes checked: a list or tuple of ≥ 2 positive ints.
+
+    Args:
+        owner (str): who takes the argument, the message's prefix.
+        layer_sizes (list | tuple): the sizes, each a positive int (``check_size``).
+        order (str): which end is which, for the message (e.g. "input first").
+
+    Returns:
+        list[int]: the sizes as ints.
+
+    Raises:
+        ValueError: not a list or tuple of at least 2 entries, naming the list, or an entry
+            that is not a positive int, naming it (``layer_sizes[l]``).
+    """
     sizes = list(layer_sizes) if isinstance(layer_sizes, (list, tuple)) else None
     if not sizes or len(sizes) < 2:
         raise ValueError(f"{owner}: layer_sizes must be a list of ≥ 2 positive ints ({order}); "

@@ -1,39 +1,27 @@
 """Certified block-sparse reading: each block of children reads the key blocks that may hold
 posterior mass, wherever they lie, and skips the others with the mass left out certified ≤ ε.
 
-Children and parents are the same N tokens, each child reading j ≤ i, cut into blocks of L
-tokens. The prior's log weight separates as g_i + h_j (``Prior.terms``: ALiBi, a forget gate;
-h = 0 for the uniform causal prior), so a child's posterior is softmax_j(h_j + s_ij) with
-s_ij = scale·⟨a_i, b_j⟩. For child i in block c and an earlier key block β < c, cut into
-sub-blocks σ (``parts`` of them), with H_σ = max_{j∈σ} h_j, n_σ its tokens and S_iσ ≥ every
-s_ij there (``ceilings.key_block_ceilings``: the keys' box, ball and centred-ball bounds,
-rounding charged), the unnormalised posterior mass of β is at most e^{T_iβ},
-T_iβ = log Σ_{σ⊂β} n_σ e^{H_σ + S_iσ}. Reading a
-set R of key blocks (the diagonal block c always), with I_i = Σ_{j∈R, j≤i} e^{h_j + s_ij} read
-exactly (less its rounding slack: a lower bound), u ↦ u/(I + u) increasing gives the bound on
-the posterior mass of the blocks skipped:
+Children and parents are the same N tokens, each child reading j ≤ i, in blocks of L tokens.
+The prior's log weight separates as g_i + h_j (``Prior.terms``: ALiBi, a forget gate; h = 0 for
+the uniform causal prior), so a child's posterior is softmax_j(h_j + s_ij), s_ij = scale·⟨a_i,
+b_j⟩. For child i in block c and an earlier key block β, cut into ``parts`` sub-blocks σ with
+H_σ = max_{j∈σ} h_j, n_σ tokens and S_iσ ≥ every s_ij there (``ceilings.key_block_ceilings``,
+rounding charged), β's unnormalised mass is at most e^{T_iβ}, T_iβ = log Σ_σ n_σ e^{H_σ + S_iσ}.
+Reading a set R of key blocks (always the diagonal c), with I_i the mass read (computed, less
+its rounding slack: a lower bound), the mass skipped is
 
-    M_i ≤ B_i = σ(log Σ_{β∉R} e^{T_iβ} − log I_i).
+    M_i ≤ B_i = σ(log Σ_{β∉R} e^{T_iβ} − log I_i),
 
-It is the window's certificate (``structattn.certified``) with one ceiling per key block
-instead of one for the whole tail: a far block that may matter is read, and the blocks
-between are skipped. It needs no prior at all — a certificate for ordinary causal attention.
+the window's certificate (``structattn.certified``) with one ceiling per key block: a far block
+that may matter is read, those between skipped; no prior is needed (causal attention too).
 
-Choice: per child block c, the earlier key blocks in decreasing order of max_{i∈c} T_iβ; read
-the first m of them for m = 0, 1, 2, 3, 4, 5, 7, 9, 12, … (steps of a quarter) until every
-child's B_i ≤ ε. The bound of every m
-comes from one reverse cumulative log-sum of e^T in that order, and I only grows with m, so
-each round scores just the blocks it adds, for the child blocks not yet certified. A child
-block of eight or more earlier blocks that would need more than ¾ of them — even if every block
-read held its ceiling's mass, or once the rounds pass ¾ — reads all of them (bound 0), so a
-hopeless certificate costs no more than a few rounds. Every head (each leading index) chooses
-its own blocks: a slow head does not hold the others.
-
-The reading (``block_sparse_attention``) then gathers, per child block, its chosen key blocks
-and attends over them and its own block, differentiably in a, b, v and h. It gathers copies
-of the keys and values it reads (O(blocks read·L·d) memory, kept for the backward). A head
-that reads more than half of its past reads all of it (``whole_past``: in a layer, the fused
-key-bias reading, ``kinds.key_bias``: O(N·d) memory), bound 0.
+Choice: per child block, its earlier key blocks by decreasing max_{i∈c} T_iβ; read the first m
+(m = 0, 1, 2, 3, 4, 5, 7, 9, 12, …) until every B_i ≤ ε, each round scoring the blocks it adds.
+A child block of eight or more earlier blocks that would need over ¾ of them reads them all
+(bound 0). Every head chooses its own blocks. The reading (``block_sparse_attention``) gathers,
+per child block, its key blocks and attends over them and its own, differentiably in a, b, v
+and h (O(blocks read·L·d) memory); a head that reads over half its past reads all of it
+(``whole_past``), bound 0.
 """
 
 from __future__ import annotations
@@ -52,14 +40,20 @@ __all__ = ["BlockSparse", "block_sparse_attention", "causal_posterior", "certify
 
 @dataclass
 class BlockSparse:
-    """What the certified block-sparse reading chose. ``read``: ``(*lead, nc, nb)`` bool, the
-    key blocks each block of children reads (its own included); ``bound``: ``(*lead, N)``
-    float64, the certified upper bound on each child's posterior mass in the blocks skipped;
-    ``eps``: the bound asked for; ``block``: the tokens per block; ``skipped``: the fraction of
-    the (child block, earlier key block) pairs skipped; ``certified``: every bound ≤ eps.
-    For the reading: ``order`` ``(G, nc, nb)``, each child block's key blocks in the order
-    chosen, and ``count`` ``(G, nc)``, how many of them it reads (G: the flattened leading
-    dims)."""
+    """What ``certify_blocks`` chose: the key blocks each child block reads, with B_i ≤ ε.
+
+    Attributes:
+        read (torch.Tensor): ``(*lead, nc, nb)`` bool, the key blocks each block of children
+            reads (its own included).
+        bound (torch.Tensor): ``(*lead, N)`` float64, each child's certified upper bound on
+            its posterior mass in the blocks skipped.
+        eps (float): the bound asked for; block (int): the tokens per block.
+        skipped (float): the fraction of (child block, earlier key block) pairs skipped.
+        certified (bool): every bound ≤ eps.
+        order (torch.Tensor | None): ``(G, nc, nb)``, each child block's key blocks in the
+            order chosen (G: the flattened leading dims); count (torch.Tensor | None):
+            ``(G, nc)``, how many of them it reads.
+    """
 
     read: torch.Tensor
     bound: torch.Tensor
@@ -166,9 +160,8 @@ def _plan(A, B, hh, slack, scale, L, nb, parts, sel) -> dict:
     the log ceilings of each earlier key block (−∞ elsewhere and on padding rows), ``order``
     ``(G, |sel|, nb)`` the key blocks by decreasing max over the block's children, ``tail``
     ``(G, R, nb + 1)`` [m]: log Σ of e^T beyond the first m in that order, ``upto`` the same
-    before them, ``log_in`` ``(G, R)`` the computed log mass of each child's own block and
-    ``slack`` its rounding (``log_in − slack`` is a lower bound of the true one); ``Bb``,
-    ``hb`` the keys and h in blocks ``(G, nb, L, ·)``."""
+    before them, ``log_in`` ``(G, R)`` each child's own block's log mass and ``slack`` its
+    rounding (``log_in − slack``: a lower bound); ``Bb``, ``hb``: keys, h in blocks."""
     wide = torch.float64
     G, n, _ = A.shape
     dev = A.device
@@ -247,8 +240,7 @@ def _rounds(A, B, hh, slack, scale, eps, L, nb, parts):
 def _hopeless(plan: dict, eps: float, sel: torch.Tensor, L: int) -> torch.Tensor:
     """``(G, |sel|)`` bool: the child blocks ``sel`` (of eight earlier blocks or more) whose
     bound stays above ``eps`` after reading ¾ of their earlier blocks even if every block read
-    held its ceiling's mass (the most I_i could grow by): no certificate spares them a
-    quarter."""
+    held its ceiling's mass (the most I_i could grow by)."""
     G = plan["T"].shape[0]
     m = (sel * 3 // 4).repeat_interleave(L)[None, :, None].expand(G, -1, 1)  # (G, R, 1)
     best = torch.logaddexp(plan["log_in"] - plan["slack"],
@@ -259,8 +251,7 @@ def _hopeless(plan: dict, eps: float, sel: torch.Tensor, L: int) -> torch.Tensor
 
 def _add_blocks(log_in, Ab, Bb, hb, order, pending, m_prev, m, scale, L):
     """``log_in`` ``(G, nb·L)`` with the key blocks of ranks m_prev … m − 1 added, for the
-    pending (g, child block) pairs: their computed log mass, in runs of ``RUN_ENTRIES``
-    scores."""
+    pending (g, child block) pairs: their log mass, in runs of ``RUN_ENTRIES`` scores."""
     wide = torch.float64
     G, nb = pending.shape
     g_idx, c_idx = pending.nonzero(as_tuple=True)
@@ -305,9 +296,8 @@ def block_sparse_attention(a: torch.Tensor, b: torch.Tensor, v: torch.Tensor, sc
             over the blocks read (renormalised there; at most 2·eps·max‖v_j‖ from the exact one),
             differentiable in a, b, v and h; ``report`` the ``BlockSparse`` choice.
 
-    The child blocks are read in groups of the same number of key blocks (the rounds' counts),
-    each group in runs of at most ``RUN_ENTRIES`` scores: the scores never
-    exceed what the blocks read hold.
+    The child blocks are read in groups of the same number of key blocks, each group in runs
+    of at most ``RUN_ENTRIES`` scores: the scores never exceed what the blocks read hold.
     """
     cert = certify_blocks(a, b, scale, h, eps, block=block)
     n, k, d = a.shape[-2], a.shape[-1], v.shape[-1]
@@ -381,8 +371,18 @@ def _read(Ab, Bb, Vb, hb, order, g, c, m, scale, n, L, work):
 
 
 def causal_posterior(a, b, scale, h, read=None) -> torch.Tensor:
-    """``(…, N, N)``: softmax_j(scale·⟨a_i, b_j⟩ + h_j) over j ≤ i, and only over the pairs
-    ``read`` (``(…, N, N)`` bool) where given — the dense table, N×N memory."""
+    """p(φ_i = j) = softmax_j(scale·⟨a_i, b_j⟩ + h_j) over j ≤ i: the dense table (N×N memory).
+
+    Args:
+        a (torch.Tensor): the children's factors, ``(…, N, k)``.
+        b (torch.Tensor): the parents' factors of the same N tokens, ``(…, N, k)``.
+        scale (float): the scores' factor.
+        h (torch.Tensor): the prior's per-parent log term, ``(…, N)`` (zeros: uniform).
+        read (torch.Tensor | None): ``(…, N, N)`` bool, the only pairs read; None: all j ≤ i.
+
+    Returns:
+        torch.Tensor: the posterior, ``(…, N, N)``.
+    """
     n = a.shape[-2]
     allowed = torch.ones(n, n, dtype=torch.bool, device=a.device).tril()
     if read is not None:

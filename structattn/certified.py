@@ -50,15 +50,25 @@ from .ceilings import RUN_ENTRIES, block_tail_ceilings, score_ceiling
 
 @dataclass
 class CertifiedWindow:
-    """What certified truncation chose for one family: ``width``, the window every child
-    reads (distances 1..width); per child ``(*batch, H, N)``: ``bound``, the certified upper
-    bound on its posterior mass beyond ``width`` (0 where the width holds its whole past),
-    and ``window``, the smallest width of the doubling sequence that certified it alone;
-    ``eps`` the bound asked for; ``skipped``: the fraction of the N(N − 1)/2 (child, past
-    parent) pairs outside ``width``; ``certified``: every bound ≤ eps (False only where a
-    ``max_window`` cap stopped the doubling first). ``heads`` ``(*batch, H)``: where each
-    head reads a width of its own (``certify(per_lead=True)``), that width — then ``bound``
-    is each child's at its head's width and ``skipped`` the heads' mean; else None."""
+    """What certified truncation chose for one family: a width W with B_i(W) ≤ ε per child.
+
+    Returned by ``certify``.
+
+    Attributes:
+        width (int): the window every child reads (distances 1..width).
+        bound (torch.Tensor): each child's certified upper bound on its posterior mass
+            beyond ``width``, ``(*batch, H, N)`` (0 where the width holds its whole past);
+            with ``heads``, each child's at its head's width.
+        window (torch.Tensor): each child's smallest width of the doubling sequence that
+            certified it alone, ``(*batch, H, N)`` long.
+        eps (float): the bound asked for.
+        skipped (float): the fraction of the N(N − 1)/2 (child, past parent) pairs outside
+            ``width`` (with ``heads``, the heads' mean).
+        certified (bool): every bound ≤ eps (False only where a ``cap`` stopped the
+            doubling first).
+        heads (torch.Tensor | None): each head's own width, ``(*batch, H)``, where
+            ``certify(per_lead=True)`` gave each head one; else None.
+    """
 
     width: int
     bound: torch.Tensor
@@ -90,21 +100,34 @@ def skipped_pairs(n: int, width: int) -> float:
 def certify(a: torch.Tensor, b: torch.Tensor, scale: float, prior, eps: float, *,
             start: int = 16, cap: int | None = None, block: int = 32, first: int = 1,
             widest: int | None = None, per_lead: bool = False) -> CertifiedWindow:
-    """The shortest window of the sequence ``start``, 2·``start``, … (at most ``cap``, the
-    longest past by default) whose certified posterior tail is ≤ ``eps`` for every child.
+    """The shortest W in ``start``, 2·``start``, … with B_i(W) ≤ ``eps`` for every child i.
 
-    ``a``: child factors ``(*batch, H, N, k)``, ``b``: parent factors of the same N tokens
-    (child i reads parents i − d, ``first`` ≤ d ≤ i); ``scale``: the scores' factor;
-    ``prior``: states ``log_weights_on_band`` and ``log_tail_mass`` (``structattn.priors.
-    DistancePrior``; a stationary prior by its ``log_by_distance`` alone); ``block``: the band's
-    block of children; ``widest``: the widest window worth a band — the sequence jumps from
-    the last width within it to the longest past, which needs no scoring when it is the
-    whole past (no ``cap``): every bound is 0 there. ``per_lead``: for a reading that gives
-    each leading index (head) a window of its own (``window.amax(-1)``, a band per head on
-    the GPU): a head that only all of the past certifies (ALiBi's slow head) reads all of it
-    and the others are still certified narrow, where otherwise it would hold them all; the
-    shared ``width`` is then the longest past, ``bound`` each child's at its head's width and
-    ``skipped`` the heads' mean."""
+    B_i(W) bounds child i's posterior mass beyond W (module docstring); no gradient flows.
+
+    Args:
+        a (torch.Tensor): the children's factors, ``(*batch, H, N, k)``.
+        b (torch.Tensor): the parents' factors of the same N tokens, ``(*batch, H, N, k)``
+            (leading dimensions broadcast); child i reads parents i − d, ``first`` ≤ d ≤ i.
+        scale (float): the scores' factor, s_id = scale·⟨a_i, b_{i−d}⟩.
+        prior (DistancePrior): states ``log_weights_on_band`` and ``log_tail_mass`` (a
+            ``structattn.priors.DistancePrior``).
+        eps (float): the posterior mass a window may leave out, in (0, 1).
+        start (int): the sequence's first width; default 16.
+        cap (int | None): the widest window; None, the default: the longest past, N − 1.
+        block (int): the band's block of children; default 32.
+        first (int): the nearest distance read, 1 (j < i, the default) or 0 (j ≤ i).
+        widest (int | None): the widest window worth a band: the sequence jumps from the
+            last width within it to ``cap``; None, the default: no jump.
+        per_lead (bool): give each head a width of its own (a head only all of the past
+            certifies no longer holds the others wide); default False.
+
+    Returns:
+        CertifiedWindow: the choice, its bounds and the pairs it skips.
+
+    Raises:
+        ValueError: ``eps`` not a number in (0, 1), ``a`` and ``b`` not of the same (N, k),
+            or ``first`` neither 0 nor 1.
+    """
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < 1:
         raise ValueError(f"certify: eps (the posterior mass a window may leave out) must be in "
                          f"(0, 1); got {eps!r}")

@@ -26,9 +26,17 @@ import torch
 
 @dataclass(frozen=True)
 class CredibleContext:
-    """Each token's central credible interval at ``level``: ``q_low``, ``q_high`` ``(*batch,
-    H, N)`` for its q, and ``length_low``, ``length_high``, the context lengths 1/(1 − q)
-    they imply."""
+    """Each token's central credible interval of q_i, and of its context length 1/(1 − q_i).
+
+    Returned by ``credible_context``.
+
+    Attributes:
+        level (float): the intervals' probability, in (0, 1).
+        q_low (torch.Tensor): each token's lower end for q, ``(*batch, H, N)``.
+        q_high (torch.Tensor): each token's upper end for q, ``(*batch, H, N)``.
+        length_low (torch.Tensor): 1/(1 − ``q_low``), the shortest credible context length.
+        length_high (torch.Tensor): 1/(1 − ``q_high``), the longest credible context length.
+    """
 
     level: float
     q_low: torch.Tensor
@@ -115,10 +123,24 @@ def credible_from_mean_field(history, level: float = 0.9) -> CredibleContext:
 
 
 def credible_context(layer, x: torch.Tensor, level: float = 0.9) -> CredibleContext:
-    """Each token's central credible interval of q and of its context length 1/(1 − q) at
-    ``level``, for a compiled expanding-attention layer (``sa.compile(expanding_attention(
-    …))``) on input ``x``: from the exact posterior over distances (``inference=None``) or
-    the mean-field q factor."""
+    """Each token's central credible interval of q_i and of its context length 1/(1 − q_i).
+
+    Read from the exact posterior over distances where the layer is an
+    ``ExpandingAttention`` with ``inference=None``, otherwise from the mean-field q factor
+    Beta(α_i, β_i) of its one geometric–Beta family; no gradient flows.
+
+    Args:
+        layer (CompiledModule): a compiled layer (``structattn.compile(expanding_attention(…))``).
+        x (torch.Tensor): the layer's input, as its forward takes it.
+        level (float): the intervals' probability, in (0, 1); default 0.9.
+
+    Returns:
+        CredibleContext: the intervals, ``(*batch, H, N)`` each.
+
+    Raises:
+        ValueError: ``level`` not a number in (0, 1), ``layer`` not a compiled layer, or a
+            layer with neither an exact expanding attention nor a family read by mean field.
+    """
     from .models.expanding_attention import ExpandingAttention
 
     level = _check_level(level)

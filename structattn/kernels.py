@@ -66,7 +66,13 @@ def _enabled() -> bool:
 
 @contextlib.contextmanager
 def disabled():
-    """Use the Python loops inside this block (this thread; ``ReadingContext.kernels``)."""
+    """Context manager: the Python loops, not the compiled kernels, inside this block.
+
+    Per thread (``ReadingContext.kernels``).
+
+    Yields:
+        (None): the block runs with the kernels off.
+    """
     with reading.entered(kernels=False):
         yield
 
@@ -81,11 +87,20 @@ def _machine() -> str:
 
 
 def cache_directory(kernel: str) -> str:
-    """Where ``kernel``'s library is built and kept: ``<root>/structattn/<name>-<key>``, root
-    ``TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``. The key hashes what the library
-    depends on — its source, the compiler flags, torch's version and C++ ABI, Python's, the
-    CPU's flags — and nothing of the environment's paths: a second virtual environment with
-    the same torch finds it built, and one with another torch builds its own."""
+    """Where ``kernel``'s library is built and kept: ``<root>/structattn/<name>-<key>``.
+
+    The root is ``TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``. The key hashes what
+    the library depends on — its source and the headers, the compiler flags, torch's version
+    and C++ ABI, Python's, the CPU's flags — and nothing of the environment's paths: a second
+    virtual environment with the same torch finds it built, one with another torch builds
+    its own.
+
+    Args:
+        kernel (str): the kernel, "mean_field", "stick_breaking" or "key_bias".
+
+    Returns:
+        str: the directory's path (it need not exist yet).
+    """
     source, name, _ = _KERNELS[kernel]
     csrc = os.path.join(os.path.dirname(__file__), "csrc")
     with open(os.path.join(csrc, source), "rb") as f:
@@ -148,8 +163,13 @@ def _build(kernel: str = "mean_field"):
 
 
 def build() -> int:
-    """Build (or find built) every kernel; print where each is and return how many failed:
-    ``python -m structattn.kernels build``, for set-up scripts."""
+    """Build (or find built) every kernel, printing where each is or why it is not.
+
+    What ``python -m structattn.kernels build`` runs, for set-up scripts.
+
+    Returns:
+        int: how many kernels are not built (0: all ready).
+    """
     failed = 0
     for kernel in _KERNELS:
         ops = _ops(kernel)
@@ -187,8 +207,18 @@ def _ops(kernel: str):
 
 
 def with_rules(kernel: str, register):
-    """A kernel's ops after ``register(ops)`` — its Python rules: fake kernels, an autograd
-    formula — has run, once per process; None where kernels are off or the build failed."""
+    """A kernel's ops, its Python rules registered on them once per process.
+
+    Args:
+        kernel (str): the kernel, "mean_field", "stick_breaking" or "key_bias" (built on
+            first use).
+        register (Callable): called with the ops the first time only, to register their
+            Python rules (fake kernels, an autograd formula).
+
+    Returns:
+        (object | None): the kernel's ops, or None where kernels are off or the build failed (``register``
+            is then not called).
+    """
     ops = _ops(kernel)
     if ops is None:
         return None
@@ -202,32 +232,51 @@ def with_rules(kernel: str, register):
 
 
 def mean_field_windows():
-    """The mean-field kernel's ops (``solve``, ``attend``), or None where kernels are off or
-    the build failed (then: one ``RuntimeWarning`` saying why, and the Python loop)."""
+    """The mean-field kernel's ops, built on first use.
+
+    Returns:
+        (object | None): the ops (``solve``, ``attend``), or None where kernels are off or the build failed
+            (then: one ``RuntimeWarning`` saying why, and the Python loop).
+    """
     return _ops("mean_field")
 
 
 def stick_breaking():
-    """The stick-breaking kernel's ops (``forward``, ``backward``), or None where kernels are
-    off or the build failed (then: one ``RuntimeWarning`` saying why, and the dense reading)."""
+    """The stick-breaking kernel's ops, built on first use.
+
+    Returns:
+        (object | None): the ops (``forward``, ``backward``), or None where kernels are off or the build
+            failed (then: one ``RuntimeWarning`` saying why, and the dense reading).
+    """
     return _ops("stick_breaking")
 
 
 def key_bias():
-    """The key-bias kernel's ops (``forward``, ``backward``: attention with a per-parent term
-    and its gradient), or None where kernels are off or the build failed (then: one
-    ``RuntimeWarning`` saying why, and the widened head)."""
+    """The key-bias kernel's ops: attention with a per-parent term, and its gradient.
+
+    Returns:
+        (object | None): the ops (``forward``, ``backward``), or None where kernels are off or the build
+            failed (then: one ``RuntimeWarning`` saying why, and the widened head).
+    """
     return _ops("key_bias")
 
 
 def available() -> bool:
-    """Whether the compiled kernels are on and built (building them if need be)."""
+    """Whether the compiled kernels are on and built, building them if need be.
+
+    Returns:
+        bool: True where all three kernels can be called.
+    """
     return (mean_field_windows() is not None and stick_breaking() is not None
             and key_bias() is not None)
 
 
 def build_error() -> str | None:
-    """Why a build failed, or None."""
+    """Why a kernel's build failed.
+
+    Returns:
+        str | None: the build errors, joined by "; ", or None where none failed.
+    """
     errors = [s["error"] for s in _states.values() if s["error"]]
     return "; ".join(errors) if errors else None
 

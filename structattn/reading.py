@@ -65,7 +65,11 @@ _slot = threading.local()  # .context: the thread's ReadingContext, when not DEF
 
 
 def context() -> ReadingContext:
-    """The ``ReadingContext`` in force in the calling thread."""
+    """The ``ReadingContext`` in force in the calling thread.
+
+    Returns:
+        ReadingContext: the thread's context (``DEFAULT`` where none was entered).
+    """
     return getattr(_slot, "context", DEFAULT)
 
 
@@ -80,10 +84,21 @@ _DERIVED: dict = {}  # (id(context), changes) → (context, derived context): se
 
 
 def derived(ctx: ReadingContext, **changes) -> ReadingContext:
-    """``ctx`` with ``changes`` (``dataclasses.replace``) — the same object each time for the
-    same ``ctx`` and hashable changes, outside a reading and a recording: a mode entered on
-    every call (``with structattn.validation(False): layer(x)``) then keeps one context, which
-    a plan's fast path compares by identity, and costs no new object."""
+    """``ctx`` with ``changes`` (``dataclasses.replace``), the same object for the same request.
+
+    Outside a reading and a recording, the same ``ctx`` with the same hashable changes gives
+    the same object each time: a mode entered on every call (``with
+    structattn.validation(False): layer(x)``) then keeps one context, which a plan's fast
+    path compares by identity, and costs no new object. Up to 256 such contexts are kept.
+
+    Args:
+        ctx (ReadingContext): the context to derive from.
+        **changes (Any): the fields to replace, e.g. ``validate=False``.
+
+    Returns:
+        ReadingContext: ``ctx`` with the changes (a new one inside a reading or a recording,
+            or where a change is unhashable).
+    """
     if ctx.readings or ctx.flags is not None:
         return replace(ctx, **changes)
     try:
@@ -168,9 +183,18 @@ class Reading:
 
 
 class PyroReading(Reading):
-    """Plain Pyro, below every other reading: each primitive emits its Pyro sites (an edge
-    family's ``pyro.sample`` and its potentials' ``pyro.factor``; a latent's ``pyro.sample``;
-    an energy's ``pyro.factor``), which Pyro's handlers and inference see as any others."""
+    """Plain Pyro, below every other reading: each primitive emits its Pyro sites.
+
+    An edge family emits its ``pyro.sample`` of φ ~ Categorical and its potentials'
+    ``pyro.factor``; a latent its ``pyro.sample``; an energy its ``pyro.factor``: Pyro's
+    handlers and inference see them as any others. It takes no arguments; ``PYRO`` is the
+    one that answers when no other reading is entered.
+
+    Attributes:
+        declaration (None): None (a plain Pyro run names no declaration).
+        context (ReadingContext | None): the context the reading was entered in; None
+            before it is entered.
+    """
 
     def edges(self, family):
         return family.pyro_sample()
@@ -187,11 +211,19 @@ PYRO = PyroReading()
 
 
 def current_reading() -> Reading:
-    """The innermost reading entered in the calling thread, or ``PYRO``."""
+    """The reading that answers a primitive called now, in the calling thread.
+
+    Returns:
+        Reading: the innermost reading entered, or ``PYRO`` where none is.
+    """
     readings = getattr(_slot, "context", DEFAULT).readings
     return readings[-1] if readings else PYRO
 
 
 def readings() -> tuple:
-    """The readings entered in the calling thread, innermost last (empty: Pyro reads)."""
+    """The readings entered in the calling thread.
+
+    Returns:
+        tuple: the readings, innermost last (empty: Pyro reads).
+    """
     return getattr(_slot, "context", DEFAULT).readings

@@ -3,13 +3,18 @@ the API reference renders it): a function says its arguments under ``Args:`` and
 returns under ``Returns:`` (``Yields:`` for a context manager; nothing where it returns
 None); a class its constructor's arguments under ``Args:`` or, for a record the library
 hands back, its fields under ``Attributes:``. Exceptions and warnings need only their
-paragraph."""
+paragraph. The rule covers the top-level names and those of the subpackages below (their
+``__all__``, or their public names defined in structattn), as ``"subpackage.Name"``."""
 
 import inspect
 
 import pytest
 
 import structattn as sa
+
+SUBPACKAGES = ["priors", "potentials", "values", "kinds", "windows", "measures", "inference",
+               "drawing", "checks", "kernels", "triton_kernels", "readers", "reading",
+               "block_sparse"]
 
 
 def _public():
@@ -18,6 +23,23 @@ def _public():
         if inspect.ismodule(obj) or not callable(obj):
             continue
         yield name, obj
+    for sub in SUBPACKAGES:
+        module = getattr(sa, sub)
+        names = getattr(module, "__all__", None) or sorted(
+            n for n in dir(module) if not n.startswith("_"))
+        for name in names:
+            obj = getattr(module, name)
+            if inspect.ismodule(obj) or not callable(obj) \
+                    or not getattr(obj, "__module__", "").startswith("structattn"):
+                continue
+            yield f"{sub}.{name}", obj
+
+
+def _resolve(name):
+    obj = sa
+    for part in name.split("."):
+        obj = getattr(obj, part)
+    return obj
 
 
 def _parameters(fn) -> list:
@@ -30,7 +52,7 @@ def _parameters(fn) -> list:
 
 @pytest.mark.parametrize("name", [n for n, _ in _public()])
 def test_every_public_name_states_its_arguments_and_results(name):
-    obj = getattr(sa, name)
+    obj = _resolve(name)
     doc = inspect.getdoc(obj) or ""
     assert doc, f"structattn.{name} has no docstring"
     if inspect.isclass(obj):

@@ -68,19 +68,33 @@ def _heads_note(heads: int, drawn: list[int]) -> str:
 def graph_to_dot(G: nx.MultiDiGraph, *, heads=None, threshold: float = 0.0,
                  labels: bool = False, max_nodes: int | None = 64,
                  columns: int | None = None) -> graphviz.Digraph:
-    """Lay out a graph from ``to_networkx`` as a ``graphviz.Digraph``.
+    """Lay out a graph from ``to_networkx`` as a ``graphviz.Digraph``: p(φ_i = j) as arrows.
 
     Positions are pinned (engine ``neato``): one panel per family and head, parents in a
-    row above children, both in index order, so the picture reads like the matrix. Panels
-    form a grid (``columns``; default ⌈√panels⌉), so many heads make a square sheet, not a
-    strip; the title says which heads are drawn when ``heads`` leaves some out. A walk along
-    the edges (multihop attention) gets a panel per later hop, the node reached in k steps
-    (P^k). Each family has its own colour; edge width and opacity are the weight; inferred
-    MAP edges (each child's most probable parent) are drawn solid and bold. ``labels`` writes
-    under each child the probability of its MAP edge (declared: of its most probable parent
-    under the prior), one number per child in the panel's own font size, clear of every
-    arrowhead. Rows are for graphs a reader can follow (``max_nodes`` per family): a long
-    sequence's attention is plotted by ``plot_attention``.
+    row above children, both in index order, so the picture reads like the matrix; panels
+    form a grid, so many heads make a square sheet, not a strip. A walk along the edges
+    (multihop attention) gets a panel per later hop, the node reached in k steps (P^k).
+    Each family has its own colour; edge width and opacity are the weight; inferred MAP
+    edges (each child's most probable parent) are drawn solid and bold.
+
+    Args:
+        G (nx.MultiDiGraph): the graph, as ``structattn.to_networkx`` returns it.
+        heads (int | list[int] | None): the heads to draw, each an int in [0, the largest
+            family's heads); None, the default: all. The title says which are left out.
+        threshold (float): edges of weight below it are not drawn; default 0.0 (all).
+        labels (bool): write under each child the probability of its MAP edge (declared:
+            of its most probable parent under the prior), clear of every arrowhead;
+            default False.
+        max_nodes (int | None): the most nodes (parents + children) a family may have: rows
+            are for graphs a reader can follow (``plot_attention`` plots a long sequence's
+            attention); default 64; None: any size.
+        columns (int | None): panels per row of the grid; None, the default: ⌈√panels⌉.
+
+    Returns:
+        graphviz.Digraph: the drawing (engine ``neato``, positions pinned).
+
+    Raises:
+        ValueError: a head out of range, or a family of more than ``max_nodes`` nodes.
     """
     inferred = G.graph.get("inferred", False)
     dot = graphviz.Digraph(G.graph.get("model", "structattn"), engine="neato",

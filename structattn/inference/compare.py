@@ -1,23 +1,7 @@
-"""Compare a compiled module against ground truth from the same declaration, with a verdict.
-
-Methods (``compare(model, *inputs, method=…)``):
-
-- ``"exact"``: Pyro's exact enumeration at the same states — output, every edge
-  posterior, every value expectation and (latent models) the free energy must agree to an
-  absolute tolerance ``atol``; latent models are also compared with Pyro's MAP
-  (``map_estimate``), which counts in the verdict when the compiled iteration converged
-  (``tol`` met) and within ``map_atol``;
-- ``"samples"``: joint posterior draws of the edges (``sample``, models without latents):
-  the compiled output against the Monte-Carlo E[output] and each compiled posterior against
-  the edge frequencies, in standard errors;
-- ``"svi"``: latent models — the compiled final state against SVI's MAP (``svi``, a
-  point-mass guide, Adam) within ``svi_atol``;
-- ``"mcmc"``: latent models — the compiled final state against NUTS draws (``mcmc``): each
-  coordinate within the z-threshold of the posterior mean in posterior standard deviations
-  (a point estimate inside the posterior's bulk, not an equality).
-
-Sampled checks use a z-threshold with Bonferroni's rule: with m entries tested at family-wise
-level α (default 0.01) an entry passes when |z| ≤ Φ⁻¹(1 − α/(2m)).
+"""Compare a compiled module against ground truth from the same declaration, with a verdict
+(``compare``: exact enumeration, edge draws, SVI or NUTS). Sampled checks use a z-threshold
+with Bonferroni's rule: with m entries tested at family-wise level α (default 0.01) an entry
+passes when |z| ≤ Φ⁻¹(1 − α/(2m)).
 """
 
 from __future__ import annotations
@@ -55,34 +39,47 @@ class Check:
 
 @dataclass
 class Comparison:
-    """Max absolute differences, compiled vs Pyro, and the verdict (``passed``, ``checks``)."""
+    """Max |compiled − ground truth| per quantity, and the verdict: ``passed`` (``bool()``).
+
+    Returned by ``compare``; ``print(report)`` gives PASS/FAIL per check with its tolerance,
+    ``report.plot(path)`` the compiled and ground-truth posteriors side by side.
+
+    Attributes:
+        output (float): max |compiled output − exact output| (nan for "svi"/"mcmc").
+        posteriors (dict): per family, max |compiled − exact p(φ_i = j | x)|.
+        expectations (dict): per family, max |compiled − exact E[v_i]|.
+        sampled_output (float | None): with samples, max |compiled − Monte-Carlo E[output]|;
+            sampled_z (float | None) the same in standard errors.
+        free_energy (float | None): latent models, |F(compiled final state) − Pyro's
+            −log p(x, z) there| (summed over the batch).
+        fixed_point (dict | None): latent models, max |compiled final state − Pyro's MAP (or
+            SVI's)| per latent; None: no MAP check (a user update rule is not a descent rule
+            on the declared free energy).
+        fixed_point_free_energy (float | None): F(compiled final state) − F(Pyro MAP); < 0:
+            the compiled iteration found a lower free energy (another local optimum).
+        notes (list): remarks on the checks, as strings.
+        method (str): the method compared with.
+        checks (list): each check's name, value and tolerance (``Check``).
+        pictures (dict): dense posteriors to draw, family → (compiled, ground truth).
+    """
 
     output: float
     posteriors: dict = field(default_factory=dict)
     expectations: dict = field(default_factory=dict)
-    #: with samples: max |compiled − Monte-Carlo E[output]| and the same in standard errors
     sampled_output: float | None = None
     sampled_z: float | None = None
-    #: latent models: |F(compiled final state) − Pyro's −log p(x, z) there| (summed over batch)
     free_energy: float | None = None
-    #: latent models: max |compiled final state − Pyro MAP| per latent (None: no MAP check,
-    #: because an update rule is not a descent rule on the declared free energy)
     fixed_point: dict | None = None
-    #: latent models: F(compiled final state) − F(Pyro MAP); < 0 means the compiled iteration
-    #: found a lower free energy than the MAP search (another local optimum)
     fixed_point_free_energy: float | None = None
     notes: list = field(default_factory=list)
     method: str = "exact"
     checks: list = field(default_factory=list)
-    #: dense posteriors for pictures: family → (compiled, ground truth)
     pictures: dict = field(default_factory=dict, repr=False)
 
     @property
     def max_abs_diff(self) -> float:
-        """The largest disagreement of the compiled reading with Pyro at the same states
-        (output, posteriors, values and, for latent models, the free energy). The distance
-        to Pyro's MAP is reported separately (``fixed_point``): a finite number of steps
-        need not reach it."""
+        """The largest disagreement with Pyro at the same states (output, posteriors, values,
+        latent models' free energy); the distance to Pyro's MAP is ``fixed_point``."""
         extra = [] if self.free_energy is None else [self.free_energy]
         return max([self.output, *self.posteriors.values(), *self.expectations.values(), *extra])
 
@@ -173,24 +170,37 @@ def compare(model, *inputs, method: str = "exact", atol: float | None = None,
             samples: int = 0, alpha: float = 0.01, map_atol: float = 1e-4,
             svi_atol: float = 1e-3, num_samples: int = 200, fixed_point: bool = True,
             fit_options: dict | None = None, **kwargs) -> Comparison:
-    """Check the compiled module against ground truth from the same declaration and give a
-    verdict: ``report.passed`` (also ``bool(report)``), ``report.checks``, ``print(report)``
-    (PASS/FAIL per check with its tolerance), ``report.plot(path)`` (compiled vs ground-truth
-    posteriors side by side). See the module docstring for the methods.
+    """Check the compiled module against ground truth from the same declaration: a verdict.
 
-    atol: the exact checks' absolute tolerance (default 1e-6 for float64 inputs, 1e-4 for
-    float32, 1e-2 otherwise). ``fixed_point=False`` skips the MAP search of latent models
-    (the conditional checks remain). ``fit_options``: keyword arguments for the fitter of
-    "svi"/"mcmc" (e.g. ``{"num_steps": 500}``, ``{"warmup_steps": 100, "num_chains": 2}``) or,
-    for a latent model read exactly, of Pyro's MAP search (``map_estimate``: ``max_iter``,
-    ``gtol``, ``init``, ``progress``);
-    other keyword arguments go to the model. ``samples=S`` (with ``method="exact"``) adds the sampled checks
-    of ``method="samples"`` with S draws; ``num_samples``: draws for "samples"/"mcmc" (and
-    SVI's edge marginals). The exact ``output`` is the program at the exact E[v], so it
-    agrees by construction when the values do; the sampled check of E[output] is what sees a
-    program that is not affine in its values.
+    Args:
+        model (Declaration | CompiledModule): a declaration (compiled here) or a ``CompiledModule``.
+        *inputs (Any): the model's inputs (keep them small: the ground truth is the oracle).
+        method (str): "exact" (the default): Pyro's enumeration at the same states (output,
+            posteriors, values, latent models' free energy, within ``atol``), latent models
+            also against Pyro's MAP (in the verdict once the iteration converged); "samples":
+            edge draws (no latents), the output against the Monte-Carlo E[output] (what sees
+            a program not affine in its values) and the posteriors against the edge
+            frequencies, in standard errors; "svi": the final state against SVI's MAP;
+            "mcmc": the final state within the z-threshold of NUTS' posterior mean.
+        atol (float | None): the exact checks' absolute tolerance; None, the default: 1e-6
+            for float64 inputs, 1e-4 for float32, 1e-2 otherwise.
+        samples (int): with "exact", S > 0 adds the sampled checks with S draws; default 0.
+        alpha (float): the sampled checks' family-wise level; default 0.01.
+        map_atol (float): the fixed point against Pyro's MAP; default 1e-4.
+        svi_atol (float): the final state against SVI's MAP; default 1e-3.
+        num_samples (int): draws for "samples"/"mcmc"; default 200.
+        fixed_point (bool): search Pyro's MAP for latent models; default True.
+        fit_options (dict | None): keyword arguments of the "svi"/"mcmc" fitter (e.g.
+            ``{"num_steps": 500}``) or, for a latent model read exactly, of ``map_estimate``
+            (``max_iter``, ``gtol``, ``init``, ``progress``).
+        **kwargs (Any): the model's keyword inputs.
 
-    ``model``: a declaration (compiled here) or a ``CompiledModule``.
+    Returns:
+        Comparison: the differences, ``checks`` and ``passed``.
+
+    Raises:
+        ValueError: an unknown ``method``, "svi"/"mcmc" on a model without latents, sampled
+            checks on a latent model, or ``fit_options`` the MAP search does not take.
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}; got {method!r}")
@@ -297,8 +307,7 @@ def _map_options(fit_options) -> dict:
 
 def _map_note(found, options) -> str:
     """What to do when Pyro's MAP search stopped above its tolerance and a fixed-point check
-    failed: it ran out of rounds (give it more), or it stopped making progress (it is as
-    precise as it gets: a gap that small is its own, a larger one the compiled iteration's)."""
+    failed: it ran out of rounds (give it more), or it stopped making progress."""
     defaults = inspect.signature(map_estimate).parameters
     gtol = options.get("gtol", defaults["gtol"].default)
     max_iter = options.get("max_iter", defaults["max_iter"].default)
@@ -317,8 +326,7 @@ def _map_note(found, options) -> str:
 def _compare_latent(layer, *inputs, structure, atol, map_atol, fixed_point=True,
                     map_options=None, **kwargs) -> Comparison:
     """Latent models: the compiled reading at its final state against Pyro's exact reading
-    at that state (posteriors, values, output, free energy), and the final state against
-    Pyro's MAP (when every update is a descent rule on the declared free energy)."""
+    there, and the final state against Pyro's MAP (when every update is a descent rule)."""
     with torch.no_grad():
         _, posteriors, trace = layer(*inputs, return_posterior=True, return_trace=True, **kwargs)
         final = {name: s[-1] for name, s in trace.states.items()}

@@ -23,13 +23,24 @@ from .exact import condition_latents
 
 @dataclass
 class Draws:
-    """Draws of every result that samples (``sample``, ``mcmc``, ``predictive``,
-    ``svi(...).sample()``), with ArviZ's leading ``(chain, draw)`` dims throughout:
-    ``latents[name]``: ``(chains, draws, *batch, n, d)``; ``edges[family]``: ``(chains, draws,
-    *batch, H, C)`` (parent indices; P for "no parent"); ``outputs``: ``(chains, draws,
-    *output)``; ``stats``: per-draw diagnostics ``(chains, draws)`` (e.g. ``diverging``).
-    Independent draws (``sample``, ``predictive``, SVI's guide) are one chain unless asked;
-    ``flat(...)`` merges the two dims."""
+    """Joint posterior (or prior) draws (z_s, φ_s) and the program's output on each.
+
+    What every sampler returns (``sample``, ``mcmc``, ``predictive``, ``svi(...).sample()``),
+    with ArviZ's leading ``(chain, draw)`` dims throughout. Independent draws (``sample``,
+    ``predictive``, SVI's guide) are one chain unless asked; ``flat(...)`` merges the two
+    dims and ``to_arviz()`` converts.
+
+    Attributes:
+        latents (dict): per latent node set, its draws ``(chains, draws, *batch, n, d)``
+            (empty for a model without latents).
+        edges (dict): per edge family, its parent indices ``(chains, draws, *batch, H, C)``
+            (long; P for "no parent").
+        outputs (torch.Tensor): the program's output per draw, ``(chains, draws, *output)``.
+        stats (dict): per-draw diagnostics ``(chains, draws)`` (e.g. ``diverging``).
+        batch_dims (dict): per latent or family name, its number of batch dims.
+        num_chains (int): the number of chains.
+        num_draws (int): the draws per chain.
+    """
 
     latents: dict
     edges: dict

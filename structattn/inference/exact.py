@@ -25,23 +25,26 @@ from ._arviz import edge_dims, inference_data, output_dims, point
 
 @dataclass
 class ExactPosterior:
-    """What exact enumeration says about a declaration on given inputs.
+    """What exact enumeration says about a declaration on given inputs: p(φ | x) and more.
 
-    marginals[f]: p(φ_i = j | x), ``(*batch, H, C, P)``;
-    expectations[f]: E[v_i], ``(*batch, H, C, d_v)``;
-    map_edges[f]: argmax_j p(φ_i = j | x), ``(*batch, H, C)`` (long; P — "no parent" — for a
-    child without any parent under ``empty="zero"``);
-    output: the program's output with each value replaced by its expectation — equal to
-    E[output] when the program is affine in its values; ``sample`` estimates E[output]
-    without that assumption.
+    Returned by ``exact``; ``to_arviz()`` converts it.
+
+    Attributes:
+        marginals (dict): per family f, p(φ_i = j | x), ``(*batch, H, C, P)``.
+        expectations (dict): per family f, E[v_i], ``(*batch, H, C, d_v)``.
+        map_edges (dict): per family f, argmax_j p(φ_i = j | x), ``(*batch, H, C)`` (long;
+            P — "no parent" — for a child without any parent under ``empty="zero"``).
+        output (Any): the program's output with each value replaced by its expectation — equal
+            to E[output] when the program is affine in its values (``sample`` estimates
+            E[output] without that assumption).
+        free_energy (float | None): −log p(x, z) with the edges summed out (z the given
+            latents), summed over the batch: the collapsed free energy.
     """
 
     marginals: dict
     expectations: dict
     map_edges: dict
     output: object
-    #: −log p(x, z) with the edges summed out (TraceEnum_ELBO's loss; z the given latents),
-    #: summed over the batch: the collapsed free energy
     free_energy: float | None = None
 
     def to_arviz(self):
@@ -213,17 +216,30 @@ def _expectations(program, structure, outcomes, first_dim: int, inputs, kwargs) 
 
 def exact(model, *inputs, latents: dict | None = None, max_bytes: int = 4 * 2**30,
           **kwargs) -> ExactPosterior:
-    """Exact edge posteriors, value expectations, MAP edges and output by Pyro enumeration.
+    """p(φ_i = j | x), E[v_i], argmax_j p(φ_i = j | x) and the output, by Pyro enumeration.
 
-    Models with latent node sets (``structattn.latent``) are read at given latent states
-    ``latents`` (name → states): the latent sites are observed there, so everything is
-    exact *conditional* on them — e.g. at a compiled module's final iterate, or at Pyro's
-    MAP (``structattn.inference.map_estimate``).
+    Each family is enumerated once in parallel over its P parents, materialising
+    ``(P, *batch, H, C, d)`` tables: keep inputs small (it is the oracle, not the layer).
 
-    Cost: exponential in nothing here — each family is enumerated once in
-    parallel over its P parents — but it materialises ``(P, *batch, H, C, d)``
-    tables, so keep inputs small (it is the oracle, not the layer). The memory is estimated
-    first: beyond ``max_bytes`` a ``ValueError`` says so and what to do instead.
+    Args:
+        model (Declaration | Callable): a ``structattn`` declaration (e.g. a catalogue
+            model) or a Pyro program built from ``structattn.nodes``/``edges``/``potential``/
+            ``value``.
+        *inputs (Any): the program's inputs.
+        latents (dict | None): states by latent node set name, required when the model has
+            latent node sets (``structattn.latent``): they are observed there, so everything
+            is exact conditional on them (e.g. a compiled layer's final iterate, or
+            ``map_estimate(...).latents``). None, the default: no latents.
+        max_bytes (int): the most memory the enumeration may take (estimated first);
+            default 4 GiB.
+        **kwargs (Any): the program's keyword inputs.
+
+    Returns:
+        ExactPosterior: the marginals, expectations, MAP edges, output and free energy.
+
+    Raises:
+        ValueError: a model with latents but no ``latents`` (or naming others), no edge
+            family, an empty batch, or an enumeration estimated beyond ``max_bytes``.
     """
     decl = as_declaration(model)
     program, structure = _at_latents(decl.model, inputs, kwargs, latents)

@@ -28,9 +28,15 @@ from .exact import _no_guide, elbo_for, site_values
 
 @dataclass
 class MAPEstimate:
-    """latents[name]: argmax_z p(z | x) ``(*batch, n, d)``; free_energy: −log p(x, z) at it
-    (summed over the batch); losses: the loss per optimiser round; gradient: max |∂F/∂z| at
-    the end; converged: whether it fell below ``gtol``."""
+    """What ``map_estimate`` found: ẑ = argmax_z p(z | x), the edges summed out.
+
+    Attributes:
+        latents (dict): per latent node set, ẑ ``(*batch, n, d)``.
+        free_energy (float): −log p(x, ẑ), the edges summed out (summed over the batch).
+        losses (list): the loss per optimiser round.
+        converged (bool): whether the gradient fell below ``gtol``.
+        gradient (float): max |∂F/∂z| at the end.
+    """
 
     latents: dict
     free_energy: float
@@ -51,12 +57,30 @@ class MAPEstimate:
 
 def map_estimate(model, *inputs, init: dict | None = None, max_iter: int = 500,
                  gtol: float = 1e-10, progress: bool = False, **kwargs) -> MAPEstimate:
-    """Fit the MAP of the latents under the collapsed model with Pyro.
+    """ẑ = argmax_z log p(x, z) with the edges summed out: the latents' MAP, by Pyro.
 
-    init: starting states by latent name (default: each latent's declared ``init``, the
-    compiled reading's starting point, so both find the same local optimum). Optimised with
-    L-BFGS (strong Wolfe line search) on ``TraceEnum_ELBO().differentiable_loss`` with an
-    ``AutoDelta`` guide — deterministic, and precise enough for 1e-4 agreement in float64.
+    Optimised with L-BFGS (strong Wolfe line search, 20 iterations a round) on
+    ``TraceEnum_ELBO().differentiable_loss`` with an ``AutoDelta`` guide — deterministic,
+    and precise enough for 1e-4 agreement in float64. It stops when the gradient falls to
+    ``gtol`` or a round makes no progress.
+
+    Args:
+        model (Declaration | Callable): a ``structattn`` declaration (e.g. a catalogue
+            model) or a Pyro program built from ``structattn.nodes``/``edges``/``potential``/
+            ``value``.
+        *inputs (Any): the program's inputs.
+        init (dict | None): starting states by latent name; None, the default: each latent's
+            declared ``init`` (the compiled reading's start, so both find the same optimum).
+        max_iter (int): the L-BFGS iterations at most (in rounds of 20); default 500.
+        gtol (float): the gradient's max-norm that counts as converged; default 1e-10.
+        progress (bool): show a tqdm bar; default False.
+        **kwargs (Any): the program's keyword inputs.
+
+    Returns:
+        MAPEstimate: ẑ, its free energy, the losses and whether it converged.
+
+    Raises:
+        ValueError: a model without latent node sets, or ``init`` naming another one.
     """
     program = as_declaration(model).model
     structure = trace_structure(program, *inputs, **kwargs)

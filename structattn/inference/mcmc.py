@@ -18,15 +18,33 @@ from .exact import site_values
 def mcmc(model, *inputs, num_samples: int = 200, warmup_steps: int = 200, num_chains: int = 1,
          progress: bool = True, seed: int = 0, max_tree_depth: int = 8, parallel: bool = False,
          **kwargs) -> Draws:
-    """Posterior draws of every latent node set (NUTS, the edges summed out by enumeration)
-    and of every edge family (``infer_discrete`` at each draw), with the program's output.
+    """Draws z_s ~ p(z | x) by NUTS (edges summed out), then φ_s ~ p(φ | x, z_s) per draw.
 
-    Returns ``Draws``: ``latents`` / ``edges`` / ``outputs`` with leading (chain, draw) dims,
-    ``stats`` (``diverging`` per draw) and ``to_arviz()``. Chains run one after another (seeds
-    ``seed``, ``seed + 1``, …) from the declared initial states. A model without latent node
-    sets has nothing for NUTS: use ``structattn.inference.sample`` (exact edge draws).
-    ``parallel=True`` runs the chains in processes through Pyro's own multiprocessing (spawn;
-    the model must be picklable, e.g. a catalogue model, not a local function).
+    Each draw of the latent node sets comes with the edges drawn at it (``infer_discrete``)
+    and the program's output. Chains start from the declared initial states.
+
+    Args:
+        model (Declaration | Callable): a ``structattn`` declaration (e.g. a catalogue
+            model) or a Pyro program built from ``structattn.nodes``/``edges``/``potential``/
+            ``value``.
+        *inputs (Any): the program's inputs.
+        num_samples (int): draws per chain, an int ≥ 1; default 200.
+        warmup_steps (int): NUTS warm-up steps per chain, an int ≥ 0; default 200.
+        num_chains (int): an int ≥ 1; default 1.
+        progress (bool): show progress bars; default True.
+        seed (int): chain c runs with seed ``seed + c`` (one after another); default 0.
+        max_tree_depth (int): NUTS' maximum tree depth; default 8.
+        parallel (bool): run the chains in processes through Pyro's multiprocessing (spawn:
+            the model must be picklable, e.g. a catalogue model); default False.
+        **kwargs (Any): the program's keyword inputs.
+
+    Returns:
+        Draws: ``latents`` / ``edges`` / ``outputs`` with leading (chain, draw) dims and
+            ``stats["diverging"]`` per draw.
+
+    Raises:
+        ValueError: ``num_samples``, ``warmup_steps`` or ``num_chains`` out of range, or a
+            model without latent node sets (use ``structattn.inference.sample``).
     """
     for what, v, least in (("num_samples", num_samples, 1), ("warmup_steps", warmup_steps, 0),
                            ("num_chains", num_chains, 1)):

@@ -15,14 +15,34 @@ from .svi import SVIResult
 
 def predictive(model, *inputs, num_samples: int = 100, posterior=None, chains: int = 1,
                seed: int = 0, **kwargs) -> Draws:
-    """Predictive draws of every latent node set, edge family and the program's output.
+    """Predictive draws (z_s, φ_s) of every latent node set and edge family, and the output.
 
-    posterior=None: the **prior** predictive — the declared model run forward, latents from
-    their priors and edges from their priors (potentials do not enter), by
-    ``pyro.infer.Predictive``. posterior=an ``SVIResult`` (``svi``) or ``Draws`` (``mcmc``): the
-    **posterior** predictive on ``inputs`` — latents from the fitted posterior, edges from
-    p(φ | x, z) at each (``infer_discrete``). ``to_arviz()`` puts a prior predictive in the
-    ``prior`` group.
+    Without a posterior, the prior predictive: the declared model run forward by
+    ``pyro.infer.Predictive``, latents and edges from their priors (potentials do not enter).
+    With one, the posterior predictive on ``inputs``: latents from the fitted posterior
+    (cycled through ``Draws``), edges from p(φ | x, z) at each (``infer_discrete``).
+
+    Args:
+        model (Declaration | Callable): a ``structattn`` declaration (e.g. a catalogue
+            model) or a Pyro program built from ``structattn.nodes``/``edges``/``potential``/
+            ``value``.
+        *inputs (Any): the program's inputs.
+        num_samples (int): the number of draws, a positive int, a multiple of ``chains``;
+            default 100.
+        posterior (SVIResult | Draws | None): a fit from ``svi`` or draws from ``mcmc``;
+            None, the default: the prior predictive.
+        chains (int): the groups the draws are dealt into; default 1.
+        seed (int): the RNG seed of the prior predictive; default 0.
+        **kwargs (Any): the program's keyword inputs.
+
+    Returns:
+        Draws: leading (chain, draw) dims; ``to_arviz(group="prior")`` files a prior
+            predictive in the ``prior`` group.
+
+    Raises:
+        ValueError: ``num_samples`` out of range, a posterior of another type or whose
+            draws hold no latent node set, or (prior predictive) a latent node set with a
+            flat prior.
     """
     if not isinstance(num_samples, int) or num_samples < 1 or num_samples % chains:
         raise ValueError(f"num_samples must be a positive int, a multiple of chains={chains}; "

@@ -20,11 +20,31 @@ PosteriorSamples = Draws
 
 def sample(model, *inputs, num_samples: int = 200, chains: int = 1, progress: bool = False,
            **kwargs) -> Draws:
-    """Draw ``num_samples`` joint edge configurations from p(φ | x) and the program's output on
-    each: ``Draws`` with ``edges[family]`` ``(chains, num_samples / chains, *batch, H, C)`` and
-    ``outputs`` ``(chains, num_samples / chains, *output)``. The draws are independent: one
-    chain, unless ``chains`` deals them into groups for ArviZ's between-chain diagnostics.
-    Cost: ``num_samples`` enumerated runs of the Pyro program (the oracle, small inputs)."""
+    """Independent joint draws φ_s ~ p(φ | x) of every edge family, and the output on each.
+
+    The draws are independent: one chain, unless ``chains`` deals them into groups for
+    ArviZ's between-chain diagnostics. Cost: ``num_samples`` enumerated runs of the Pyro
+    program (the oracle, small inputs).
+
+    Args:
+        model (Declaration | Callable): a ``structattn`` declaration (e.g. a catalogue
+            model) or a Pyro program built from ``structattn.nodes``/``edges``/``potential``/
+            ``value``.
+        *inputs (Any): the program's inputs.
+        num_samples (int): the number of draws, an int ≥ 2; default 200.
+        chains (int): the groups the draws are dealt into, an int ≥ 1 dividing
+            ``num_samples``; default 1.
+        progress (bool): show a tqdm bar; default False.
+        **kwargs (Any): the program's keyword inputs.
+
+    Returns:
+        Draws: ``edges[family]`` ``(chains, num_samples / chains, *batch, H, C)`` and
+            ``outputs`` ``(chains, num_samples / chains, *output)``.
+
+    Raises:
+        ValueError: ``num_samples`` or ``chains`` out of range, or a model that declares no
+            edge family.
+    """
     if not isinstance(num_samples, int) or isinstance(num_samples, bool) or num_samples < 2:
         raise ValueError(f"num_samples must be an int ≥ 2; got {num_samples!r}")
     if not isinstance(chains, int) or isinstance(chains, bool) or chains < 1 \

@@ -29,10 +29,20 @@ GUIDES = ("map", "normal")
 
 @dataclass
 class SVIResult:
-    """losses: −ELBO per step; guide: the fitted guide (its parameters live in ``params``);
-    latents: the guide's median per latent node set ``(*batch, n, d)``; marginals[f]:
-    E_{q(z)}[p(φ_i = j | x, z)] ``(*batch, H, C, P)``; converged: whether the stopping rule
-    fired before ``num_steps``."""
+    """What ``svi`` fitted: a guide q(z) and the edge marginals E_{q(z)}[p(φ | x, z)].
+
+    ``sample()`` draws (z, φ) from it and ``to_arviz()`` converts those draws.
+
+    Attributes:
+        losses (list): −ELBO per step.
+        guide (Callable): the fitted guide (its parameters live in ``params``).
+        params (dict): the Pyro parameter store's state holding the guide's parameters.
+        latents (dict): the guide's median per latent node set, ``(*batch, n, d)``.
+        marginals (dict): per family f, E_{q(z)}[p(φ_i = j | x, z)], ``(*batch, H, C, P)``.
+        converged (bool): whether the stopping rule fired before ``num_steps``.
+        program (Callable): the Pyro program fitted; inputs (tuple), kwargs (dict): its
+            inputs.
+    """
 
     losses: list
     guide: object
@@ -87,15 +97,36 @@ def _guide_draws(guide, params, names, num_samples, inputs, kwargs):
 def svi(model, *inputs, guide="map", num_steps: int = 2000, lr: float = 0.01,
         tol: float | None = 1e-7, window: int = 50, num_particles: int = 1,
         marginal_samples: int = 32, progress: bool = True, seed: int = 0, **kwargs) -> SVIResult:
-    """Fit ``guide`` to the latent node sets of ``model`` with SVI, edges enumerated.
+    """Fit q(z) ≈ p(z | x) by SVI on ``TraceEnum_ELBO`` (edges enumerated), with Adam.
 
-    guide: ``"map"`` (``AutoDelta``: a point mass, MAP), ``"normal"`` (``AutoNormal``: a
-    mean-field Normal), or a callable Pyro guide over the latent sites (state shaped
-    ``(*batch, 1, n, d)``). Adam with ``lr``; stops early when the mean loss over the last
-    ``window`` steps changes by less than ``tol`` (relative) from the window before
-    (``tol=None``: always ``num_steps``). The tqdm bar shows the ELBO. Initialised at the
-    declared initial states. ``marginal_samples`` guide draws estimate the edge marginals
-    for a non-point guide.
+    Initialised at the declared initial states; the tqdm bar shows the ELBO.
+
+    Args:
+        model (Declaration | Callable): a ``structattn`` declaration (e.g. a catalogue
+            model) or a Pyro program built from ``structattn.nodes``/``edges``/``potential``/
+            ``value``.
+        *inputs (Any): the program's inputs.
+        guide (str | Callable): "map" (``AutoDelta``, a point mass; the default), "normal" (``AutoNormal``,
+            a mean-field Normal) or a callable Pyro guide over the latent sites (each state
+            ``(*batch, 1, n, d)``).
+        num_steps (int): the most steps, a positive int; default 2000.
+        lr (float): Adam's learning rate, > 0; default 0.01.
+        tol (float | None): stop when the mean loss over the last ``window`` steps changes by
+            less than ``tol`` (relative) from the window before; None: always ``num_steps``.
+            Default 1e-7.
+        window (int): the steps averaged for ``tol``; default 50.
+        num_particles (int): the ELBO's particles; default 1.
+        marginal_samples (int): guide draws that estimate the edge marginals for a guide
+            other than "map"; default 32.
+        progress (bool): show a tqdm bar; default True.
+        seed (int): the RNG seed; default 0.
+        **kwargs (Any): the program's keyword inputs.
+
+    Returns:
+        SVIResult: the losses, guide, latents' medians and edge marginals.
+
+    Raises:
+        ValueError: ``num_steps`` or ``lr`` out of range, or an unknown ``guide``.
     """
     if not isinstance(num_steps, int) or num_steps < 1:
         raise ValueError(f"num_steps must be a positive int; got {num_steps!r}")

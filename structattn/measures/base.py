@@ -14,6 +14,17 @@ from .._validation import shape_str
 
 
 class Measure:
+    """An intrinsic measure h and its family p(x | η) ∝ h(x) e^{⟨x, η⟩}, G(η) its log-normaliser.
+
+    The base class of ``Empirical``, ``Gaussian`` and ``GaussianMixture``: a subclass states
+    ``log_normaliser`` G(η), ``mean`` ∇G(η), ``covariance`` ∇²G(η) and ``distribution``
+    p(x | η), each taking η ``(*batch, M, d)``; each refuses (ValueError) an η of another
+    shape or with non-finite values.
+
+    Attributes:
+        dim (int): d, the dimension of x and η.
+    """
+
     dim: int
 
     def log_normaliser(self, eta: torch.Tensor) -> torch.Tensor:

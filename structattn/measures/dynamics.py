@@ -14,9 +14,21 @@ RENORMS = (None, "layernorm", "batchnorm", "sphere")
 
 
 def renormalise(x: torch.Tensor, kind: str | None, eps: float = 1e-5) -> torch.Tensor:
-    """``None``: x; ``"layernorm"``: each point to zero mean, unit variance over its features;
-    ``"batchnorm"``: each feature to zero mean, unit variance over the points; ``"sphere"``: each
-    point to norm √d. x: ``(*batch, N, d)``."""
+    """RN(x): the renormalisation a residual step applies to the points.
+
+    Args:
+        x (torch.Tensor): the points, ``(*batch, N, d)``.
+        kind (str | None): None (x as it is), "layernorm" (each point to zero mean, unit
+            variance over its features), "batchnorm" (each feature to zero mean, unit
+            variance over the points) or "sphere" (each point to norm √d).
+        eps (float): added to the variance (to the norm's floor for "sphere"); default 1e-5.
+
+    Returns:
+        torch.Tensor: the renormalised points, ``(*batch, N, d)``.
+
+    Raises:
+        ValueError: a ``kind`` not among these.
+    """
     if kind is None:
         return x
     if kind == "layernorm":
@@ -31,11 +43,26 @@ def renormalise(x: torch.Tensor, kind: str | None, eps: float = 1e-5) -> torch.T
 
 def residual_dynamics(points: torch.Tensor, steps: int, *, renorm: str | None = "layernorm",
                       measure: Measure | None = None, beta: float = 1.0) -> torch.Tensor:
-    """Iterate η ← RN(η + ∇G(βη)) from ``points`` ``(*batch, N, d)`` and return the trajectory
-    ``(steps + 1, *batch, N, d)``; ``path[0]`` is the start as given (not renormalised).
-    ``measure=None``: self-attention, G of the empirical measure
-    of the current points; else that fixed measure (cross-attention). β scales η inside G (an
-    inverse temperature)."""
+    """Iterate η ← RN(η + ∇G(βη)) from the points: attention, residual, renormalisation.
+
+    Args:
+        points (torch.Tensor): the start η, ``(*batch, N, d)``.
+        steps (int): the number of steps, an int ≥ 0.
+        renorm (str | None): RN, a kind of ``renormalise`` (None, "layernorm", "batchnorm",
+            "sphere"); default "layernorm".
+        measure (Measure | None): the fixed measure whose G is ascended (cross-attention);
+            None, the default: the empirical measure of the current points (self-attention).
+        beta (float): the inverse temperature scaling η inside G, a finite number > 0;
+            default 1.0.
+
+    Returns:
+        torch.Tensor: the trajectory ``(steps + 1, *batch, N, d)``; ``[0]`` is the start as
+            given (not renormalised).
+
+    Raises:
+        ValueError: ``steps`` not an int ≥ 0, an unknown ``renorm``, ``beta`` not a finite
+            number > 0, or points that overflow (non-finite) during the iteration.
+    """
     if not isinstance(steps, int) or steps < 0:
         raise ValueError(f"steps must be an int ≥ 0; got {steps!r}")
     if renorm not in RENORMS:

@@ -12,12 +12,20 @@ from .base import Measure, check_tensor, weighted_covariance
 
 
 class Empirical(Measure):
-    """h(x) = Σ_n w_n δ(x − x_n) over points ``(*batch, N, d)`` with weights w = softmax(log_weights)
-    ``(*batch, N)`` (default uniform, 1/N).
+    """h(x) = Σ_n w_n δ(x − x_n): the empirical measure of N points, w = softmax(log_weights).
 
     G(η) = log Σ_n w_n e^{⟨x_n, η⟩}; ∇G(η) = Σ_n softmax_n(log w_n + ⟨x_n, η⟩) x_n — softmax
     attention with queries η and keys = values = the points (one SDPA call); ∇²G = the
     covariance of the points under those weights. p(x | η) is a categorical over the points.
+
+    Args:
+        points (torch.Tensor): x_n, a finite floating-point tensor ``(*batch, N, d)``.
+        log_weights (torch.Tensor | None): the unnormalised log w_n, finite, ``(*batch, N)``;
+            None, the default: uniform, 1/N.
+
+    Raises:
+        ValueError: points not a finite floating-point tensor of at least 2 dims, or
+            log_weights not a finite floating-point tensor of shape ``(*batch, N)``.
     """
 
     def __init__(self, points: torch.Tensor, log_weights: torch.Tensor | None = None):

@@ -10,9 +10,15 @@ from .base import Measure, check_covariance, check_tensor, weighted_covariance
 
 
 class Gaussian(Measure):
-    """h = N(μ, Σ), mean ``(*batch, d)``, covariance ``(*batch, d, d)`` (positive definite).
+    """h = N(μ, Σ): G(η) = μᵀη + ½ ηᵀΣη, ∇G = μ + Ση, ∇²G = Σ, p(x | η) = N(μ + Ση, Σ).
 
-    G(η) = μᵀη + ½ ηᵀΣη; ∇G = μ + Ση; ∇²G = Σ; p(x | η) = N(μ + Ση, Σ).
+    Args:
+        mean (torch.Tensor): μ, a finite floating-point tensor ``(*batch, d)``.
+        covariance (torch.Tensor): Σ, ``(*batch, d, d)``, symmetric and positive definite.
+
+    Raises:
+        ValueError: a mean or covariance that is not a finite floating-point tensor, or a
+            covariance not ``(…, d, d)``, not symmetric or not positive definite.
     """
 
     def __init__(self, mean: torch.Tensor, covariance: torch.Tensor):
@@ -38,12 +44,21 @@ class Gaussian(Measure):
 
 
 class GaussianMixture(Measure):
-    """h = Σ_k π_k N(μ_k, Σ): log_weights ``(*batch, K)``, means ``(*batch, K, d)``, a shared
-    covariance ``(*batch, d, d)``.
+    """h = Σ_k π_k N(μ_k, Σ): a mixture of K Gaussians with a shared covariance.
 
     G(η) = log Σ_k π_k e^{μ_kᵀη} + ½ηᵀΣη; ∇G = Ση + Σ_k softmax_k(log π_k + μ_kᵀη) μ_k (an
     empirical measure on the means, i.e. attention, plus the Gaussian part);
-    p(x | η) = Σ_k r_k N(μ_k + Ση, Σ) with r = that softmax.
+    p(x | η) = Σ_k r_k N(μ_k + Ση, Σ) with r = that softmax (``responsibilities``).
+
+    Args:
+        log_weights (torch.Tensor): the unnormalised log π_k, finite, ``(*batch, K)``.
+        means (torch.Tensor): μ_k, finite floating-point, ``(*batch, K, d)``.
+        covariance (torch.Tensor): the shared Σ, ``(*batch, d, d)``, symmetric and positive
+            definite.
+
+    Raises:
+        ValueError: arguments that are not finite floating-point tensors, log_weights not
+            ``(*batch, K)``, or a covariance not ``(…, d, d)``, symmetric, positive definite.
     """
 
     def __init__(self, log_weights: torch.Tensor, means: torch.Tensor, covariance: torch.Tensor):

@@ -18,11 +18,27 @@ import torch
 
 
 def gpb2_collapse(means, covariances, transition, W, noise=None, prior=None):
-    """Returns (means ``(M', d')``, covariances ``(M', d', d')``, weights w ``(M, M')``).
+    """One GPB2 step: m_j = Σ_i w_ij W μ_i, S_j its moment-matched covariance, w_ij ∝ π_i T_ij.
 
-    means ``(M, d)``, covariances ``(M, d, d)``, transition T ``(M, M')`` (rows i: from, columns
-    j: to; nonnegative), W ``(d', d)``, noise Q ``(d', d')`` (default 0), prior π ``(M,)``
-    (default uniform). Leading batch dims are allowed on every argument.
+    Leading batch dimensions are allowed on every argument.
+
+    Args:
+        means (torch.Tensor): the components' means μ_i, ``(M, d)``.
+        covariances (torch.Tensor): their covariances Σ_i, ``(M, d, d)``.
+        transition (torch.Tensor): T, ``(M, M')`` (rows i: from, columns j: to), finite and
+            nonnegative.
+        W (torch.Tensor): the linear move X' = W X + ε, ``(d', d)``.
+        noise (torch.Tensor | None): Q, the covariance of ε, ``(d', d')``; None, the
+            default: 0.
+        prior (torch.Tensor | None): π, ``(M,)``; None, the default: uniform, 1/M.
+
+    Returns:
+        (tuple): the means m ``(M', d')``, the covariances S ``(M', d', d')`` and the weights
+            w ``(M, M')`` (normalised over the source i, per target j).
+
+    Raises:
+        ValueError: a transition without M rows, covariances not ``(…, M, d, d)``, or a
+            transition that is negative or not finite.
     """
     M = means.shape[-2]
     if transition.shape[-2] != M:

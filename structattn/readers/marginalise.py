@@ -28,25 +28,42 @@ class MarginalEdge:
 
 
 class Marginalise(Reading):
-    """The compiled reading (``structattn.reading``), entered with ``with Marginalise(...):``:
-    ``structattn.edges`` returns ``MarginalEdge`` handles and ``structattn.value`` returns
-    E_{p(φ|x)}[v] (SDPA fast path, or the dense twin when ``record_posterior``). Families seen
-    are kept in ``self.families`` (the IR).
+    """The compiled reading: each edge family summed out in closed form, v ↦ E_{p(φ|x)}[v].
 
-    Latent node sets (``structattn.latent``) start at their initial state; ``infer`` (called
-    by ``structattn.infer`` or by the first value of a family touching a latent) iterates
-    every pending latent against the families declared so far (``structattn.iterate``) and
-    keeps the ``Trace`` in ``self.trace``. ``latent_values`` fixes latents to given states
-    instead (no iteration): the reading of a model at a point, e.g. Pyro's MAP. ``declaration``
-    (optional): the declaration read, whose parameters an error names when states computed from
-    them are non-finite."""
+    Entered with ``with Marginalise(...):`` (``structattn.reading``): ``structattn.edges``
+    returns ``MarginalEdge`` handles and ``structattn.value`` returns E_{p(φ|x)}[v] (SDPA fast
+    path, or the dense twin when the posterior is recorded). Latent node sets
+    (``structattn.latent``) start at their initial state; ``infer`` (called by
+    ``structattn.infer`` or by the first value of a family touching a latent) iterates every
+    pending latent against the families declared so far (``structattn.iterate``). Declaring
+    a family, latent or energy twice is a ValueError.
+
+    Args:
+        record_posterior (bool): keep each family's dense posterior p(φ_i = j | x) in
+            ``posteriors``; default False.
+        record_trace (bool): keep the iteration's ``Trace`` (and the operators' reports,
+            e.g. a certified window) in ``trace``; default False.
+        record_trace_posteriors (bool): also keep the posterior of every step in the trace
+            (implies ``record_trace``); default False.
+        latent_values (dict | None): latent node sets' states by name: fixed there, no
+            iteration (the reading of a model at a point, e.g. Pyro's MAP); None, the
+            default: iterated from their initial states.
+        declaration (nn.Module | None): the declaration read, whose parameters an error names when states
+            computed from them are non-finite; default None.
+
+    Attributes:
+        families (dict): the edge families declared, by name (the IR).
+        latents (dict): the latent node sets declared, by name.
+        energies (dict): the energy terms declared, by name.
+        posteriors (dict): recorded posteriors by family, ``(*batch, H, C, P)``.
+        expectations (dict): each family's E[v], ``(*batch, H, C, d_v)``.
+        trace (Trace | None): what was iterated (latents and schemes alike), or None.
+    """
 
     def __init__(self, *, record_posterior: bool = False, record_trace: bool = False,
                  record_trace_posteriors: bool = False, latent_values: dict | None = None,
                  declaration=None):
         super().__init__()
-        #: the declaration read (its parameters are named when states computed from them are
-        #: non-finite: structattn._validation.blame_parameters)
         self.declaration = declaration
         self.record_posterior = record_posterior
         self.record_trace = record_trace or record_trace_posteriors

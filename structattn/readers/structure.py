@@ -97,10 +97,24 @@ class _RawSites(Messenger):
 
 
 class TraceStructure(Reading):
-    """Records node sets (in declaration order), edge families, latent node sets and energies
-    without computing any expectation: values are zeros of the right shape. It shares no code
+    """The structure's reading: records the declaration, computes no expectation (v ↦ 0).
+
+    Records node sets (in declaration order), edge families, latent node sets and energies;
+    each value site returns zeros of its shape ``(*batch, H, C, d_v)``. It shares no code
     with the compiled reading (``Marginalise``), so an oracle that traces the structure first
-    never runs the lowering. Latents stay at their initial state, or at ``latent_values``."""
+    never runs the lowering. Raw ``pyro.sample``/``pyro.factor`` sites and a family, latent or
+    energy declared twice are refused (ValueError). ``trace_structure`` runs a program under it.
+
+    Args:
+        latent_values (dict | None): latent node sets' states by name; None, the default:
+            each latent at its initial state.
+
+    Attributes:
+        node_sets (dict): the node sets seen, by name, in declaration order.
+        families (dict): the edge families, by name.
+        latents (dict): the latent node sets, by name.
+        energies (dict): the energy terms, by name.
+    """
 
     def __init__(self, latent_values: dict | None = None):
         super().__init__()
@@ -152,8 +166,17 @@ class TraceStructure(Reading):
 
 
 class SubstituteExpectations(TraceStructure):
-    """Every value site returns a given expectation (e.g. Pyro's exact one), so the rest of
-    the program — head merging, output projections — runs on ground truth."""
+    """A ``TraceStructure`` whose value sites return given expectations E[v_i].
+
+    With Pyro's exact expectations, the rest of the program — head merging, output
+    projections — runs on ground truth (``structattn.inference.exact``).
+
+    Args:
+        expectations (dict): E[v_i] by family name, ``(*batch, H, C, d_v)`` each; a value
+            site of a family not in it is a ValueError.
+        latent_values (dict | None): latent node sets' states by name; None, the default:
+            each latent at its initial state.
+    """
 
     def __init__(self, expectations: dict, latent_values: dict | None = None):
         super().__init__(latent_values=latent_values)

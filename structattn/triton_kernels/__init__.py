@@ -34,30 +34,53 @@ _installed: list = []  # [whether Triton is installed], found once (a plain glob
 
 
 def available() -> bool:
-    """Whether Triton is installed (it is imported only when a kernel is first called)."""
+    """Whether Triton is installed (it is imported only when a kernel is first called).
+
+    Returns:
+        bool: True where ``triton`` can be imported.
+    """
     if not _installed:
         _installed.append(importlib.util.find_spec("triton") is not None)
     return _installed[0]
 
 
 def interpreted() -> bool:
-    """Whether Triton's interpreter runs the kernels (on CPU tensors, slowly: for tests)."""
+    """Whether Triton's interpreter runs the kernels (on CPU tensors, slowly: for tests).
+
+    Returns:
+        bool: True where ``TRITON_INTERPRET`` is set to something other than "" or "0".
+    """
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 @contextlib.contextmanager
 def on_cpu():
-    """A context in which the library calls the Triton kernels on CPU tensors too, where the
-    interpreter is on (``TRITON_INTERPRET=1``): how the tests check a whole layer through
-    them without a GPU. Per thread (``ReadingContext.triton_on_cpu``); part of a compiled
-    module's signature."""
+    """Context manager: the library calls the Triton kernels on CPU tensors too, inside it.
+
+    Only where the interpreter is on (``TRITON_INTERPRET=1``): how the tests check a whole
+    layer through them without a GPU. Per thread (``ReadingContext.triton_on_cpu``); part of
+    a compiled module's signature.
+
+    Yields:
+        (None): the block runs with the Triton kernels on CPU tensors too.
+    """
     with reading.entered(triton_on_cpu=True):
         yield
 
 
 def serves(*tensors) -> bool:
-    """Whether the library calls the Triton kernels for these tensors: on a CUDA device with
-    Triton installed, or on the CPU inside ``on_cpu()`` under the interpreter."""
+    """Whether the library calls the Triton kernels for these tensors.
+
+    It does on a CUDA device with Triton installed, or on the CPU inside ``on_cpu()`` under
+    the interpreter (``TRITON_INTERPRET=1``).
+
+    Args:
+        *tensors (torch.Tensor): the tensors a kernel would read; all on CUDA, or all on
+            the CPU.
+
+    Returns:
+        bool: True where the Triton kernels serve them; False for no tensors.
+    """
     if not tensors:
         return False
     if all(t.is_cuda for t in tensors):

@@ -32,11 +32,25 @@ from .scores import BandScores, tail
 
 @dataclass
 class Round:
-    """What a rule sees for the children of the blocks a round updates (``(k, B)`` each):
-    their ``window``, E[ln q] (``e_ln_q``, of the posterior just computed), the Beta
-    parameters ``alpha``, ``beta`` the update gives next, and ``caps``; ``scores``, ``rows``:
-    the band and its blocks (None: all); ``tol``, ``expectation``, ``cap`` (the largest
-    window any child may reach): the scheme's options."""
+    """What a rule sees of one mean-field round: the children of the blocks it updates.
+
+    The loop builds one per round and hands it to ``WindowRule.grow``; the per-child tensors
+    are ``(k, B)``, k blocks of B children each.
+
+    Attributes:
+        scores (BandScores): the band's scores ψ over the current windows.
+        rows (torch.Tensor | None): the band blocks the round updates, long; None: all.
+        window (torch.Tensor): each child's current window W_i, ``(k, B)`` long.
+        e_ln_q (torch.Tensor): E[ln q_i] under the posterior just computed, ``(k, B)``.
+        alpha (torch.Tensor): the Beta parameter α_i the update gives next, ``(k, B)``.
+        beta (torch.Tensor): the Beta parameter β_i the update gives next, ``(k, B)``.
+        caps (torch.Tensor): each child's cap C_i, ``(k, B)`` long.
+        tol (float): the scheme's ``tol``, in (0, 1).
+        expectation (str): the scheme's ``expectation``, "digamma" or "plug_in".
+        cap (int): the largest window any child may reach.
+        past (torch.Tensor | None): each child's number of parents, ``(k, B)`` long; None,
+            the default: ``caps``.
+    """
 
     scores: BandScores
     rows: torch.Tensor | None
@@ -48,11 +62,23 @@ class Round:
     tol: float
     expectation: str
     cap: int
-    past: torch.Tensor | None = None  # (k, B) long: each child's parents (None: ``caps``)
+    past: torch.Tensor | None = None
 
 
 class WindowRule:
-    """A window-growth rule; a subclass states ``grow`` and its kernel ``code``."""
+    """A window-growth rule: W_i ← ``grow(round)``, never below W_i nor above C_i.
+
+    A subclass states ``grow`` (the Python loop) and its ``code`` (the compiled kernel's
+    ``enum Rule``); an instance is passed as ``MeanFieldWindows(window_rule=...)``. Rules
+    take no constructor arguments and compare equal by type.
+
+    Attributes:
+        code (int | None): the rule's number in the compiled kernel; None: the kernel cannot
+            run it (the Python loop does).
+        start_tail (float | None): the prior tail quantile the first window sits at; None:
+            the scheme's ``tol``.
+        name (str): the rule's name, as ``window_rule`` accepts it for a built-in rule.
+    """
 
     #: the rule's number in the compiled kernel (None: the kernel cannot run it)
     code: ClassVar[int | None] = None
@@ -81,8 +107,15 @@ def _doubled(r: Round, outer: torch.Tensor) -> torch.Tensor:
 
 
 class PredictiveRule(WindowRule):
-    """Grow to the posterior predictive's tail quantile at tol while the tail beyond the
-    window is ≥ tol."""
+    """W_i ← the smallest W ≥ W_i with P(φ_i > W) < tol under the posterior predictive.
+
+    A window grows, straight to the predictive's tail quantile at tol (at most C_i), only
+    while the predictive puts mass ≥ tol beyond it.
+
+    Attributes:
+        code (int): 0, its number in the compiled kernel.
+        name (str): "predictive".
+    """
 
     code, name = 0, "predictive"
 
@@ -98,7 +131,15 @@ class PredictiveRule(WindowRule):
 
 
 class EdgeRule(WindowRule):
-    """Double while the evidence puts more than tol on the window's outer half."""
+    """W_i ← min(2 W_i, C_i) while softmax(ψ) over the window puts > tol on d > W_i/2.
+
+    The evidence alone (the prior left out) decides: a window doubles while the scores put
+    more than tol on its outer half.
+
+    Attributes:
+        code (int): 1, its number in the compiled kernel.
+        name (str): "edge".
+    """
 
     code, name = 1, "edge"
 
@@ -107,8 +148,15 @@ class EdgeRule(WindowRule):
 
 
 class EvidenceRule(WindowRule):
-    """Double while the posterior mass beyond the window (unseen parents at the window's
-    typical likelihood) exceeds tol."""
+    """W_i ← min(2 W_i, C_i) while the posterior mass beyond the window exceeds tol.
+
+    The unseen parents beyond the window are given the window's typical likelihood
+    (``BandScores.beyond_mass``).
+
+    Attributes:
+        code (int): 2, its number in the compiled kernel.
+        name (str): "evidence".
+    """
 
     code, name = 2, "evidence"
 
@@ -117,8 +165,18 @@ class EvidenceRule(WindowRule):
 
 
 class CertifiedRule(WindowRule):
-    """Double while the certified bound on the posterior mass beyond the window, over the
-    child's whole past, exceeds tol (it stops at the cap, reporting the bound it reached)."""
+    """W_i ← min(2 W_i, C_i) while a certified bound on the mass beyond W_i exceeds tol.
+
+    The bound covers the child's whole past, the unseen parents at the largest score they
+    could have (``BandScores.certified_mass``); the rule stops at the cap, reporting the
+    bound it reached. The default rule of ``MeanFieldWindows``; its first window is the
+    prior's median (``start_tail`` 1/2), which it then doubles.
+
+    Attributes:
+        code (int): 3, its number in the compiled kernel.
+        name (str): "certified".
+        start_tail (float): 0.5.
+    """
 
     code, name = 3, "certified"
     # start at the prior's median and double: starting at its tail quantile at a small tol

@@ -48,7 +48,13 @@ GRADS = ("unroll", "last")
 
 
 class ScoreFactors(NamedTuple):
-    """ψ_ij = scale·⟨a_i, b_j⟩: ``a`` ``(*batch, H, C, k)``, ``b`` ``(*batch, H, P, k)``."""
+    """The factorised scores ψ_ij = scale·⟨a_i, b_j⟩ the mean-field iteration reads.
+
+    Attributes:
+        a (torch.Tensor): the children's factors, ``(*batch, H, C, k)``.
+        b (torch.Tensor): the parents' factors, ``(*batch, H, P, k)``.
+        scale (float): the scores' scale (a learnable temperature is folded into ``a``).
+    """
 
     a: torch.Tensor
     b: torch.Tensor
@@ -189,10 +195,25 @@ class MeanFieldWindows(InferenceScheme):
 
 
 class MeanFieldOperator(Operator):
-    """The family's operator at the scheme's fixed point: ``attend`` and ``dense_posterior``
-    read the mean-field posterior (not the exact softmax the dense twin would give), so
-    ``adjoint`` and ``mass`` read it too; it has no ``log_partition`` (it cannot join the
-    iteration of latent node sets). ``history``: the ``MeanFieldHistory``, or None."""
+    """The family's operator at the mean-field fixed point q(φ_i) q(q_i).
+
+    Built by ``MeanFieldWindows.operator``: ``attend`` and ``dense_posterior`` read the
+    mean-field posterior (not the exact softmax the dense twin would give), so ``adjoint``
+    and ``mass`` read it too; it has no ``log_partition`` (it cannot join the iteration of
+    latent node sets). The compiled kernel solves it where it can, the Python loop otherwise.
+
+    Args:
+        family (EdgeFamily): the edge family (its prior a ``BetaGeometric``), with exactly one
+            factorised potential ψ = scale·⟨a_i, b_j⟩ (e.g. ``Bilinear``).
+        scheme (MeanFieldWindows): the scheme's options.
+        record (bool): whether to keep the iteration's ``MeanFieldHistory``; default False.
+
+    Attributes:
+        history (MeanFieldHistory | None): the iteration's history; None unless recorded.
+
+    Raises:
+        ValueError: when the family has not exactly one factorised potential.
+    """
 
     def __init__(self, family, scheme: MeanFieldWindows, *, record: bool = False):
         super().__init__(family)
