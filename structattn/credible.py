@@ -141,15 +141,15 @@ def credible_context(layer, x: torch.Tensor, level: float = 0.9) -> CredibleCont
         ValueError: ``level`` not a number in (0, 1), ``layer`` not a compiled layer, or a
             layer with neither an exact expanding attention nor a family read by mean field.
     """
-    from .models.expanding_attention import ExpandingAttention
-
     level = _check_level(level)
     model = getattr(layer, "declaration", None)
     if model is None:
         raise ValueError(f"credible_context: layer must be a compiled layer (structattn."
                          f"compile(model)); got {type(layer).__name__}")
     with torch.no_grad():
-        if isinstance(model, ExpandingAttention) and model.inference is None:
+        # an expanding attention read exactly (its inference scheme None, its prior's a, b
+        # on the model); the catalogue is not imported here (it imports this module)
+        if getattr(model, "inference", "") is None and hasattr(model, "a"):
             _, post = layer(x, return_posterior=True)
             return credible_from_posterior(post, model.a, model.b, level)
         _, trace = layer(x, return_trace=True)
