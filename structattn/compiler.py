@@ -50,25 +50,38 @@ class CompiledModule(nn.Module):
         max_plans: how many input signatures (shapes, dtypes, devices, options) the module
             records, ``MAX_PLANS`` (32) by default; calls with further signatures are read
             from the declaration every time, with a warning once. 0 records none.
+        dynamic: once two sizes of the same inputs (ranks, dtypes, devices, options) have
+            plans, record one plan with symbolic sizes (``dynamic_plans``) that serves every
+            further size its guards accept (the default); False: a plan per size only.
 
     Raises:
         ValueError: when ``max_plans`` is not an int ≥ 0 (a bool is refused).
     """
 
     def __init__(self, declaration: Declaration, *, replay: bool = True,
-                 max_plans: int = MAX_PLANS):
+                 max_plans: int = MAX_PLANS, dynamic: bool = True):
         super().__init__()
         if isinstance(max_plans, bool) or not isinstance(max_plans, int) or max_plans < 0:
             raise ValueError(f"compile: max_plans (how many input signatures are recorded) must "
                              f"be an int ≥ 0; got {max_plans!r}")
+        if not isinstance(dynamic, bool):
+            raise ValueError(f"compile: dynamic (whether a plan with symbolic sizes serves "
+                             f"inputs of many sizes) must be True or False; got {dynamic!r}")
         self.declaration = declaration
-        self._plans = Plans(replay, max_plans=max_plans)
+        self._plans = Plans(replay, max_plans=max_plans, dynamic=dynamic)
 
     @property
     def plans(self) -> dict:
         """The recorded ``Plan`` per signature (a plan with ``graph`` None says, in ``reason``,
         why its signature is read every call)."""
         return dict(self._plans.plans)
+
+    @property
+    def dynamic_plans(self) -> dict:
+        """The recorded ``Plan`` with symbolic sizes per sizes-free signature (its ``guards``:
+        the conditions on the sizes it serves, as text; ``graph`` None and ``reason`` where
+        the reading fixes every size)."""
+        return dict(self._plans.dynamic_plans)
 
     def reset(self) -> None:
         """Forget every plan: the next calls read the declaration again (needed only after
@@ -179,8 +192,8 @@ class CompiledModule(nn.Module):
         return f"compiled from {type(self.declaration).__name__}"
 
 
-def compile(model: Declaration | Callable, *, replay: bool = True, max_plans: int = MAX_PLANS  # noqa: A001
-            ) -> CompiledModule:
+def compile(model: Declaration | Callable, *, replay: bool = True,  # noqa: A001
+            max_plans: int = MAX_PLANS, dynamic: bool = True) -> CompiledModule:
     """Compile a declaration (or a plain Pyro program using structattn primitives) into a
     ``torch.nn.Module`` that marginalises its edge families in closed form.
 
@@ -192,6 +205,9 @@ def compile(model: Declaration | Callable, *, replay: bool = True, max_plans: in
         max_plans: how many input signatures (shapes, dtypes, options) the module records;
             calls with further ones are read every time, and the module warns once when that
             starts.
+        dynamic: once two sizes of the same inputs have plans, one plan with symbolic sizes
+            serves every further size its guards accept (True, the default); False: a plan
+            per size only.
 
     Returns:
         CompiledModule: ``layer(*inputs)`` → the model's output with every value replaced by
@@ -214,4 +230,5 @@ def compile(model: Declaration | Callable, *, replay: bool = True, max_plans: in
         >>> torch.allclose(layer(x), sa.inference.exact(attention, x).output)
         True
     """
-    return CompiledModule(as_declaration(model), replay=replay, max_plans=max_plans)
+    return CompiledModule(as_declaration(model), replay=replay, max_plans=max_plans,
+                          dynamic=dynamic)

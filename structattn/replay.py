@@ -48,7 +48,8 @@ from . import _validation, kernels, reading
 from .certified import CertifiedWindow
 from .latent import iteration_overrides
 from .plans.fast_path import _Last
-from .plans.plan import _FAILED, _RECORDING, MISSED, Plan, _leaf_key, _read, hold, replay, stamp
+from .plans.plan import (_FAILED, _RECORDING, MISSED, Plan, _leaf_key, _read, _split, hold, replay,
+                         stamp)
 from .plans.record import record
 from .trace import Trace
 from .verdicts import Verdicts, parameters_failed, queued_on
@@ -70,10 +71,16 @@ class Plans:
     """A compiled module's plans by signature (not state: excluded from ``state_dict``; copies
     and pickles start empty). ``record_after``: how many times a signature is read before its
     plan is recorded (recording costs tens of milliseconds: a shape seen once should not pay
-    it)."""
+    it). ``dynamic``: once two sizes of the same inputs (ranks, dtypes, devices, options)
+    have plans, one plan with symbolic sizes is recorded for them all (``dynamic_plans``), and
+    serves every further size its guards accept."""
 
-    def __init__(self, enabled: bool = True, record_after: int = 1, max_plans: int = MAX_PLANS):
+    def __init__(self, enabled: bool = True, record_after: int = 1, max_plans: int = MAX_PLANS,
+                 dynamic: bool = True):
         self.enabled, self.record_after, self.max_plans = enabled, record_after, max_plans
+        self.dynamic = dynamic
+        self.dynamic_plans: dict = {}  # sizes-free signature → its plan with symbolic sizes
+        self.sizes: dict = {}  # sizes-free signature → how many signatures of it have plans
         self.full_warned = False  # whether the warning that no plan is left was given
         self.plans: dict = {}
         self.reads: dict = {}  # signature → readings so far
@@ -83,14 +90,16 @@ class Plans:
         self.verdicts = Verdicts()  # its calls' checks in flight on a GPU (``structattn.verdicts``)
 
     def __deepcopy__(self, memo):
-        return Plans(self.enabled, self.record_after, self.max_plans)
+        return Plans(self.enabled, self.record_after, self.max_plans, self.dynamic)
 
     def __getstate__(self):
-        return {**Plans(self.enabled, self.record_after, self.max_plans).__dict__}
+        return {**Plans(self.enabled, self.record_after, self.max_plans, self.dynamic).__dict__}
 
     def clear(self) -> None:
         self.plans.clear()
         self.reads.clear()
+        self.dynamic_plans.clear()
+        self.sizes.clear()
         self._modules = self._checked = self._last = None
 
     # -- the signature -------------------------------------------------------------------
@@ -184,6 +193,46 @@ class Plans:
         if not self.parameters_finite(state, layer.declaration):
             _validation.check_parameters(layer.declaration)
 
+    def _dynamic(self, layer, inputs: tuple, kwargs: dict, state: list, key: tuple):
+        """``(plan, queue)``: the plan with symbolic sizes that serves this call — recorded
+        now if two sizes of these inputs have plans (or no signature is left) and none was
+        tried yet — or None when there is none or its guards refuse these sizes."""
+        family = _sizes_free(key, inputs)
+        plan, queue = self.dynamic_plans.get(family), (self.verdicts, layer, inputs, kwargs)
+        if plan is None:
+            if self.sizes.get(family, 0) < 2 and len(self.plans) < self.max_plans \
+                    or len(self.dynamic_plans) >= self.max_plans:
+                return None
+            with _RECORDING:
+                plan = self.dynamic_plans.get(family)
+                if plan is None:
+                    plan = record(layer, self.names(layer.declaration), state, inputs, kwargs,
+                                  symbolic=True)
+                    plan = self.dynamic_plans[family] = self._serves_seen(plan, family, inputs)
+                    queue = None  # the recording call checks in the call
+        if plan.graph is None or not plan.guard(_split(inputs)[0]):
+            return None
+        return plan, queue
+
+    def _serves_seen(self, plan: Plan, family: tuple, inputs: tuple) -> Plan:
+        """``plan``, or, where its guards accept none of the sizes this family already has
+        plans for (the reading fixed the sizes, e.g. by reading one as a number, so the plan
+        would serve only the sizes recorded), a plan that says so (no graph)."""
+        if plan.graph is None or plan.guard is None:
+            return plan
+        seen = [k for k in self.plans if _sizes_free(k, inputs) == family]
+        if not seen:
+            return plan
+        n = len(inputs)
+        for key in seen:  # the seen inputs' layout (contiguous), without their values
+            tensors = [torch.empty(k[0], dtype=k[1], device="meta")
+                       for x, k in zip(inputs, key[7:7 + n], strict=True) if type(x) is torch.Tensor]
+            if len(tensors) == len(_split(inputs)[0]) and plan.guard(tensors):
+                return plan
+        return Plan(reason="the reading fixes the sizes of its inputs (it reads one as a "
+                           "number), so a plan with symbolic sizes would serve only these; "
+                           "each size has its own plan")
+
     # -- one call ------------------------------------------------------------------------
     def __call__(self, layer, inputs: tuple, kwargs: dict):
         """A call that ``_Last.run`` (tried first, by ``CompiledModule.forward``) did not
@@ -199,7 +248,11 @@ class Plans:
         if key is None:
             return _read(layer, inputs, kwargs)
         plan = self.plans.get(key)
-        if plan is None:
+        dynamic = self._dynamic(layer, inputs, kwargs, state, key) if plan is None \
+            and self.dynamic else None
+        if dynamic is not None:
+            plan, queue = dynamic
+        elif plan is None:
             reads = self.reads.get(key, 0)
             full = len(self.plans) >= self.max_plans
             if reads < self.record_after or full:
@@ -222,6 +275,8 @@ class Plans:
                 if plan is None:
                     plan = self.plans[key] = record(layer, self.names(layer.declaration),
                                                     state, inputs, kwargs)
+                    family = _sizes_free(key, inputs)
+                    self.sizes[family] = self.sizes.get(family, 0) + 1
             queue = None  # the recording call checks in the call
         else:
             queue = (self.verdicts, layer, inputs, kwargs)
@@ -233,7 +288,7 @@ class Plans:
             out = _FAILED  # graph) would have refused: the reading raises their message
         if out is _FAILED:
             return _read(layer, inputs, kwargs)
-        if all(type(x) is torch.Tensor for x in inputs) and all(
+        if plan.guard is None and all(type(x) is torch.Tensor for x in inputs) and all(
                 v is None or type(v) in (bool, int, float, str) for v in kwargs.values()):
             if plan.last is None:  # one per plan: the signature fixes what it guards
                 with _RECORDING:  # generated code: CPython's compiler is not thread-safe
@@ -241,3 +296,11 @@ class Plans:
                         plan.last = _Last(layer, self, plan, inputs, kwargs, state)
             self._last = plan.last
         return out
+
+
+def _sizes_free(key: tuple, inputs: tuple) -> tuple:
+    """A signature without its tensor inputs' sizes (their ranks instead): what one plan with
+    symbolic sizes serves. The signature holds 7 modes, then one entry per input."""
+    ins = tuple((len(k[0]), *k[1:]) if type(x) is torch.Tensor else k
+                for x, k in zip(inputs, key[7:7 + len(inputs)], strict=True))
+    return (*key[:7], *ins, *key[7 + len(inputs):])

@@ -12,6 +12,10 @@ there, by name, not somewhere in a replay):
   ``VERSION`` / ``STORAGE``, the same as expressions for the generated fast path;
 - ``tensor_guards(tensors)``: dynamo's C++ ``TensorGuards``, which accepts a call's tensors
   when their type, dtype, device, shape and ``requires_grad`` are the recorded ones;
+- ``trace_symbolic(fn, static, dynamic)``: the same on fake tensors of a ``ShapeEnv`` of
+  its own, every size of ``dynamic`` a symbol (no duck sizing), and ``size_guard``: the
+  guards the tracing (and the passes after it) put on those sizes, as one compiled
+  expression, and whether it fixed every one of them (``specialized``);
 - ``tracing_state()`` (``torch._C._get_tracing_state``: inside ``torch.jit.trace``) and
   ``GLOBAL_HOOKS``: ``nn.Module``'s global hook dicts, which the compiled module's own
   ``__call__`` must honour when it bypasses ``nn.Module.__call__``.
@@ -43,6 +47,49 @@ def trace(fn):
     from torch.fx.experimental.proxy_tensor import make_fx
 
     return make_fx(fn, pre_dispatch=True)
+
+
+def trace_symbolic(fn, static: list, dynamic: list):
+    """``fn(*static, *dynamic)`` traced by ``make_fx`` at the pre-dispatch level with symbolic
+    sizes: ``static`` (the parameters) keep theirs, every dimension of each ``dynamic`` tensor
+    is a symbol of its own (sizes equal at the recording are not tied). Returns the graph and
+    the fake ``dynamic`` tensors (for ``size_guard``)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.fx.experimental.symbolic_shapes import (DimDynamic, ShapeEnv,
+                                                       StatelessSymbolicContext)
+
+    mode = FakeTensorMode(shape_env=ShapeEnv(duck_shape=False), allow_non_fake_inputs=True)
+    fixed = [mode.from_tensor(t, static_shapes=True) for t in static]
+    free = [mode.from_tensor(t, symbolic_context=StatelessSymbolicContext(
+        dynamic_sizes=[DimDynamic.DYNAMIC] * t.dim())) for t in dynamic]
+    with mode:
+        graph = make_fx(fn, pre_dispatch=True)(*fixed, *free)
+    graph.shape_env = mode.shape_env
+    return graph, free
+
+
+def size_guard(graph, fakes: list):
+    """``(guard, text, specialized)`` for a graph of ``trace_symbolic``: ``guard(tensors)``,
+    True where the tensors' sizes satisfy every guard the tracing recorded on ``fakes``'
+    sizes (``text``: those guards, or None: any sizes); ``specialized``: every size symbol
+    was fixed to a number (the reading read each one as an int), so the graph serves only the
+    recorded sizes."""
+    from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP
+
+    env = graph.shape_env
+    text = env.produce_guards_expression(fakes)
+    symbols = [d.node.expr for t in fakes for d in t.shape if isinstance(d, torch.SymInt)]
+    specialized = all(env.replacements.get(s, s).is_number for s in symbols)
+    if text is None:
+        return (lambda tensors: True), None, specialized
+    code = compile(text, "<structattn size guard>", "eval")
+    names = [f"t{i}" for i in range(len(fakes))]
+
+    def guard(tensors) -> bool:
+        return bool(eval(code, SYMPY_INTERP, {"L": dict(zip(names, tensors, strict=True))}))
+
+    return guard, text, specialized
 
 
 def reparametrized(module: torch.nn.Module, tensors: dict):
@@ -78,5 +125,6 @@ def tensor_guards(tensors):
     return guards.check
 
 
-__all__ = ["GLOBAL_HOOKS", "OpOverload", "STORAGE", "VERSION", "reparametrized", "storage_id",
-           "storage_ref", "tensor_guards", "trace", "tracing_state", "version"]
+__all__ = ["GLOBAL_HOOKS", "OpOverload", "STORAGE", "VERSION", "reparametrized", "size_guard",
+           "storage_id", "storage_ref", "tensor_guards", "trace", "trace_symbolic",
+           "tracing_state", "version"]

@@ -57,6 +57,11 @@ class Plan:
     constants_refs: list = field(default_factory=list)  # ``hold``s their storages
     constants_values: list = field(default_factory=list)
     captured: list = field(default_factory=list)  # tensors the constants read besides the state
+    #: a plan with symbolic sizes (``Plans.dynamic``): ``guard(tensors)``, True for the input
+    #: sizes it serves, and ``guards``, the conditions as text (None: every size); None for a
+    #: plan of one signature
+    guard: object = None
+    guards: str | None = None
     #: its generated fast path (``_Last``), made on its first replay and kept: calls that
     #: alternate between plans (checks on and off, two shapes) would otherwise generate anew
     last: object = None

@@ -9,13 +9,15 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .. import _validation
-from .internals import OpOverload, reparametrized, trace
+from .internals import OpOverload, reparametrized, size_guard, trace, trace_symbolic
 from .plan import Plan, _split
 from .simplify import _drop_implied_checks, _impure, _simplify, _split_constants
 
 
-def record(layer, names: list, state: list, inputs: tuple, kwargs: dict) -> Plan:
-    """Trace one reading of ``layer`` at this signature into a ``Plan``."""
+def record(layer, names: list, state: list, inputs: tuple, kwargs: dict, *,
+           symbolic: bool = False) -> Plan:
+    """Trace one reading of ``layer`` at this signature into a ``Plan``; ``symbolic``: with
+    the inputs' sizes as symbols, a plan for every size its ``guard`` accepts."""
     tensors, rebuild = _split(inputs)
     k = len(state)
     plan = Plan()
@@ -46,7 +48,10 @@ def record(layer, names: list, state: list, inputs: tuple, kwargs: dict) -> Plan
     devices = sorted({t.device.index or 0 for t in (*state, *tensors) if t.is_cuda})
     try:
         with torch.random.fork_rng(devices=devices):
-            graph = trace(reading)(*state, *tensors)
+            if symbolic:
+                graph, fakes = trace_symbolic(reading, state, tensors)
+            else:
+                graph = trace(reading)(*state, *tensors)
     except Exception as err:  # the reading reads tensor values (or cannot be traced)
         plan.reason = f"{_where(err)}{type(err).__name__}: {str(err).splitlines()[0][:200]}"
         return plan
@@ -64,6 +69,12 @@ def record(layer, names: list, state: list, inputs: tuple, kwargs: dict) -> Plan
         if plan.constants_graph is not None:  # tensors the reading captured (a closure's)
             plan.captured = [getattr(plan.constants_graph, n.target)
                              for n in plan.constants_graph.graph.nodes if n.op == "get_attr"]
+    if symbolic:
+        plan.guard, plan.guards, specialized = size_guard(graph, fakes)
+        if specialized or not plan.guard(tensors):
+            plan.reason = ("the reading fixes the sizes of its inputs (it reads each one as a "
+                           "number), so a plan with symbolic sizes would serve only these")
+            return plan
     # the tracer's notes on each node (its stack trace, a description of its value), which
     # only the passes above read: kept, a plan of a 200-step relaxation held ~380 MB of them
     for g in (graph, plan.constants_graph):
