@@ -288,7 +288,7 @@ class Plans:
             out = _FAILED  # graph) would have refused: the reading raises their message
         if out is _FAILED:
             return _read(layer, inputs, kwargs)
-        if plan.guard is None and all(type(x) is torch.Tensor for x in inputs) and all(
+        if all(type(x) is torch.Tensor for x in inputs) and all(
                 v is None or type(v) in (bool, int, float, str) for v in kwargs.values()):
             if plan.last is None:  # one per plan: the signature fixes what it guards
                 with _RECORDING:  # generated code: CPython's compiler is not thread-safe

@@ -53,7 +53,8 @@ class _Last:
         tensors = (*inputs, *state)
         self.declaration = layer.declaration
         self.plan = plan
-        self.guard = tensor_guards(tensors)
+        # a plan with symbolic sizes: any sizes of the inputs, then its own size guard
+        self.guard = tensor_guards(tensors, free=len(inputs) if plan.guard is not None else 0)
         self.run = _fast_path(self, plans, len(inputs), kwargs, state,
                               queueable=any(t.device.type in DEVICES for t in tensors))
 
@@ -91,9 +92,13 @@ def _fast_path(last, plans, n_inputs: int, kwargs: dict, state: list, queueable:
             env[f"_sa_C{i}"] = t
     lines = (_call_lines(n_inputs, kwargs, ins, env) + _state_lines(plans, state, st, env)
              + _stamp_lines(plan, state, st, held, env))
+    sizes = []
+    if plan.guard is not None:  # the sizes a plan with symbolic sizes serves
+        env["_sa_sizes"] = plan.guard
+        sizes = [f"        if not _sa_sizes(({', '.join(ins)},)):", "            return _sa_MISSED"]
     lines += ["    try:",
               f"        if not _sa_guard({', '.join(ins + st)}):",
-              "            return _sa_MISSED",
+              "            return _sa_MISSED", *sizes,
               "    except _sa_Exception:  # an input that is not a tensor",
               "        return _sa_MISSED",
               "    try:"]

@@ -78,7 +78,7 @@ def size_guard(graph, fakes: list):
     from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP
 
     env = graph.shape_env
-    text = env.produce_guards_expression(fakes)
+    text = env.produce_guards_expression(fakes, ignore_static=False)
     symbols = [d.node.expr for t in fakes for d in t.shape if isinstance(d, torch.SymInt)]
     specialized = all(env.replacements.get(s, s).is_number for s in symbols)
     if text is None:
@@ -115,12 +115,14 @@ def storage_ref(t: torch.Tensor) -> StorageWeakRef:
     return StorageWeakRef(t.untyped_storage())
 
 
-def tensor_guards(tensors):
+def tensor_guards(tensors, free: int = 0):
     """A function of tensors: True when they match ``tensors`` in type, dtype, device, shape
-    and ``requires_grad`` (dynamo's ``TensorGuards``, checked in C++)."""
+    and ``requires_grad`` (dynamo's ``TensorGuards``, checked in C++) — but for the sizes of
+    the first ``free`` tensors, which may be any (a plan with symbolic sizes)."""
     from torch._C._dynamo.guards import TensorGuards
 
-    guards = TensorGuards(*tensors, dynamic_dims_sizes=[list(t.shape) for t in tensors],
+    sizes = [[None] * t.dim() if i < free else list(t.shape) for i, t in enumerate(tensors)]
+    guards = TensorGuards(*tensors, dynamic_dims_sizes=sizes,
                           dynamic_dims_strides=[[None] * t.dim() for t in tensors])
     return guards.check
 

@@ -154,3 +154,22 @@ def test_many_lengths_with_few_plans_are_served_without_a_warning():
     assert len(layer.plans) == 2
     (plan,) = layer.dynamic_plans.values()
     assert plan.calls == 2 * 48
+
+
+def test_the_guards_check_every_size_the_reading_fixed():
+    """The model width is fixed by the reading (``features=``): a plan with symbolic sizes
+    guards it by value, so another width is read, and refused with the reading's message;
+    a non-contiguous input (another stride) is read too, with the same result."""
+    m = sa.models.self_attention(8, heads=2, dtype=torch.float64)
+    layer = sa.compile(m)
+    for n in (3, 4, 5):
+        for _ in range(2):
+            layer(torch.randn(1, n, 8, dtype=torch.float64))
+    (plan,) = layer.dynamic_plans.values()
+    assert "L['t0'].size()[2] == 8" in plan.guards
+    assert not plan.guard([torch.randn(1, 6, 9, dtype=torch.float64)])
+    with pytest.raises(ValueError, match=r"node set 'x'.*\(\*batch, n, 8\)"):
+        layer(torch.randn(1, 6, 9, dtype=torch.float64))
+    wide = torch.randn(1, 6, 16, dtype=torch.float64)[..., ::2]  # (1, 6, 8), stride 2
+    assert not plan.guard([wide])
+    assert torch.equal(layer(wide), layer.interpret(wide))

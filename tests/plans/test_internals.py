@@ -68,6 +68,33 @@ def test_tensor_guards_accept_the_recorded_signature_only():
     assert not check(torch.randn(2, 3).to(torch.float16))
 
 
+def test_tensor_guards_with_free_sizes_check_all_but_the_sizes():
+    x, w = torch.randn(2, 3), torch.randn(4)
+    check = internals.tensor_guards([x, w], free=1)
+    assert check(torch.randn(5, 7), torch.randn(4))
+    assert not check(torch.randn(5, 7), torch.randn(5))  # only the first tensor's are free
+    assert not check(torch.randn(5, 7, 1), torch.randn(4))  # the rank is not
+    assert not check(torch.randn(5, 7, dtype=torch.float64), torch.randn(4))
+
+
+def test_trace_symbolic_and_size_guard():
+    """make_fx on fake tensors of a ShapeEnv of its own: the graph runs at other sizes, and
+    the guard accepts the sizes its reading allows and refuses the others."""
+    w = torch.randn(3, 3)
+
+    def f(w, x):
+        torch._check(x.shape[-1] == 3)
+        return (x @ w).sum(-2) if x.shape[-2] > 1 else x @ w
+
+    graph, fakes = internals.trace_symbolic(f, [w], [torch.randn(4, 3)])
+    guard, text, specialized = internals.size_guard(graph, fakes)
+    assert not specialized and "L['t0'].size()[0]" in text
+    x = torch.randn(9, 3)
+    assert guard([x]) and torch.equal(graph(w, x), f(w, x))
+    assert not guard([torch.randn(9, 4)])  # the checked width
+    assert not guard([torch.randn(1, 3)])  # the branch not taken
+
+
 def test_tracing_state_is_set_inside_jit_trace_only():
     assert internals.tracing_state() is None
     seen = []
