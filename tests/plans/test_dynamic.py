@@ -42,8 +42,13 @@ def _equal(a, b) -> bool:
         for x, y in zip(la, lb, strict=True))
 
 
-@pytest.mark.parametrize("case", sorted(c for c in CASES if CASES[c].model not in NOT_REPLAYED
-                                        and c not in NOT_REPLAYED))
+#: every case with a plan; the default run takes each model's default configuration, the
+#: variants run with ``-m slow``
+REPLAYED = sorted(c for c in CASES if CASES[c].model not in NOT_REPLAYED and c not in NOT_REPLAYED)
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if ":" in c else c
+                                  for c in REPLAYED])
 def test_every_size_replays_what_a_reading_computes(case):
     torch.manual_seed(0)
     model, inputs = CASES[case]()
