@@ -178,9 +178,9 @@ class PredictorChoiceCoding(sa.Declaration):
 
 class AuthorsSweep:
     """The authors' schedule as an update rule ``update(state, step)`` shared by every latent
-    layer: at the first latent's update of an engine step it runs one whole sweep over the
-    edge families ``families`` (bottom-up), from the states at the start of the step, and
-    hands each latent its new state (the later latents' updates of the step return theirs).
+    layer: at each engine step, the update of the first latent that uses it runs one whole
+    sweep over the edge families ``families`` (bottom-up) from the states at the start of the
+    step, and hands that latent its new state; the later latents' updates return theirs.
 
     At family ``predict{l}`` (children: layer l; parents: its K predictions of layer l + 1)
     the gradients of F_l = −log_partition with respect to both ends are taken at the current
@@ -198,7 +198,8 @@ class AuthorsSweep:
 
     def __call__(self, state, step):
         engine = step.engine
-        if step.latent is engine.latents[0]:
+        first = next(z for z in engine.latents if z.options.update is self)
+        if step.latent is first:
             self.pending = self.sweep(engine)
         return self.pending.pop(step.latent.name)
 
