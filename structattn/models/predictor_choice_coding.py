@@ -9,10 +9,12 @@ from torch import nn
 
 import structattn as sa
 from structattn.checks import check_layer_sizes, check_size
+from structattn.lowering import operator_for
 
 from ._catalogue import Entry, randn64
 
 NORMS = {"euclidean": 1, "squared": 2}
+RECIPES = ("library", "authors")
 
 
 class PredictorChoiceCoding(sa.Declaration):
@@ -35,6 +37,21 @@ class PredictorChoiceCoding(sa.Declaration):
     the tip of every cone, where the Euclidean error's subgradient is 0).
     Inference: ``steps`` gradient steps on F (flat priors; dt = ``step_size`` on the authors'
     scale); learning: the gradient of F with respect to W at the relaxed states.
+
+    Two schedules of those steps (``recipe``), the same F and dt:
+
+    - ``"library"``: the engine's block coordinate descent, top-down: the label (when
+      latent), then each hidden layer from the top, each a step on the whole ∂F/∂z_l with the
+      others at their latest states;
+    - ``"authors"``: the authors' loop (AttentionPCN, ``pcn.py``, ``PCN.infer``): one sweep
+      over the predictions, from the image's up to the label's; at prediction l both of its
+      ends take a step on that term alone, F_l = −log (1/K) Σ_k exp ψ_lk, both gradients
+      taken at the same point: z ← z − (dt/T) ∂F_l/∂z for z = z_l and z_{l+1} (dt on the
+      authors' F_l; observed ends stay). A hidden layer moves twice per sweep: as the
+      predictor of the layer below, then as the layer its own predictions explain. Plain
+      gradient steps, as theirs (their Adam, learning rate 1e-4 and weight decay 1, is the
+      weights' optimiser, outside the model). The starting states are this model's in both
+      recipes (the authors' start the label and hidden layers at N(0, 0.05²) noise at test).
 
     x: ``(*batch, n_0)``, y: ``(*batch, n_L)`` (optional) → the top layer ``(*batch, n_L)``.
     Parameters ``weights[l]``: ``(K, n_l, n_{l+1})``, N(0, 1/n_{l+1}).
@@ -63,14 +80,18 @@ class PredictorChoiceCoding(sa.Declaration):
             number > 0. Default 0.1.
         grad (str): ``"unroll"`` (default: back-propagate through every step) or ``"last"``
             (iterate without gradients, then one differentiable step).
+        recipe (str): the schedule of the inference steps: ``"library"`` (default: the
+            engine's, the label then the hidden layers top-down, each on the whole of F) or
+            ``"authors"`` (the authors' sweep over the predictions, bottom-up, both ends of
+            each on its own term; see above).
         device (torch.device | str | None): where the weights are made; None: PyTorch's
             default.
         dtype (torch.dtype | None): the weights' dtype; None: PyTorch's default.
     """
 
     def __init__(self, layer_sizes, *, predictors=4, temperature=1.0, norm="euclidean",
-                 label_init=None, steps=20, step_size=0.1, grad="unroll", device=None,
-                 dtype=None):
+                 label_init=None, steps=20, step_size=0.1, grad="unroll", recipe="library",
+                 device=None, dtype=None):
         super().__init__()
         sizes = check_layer_sizes("PredictorChoiceCoding", layer_sizes, "data first, label last")
         K = check_size("PredictorChoiceCoding", "predictors", predictors)
@@ -84,10 +105,13 @@ class PredictorChoiceCoding(sa.Declaration):
                                            and math.isfinite(label_init)):
             raise ValueError(f"PredictorChoiceCoding: label_init must be a finite number or "
                              f"None (1/n_L); got {label_init!r}")
+        if not isinstance(recipe, str) or recipe not in RECIPES:
+            raise ValueError(f"PredictorChoiceCoding: recipe must be one of {list(RECIPES)}; "
+                             f"got {recipe!r}")
         sa.IterationOptions(steps=steps, update="gradient", step_size=step_size, grad=grad)
         kw = {"device": device, "dtype": dtype}
         self.layer_sizes, self.predictors, self.temperature, self.norm = sizes, K, T, norm
-        self.steps, self.step_size, self.grad = steps, step_size, grad
+        self.steps, self.step_size, self.grad, self.recipe = steps, step_size, grad, recipe
         self.label_init = 1.0 / sizes[-1] if label_init is None else float(label_init)
         self.weights = nn.ParameterList(
             nn.Parameter(torch.randn(K, sizes[l], sizes[l + 1], **kw) / math.sqrt(sizes[l + 1]))
@@ -113,6 +137,9 @@ class PredictorChoiceCoding(sa.Declaration):
         self._check(x, y)
         options = {"scale": None, "update": "gradient", "steps": self.steps,
                    "step_size": self.step_size / float(self.temperature), "grad": self.grad}
+        if self.recipe == "authors":  # one sweep per step, its states handed out per latent
+            sweep = AuthorsSweep([f"predict{l}" for l in range(L)], options["step_size"])
+            options["update"] = sweep
         if y is not None:
             top = sa.nodes(f"layer{L}", y.unsqueeze(-2))
             latents = []
@@ -147,6 +174,61 @@ class PredictorChoiceCoding(sa.Declaration):
 
     def example_inputs(self, n=None, batch=1):
         return (self._randn(batch, self.layer_sizes[0]),)
+
+
+class AuthorsSweep:
+    """The authors' schedule as an update rule ``update(state, step)`` shared by every latent
+    layer: at each engine step, the update of the first latent that uses it runs one whole
+    sweep over the edge families ``families`` (bottom-up) from the states at the start of the
+    step, and hands that latent its new state; the later latents' updates return theirs.
+
+    At family ``predict{l}`` (children: layer l; parents: its K predictions of layer l + 1)
+    the gradients of F_l = −log_partition with respect to both ends are taken at the current
+    states, then each latent end steps by ``step_size`` (dt/T). The prediction's end is
+    reached through its pullback.
+
+    Args:
+        families (list[str]): the names of the edge families, bottom-up (``predict0`` first).
+        step_size (float): the step on this model's F, dt/T.
+    """
+
+    def __init__(self, families, step_size):
+        self.families, self.step_size = families, step_size
+        self.pending = {}
+
+    def __call__(self, state, step):
+        engine = step.engine
+        first = next(z for z in engine.latents if z.options.update is self)
+        if step.latent is first:
+            self.pending = self.sweep(engine)
+        return self.pending.pop(step.latent.name)
+
+    def sweep(self, engine) -> dict:
+        latents = {id(z): z for z in engine.latents}
+        start = {i: z.states for i, z in latents.items()}
+        try:
+            for name in self.families:
+                fam = engine.families[name]
+                layer, predictions = fam.children, fam.parents
+                (above,) = predictions.sources
+                op = operator_for(fam, engine.caches.setdefault(name, {}))
+                terms = [(layer, "children"), (above, "parents")]
+                moves = [(z, self.term_gradient(fam, op, side))
+                         for z, side in terms if id(z) in latents]
+                for z, g in moves:
+                    z.states = z.states - self.step_size * g
+            return {z.name: z.states for z in latents.values()}
+        finally:
+            for i, z in latents.items():
+                z.states = start[i]
+
+    @staticmethod
+    def term_gradient(fam, op, side) -> torch.Tensor:
+        """∂F_l/∂z = −E[∂ψ/∂z] for one end of family ``fam`` (the parents' side pulled back
+        through the predictions to the layer above)."""
+        us = [psi.expected_gradient(side, op) for psi in fam.potentials]
+        u = sum(us[1:], us[0])
+        return -(u if side == "children" else fam.parents.pull_back(u)[0])
 
 
 def predictor_choice_coding(layer_sizes, **kwargs) -> PredictorChoiceCoding:

@@ -195,6 +195,8 @@ def test_drawing_shows_the_predictions_as_deterministic(tmp_path):
     ({"layer_sizes": [4]}, r"layer_sizes must be a list of ≥ 2 positive ints"),
     ({"label_init": float("nan")}, r"label_init must be a finite number or None \(1/n_L\); "
                                    r"got nan"),
+    ({"recipe": "paper"}, r"recipe must be one of \['library', 'authors'\]; got 'paper'"),
+    ({"recipe": None}, r"recipe must be one of \['library', 'authors'\]; got None"),
 ])
 def test_bad_settings_are_refused(kwargs, match):
     args = {"layer_sizes": [4, 3], **kwargs}
@@ -210,3 +212,134 @@ def test_bad_inputs_are_refused():
         layer(torch.randn(2, 4), torch.randn(2, 3))
     with pytest.raises(ValueError, match=r"x: .*float64.*float32|dtype"):
         layer(torch.randn(2, 4, dtype=f64))
+
+
+# -- recipe="authors": the authors' schedule, step for step ----------------------------------
+def authors_infer_by_hand(m, x, y, steps, dt, differentiable=False):
+    """The authors' ``PCN.infer`` (AttentionPCN, pcn.py) written out in their indexing: xs[0]
+    the label, xs[L] the image; ``network[l − 1]`` predicts xs[l] from xs[l − 1] with the
+    free energy of their ``AttentionLayer.free_energy_func`` (layers.py: torch.cdist, then
+    −(1/T) logsumexp(−T·errs)). Start: the label (y, or ``label_init`` when inferred), the
+    hidden layers propagated from it (their ``propagate_xs``: the mean prediction), the image.
+    Each step: for l = L … 1 one vector-Jacobian product of F_l at (xs[l], xs[l − 1]), then
+    xs[l] −= dt·∂F_l/∂xs[l] (never the image) and xs[l − 1] −= dt·∂F_l/∂xs[l − 1] (never a
+    clamped label). Returns the states after each step, bottom-up like the library's
+    (``differentiable``: the steps themselves differentiable, for the weights' gradient)."""
+    L, T = len(m.layer_sizes) - 1, m.temperature
+    weights = [m.weights[L - l] for l in range(1, L + 1)]  # their network[l − 1]
+
+    def predictions(l, z):  # (B, K, n): their multiple_predictions, tanh, transposed
+        return torch.stack([torch.tanh(z @ w.T) for w in weights[l - 1]], 1)
+
+    def free_energy(l, xl, z):  # (B, 1)
+        if differentiable:  # the same distances: cdist has no second derivative
+            errs = torch.linalg.vector_norm(xl[:, None, :] - predictions(l, z), dim=-1)[:, None]
+        else:
+            errs = torch.cdist(xl[:, None, :], predictions(l, z))  # (B, 1, K)
+        if m.norm == "squared":  # (not in their code: the squared error, for the other norm)
+            errs = 0.5 * errs ** 2
+        return -torch.logsumexp(-T * errs, dim=2) / T
+
+    xs = [y if y is not None else x.new_full((x.shape[0], m.layer_sizes[L]), m.label_init)]
+    for l in range(1, L):  # (not detached: the model's start follows the weights too)
+        xs.append(predictions(l, xs[l - 1]).mean(1))
+    xs.append(x)
+    history = [xs[::-1]]
+    for _ in range(steps):
+        for l in reversed(range(1, L + 1)):
+            _, (dx, dz) = torch.autograd.functional.vjp(
+                lambda a, b, l=l: free_energy(l, a, b), (xs[l], xs[l - 1]),
+                v=x.new_ones(x.shape[0], 1), create_graph=differentiable)
+            if l != L:
+                xs[l] = xs[l] - dt * dx
+            if l == 1 and y is not None:
+                continue
+            xs[l - 1] = xs[l - 1] - dt * dz
+        history.append(xs[::-1])
+    return history
+
+
+def _authors(sizes, K, T, norm, steps, dt, seed, **kw):
+    torch.manual_seed(seed)
+    return sa.models.predictor_choice_coding(sizes, predictors=K, temperature=T, norm=norm,
+                                             steps=steps, step_size=dt, recipe="authors",
+                                             dtype=f64, **kw)
+
+
+@pytest.mark.parametrize("sizes", [[6, 4, 3], [7, 5, 4, 3], [5, 3]])
+@pytest.mark.parametrize("norm", ["euclidean", "squared"])
+@pytest.mark.parametrize("clamped", [True, False])
+def test_authors_recipe_is_their_update_step_for_step(sizes, norm, clamped):
+    """recipe="authors": the states after every one of 6 steps equal the authors' loop written
+    out (their F by torch.cdist, their order, their vector-Jacobian products) to 1e-12, label
+    clamped or free, in float64; the output is their label."""
+    m = _authors(sizes, 3, 1.5, norm, 6, 0.1, 5)
+    x = torch.randn(4, sizes[0], dtype=f64)
+    y = torch.randn(4, sizes[-1], dtype=f64) if clamped else None
+    L = len(sizes) - 1
+    hand = authors_infer_by_hand(m, x, y, 6, 0.1)
+    if clamped and L == 1:  # nothing latent
+        assert torch.equal(sa.compile(m)(x, y), y)
+        return
+    out, trace = sa.compile(m)(x, y, return_trace=True)
+    for l in range(1, L + (y is None)):
+        got = trace.states[f"layer{l}"][..., 0, :]  # (steps + 1, B, n_l)
+        want = torch.stack([h[l] for h in hand])
+        assert (got - want).abs().max() < 1e-12, l
+    assert (out - hand[-1][L]).abs().max() < 1e-12
+    # with a hidden layer the schedules differ: the library's states end elsewhere; with the
+    # label the one latent, both are plain gradient descent on F
+    _, library = sa.compile(_network(sizes, 3, 1.5, norm, 6, 0.1, 5))(x, y, return_trace=True)
+    name = "layer1" if L > 1 else f"layer{L}"
+    gap = (library.states[name] - trace.states[name]).abs().max()
+    assert gap > 1e-6 if L > 1 else gap < 1e-12
+
+
+def test_authors_recipe_differentiates_through_their_steps():
+    """Unrolled, the gradient of the label with respect to every weight is autograd's through
+    their loop; grad="last" ends at the same states."""
+    m = _authors([6, 5, 4], 3, 2.0, "euclidean", 4, 0.05, 6)
+    x = torch.randn(3, 6, dtype=f64)
+    out = sa.compile(m)(x)
+    want = authors_infer_by_hand(m, x, None, 4, 0.05, differentiable=True)[-1][-1]
+    assert (out - want).abs().max() < 1e-12
+    got_g = torch.autograd.grad(out.square().sum(), list(m.weights))
+    want_g = torch.autograd.grad(want.square().sum(), list(m.weights))
+    for g, w in zip(got_g, want_g, strict=True):
+        assert (g - w).abs().max() < 1e-12
+    last = _authors([6, 5, 4], 3, 2.0, "euclidean", 4, 0.05, 6, grad="last")
+    assert (sa.compile(last)(x) - out).abs().max() < 1e-12
+
+
+def test_authors_recipe_replays_its_plan():
+    """Recorded once, the plan of the authors' sweep computes each new input's inference."""
+    m = _authors([6, 5, 3], 2, 1.0, "euclidean", 3, 0.1, 7)
+    layer, reading = sa.compile(m), sa.compile(m, replay=False)
+    xs = [torch.randn(2, 6, dtype=f64) for _ in range(5)]
+    outs = [layer(x) for x in xs]
+    assert all(p.graph is not None for p in layer.plans.values())
+    for x, out in zip(xs, outs, strict=True):
+        assert torch.equal(out, reading(x))
+
+
+@pytest.mark.parametrize("clamped", [True, False])
+def test_library_recipe_is_the_default_bit_for_bit(clamped):
+    """recipe="library" is the model without the argument: the same states at every step, the
+    same output and the same weight gradients, bit for bit."""
+    x = torch.randn(3, 6, dtype=f64)
+    y = torch.randn(3, 3, dtype=f64) if clamped else None
+    runs = []
+    for kw in ({}, {"recipe": "library"}):
+        torch.manual_seed(8)
+        m = sa.models.predictor_choice_coding([6, 5, 4, 3], predictors=3, temperature=1.5,
+                                              steps=4, step_size=0.05, dtype=f64, **kw)
+        out, trace = sa.compile(m)(x, y, return_trace=True)
+        loss = trace.states["layer1"][-1].square().sum()
+        runs.append((out, trace, torch.autograd.grad(loss, list(m.weights), allow_unused=True)))
+    (out_a, trace_a, g_a), (out_b, trace_b, g_b) = runs
+    assert torch.equal(out_a, out_b)
+    assert trace_a.states.keys() == trace_b.states.keys()
+    assert all(torch.equal(trace_a.states[k], trace_b.states[k]) for k in trace_a.states)
+    assert torch.equal(trace_a.free_energy, trace_b.free_energy)
+    for a, b in zip(g_a, g_b, strict=True):
+        assert (a is None and b is None) or torch.equal(a, b)
