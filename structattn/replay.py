@@ -48,8 +48,7 @@ from . import _validation, kernels, reading
 from .certified import CertifiedWindow
 from .latent import iteration_overrides
 from .plans.fast_path import _Last
-from .plans.plan import (_FAILED, _RECORDING, MISSED, Plan, _leaf_key, _read, _split, hold, replay,
-                         stamp)
+from .plans.plan import _FAILED, _RECORDING, MISSED, Plan, _leaf_key, _read, _split, hold, replay, stamp
 from .plans.record import record
 from .trace import Trace
 from .verdicts import Verdicts, parameters_failed, queued_on
@@ -80,7 +79,6 @@ class Plans:
         self.enabled, self.record_after, self.max_plans = enabled, record_after, max_plans
         self.dynamic = dynamic
         self.dynamic_plans: dict = {}  # sizes-free signature → its plan with symbolic sizes
-        self.sizes: dict = {}  # sizes-free signature → how many signatures of it have plans
         self.full_warned = False  # whether the warning that no plan is left was given
         self.plans: dict = {}
         self.reads: dict = {}  # signature → readings so far
@@ -99,7 +97,6 @@ class Plans:
         self.plans.clear()
         self.reads.clear()
         self.dynamic_plans.clear()
-        self.sizes.clear()
         self._modules = self._checked = self._last = None
 
     # -- the signature -------------------------------------------------------------------
@@ -197,10 +194,11 @@ class Plans:
         """``(plan, queue)``: the plan with symbolic sizes that serves this call — recorded
         now if two sizes of these inputs have plans (or no signature is left) and none was
         tried yet — or None when there is none or its guards refuse these sizes."""
-        family = _sizes_free(key, inputs)
+        family = _sizes_free(key)
         plan, queue = self.dynamic_plans.get(family), (self.verdicts, layer, inputs, kwargs)
         if plan is None:
-            if self.sizes.get(family, 0) < 2 and len(self.plans) < self.max_plans \
+            seen = [k for k in self.plans if _sizes_free(k) == family]  # its sizes with plans
+            if len(seen) < 2 and len(self.plans) < self.max_plans \
                     or len(self.dynamic_plans) >= self.max_plans:
                 return None
             with _RECORDING:
@@ -208,30 +206,12 @@ class Plans:
                 if plan is None:
                     plan = record(layer, self.names(layer.declaration), state, inputs, kwargs,
                                   symbolic=True)
-                    plan = self.dynamic_plans[family] = self._serves_seen(plan, family, inputs)
+                    plan = self.dynamic_plans[family] = _serves_seen(
+                        plan, seen, len(_split(inputs)[0]))
                     queue = None  # the recording call checks in the call
         if plan.graph is None or not plan.guard(_split(inputs)[0]):
             return None
         return plan, queue
-
-    def _serves_seen(self, plan: Plan, family: tuple, inputs: tuple) -> Plan:
-        """``plan``, or, where its guards accept none of the sizes this family already has
-        plans for (the reading fixed the sizes, e.g. by reading one as a number, so the plan
-        would serve only the sizes recorded), a plan that says so (no graph)."""
-        if plan.graph is None or plan.guard is None:
-            return plan
-        seen = [k for k in self.plans if _sizes_free(k, inputs) == family]
-        if not seen:
-            return plan
-        n = len(inputs)
-        for key in seen:  # the seen inputs' layout (contiguous), without their values
-            tensors = [torch.empty(k[0], dtype=k[1], device="meta")
-                       for x, k in zip(inputs, key[7:7 + n], strict=True) if type(x) is torch.Tensor]
-            if len(tensors) == len(_split(inputs)[0]) and plan.guard(tensors):
-                return plan
-        return Plan(reason="the reading fixes the sizes of its inputs (it reads one as a "
-                           "number), so a plan with symbolic sizes would serve only these; "
-                           "each size has its own plan")
 
     # -- one call ------------------------------------------------------------------------
     def __call__(self, layer, inputs: tuple, kwargs: dict):
@@ -275,8 +255,6 @@ class Plans:
                 if plan is None:
                     plan = self.plans[key] = record(layer, self.names(layer.declaration),
                                                     state, inputs, kwargs)
-                    family = _sizes_free(key, inputs)
-                    self.sizes[family] = self.sizes.get(family, 0) + 1
             queue = None  # the recording call checks in the call
         else:
             queue = (self.verdicts, layer, inputs, kwargs)
@@ -298,9 +276,29 @@ class Plans:
         return out
 
 
-def _sizes_free(key: tuple, inputs: tuple) -> tuple:
+def _is_tensor_key(entry) -> bool:
+    """Whether a signature entry is a tensor input's: ``(shape, dtype, device, …)``."""
+    return type(entry) is tuple and bool(entry) and type(entry[0]) is torch.Size
+
+
+def _sizes_free(key: tuple) -> tuple:
     """A signature without its tensor inputs' sizes (their ranks instead): what one plan with
-    symbolic sizes serves. The signature holds 7 modes, then one entry per input."""
-    ins = tuple((len(k[0]), *k[1:]) if type(x) is torch.Tensor else k
-                for x, k in zip(inputs, key[7:7 + len(inputs)], strict=True))
-    return (*key[:7], *ins, *key[7 + len(inputs):])
+    symbolic sizes serves. (A parameter's entry starts with its identity, not a shape.)"""
+    return tuple((len(k[0]), *k[1:]) if _is_tensor_key(k) else k for k in key)
+
+
+def _serves_seen(plan: Plan, seen: list, n_tensors: int) -> Plan:
+    """``plan``, or, where its guards accept none of the sizes ``seen`` (the signatures of its
+    family that have plans: the reading fixed the sizes, e.g. by reading one as a number, so
+    the plan would serve only the sizes recorded), a plan that says so (no graph).
+    ``n_tensors``: the tensors its guard reads (fewer at the top of a signature where inputs
+    nest tensors in lists: then it is kept as it is)."""
+    if plan.graph is None or not seen:
+        return plan
+    for key in seen:  # the seen inputs' layout (contiguous), without their values
+        tensors = [torch.empty(k[0], dtype=k[1], device="meta") for k in key if _is_tensor_key(k)]
+        if len(tensors) != n_tensors or plan.guard(tensors):
+            return plan
+    return Plan(reason="the reading fixes the sizes of its inputs (it reads one as a number), "
+                       "so a plan with symbolic sizes would serve only these; each size has its "
+                       "own plan")

@@ -56,8 +56,7 @@ def trace_symbolic(fn, static: list, dynamic: list):
     the fake ``dynamic`` tensors (for ``size_guard``)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.proxy_tensor import make_fx
-    from torch.fx.experimental.symbolic_shapes import (DimDynamic, ShapeEnv,
-                                                       StatelessSymbolicContext)
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
     mode = FakeTensorMode(shape_env=ShapeEnv(duck_shape=False), allow_non_fake_inputs=True)
     fixed = [mode.from_tensor(t, static_shapes=True) for t in static]
