@@ -178,3 +178,22 @@ def test_the_guards_check_every_size_the_reading_fixed():
     wide = torch.randn(1, 6, 16, dtype=torch.float64)[..., ::2]  # (1, 6, 8), stride 2
     assert not plan.guard([wide])
     assert torch.equal(layer(wide), layer.interpret(wide))
+
+
+def test_calls_with_another_number_of_inputs_keep_their_own_plans():
+    """Signatures of one module that differ in their inputs' number or kind (a second input
+    given or not) are told apart when sizes are compared: each gets its plans, every call
+    equal to its reading."""
+    def program(x, scale=None):
+        tokens = sa.nodes("x", x if scale is None else x * scale)
+        phi = sa.edges("attn", tokens, tokens, sa.priors.Uniform(causal=True))
+        sa.potential(phi, sa.potentials.DotProduct())
+        return sa.value(phi, sa.values.Identity())
+
+    layer = sa.compile(program)
+    for n in (3, 4, 5, 6):
+        x = torch.randn(1, n, 4, dtype=torch.float64)
+        for args in ((x,), (x, torch.tensor(2.0, dtype=torch.float64)), (x, 3.0)):
+            for _ in range(2):
+                assert torch.equal(layer(*args), layer.interpret(*args))
+    assert len(layer.dynamic_plans) == 3
