@@ -85,6 +85,7 @@ import structattn as sa  # noqa: E402
 
 CLASSES = 10
 SPLIT = 1397  # training digits; the remaining 400 of 1,797 are the test set
+NETWORKS = ("blocks", "standard", "units", "choice")  # ``Config.kind``: ``--networks``
 
 
 class Config(NamedTuple):
@@ -548,6 +549,9 @@ def main(argv=None):
     p.add_argument("--authors-optimiser", action="store_true",
                    help="train the authors' network with their optimiser: Adam, lr 1e-4, "
                         "weight decay 1, on the mini-batch sum of their F")
+    p.add_argument("--networks", nargs="+", default=list(NETWORKS), choices=NETWORKS,
+                   help="train only these networks (default: all); the pictures that need a "
+                        "network left out are not drawn")
     p.add_argument("--activation", default="tanh", choices=["tanh", "none"])
     p.add_argument("--steps", type=int, default=20, help="inference steps while training")
     p.add_argument("--step-size", type=float, default=0.1, help="inference step size")
@@ -595,6 +599,7 @@ def _run(args):
                Config("choice", deep, predictors=args.predictors, norm="squared",
                       temperature=args.squared_temperature, recipe=args.recipe,
                       authors_optimiser=args.authors_optimiser)]
+    configs = [cfg for cfg in configs if cfg.kind in args.networks]
     runs, timings = {}, {}
     for cfg in configs:
         runs[cfg] = seeds = []
@@ -617,31 +622,33 @@ def _run(args):
     setting = (f"digits, {len(data[0])} train / {len(data[2])} test; {args.epochs} epochs, "
                f"{args.seeds} seeds; k = {args.precision}, {args.activation or 'identity'}, "
                f"{args.steps} inference steps of {args.step_size}; Adam lr {args.lr}")
-    path = os.path.join(args.out, "pc_learning_curves.png")
-    plot_learning(runs, args, path, f"predictive coding: attention vs standard "
-                  f"(solid: one hidden layer, dotted: none)\n{setting}")
-    written.append(path)
-    path = os.path.join(args.out, "pc_test_inference.png")
-    plot_test_inference(runs, args, path, f"test inference (no target), after training\n"
-                        f"{setting}")
-    written.append(path)
-    path = os.path.join(args.out, "pc_attention_posterior.png")
-    plot_posterior(runs, data[2], data[3], args, path,
-                   f"attention networks (seed 0): posterior over incoming units after "
-                   f"{args.test_steps} test inference steps, for the first test digits",
-                   examples=2 if args.quick else 4)
-    written.append(path)
-    path = os.path.join(args.out, "pc_block_posterior.png")
-    plot_block_posterior(runs, data[2], data[3], args, path,
-                         f"block attention networks {list(deep)}, blocks [1, {args.blocks}, 1]: "
-                         f"the output's posterior over the hidden blocks\nafter "
-                         f"{args.test_steps} inference steps on the test digits")
-    written.append(path)
-    path = os.path.join(args.out, "pc_choice.png")
-    plot_choice(runs, data[2], data[3], args, path,
-                f"the authors' network {list(deep)}: a choice of {args.predictors} whole-layer "
-                f"predictors tanh(W_k z) per layer, generative (the label on top)")
-    written.append(path)
+    names = {cfg.kind for cfg in runs}
+    pictures = [  # (file, the networks it needs, how it is drawn)
+        ("pc_learning_curves.png", set(), lambda path: plot_learning(
+            runs, args, path, f"predictive coding: attention vs standard "
+            f"(solid: one hidden layer, dotted: none)\n{setting}")),
+        ("pc_test_inference.png", set(), lambda path: plot_test_inference(
+            runs, args, path, f"test inference (no target), after training\n{setting}")),
+        ("pc_attention_posterior.png", {"units"}, lambda path: plot_posterior(
+            runs, data[2], data[3], args, path,
+            f"attention networks (seed 0): posterior over incoming units after "
+            f"{args.test_steps} test inference steps, for the first test digits",
+            examples=2 if args.quick else 4)),
+        ("pc_block_posterior.png", {"blocks"}, lambda path: plot_block_posterior(
+            runs, data[2], data[3], args, path,
+            f"block attention networks {list(deep)}, blocks [1, {args.blocks}, 1]: "
+            f"the output's posterior over the hidden blocks\nafter "
+            f"{args.test_steps} inference steps on the test digits")),
+        ("pc_choice.png", {"choice"}, lambda path: plot_choice(
+            runs, data[2], data[3], args, path,
+            f"the authors' network {list(deep)}: a choice of {args.predictors} whole-layer "
+            f"predictors tanh(W_k z) per layer, generative (the label on top)")),
+    ]
+    for name, needs, draw in pictures:
+        if needs <= names:
+            path = os.path.join(args.out, name)
+            draw(path)
+            written.append(path)
     print(f"({time.perf_counter() - start:.1f} s)\nwrote:\n  " + "\n  ".join(written))
     return written
 

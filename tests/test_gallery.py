@@ -57,3 +57,16 @@ def test_multihop_toy_data_is_the_papers_chain():
         assert bool(((X[b, i] >= 0) & (X[b, i] < 10)).all())
         positions_of_z0.add(i)
     assert len(positions_of_z0) > 1  # shuffled
+
+
+def test_predictive_coding_trains_only_the_networks_named(tmp_path, capsys):
+    """``--networks choice`` (the recipe table's run) trains the authors' networks alone and
+    draws only the pictures that need nothing else."""
+    written = _load(GALLERY / "plot_predictive_coding.py").main(
+        ["--quick", "--networks", "choice", "--recipe", "authors", "--out", str(tmp_path)])
+    assert sorted(pathlib.Path(p).name for p in written) == [
+        "pc_choice.png", "pc_learning_curves.png", "pc_test_inference.png"]
+    table = [r for r in capsys.readouterr().out.splitlines() if r.startswith("| ")]
+    rows = [r for r in table if not r.startswith(("| model", "|---"))]
+    assert len(rows) == 2 and all(r.startswith("| choice of 4 predictors") and
+                                  "authors' recipe" in r for r in rows)
