@@ -17,7 +17,6 @@ Shapes: ``(*lead, N, k)`` node factors → ``(*lead, nb, B, k)`` child blocks an
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -34,12 +33,14 @@ class BandLayout:
 
     @staticmethod
     def for_window(n: int, window: int, block: int) -> BandLayout:
-        block = max(1, min(block, n))
-        return BandLayout(n, block, max(1, math.ceil(window / block)))
+        """The layout of a band ``window`` wide over ``n`` children; ``n`` and ``window`` may
+        be symbolic (an exported program's sizes and runtime width: no branch on them)."""
+        block = block if _symbolic(n) else max(1, min(block, n))  # (a block past n pads)
+        return BandLayout(n, block, torch.sym_max(1, -(-window // block)))
 
     @property
     def num_blocks(self) -> int:
-        return math.ceil(self.n / self.block)
+        return -(-self.n // self.block)
 
     @property
     def width(self) -> int:
@@ -77,7 +78,7 @@ class BandLayout:
     def children(self, x: torch.Tensor) -> torch.Tensor:
         """``(*lead, N, k)`` → ``(*lead, nb, B, k)`` (padded with zeros at the end)."""
         pad = self.num_blocks * self.block - self.n
-        if pad:
+        if _symbolic(pad) or pad:
             x = F.pad(x, (0, 0, 0, pad))
         return x.unflatten(-2, (self.num_blocks, self.block))
 
@@ -85,6 +86,9 @@ class BandLayout:
         """``(*lead, N, k)`` → ``(*lead, nb, L, k)``: block c's slice starts mB before it."""
         front, back = self.reach, self.num_blocks * self.block - self.n
         x = F.pad(x, (0, 0, front, back))  # (*lead, (nb + m)·B, k)
+        if _symbolic(self.width):  # ``unfold`` takes a plain int: a symbolic width gathers
+            slots = self.parent_positions(x.device) + self.reach  # (nb, L) rows of the padded x
+            return x[..., slots, :]
         return x.unfold(-2, self.width, self.block).transpose(-1, -2)  # (*lead, nb, L, k)
 
     def unblock(self, y: torch.Tensor) -> torch.Tensor:
@@ -101,6 +105,11 @@ class BandLayout:
         rows = pos[:, :, None].expand_as(cols)
         dense[..., rows, cols] = band
         return dense[..., :self.n, self.reach:self.reach + self.n]
+
+
+def _symbolic(size) -> bool:
+    """Whether ``size`` is a ``torch.SymInt`` (traced by ``torch.export``), not a Python int."""
+    return isinstance(size, torch.SymInt)
 
 
 def scores(a: torch.Tensor, b: torch.Tensor, scale: float, layout: BandLayout) -> torch.Tensor:
@@ -121,6 +130,11 @@ def attend(a, b, u, scale: float, bias: torch.Tensor, layout: BandLayout) -> tor
     qa, kb, vu = layout.children(a), layout.parents(b), layout.parents(u)
     lead = qa.shape[:-3]
     nb, B, L = layout.num_blocks, layout.block, layout.width
+    if _symbolic(nb) or _symbolic(L):  # exported: the mask broadcast by SDPA, not reshaped
+        # (a reshape of an expanded mask asks whether each symbolic size is 1: a guard)
+        out = F.scaled_dot_product_attention(qa, kb, vu, attn_mask=bias, scale=scale)
+        return layout.unblock(out).clone(memory_format=torch.contiguous_format)  # (a fresh
+        # layout: the slice's strides would make each later reshape ask if a size is 1)
     flat = (-1, nb)
     # (…, nb, B, L) → (X, nb, B, L); one bias for every lead → (1, nb, B, L): the CPU's fused
     # kernel takes a 2-D or 4-D mask only (a 3-D one sends SDPA to its math path)

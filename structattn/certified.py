@@ -164,6 +164,42 @@ def certify(a: torch.Tensor, b: torch.Tensor, scale: float, prior, eps: float, *
         return _chosen(ev, widths, k, bounds, last, per_lead)
 
 
+def window_bound(a: torch.Tensor, b: torch.Tensor, scale: float, prior, width, *,
+                 first: int = 1, block: int = 32) -> torch.Tensor:
+    """B_i(``width``) for one given width, no search: each child's certified bound on its
+    posterior mass beyond it, ``(*lead, N)`` float64, 0 where the width holds the child's
+    whole past. The Cauchy–Schwarz ceiling of the module docstring (not the per-block one),
+    the band scored at once. ``width`` may be symbolic — an exported program's runtime
+    width (``structattn.export(..., window=W)``) — so nothing here branches on it or on N.
+
+    Args:
+        a, b (torch.Tensor): the children's and parents' factors, ``(*batch, H, N, k)``
+            (``certify``'s).
+        scale (float): the scores' factor.
+        prior (DistancePrior): states ``log_weights_on_band`` and ``log_tail_mass``.
+        width (int | torch.SymInt): the window, ≥ 1.
+        first (int): the nearest distance read, 0 or 1; default 1.
+        block (int): the band's block of children; default 32.
+
+    Returns:
+        torch.Tensor: the bounds, ``(*lead, N)`` float64 (no gradient).
+    """
+    with torch.no_grad():
+        a, b, wide = a.detach(), b.detach(), torch.float64
+        n, dev = a.shape[-2], a.device
+        _, slack = score_ceiling(a, b, scale)  # (*lead, N)
+        lay = band.BandLayout.for_window(n, width, block)
+        s = (band.scores(a, b, scale, lay).to(wide)  # (*lead, nb, B, L), −∞ off the window
+             + prior.log_weights_on_band(lay, width, first, dev, wide))
+        log_in = lay.unblock(torch.logsumexp(s, -1)[..., None])[..., 0] - slack
+        pos = torch.arange(n, device=dev)
+        far = (pos - width - 1).clamp(min=0)  # the nearest parent beyond the window
+        run = b.to(wide).norm(dim=-1).cummax(-1).values  # max_{j ≤ k} ‖b_j‖
+        ceiling = abs(scale) * a.to(wide).norm(dim=-1) * run[..., far] + slack
+        out = tail_bound(log_in, prior.log_tail_mass(width, n, dev, wide), ceiling)
+        return torch.where(pos <= width, torch.zeros_like(out), out)
+
+
 class _Evidence:
     """What ``certify`` knows of one family's posterior tails: the band's scores at the widths
     scored (``log_inside``), the prior's tails, the score ceilings beyond each width, and the

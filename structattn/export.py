@@ -9,11 +9,15 @@ declaration once, non-strictly (as Python, on fake tensors), the way a plan is r
 with the message "structattn value check failed", not the reading's own (run the model
 under structattn for that).
 
-What cannot be exported is refused in one line, before torch traces anything, with the
-reason: a family read by an inference scheme (expanding attention's mean-field windows, whose
-sizes depend on the data) or a prior with a certified ``tol`` (its window is chosen per call).
-Iterative models are exported at their fixed step count; graph attention with dynamic sizes
-(the number of nodes and of edges vary).
+A prior with a certified ``tol`` chooses its window's width from the data on every call;
+exported with ``window=W``, the program takes that width as its last input and asserts the
+window's certificate at it (``structattn.certified.window_bound`` ≤ tol for every token) on
+every call. What cannot be exported is refused in one line, before torch traces anything,
+with the reason: a family read by an inference scheme (expanding attention's mean-field
+windows, whose sizes depend on the data), certified key blocks, a Beta-geometric
+``prior_tol``, or a certified window without ``window``. Iterative models are exported at
+their fixed step count; graph attention with dynamic sizes (the number of nodes and of edges
+vary).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import sys
 import torch
 from torch import nn
 
-from . import _validation
+from . import _validation, reading
 from .compiler import CompiledModule, compile
 from .kinds.window import Window
 from .priors.beta_geometric import BetaGeometric
@@ -39,14 +43,26 @@ _MESSAGE = ("structattn value check failed: an input holds NaN/inf or a support 
 class _Program(nn.Module):
     """What is exported: one reading of the layer with the given options, checks fused."""
 
-    def __init__(self, layer: CompiledModule, options: dict):
+    def __init__(self, layer: CompiledModule, options: dict, window: bool = False):
         super().__init__()
-        self.layer, self.options = layer, options
+        self.layer, self.options, self.window = layer, options, window
+        self.certificate_message = (
+            f"structattn certificate failed: {layer.declaration.display_name}'s certified "
+            f"window at the width given (the program's last input) leaves more than its tol "
+            f"of some child's posterior mass out; call it with a wider width")
 
     def forward(self, *inputs):
         flags: list = []
-        with _validation.recording(flags, exporting=True):
+        certificates: list = []  # each certified window's verdict at the runtime width
+        given = {}
+        if self.window:
+            *inputs, width = inputs
+            torch._check(width >= 1)
+            given = {"window": (width, certificates)}
+        with _validation.recording(flags, exporting=True), reading.entered(**given):
             out = self.layer.interpret(*inputs, **self.options)
+        if certificates:  # not a value check: the window's own guarantee, always asserted
+            torch._assert_async(torch.stack(certificates).all(), self.certificate_message)
         sums = [f for f in flags if f.is_floating_point()]
         verdicts = [f for f in flags if not f.is_floating_point()]
         if sums:
@@ -57,27 +73,47 @@ class _Program(nn.Module):
         return out
 
 
-def _dynamic_shapes(dynamic, inputs: tuple):
-    if dynamic is None or dynamic is False:
+def _dynamic_shapes(dynamic, inputs: tuple, window: bool = False):
+    """``torch.export``'s ``dynamic_shapes`` for the program's ``*inputs`` (and, with a
+    ``window``, its runtime width, always dynamic)."""
+    if (dynamic is None or dynamic is False) and not window:
         return None
     if dynamic is True:  # every dimension may vary; export keeps static what the model fixes
         dynamic = tuple({i: torch.export.Dim.AUTO for i in range(x.dim())}
                         if isinstance(x, torch.Tensor) else None for x in inputs)
+    elif dynamic is None or dynamic is False:
+        dynamic = (None,) * len(inputs)
+    if window:
+        dynamic = (*dynamic, torch.export.Dim.DYNAMIC)
     return (tuple(dynamic),)  # the program's forward takes *inputs: one entry for them all
 
 
-def _refuse_data_dependent(layer: CompiledModule, inputs: tuple, kwargs: dict) -> None:
+def _refuse_data_dependent(layer: CompiledModule, inputs: tuple, kwargs: dict,
+                           window: int | None = None) -> None:
     """The library's one-line refusal of what has no single program, found from the
     declaration's structure before torch traces anything: a family read by an inference
-    scheme (expanding attention's mean-field windows: their sizes depend on the data) or a
-    prior with a certified ``tol`` (its window is chosen from the data on every call)."""
+    scheme (expanding attention's mean-field windows: their sizes depend on the data), a
+    prior with a certified ``tol`` exported without a ``window`` (its width is then chosen
+    from the data on every call), or a ``window`` for a model with no certified window."""
     from .readers import trace_structure
 
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int)
+                               or window < 2):
+        raise ValueError(f"structattn.export: window (the certified windows' width, the "
+                         f"program's runtime input; here its example value) must be an int "
+                         f"≥ 2 (torch specialises 0 and 1); got {window!r}")
     try:
         structure = trace_structure(layer.declaration.model, *inputs, **kwargs)
     except Exception:  # the reading's own error comes out of the export below
         return
     name = layer.declaration.display_name
+    certified = [fam for fam in structure.families.values()
+                 if fam.prior.tol is not None and isinstance(fam.support, Window)
+                 and fam.prior.certificate == "window"]
+    if window is not None and not certified:
+        raise ValueError(f"structattn.export: window={window} is the width of certified "
+                         f"windows (a tol on a distance prior), but {name} has none; export "
+                         f"it without window")
     for fam in structure.families.values():
         if fam.inference is not None:
             raise ValueError(
@@ -93,14 +129,21 @@ def _refuse_data_dependent(layer: CompiledModule, inputs: tuple, kwargs: dict) -
                 f"holds it; export it with max_window (a fixed width) or run it under "
                 f"structattn")
         tol = fam.prior.tol
-        if tol is not None and isinstance(fam.support, Window):  # (stick-breaking's tol only
-            # stops a scan: its exported reading is the whole table)
-            what = "key blocks" if fam.prior.certificate == "blocks" else "window"
+        if tol is not None and isinstance(fam.support, Window) and fam.prior.certificate \
+                == "blocks":  # (stick-breaking's tol only stops a scan: its exported
+            # reading is the whole table)
             raise ValueError(
                 f"structattn.export: {name} cannot be exported: edge family {fam.name!r} has "
-                f"certified {what} (tol={tol:g}), chosen from the data on every call, so no "
-                f"single program holds it; export it without tol (all of the past) or run it "
-                f"under structattn")
+                f"certified key blocks (tol={tol:g}), chosen from the data on every call, so "
+                f"no single program holds them; export it with certificate='window' and a "
+                f"window=, without tol (all of the past), or run it under structattn")
+        if window is None and any(fam is c for c in certified):
+            raise ValueError(
+                f"structattn.export: {name} cannot be exported as it is: edge family "
+                f"{fam.name!r} has a certified window (tol={tol:g}) whose width is chosen from "
+                f"the data on every call; export it with window=W (the program then takes the "
+                f"width as its last input and asserts the window's certificate at it on "
+                f"every call), without tol (all of the past), or run it under structattn")
 
 
 class _quiet_torch:
@@ -136,8 +179,19 @@ class _quiet_torch:
         return False
 
 
-def export(model, *example_inputs, dynamic=None, return_posterior: bool = False,
-           **kwargs) -> torch.export.ExportedProgram:
+def _size_oblivious(on: bool):
+    """Tracing with a runtime width, torch's size-oblivious reasoning: a layout check (is a
+    padded block contiguous, is a size 1) otherwise becomes a guard that pins the sequence
+    length or the width to the example's case."""
+    if not on:
+        return contextlib.nullcontext()
+    import torch.fx.experimental._config as shapes
+
+    return shapes.patch(backed_size_oblivious=True)
+
+
+def export(model, *example_inputs, dynamic=None, window: int | None = None,
+           return_posterior: bool = False, **kwargs) -> torch.export.ExportedProgram:
     """Export the compiled ``model`` with ``torch.export.export`` at ``example_inputs``.
 
     The program holds only PyTorch operators: save it with ``torch.export.save(program,
@@ -156,6 +210,16 @@ def export(model, *example_inputs, dynamic=None, return_posterior: bool = False,
             examples; True: every input dimension may vary (``torch.export.Dim.AUTO``, kept
             static where the model needs it); or ``torch.export``'s own ``dynamic_shapes``,
             one entry per input.
+        window (int | None): for a model with certified windows (a ``tol`` on a distance
+            prior: FoX, ALiBi, BAM, expanding attention's exact reading), the example value
+            of their width, which the program then takes as its last input (``program.
+            module()(x, width)``, any int ≥ 1): every certified window reads the band of
+            that width, and the program asserts its certificate there on every call — each
+            child's posterior mass beyond it ≤ tol — failing with "structattn certificate
+            failed" where the data needs a wider one. A layer called under structattn
+            reports the width it certified for an input (``return_trace=True``:
+            ``trace.truncation``). None (default): a model with certified windows is
+            refused.
         return_posterior: the program also returns the edge posteriors, as
             ``CompiledModule.forward`` does: ``(*batch, heads, children, parents)`` for one
             edge family, else a dict by family name.
@@ -170,23 +234,26 @@ def export(model, *example_inputs, dynamic=None, return_posterior: bool = False,
     Raises:
         ValueError: ``return_trace`` or ``trace_posteriors`` is asked for; a family is read
             by an inference scheme (expanding attention's mean-field windows) or its prior
-            chooses its window from the data (a certified ``tol``, a Beta-geometric
-            ``prior_tol``), so no single program holds it (refused before torch traces
-            anything); or ``torch.export`` fails, the message naming where the reading
-            failed.
+            chooses its support from the data (certified key blocks, a Beta-geometric
+            ``prior_tol``, a certified ``tol`` without ``window``), so no single program
+            holds it; ``window`` is not an int ≥ 2, or is given for a model without
+            certified windows (all refused before torch traces anything); or
+            ``torch.export`` fails, the message naming where the reading failed.
     """
     if kwargs.get("return_trace") or kwargs.get("trace_posteriors"):
         raise ValueError("structattn.export: return_trace returns a structattn Trace, which a "
                          "program loaded without structattn could not rebuild; export the "
                          "output (and return_posterior=True) instead")
     layer = model if isinstance(model, CompiledModule) else compile(model)
-    _refuse_data_dependent(layer, example_inputs, kwargs)
-    program = _Program(layer, {"return_posterior": return_posterior, **kwargs})
+    _refuse_data_dependent(layer, example_inputs, kwargs, window)
+    program = _Program(layer, {"return_posterior": return_posterior, **kwargs},
+                       window=window is not None)
+    inputs = tuple(example_inputs) + (() if window is None else (window,))
     try:
-        with _quiet_torch():
-            return torch.export.export(program, tuple(example_inputs),
-                                       dynamic_shapes=_dynamic_shapes(dynamic, example_inputs),
-                                       strict=False)
+        with _quiet_torch(), _size_oblivious(window is not None):
+            return torch.export.export(
+                program, inputs, strict=False,
+                dynamic_shapes=_dynamic_shapes(dynamic, example_inputs, window is not None))
     except Exception as err:
         from .plans.record import _where
 

@@ -47,6 +47,11 @@ class ReadingContext:
             (``structattn.triton_kernels.on_cpu()``).
         iteration: ``structattn.iteration(...)``'s overrides of the latents' options
             (name → value), replaced, never changed in place.
+        window: while ``structattn.export(..., window=W)`` reads the declaration, ``(width,
+            verdicts)``: the width every certified window reads (the program's runtime
+            input, symbolic while traced) and the list each window's certificate at it goes
+            into (a bool tensor: every child's posterior mass beyond it ≤ tol); None
+            otherwise.
     """
 
     readings: tuple = ()
@@ -57,6 +62,7 @@ class ReadingContext:
     kernels: bool = True
     triton_on_cpu: bool = False
     iteration: dict = field(default_factory=dict)
+    window: tuple | None = None
 
 
 #: the context a thread starts with

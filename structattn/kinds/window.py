@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import torch
 
-from .. import band
+from .. import band, reading
 from ..block_sparse import block_sparse_attention, causal_posterior, certify_blocks
-from ..certified import certify
+from ..certified import certify, window_bound
 from .base import Operator, Support
 from .dense import with_parent_terms
 from .key_bias import applies, band_applies, key_bias_attention
@@ -54,6 +54,7 @@ class WindowOperator(Operator):
         #: prior asks for one (``tol``) and the band applies; the trace reports it
         self.truncation = None
         self._windows = False  # each head's window (``_head_windows``), not chosen yet
+        self._given = False  # the width is an exported program's runtime input
 
     def _chosen_width(self) -> int | None:
         """The window the band reads: the support's, or — when the prior states a certified
@@ -68,6 +69,14 @@ class WindowOperator(Operator):
                 and n == f.parents.size and n > 1:
             a, b, scale = self.fused_factors()  # (*batch, H, N, k)
             block = f.prior.block_size
+            given = reading.context().window
+            if given is not None:  # an exported program: the width is its runtime input,
+                # and its certificate at that width a verdict the program asserts
+                width = given[0] if width is None else torch.sym_min(given[0], width)
+                given[1].append((window_bound(a, b, scale, f.prior, width, first=f.support.first,
+                                              block=block) <= eps).all())
+                self._width, self._given = width, True
+                return width
             # a band wider than half the sequence reads more pairs than the causal kernel does
             # (N·L against N²/2), and slower ones: beyond it, read all of the past. A band per
             # head reads from each child's window on: up to half the sequence (3/4 of the
@@ -139,7 +148,7 @@ class WindowOperator(Operator):
         if not (self.is_fused() and f.support.offset == 0 and n == f.parents.size):
             return False
         w = self._chosen_width()
-        return w is not None and w < n - 1
+        return w is not None and (self._given or w < n - 1)  # (a runtime width: no branch)
 
     def _setup(self):
         if self._band is None:

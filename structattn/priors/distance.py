@@ -181,10 +181,11 @@ class DistancePrior(Prior):
             raise NotImplementedError(
                 f"{type(self).__name__} is not stationary and states no log_tail_mass: "
                 f"certified truncation needs the prior's weight beyond a window")
-        if width + 1 >= num_tokens:
-            return torch.full_like(table[:, :1], float("-inf"))
         beyond = torch.logcumsumexp(table.flip(-1), -1).flip(-1)  # [d]: log Σ_{d' ≥ d}
-        return beyond[:, width + 1:width + 2]  # (H|1, 1)
+        # d = width + 1 ≥ N holds nothing (−∞); no branch on ``width``, which an exported
+        # program takes at run time
+        d = torch.arange(num_tokens, device=device)
+        return torch.where(d == width + 1, beyond, float("-inf")).amax(-1, keepdim=True)
 
     def reading(self, support):
         """The support's operator: a ``Window``'s reads this prior's band hooks."""

@@ -18,7 +18,7 @@ from scipy import special
 
 import structattn as sa
 from structattn.ceilings import block_tail_ceilings
-from structattn.certified import certify, skipped_pairs
+from structattn.certified import certify, skipped_pairs, window_bound
 
 f64 = torch.float64
 
@@ -300,3 +300,23 @@ def test_clustered_keys_pointing_away_certify_a_narrow_window_where_the_longest_
     ball = certify(a, b, 0.25, prior, 1e-4)
     assert c.width * 4 <= ball.width, (c.width, ball.width)  # here 64 against 511
     assert c.skipped > 0.75 and ball.skipped == 0.0
+
+
+@settings(max_examples=15, deadline=None)
+@given(n=st.integers(2, 90), width=st.integers(1, 100), block=st.sampled_from([4, 16, 32]),
+       seed=st.integers(0, 2**31 - 1))
+def test_the_bound_at_one_given_width_holds_and_is_what_certify_reports(n, width, block, seed):
+    """``window_bound`` — the certificate an exported program asserts at its runtime width —
+    bounds the true mass beyond any width, and at the width ``certify`` chose it is the bound
+    ``certify`` reports (the keys spread: no per-block ceiling is needed)."""
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(2, 2, n, 4, generator=g, dtype=f64)
+    b = torch.randn(2, 2, n, 4, generator=g, dtype=f64)
+    ab = (np.array([3.0, 0.7]), np.array([6.0, 1.5]))
+    prior = sa.priors.BetaGeometric(torch.tensor(ab[0]), torch.tensor(ab[1]))
+    bound = window_bound(a, b, 0.5, prior, width, first=1, block=block)
+    true = beyond(dense_posterior(a, b, 0.5, ab), min(width, n - 1))
+    assert bound.shape == (2, 2, n) and bool((true <= bound * (1 + 1e-9) + 1e-300).all())
+    c = certify(a, b, 0.5, prior, 1e-3, block=block)
+    torch.testing.assert_close(window_bound(a, b, 0.5, prior, c.width, first=1, block=block),
+                               c.bound, rtol=1e-9, atol=1e-300)
