@@ -104,6 +104,8 @@ PICTURES = {
         ("assets/gallery/pc_block_posterior.png",
          "the block networks' posterior over the hidden blocks, per class"),
         ("assets/gallery/pc_choice.png", "the authors' network: its posteriors over its predictors"),
+        ("assets/gallery/pc_learning_curves_authors_optimiser.png",
+         "the authors' network with their recipe and their optimiser (Adam 1e-4, weight decay 1)"),
     ],
     "plot_expfamily_dynamics": [
         ("assets/gallery/expfamily_gaussianity.png",

@@ -294,7 +294,8 @@ def plot_learning(runs, args, path, title):
         ax.tick_params(labelsize=8)
     # one legend for both panels, below them: inside either it hid the curves
     handles, labels = axes[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=3, fontsize=7, frameon=False,
+    fig.legend(handles, labels, loc="lower center", fontsize=7, frameon=False,
+               ncol=3 if max(map(len, labels)) < 50 else 1,  # long labels: one per row
                title="one line per seed", title_fontsize=7)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout(rect=(0, 0.17, 1, 1))
@@ -623,6 +624,10 @@ def _run(args):
                f"{args.seeds} seeds; k = {args.precision}, {args.activation or 'identity'}, "
                f"{args.steps} inference steps of {args.step_size}; Adam lr {args.lr}")
     names = {cfg.kind for cfg in runs}
+    if "choice" in names and (args.recipe != "library" or args.authors_optimiser):
+        setting += (f"\nthe authors' network: {args.recipe} recipe"
+                    + (", their Adam (lr 1e-4, weight decay 1)" if args.authors_optimiser
+                       else ""))
     pictures = [  # (file, the networks it needs, how it is drawn)
         ("pc_learning_curves.png", set(), lambda path: plot_learning(
             runs, args, path, f"predictive coding: attention vs standard "
