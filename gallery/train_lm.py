@@ -27,9 +27,11 @@ its rotary potential, or the causal mask). ``attn`` = ``sa.compile`` of (``ATTEN
 The projections are the same (W_Q, W_K, W_V, W_O per layer), so the variants differ in
 parameter count only by their priors' own parameters (reported).
 
-**Training**: AdamW (lr ``--lr``, linear warm-up over 5% of the steps, cosine decay), random
-windows of ``--context`` + 1 bytes from the training bytes (a seeded generator), a budget of
-``--steps`` steps or ``--minutes`` of training time, whichever comes first; validation bits
+**Training**: AdamW (lr ``--lr``, linear warm-up over 5% of the budget, cosine decay to 0 at
+its end), random windows of ``--context`` + 1 bytes from the training bytes (a seeded
+generator), a budget of ``--steps`` steps or ``--minutes`` of training time, whichever comes
+first — the schedule follows whichever is further along, so a time budget decays over its
+minutes (and, timed, is not reproducible bit for bit, where a step budget is); validation bits
 per byte every ``--eval-every`` steps on fixed windows (the curve), and at the end on every
 validation byte once (``--final-eval whole``, the default: the table's figure, beside the
 compressors zlib, bz2 and xz on the same bytes), and with ``--eval-lengths`` in windows longer
@@ -268,8 +270,16 @@ def bits_per_byte(model, windows, batch_size=8) -> float:
     return total / y.numel() / math.log(2)
 
 
-def learning_rate(step, steps, lr):
+def learning_rate(step, steps, lr, progress=None):
+    """Linear warm-up over the first 5% of the budget, then cosine decay to 0 at its end.
+    The budget is ``steps`` steps; given ``progress`` (the fraction of a ``--minutes`` budget
+    trained) further along than the steps, the same shape over the minutes: a time budget
+    decays over its own minutes, not over a step count it never reaches."""
     warm = max(1, steps // 20)
+    if progress is not None and progress > step / max(1, steps):
+        if progress < 0.05:
+            return lr * min(1.0, max(progress / 0.05, (step + 1) / warm))
+        return 0.5 * lr * (1 + math.cos(math.pi * min(1.0, (progress - 0.05) / 0.95)))
     if step < warm:
         return lr * (step + 1) / warm
     return 0.5 * lr * (1 + math.cos(math.pi * (step - warm) / max(1, steps - warm)))
@@ -339,7 +349,8 @@ def train(args, variant: str, data, out_dir: pathlib.Path | None, log=print,
         x, y = batch(train_bytes, args.batch, args.context, gen)
         x, y = x[rank * share:(rank + 1) * share], y[rank * share:(rank + 1) * share]
         for group in opt.param_groups:
-            group["lr"] = learning_rate(step, steps, args.lr)
+            group["lr"] = learning_rate(step, steps, args.lr,
+                                        None if budget == math.inf else elapsed / budget)
         t = time.perf_counter()
         loss = F.cross_entropy(net(x).flatten(0, 1), y.flatten())
         opt.zero_grad(set_to_none=True)

@@ -136,3 +136,20 @@ def test_a_trained_model_is_read_beyond_its_training_length(lm, tmp_path):
     assert [e["bytes"] for e in r["by_length"]] == [1999 // 24 * 24, 1999 // 96 * 96]
     assert all(0 < e["val_bpb"] < 9 for e in r["by_length"])
     assert (tmp_path / "lm_extrapolation.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_time_budget_warms_up_and_decays_over_its_minutes(lm):
+    """With ``--minutes`` the schedule follows the fraction of the time trained where that is
+    further along than the steps: 5% warm-up, then cosine to 0 at the budget's end; a step
+    budget keeps its own schedule, value for value."""
+    lr, steps = 3e-3, 10 ** 9  # a step count a time budget never reaches
+    assert lm.learning_rate(10, steps, lr, progress=0.025) == pytest.approx(lr / 2)
+    assert lm.learning_rate(10, steps, lr, progress=0.05) == pytest.approx(lr)
+    assert lm.learning_rate(10, steps, lr, progress=0.525) == pytest.approx(lr / 2)
+    assert lm.learning_rate(10, steps, lr, progress=1.0) == pytest.approx(0.0, abs=1e-18)
+    warm = 250 // 20  # the step schedule, as written, at 250 steps
+    for step in (0, 5, 12, 100, 249):
+        want = lr * (step + 1) / warm if step < warm else 0.5 * lr * (
+            1 + math.cos(math.pi * (step - warm) / (250 - warm)))
+        assert lm.learning_rate(step, 250, lr) == want
+        assert lm.learning_rate(step, 250, lr, progress=0.0) == want  # the steps further along
