@@ -19,7 +19,8 @@ import zipfile
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.network
+pytestmark = [pytest.mark.network,
+              pytest.mark.xdist_group("wheel")]  # one worker builds the wheel for both tests
 
 #: what the fresh environment runs, from a directory outside the repository
 PROBE = r"""
