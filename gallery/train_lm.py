@@ -53,6 +53,8 @@ Run::
     python gallery/train_lm.py --attention causal expanding_mf --context 512 --steps 2000
     python gallery/train_lm.py --attention causal --context 512 --steps 4000 --resume
     torchrun --nproc_per_node=2 gallery/train_lm.py --attention causal --steps 200
+    python gallery/train_lm.py --device cuda --attention rope fox+rope --minutes 30 \
+        --steps 1000000   # one GPU; its name and peak memory in the table
     python gallery/train_lm.py --report-only --out DIR   # tables and pictures from DIR
 """
 
@@ -262,10 +264,11 @@ def compression_anchors(data: torch.Tensor) -> dict:
 @torch.no_grad()
 def bits_per_byte(model, windows, batch_size=8) -> float:
     x, y = windows
+    device = model.embed.weight.device
     total = 0.0
     for k in range(0, len(x), batch_size):
-        logits = model(x[k:k + batch_size])
-        total += F.cross_entropy(logits.flatten(0, 1), y[k:k + batch_size].flatten(),
+        logits = model(x[k:k + batch_size].to(device))
+        total += F.cross_entropy(logits.flatten(0, 1), y[k:k + batch_size].to(device).flatten(),
                                  reduction="sum").item()
     return total / y.numel() / math.log(2)
 
@@ -315,17 +318,20 @@ def train(args, variant: str, data, out_dir: pathlib.Path | None, log=print,
     train_bytes, val_bytes, manifest = data
     rss_before = reset_peak_rss()
     torch.manual_seed(args.seed)
-    model = ByteLM(args.d_model, args.layers, args.heads, variant, args.window)
+    device = torch.device(args.device)
+    model = ByteLM(args.d_model, args.layers, args.heads, variant, args.window).to(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     params = sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     gen = torch.Generator().manual_seed(args.seed)
     step, elapsed, history = 0, 0.0, []
     ckpt = None if out_dir is None else out_dir / "checkpoint.pt"
     if args.resume and ckpt is not None and ckpt.exists():
-        state = torch.load(ckpt, weights_only=True)
+        state = torch.load(ckpt, weights_only=True, map_location=device)
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
-        gen.set_state(state["generator"])
+        gen.set_state(state["generator"].cpu())
         step, elapsed, history = state["step"], state["elapsed"], state["history"]
         log(f"[{variant}] resumed at step {step} ({elapsed:.0f} s trained)")
     net = model
@@ -347,7 +353,7 @@ def train(args, variant: str, data, out_dir: pathlib.Path | None, log=print,
     stop = steps if args.stop_after is None else min(steps, args.stop_after)
     while step < stop and elapsed < budget:
         x, y = batch(train_bytes, args.batch, args.context, gen)
-        x, y = x[rank * share:(rank + 1) * share], y[rank * share:(rank + 1) * share]
+        x, y = (t[rank * share:(rank + 1) * share].to(device) for t in (x, y))
         for group in opt.param_groups:
             group["lr"] = learning_rate(step, steps, args.lr,
                                         None if budget == math.inf else elapsed / budget)
@@ -357,6 +363,8 @@ def train(args, variant: str, data, out_dir: pathlib.Path | None, log=print,
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
+        if device.type == "cuda":  # the step's kernels finished before it is timed
+            torch.cuda.synchronize(device)
         elapsed += time.perf_counter() - t
         step += 1
         if not math.isfinite(loss.item()):
@@ -394,6 +402,10 @@ def train(args, variant: str, data, out_dir: pathlib.Path | None, log=print,
               "whole_validation": whole, "by_length": by_length, "anchors": anchors,
               "tokens_per_second": step * args.batch * args.context / max(elapsed, 1e-9),
               "peak_rss_mib": peak_rss_mib() - rss_before, "history": history,
+              "device": (torch.cuda.get_device_name(device) if device.type == "cuda"
+                         else "cpu"),
+              "peak_gpu_mib": (torch.cuda.max_memory_allocated(device) / 2 ** 20
+                               if device.type == "cuda" else None),
               "final_val_bpb": history[-1]["val_bpb"] if history else None,
               "manifest_sha256": manifest["sha256"], "args": vars(args),
               "heads": head_report(model, windows)}
@@ -413,7 +425,7 @@ def _progress(total, done, variant, rank):
 def head_report(model: ByteLM, windows, count: int = 4) -> list:
     """Per layer and head: the mean distance back at which attention mass falls on validation
     windows, and for the geometric–Beta prior its learned a, b, mean and 90% distance."""
-    x = windows[0][:count]
+    x = windows[0][:count].to(model.embed.weight.device)
     h = model.embed(x)
     report = []
     for layer, block in enumerate(model.blocks):
@@ -421,20 +433,21 @@ def head_report(model: ByteLM, windows, count: int = 4) -> list:
         out = block.attn(z, return_posterior=True)
         post = out[1]  # (B, H, T, T)
         T = post.shape[-1]
-        dist = (torch.arange(T)[:, None] - torch.arange(T)[None, :]).clamp(min=0).to(post.dtype)
+        pos = torch.arange(T, device=post.device)
+        dist = (pos[:, None] - pos[None, :]).clamp(min=0).to(post.dtype)
         mass = post.sum(-1).clamp(min=1e-12)
         mean_distance = ((post * dist).sum(-1) / mass).mean((0, 2))  # (H,)
         entry = {"layer": layer, "mean_attention_distance": mean_distance.tolist()}
         decl = block.declaration
         if isinstance(decl, sa.models.ExpandingAttention):
             prior = decl.prior()
-            tail = prior.log_tail(torch.arange(T)[:, None], None, torch.float64).exp()  # (T, H)
+            tail = prior.log_tail(pos[:, None], post.device, torch.float64).exp()  # (T, H)
             cdf = 1 - tail
             entry.update(a=decl.a.tolist(), b=decl.b.tolist(),
                          prior_mean_distance=decl.expected_distance(T).tolist(),
                          prior_q90_distance=[int((cdf[:, k] < 0.9).sum()) for k in
                                              range(cdf.shape[1])],
-                         prior_pmf=prior.log_pmf(torch.arange(1, T)).exp().tolist(),
+                         prior_pmf=prior.log_pmf(pos[1:], post.device).exp().tolist(),
                          attention_by_distance=_mass_by_distance(post).tolist())
         report.append(entry)
         h = h + out[0]
@@ -446,7 +459,8 @@ def _mass_by_distance(post):
     """``(H, T)``: the share of attention mass at each distance d = i − j, summed over queries
     and averaged over the batch (one gather: column d of row i is parent i − d)."""
     T = post.shape[-1]
-    i, d = torch.arange(T)[:, None], torch.arange(T)[None, :]
+    i = torch.arange(T, device=post.device)[:, None]
+    d = torch.arange(T, device=post.device)[None, :]
     by_distance = post.gather(-1, (i - d).clamp(min=0).expand(*post.shape)) * (d <= i)
     out = by_distance.sum(-2).mean(0)  # (H, T)
     return out / out.sum(-1, keepdim=True).clamp(min=1e-12)
@@ -487,10 +501,12 @@ def report(out: pathlib.Path) -> list[str]:
         ratio = "" if rel is None else f"{r['tokens_per_second'] / rel:.2f}×"
         cut = [e for e in r["history"] if e["seconds"] <= shortest[r["context"]] * 1.001]
         at_time = f"{cut[-1]['val_bpb']:.3f} (step {cut[-1]['step']})" if cut else "—"
-        lines.append(f"| {r['variant']} | {r['context']} | {r['params']:,} | {r['steps']} | "
-                     f"{r['train_seconds']:.0f} | {whole(r)} | {r['final_val_bpb']:.3f} | "
-                     f"{at_time} | "
-                     f"{r['tokens_per_second']:.0f} | {ratio} | {r['peak_rss_mib']:.0f} |")
+        where = "" if r.get("device", "cpu") == "cpu" else f" ({r['device']})"
+        gpu = "" if r.get("peak_gpu_mib") is None else f" (GPU {r['peak_gpu_mib']:.0f})"
+        lines.append(f"| {r['variant']}{where} | {r['context']} | {r['params']:,} | "
+                     f"{r['steps']} | {r['train_seconds']:.0f} | {whole(r)} | "
+                     f"{r['final_val_bpb']:.3f} | {at_time} | "
+                     f"{r['tokens_per_second']:.0f} | {ratio} | {r['peak_rss_mib']:.0f}{gpu} |")
     written = [out / "lm_results.md"]
     written[0].write_text("\n".join(lines) + "\n")
     fig, ax = plt.subplots(figsize=(9, 4.5))
@@ -580,7 +596,16 @@ def main(argv=None):
     p.add_argument("--report-only", action="store_true")
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "output", "lm"))
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--device", default="cpu",
+                   help="where the model trains: cpu (default) or cuda (one GPU; under torchrun, "
+                        "cpu only)")
     args = p.parse_args(argv)
+    if args.device != "cpu" and not (args.device.startswith("cuda") and
+                                     torch.cuda.is_available()):
+        p.error(f"--device {args.device}: no CUDA device here (torch.cuda.is_available() is "
+                f"False); train on --device cpu")
+    if args.device != "cpu" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        p.error("--device cuda trains on one GPU; under torchrun, train on --device cpu")
     if args.threads:
         torch.set_num_threads(args.threads)
     out = pathlib.Path(args.out)

@@ -7,13 +7,14 @@
 #      path);
 #   3. the key-bias kernel's launch settings (benchmarks/tune_key_bias.py), then the Triton
 #      kernels against FLA and FlashAttention with them (benchmarks/bench_gpu_kernels.py);
-#   4. checks on and off, per-call cost and the distance priors' layers with --device cuda.
+#   4. checks on and off, per-call cost and the distance priors' layers with --device cuda;
+#   5. (with LM_S) the byte-level language model trained on the GPU for LM_MINUTES.
 # The device tool brings back at most eight files: wrap $OUT in one archive afterwards.
 # That machine has torch with CUDA but no network: Pyro, ArviZ and the other pure-Python
 # wheels travel in .gpu-wheels (made here with
 #   python -m pip download --no-deps -d .gpu-wheels pyro-ppl pyro-api graphviz arviz \
 #       xarray-einstats h5netcdf slot-attention einx frozendict vector-quantize-pytorch \
-#       loguru torch-einops-utils fla-core
+#       loguru torch-einops-utils fla-core pytest-xdist execnet
 # — five of them are what slot-attention imports; fla-core carries the authors' Triton kernels
 # of FoX and stick-breaking that benchmarks/bench_gpu_kernels.py compares against). Logs go to
 # $OUT (default gpu-out/). Each step has its own time limit, so one that stalls does not take
@@ -37,8 +38,9 @@ fi
 timeout 300 "$PY" -m structattn.kernels build > "$OUT/kernels_build.txt" 2>&1 &
 
 # pytest-xdist where it is installed: the Triton kernels compile per size and dtype, in parallel
-# (pytest-benchmark, where installed, refuses to run beside it: off)
-XDIST=$("$PY" -c "import xdist" 2>/dev/null && echo "-n 8" || true)
+# (pytest-benchmark, where installed, refuses to run beside it: off); without it, pyproject's
+# addopts (-n auto) are replaced by the same options less -n
+if "$PY" -c "import xdist" 2>/dev/null; then XDIST=(-n 8); else XDIST=(-o "addopts=-ra -m 'not slow'"); fi
 
 step() {  # step NAME SECONDS COMMAND...: run with a limit (0: skip), log to $OUT/NAME.txt
   local name=$1 limit=$2; shift 2
@@ -49,9 +51,9 @@ step() {  # step NAME SECONDS COMMAND...: run with a limit (0: skip), log to $OU
 }
 
 # the Triton kernels on CUDA tensors (elsewhere they run under the interpreter)
-step triton "${TRITON_S:-110}" "$PY" -m pytest -q -p no:cacheprovider -p no:benchmark $XDIST \
+step triton "${TRITON_S:-110}" "$PY" -m pytest -q -p no:cacheprovider -p no:benchmark "${XDIST[@]}" \
   ${TRITON_TESTS:-tests/triton} --durations=5
-step tests "${TESTS_S:-90}" "$PY" -m pytest -q -p no:cacheprovider -p no:benchmark $XDIST \
+step tests "${TESTS_S:-90}" "$PY" -m pytest -q -p no:cacheprovider -p no:benchmark "${XDIST[@]}" \
   ${CUDA_TESTS:-tests/test_cuda.py tests/test_torch_compile.py tests/models/test_expanding_attention.py} \
   -k "cuda" --durations=5
 # the key-bias kernel's launch settings, one kernel at a time; then against FLA (fla-core in
@@ -73,3 +75,9 @@ step distance_priors "${DISTANCE_S:-50}" "$PY" benchmarks/bench_distance_priors.
 step expanding "${EXPANDING_S:-120}" "$PY" benchmarks/bench_expanding.py --device cuda \
   --sizes ${EXPANDING_SIZES:-4096 16384} --repeats ${EXPANDING_REPEATS:-3} \
   --json "$OUT/expanding.json"
+# the byte-level language model on the GPU (gallery/train_lm.py --device cuda; issue: real data
+# at a budget that means something): off unless LM_S is given (e.g. LM_S=400 LM_MINUTES=5);
+# its table and result files land in $OUT/lm
+step lm "${LM_S:-0}" "$PY" gallery/train_lm.py --device cuda --attention ${LM_VARIANTS:-rope} \
+  --context 512 --steps 1000000 --minutes "${LM_MINUTES:-5}" --eval-every 500 --eval-windows 16 \
+  --out "$OUT/lm"

@@ -49,6 +49,7 @@ def test_every_variant_trains_without_nan(lm, tmp_path):
         assert r["steps"] == 2 and all(torch.isfinite(torch.tensor(e["val_bpb"]))
                                        for e in r["history"]), r
         assert r["tokens_per_second"] > 0 and r["heads"][0]["mean_attention_distance"]
+        assert r["device"] == "cpu" and r["peak_gpu_mib"] is None
     table = (tmp_path / "lm_results.md").read_text()
     assert all(f"| {v} |" in table for v in lm.ATTENTIONS)
     assert (tmp_path / "lm_val_bpb.png").read_bytes()[:4] == b"\x89PNG"
@@ -153,3 +154,11 @@ def test_a_time_budget_warms_up_and_decays_over_its_minutes(lm):
             1 + math.cos(math.pi * (step - warm) / (250 - warm)))
         assert lm.learning_rate(step, 250, lr) == want
         assert lm.learning_rate(step, 250, lr, progress=0.0) == want  # the steps further along
+
+
+def test_a_device_without_cuda_is_refused_by_name(lm, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    with pytest.raises(SystemExit):
+        lm.main(["--device", "cuda", "--steps", "1"])
+    assert "--device cuda: no CUDA device here" in capsys.readouterr().err
