@@ -114,3 +114,18 @@ def test_without_a_window_the_refusal_says_how_to_export_it():
                                          r"window=W \(the program then takes the width as its "
                                          r"last input"):
         sa.export(CERTIFIED["FoX"](1e-3), torch.randn(1, 40, 8, dtype=f64))
+
+
+def test_the_program_returns_the_posterior_at_its_width():
+    torch.manual_seed(1)
+    layer = sa.compile(CERTIFIED["ALiBi"](1e-3))
+    program = sa.export(layer, torch.randn(2, 150, 8, dtype=f64), dynamic=True, window=24,
+                        return_posterior=True).module()
+    x = torch.randn(2, 300, 8, dtype=f64)
+    with sa.kernels.disabled():
+        want, post, trace = layer(x, return_posterior=True, return_trace=True)
+    width = next(iter(trace.truncation.values())).width
+    assert width < 299
+    got, got_post = program(x, width)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got_post, post, rtol=1e-12, atol=1e-12)
