@@ -13,6 +13,9 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+# one pytest-xdist worker for this module: its fixture builds the site once, and mkdocs-gallery
+# writes its pages into docs/gallery/scripts/ — two builds at once raced there
+pytestmark = pytest.mark.xdist_group("docs")
 DOCS = ROOT / "docs"
 DATE = re.compile(r"20[0-9][0-9]-[0-9][0-9]-[0-9][0-9]")
 
