@@ -187,6 +187,9 @@ def window_bound(a: torch.Tensor, b: torch.Tensor, scale: float, prior, width, *
     with torch.no_grad():
         a, b, wide = a.detach(), b.detach(), torch.float64
         n, dev = a.shape[-2], a.device
+        # (what ``running_ceilings`` returns, written out: its own no_grad nested in this one
+        # left a set-grad node without metadata in the exported program, which then failed
+        # to save)
         _, slack = score_ceiling(a, b, scale)  # (*lead, N)
         lay = band.BandLayout.for_window(n, width, block)
         s = (band.scores(a, b, scale, lay).to(wide)  # (*lead, nb, B, L), −∞ off the window
