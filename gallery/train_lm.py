@@ -160,19 +160,25 @@ class SlidingWindowAttention(sa.models.SelfAttention):
         return self.attend(self.family_name, tokens, tokens, SlidingWindow(self.window))
 
 
-def make_attention(name: str, d: int, heads: int, window: int, layer: int):
+def make_attention(name: str, d: int, heads: int, window: int, layer: int, tol=None):
+    """Layer ``layer``'s attention declaration; ``tol``: the certified window's posterior mass
+    left out, for the variants whose prior takes one (``CERTIFIED``; the trained parameters
+    are the same with or without it)."""
     kw = dict(heads=heads, name=f"attn{layer}")
+    cert = {} if tol is None else dict(tol=tol)
     models = sa.models
     table = {
         "causal": lambda: models.self_attention(d, causal=True, **kw),
         "sliding": lambda: SlidingWindowAttention(d, window=window, **kw),
-        "alibi": lambda: models.alibi_attention(d, **kw),
+        "alibi": lambda: models.alibi_attention(d, **kw, **cert),
         "relative": lambda: models.relative_position_attention(d, max_distance=window,
                                                                causal=True, **kw),
-        "fox": lambda: models.forgetting_attention(d, **kw),
+        "fox": lambda: models.forgetting_attention(d, **kw, **cert),
         "rope": lambda: models.rope_attention(d, **kw),  # the usual Transformer baseline
-        "fox+rope": lambda: models.forgetting_attention(d, rope_base=10000.0, **kw),  # FoX Pro
-        "gaussian": lambda: models.generalised_gaussian_attention(d, width=float(window), **kw),
+        "fox+rope": lambda: models.forgetting_attention(  # FoX's "Pro" recipe
+            d, rope_base=10000.0, **kw, **cert),
+        "gaussian": lambda: models.generalised_gaussian_attention(
+            d, width=float(window), **kw, **cert),
         "stick_breaking": lambda: models.stick_breaking_attention(d, **kw),
         "expanding_exact": lambda: models.expanding_attention(d, inference=None, tol=1e-3,
                                                               a=4.0, b=1.0, **kw),
@@ -181,9 +187,13 @@ def make_attention(name: str, d: int, heads: int, window: int, layer: int):
     }
     if name not in table:
         raise ValueError(f"--attention: unknown variant {name!r}; choose from {sorted(table)}")
+    if tol is not None and name not in CERTIFIED:
+        raise ValueError(f"make_attention: {name!r} has no certified window (tol); those that "
+                         f"do: {CERTIFIED}")
     return table[name]()
 
 
+CERTIFIED = ["alibi", "fox", "fox+rope", "gaussian"]  # priors whose tol certifies a window
 ATTENTIONS = ["causal", "rope", "sliding", "alibi", "relative", "fox", "fox+rope", "gaussian",
               "stick_breaking", "expanding_exact", "expanding_mf"]
 
@@ -192,10 +202,10 @@ ATTENTIONS = ["causal", "rope", "sliding", "alibi", "relative", "fox", "fox+rope
 
 
 class Block(nn.Module):
-    def __init__(self, d, heads, attention, window, layer):
+    def __init__(self, d, heads, attention, window, layer, tol=None):
         super().__init__()
         self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.declaration = make_attention(attention, d, heads, window, layer)
+        self.declaration = make_attention(attention, d, heads, window, layer, tol)
         self.attn = sa.compile(self.declaration)
         self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
 
@@ -207,11 +217,12 @@ class Block(nn.Module):
 class ByteLM(nn.Module):
     """Bytes ``(B, T)`` long → next-byte logits ``(B, T, 256)``."""
 
-    def __init__(self, d=128, layers=2, heads=4, attention="causal", window=64):
+    def __init__(self, d=128, layers=2, heads=4, attention="causal", window=64, tol=None):
         super().__init__()
         self.embed = nn.Embedding(256, d)
         nn.init.normal_(self.embed.weight, std=0.02)
-        self.blocks = nn.ModuleList(Block(d, heads, attention, window, k) for k in range(layers))
+        self.blocks = nn.ModuleList(Block(d, heads, attention, window, k, tol)
+                                    for k in range(layers))
         self.ln = nn.LayerNorm(d)
 
     def forward(self, tokens):
@@ -379,6 +390,7 @@ def train(args, variant: str, data, out_dir: pathlib.Path | None, log=print,
         progress.update(1)
     progress.close()
     save()
+    train_peak_rss = peak_rss_mib() - rss_before  # before the long evaluation windows
     # the figure to read: every validation byte, once (the curve above samples windows)
     whole = None
     if args.final_eval == "whole":
@@ -401,7 +413,8 @@ def train(args, variant: str, data, out_dir: pathlib.Path | None, log=print,
               "steps": step, "train_seconds": elapsed, "world_size": world,
               "whole_validation": whole, "by_length": by_length, "anchors": anchors,
               "tokens_per_second": step * args.batch * args.context / max(elapsed, 1e-9),
-              "peak_rss_mib": peak_rss_mib() - rss_before, "history": history,
+              "peak_rss_mib": train_peak_rss, "eval_peak_rss_mib": peak_rss_mib() - rss_before,
+              "history": history,
               "device": (torch.cuda.get_device_name(device) if device.type == "cuda"
                          else "cpu"),
               "peak_gpu_mib": (torch.cuda.max_memory_allocated(device) / 2 ** 20
