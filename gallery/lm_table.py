@@ -98,6 +98,26 @@ def table(runs: dict, anchors: dict | None, lengths: list[int]) -> list[str]:
     return lines
 
 
+def _per_layer_rows(found: dict, field: str, middle: str, top: str, lengths: list[int],
+                    digits: int) -> list[str]:
+    """Rows ``| variant | layer | median [largest] per length |`` of the probes' ``field``."""
+    rows = ["| variant | layer | " + " | ".join(f"{n:,}" for n in lengths) + " |",
+            "|" + "---|" * (len(lengths) + 2)]
+    for v, ps in sorted(found.items()):
+        for layer in sorted({r["layer"] for p in ps for r in p[field]}):
+            cells = []
+            for n in lengths:
+                at = [r for p in ps for r in p[field] if r["layer"] == layer and r["length"] == n]
+                if not at:
+                    cells.append("—")
+                    continue
+                med = statistics.median(w for r in at for w in r[middle])
+                most = max(w for r in at for w in r[top])
+                cells.append(f"{med:,.{digits}f} [{most:,.{digits}f}]")
+            rows.append(f"| {v} | {layer} | " + " | ".join(cells) + " |")
+    return rows
+
+
 def windows_section(probes: dict, lengths: list[int]) -> list[str]:
     lines = []
     cert = {v: ps for v, ps in probes.items() if any(p.get("certified") for p in ps)}
@@ -107,41 +127,15 @@ def windows_section(probes: dict, lengths: list[int]) -> list[str]:
                       f"every token's posterior mass is proved ≤ tol, the median over validation "
                       f"windows, then over heads and seeds; in brackets the largest any head "
                       f"needed. A width of L − 1 is the whole past.", "",
-                  "| variant | layer | " + " | ".join(f"{n:,}" for n in lengths) + " |",
-                  "|" + "---|" * (len(lengths) + 2)]
-        for v, ps in sorted(cert.items()):
-            for layer in sorted({r["layer"] for p in ps for r in p["certified"]}):
-                cells = []
-                for n in lengths:
-                    rows = [r for p in ps for r in p["certified"]
-                            if r["layer"] == layer and r["length"] == n]
-                    if not rows:
-                        cells.append("—")
-                        continue
-                    med = statistics.median(w for r in rows for w in r["median_width"])
-                    top = max(w for r in rows for w in r["largest_width"])
-                    cells.append(f"{med:,.0f} [{top:,.0f}]")
-                lines.append(f"| {v} | {layer} | " + " | ".join(cells) + " |")
+                  *_per_layer_rows(cert, "certified", "median_width", "largest_width", lengths,
+                                   0)]
     cred = {v: ps for v, ps in probes.items() if any(p.get("credible") for p in ps)}
     if cred:
         lines += ["", "Credible windows (expanding attention): the upper end of each token's "
                       "90% credible context length, the median over tokens and heads (the "
                       "heads' 90th percentile in brackets).", "",
-                  "| variant | layer | " + " | ".join(f"{n:,}" for n in lengths) + " |",
-                  "|" + "---|" * (len(lengths) + 2)]
-        for v, ps in sorted(cred.items()):
-            for layer in sorted({r["layer"] for p in ps for r in p["credible"]}):
-                cells = []
-                for n in lengths:
-                    rows = [r for p in ps for r in p["credible"]
-                            if r["layer"] == layer and r["length"] == n]
-                    if not rows:
-                        cells.append("—")
-                        continue
-                    med = statistics.median(w for r in rows for w in r["median_length_high"])
-                    top = max(w for r in rows for w in r["p90_length_high"])
-                    cells.append(f"{med:,.1f} [{top:,.1f}]")
-                lines.append(f"| {v} | {layer} | " + " | ".join(cells) + " |")
+                  *_per_layer_rows(cred, "credible", "median_length_high", "p90_length_high",
+                                   lengths, 1)]
     return lines
 
 
