@@ -77,7 +77,8 @@ step expanding "${EXPANDING_S:-120}" "$PY" benchmarks/bench_expanding.py --devic
   --json "$OUT/expanding.json"
 # the byte-level language model on the GPU (gallery/train_lm.py --device cuda; issue: real data
 # at a budget that means something): off unless LM_S is given (e.g. LM_S=400 LM_MINUTES=5);
-# its table and result files land in $OUT/lm
+# its table and result files land in $OUT/lm (each variant's result.json, read at 512 …
+# 16,384 bytes, goes into gallery/lm_table.py --runs DIR as DIR/<variant>_seed0.json)
 step lm "${LM_S:-0}" "$PY" gallery/train_lm.py --device cuda --attention ${LM_VARIANTS:-rope} \
   --context 512 --steps 1000000 --minutes "${LM_MINUTES:-5}" --eval-every 500 --eval-windows 16 \
-  --out "$OUT/lm"
+  --eval-lengths 512 2048 8192 16384 --out "$OUT/lm"
