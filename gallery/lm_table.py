@@ -98,22 +98,23 @@ def table(runs: dict, anchors: dict | None, lengths: list[int]) -> list[str]:
     return lines
 
 
-def _per_layer_rows(found: dict, field: str, middle: str, top: str, lengths: list[int],
+def _per_layer_rows(found: dict, field: str, per_head: str, lengths: list[int],
                     digits: int) -> list[str]:
-    """Rows ``| variant | layer | median [largest] per length |`` of the probes' ``field``."""
+    """Rows ``| variant | layer | each head's figure per length |`` of the probes' ``field``:
+    each run's heads sorted by ``per_head``, then at each rank the seeds' lower median."""
     rows = ["| variant | layer | " + " | ".join(f"{n:,}" for n in lengths) + " |",
             "|" + "---|" * (len(lengths) + 2)]
     for v, ps in sorted(found.items()):
         for layer in sorted({r["layer"] for p in ps for r in p[field]}):
             cells = []
             for n in lengths:
-                at = [r for p in ps for r in p[field] if r["layer"] == layer and r["length"] == n]
+                at = [sorted(r[per_head]) for p in ps for r in p[field]
+                      if r["layer"] == layer and r["length"] == n]
                 if not at:
                     cells.append("—")
                     continue
-                med = statistics.median(w for r in at for w in r[middle])
-                most = max(w for r in at for w in r[top])
-                cells.append(f"{med:,.{digits}f} [{most:,.{digits}f}]")
+                heads = [statistics.median_low(rank) for rank in zip(*at, strict=True)]
+                cells.append(" / ".join(f"{w:,.{digits}f}" for w in heads))
             rows.append(f"| {v} | {layer} | " + " | ".join(cells) + " |")
     return rows
 
@@ -124,18 +125,16 @@ def windows_section(probes: dict, lengths: list[int]) -> list[str]:
     if cert:
         tol = next(p["args"]["tol"] for ps in cert.values() for p in ps)
         lines += ["", f"Certified windows (tol = {tol:g}): each head's width W beyond which "
-                      f"every token's posterior mass is proved ≤ tol, the median over validation "
-                      f"windows, then over heads and seeds; in brackets the largest any head "
-                      f"needed. A width of L − 1 is the whole past.", "",
-                  *_per_layer_rows(cert, "certified", "median_width", "largest_width", lengths,
-                                   0)]
+                      f"every token's posterior mass is proved ≤ tol (the median over "
+                      f"validation windows), heads sorted by width; with seeds, the lower median "
+                      f"at each rank. A width of L − 1 is the whole past.", "",
+                  *_per_layer_rows(cert, "certified", "median_width", lengths, 0)]
     cred = {v: ps for v, ps in probes.items() if any(p.get("credible") for p in ps)}
     if cred:
-        lines += ["", "Credible windows (expanding attention): the upper end of each token's "
-                      "90% credible context length, the median over tokens and heads (the "
-                      "heads' 90th percentile in brackets).", "",
-                  *_per_layer_rows(cred, "credible", "median_length_high", "p90_length_high",
-                                   lengths, 1)]
+        lines += ["", "Credible windows (expanding attention): each head's median over tokens "
+                      "of the upper end of the 90% credible context length, heads sorted; with "
+                      "seeds, the lower median at each rank.", "",
+                  *_per_layer_rows(cred, "credible", "median_length_high", lengths, 1)]
     return lines
 
 
@@ -235,7 +234,7 @@ def figures(runs, probes, anchors, lengths, out: pathlib.Path) -> list[pathlib.P
                 tops = {n: [w for p in ps for r in p["certified"] if r["layer"] == layer
                             and r["length"] == n for w in r["largest_width"]] for n in lengths}
                 ns = [n for n in lengths if rows[n]]
-                ax.plot(ns, [statistics.median(rows[n]) for n in ns], "o-",
+                ax.plot(ns, [statistics.median_low(rows[n]) for n in ns], "o-",
                         color=colours.get(v, "k"), alpha=1.0 if layer == 0 else 0.55,
                         label=f"{v}, layer {layer}: certified width, median head")
                 ax.plot(ns, [max(tops[n]) for n in ns], "^:", color=colours.get(v, "k"),
@@ -247,7 +246,7 @@ def figures(runs, probes, anchors, lengths, out: pathlib.Path) -> list[pathlib.P
                             and r["length"] == n for w in r["median_length_high"]]
                         for n in lengths}
                 ns = [n for n in lengths if rows[n]]
-                ax.plot(ns, [statistics.median(rows[n]) for n in ns], "s--",
+                ax.plot(ns, [statistics.median_low(rows[n]) for n in ns], "s--",
                         color=colours.get(v, "k"), alpha=1.0 if layer == 0 else 0.55,
                         label=f"{v}, layer {layer}: 90% credible context")
         ax.set_xscale("log", base=2)
