@@ -357,9 +357,12 @@ def train(args, variant: str, data, out_dir: pathlib.Path | None, log=print,
     def save():
         if ckpt is None or rank != 0:
             return
+        # written aside, then renamed: a run killed while saving keeps its last checkpoint
+        part = ckpt.with_name(ckpt.name + ".part")
         torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(),
                     "generator": gen.get_state(), "step": step, "elapsed": elapsed,
-                    "history": history}, ckpt)
+                    "history": history}, part)
+        os.replace(part, ckpt)
 
     stop = steps if args.stop_after is None else min(steps, args.stop_after)
     while step < stop and elapsed < budget:
