@@ -168,6 +168,13 @@ def figures(runs, probes, anchors, lengths, out: pathlib.Path) -> list[pathlib.P
     import matplotlib.pyplot as plt
 
     written = []
+
+    def save(fig, name):
+        fig.tight_layout()
+        written.append(out / name)
+        fig.savefig(written[-1], dpi=110)
+        plt.close(fig)
+
     colours = {v: f"C{k}" for k, v in enumerate(sorted(runs))}
     marks = [(f"Kneser–Ney {o}-gram", b) for o, b in (anchors or {}).get("kneser_ney", {}).items()]
     marks += [(n, b) for n, b in (anchors or {}).get("compressors", {}).items() if n.startswith("xz")]
@@ -200,10 +207,7 @@ def figures(runs, probes, anchors, lengths, out: pathlib.Path) -> list[pathlib.P
     axes[1].set_title("The same, near the anchors")
     axes[1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
     fig.suptitle("Byte-level LM, every variant trained for the same minutes", fontsize=11)
-    fig.tight_layout()
-    written.append(out / "lm_table_extrapolation.png")
-    fig.savefig(written[-1], dpi=110)
-    plt.close(fig)
+    save(fig, "lm_table_extrapolation.png")
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for v, rs in sorted(runs.items()):
@@ -217,10 +221,7 @@ def figures(runs, probes, anchors, lengths, out: pathlib.Path) -> list[pathlib.P
     ax.set_ylim(top=3.5)
     ax.set_title("Training curves (each seed a line)")
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
-    fig.tight_layout()
-    written.append(out / "lm_table_curves.png")
-    fig.savefig(written[-1], dpi=110)
-    plt.close(fig)
+    save(fig, "lm_table_curves.png")
 
     cert = {v: ps for v, ps in probes.items() if any(p.get("certified") for p in ps)}
     cred = {v: ps for v, ps in probes.items() if any(p.get("credible") for p in ps)}
@@ -256,10 +257,7 @@ def figures(runs, probes, anchors, lengths, out: pathlib.Path) -> list[pathlib.P
         ax.set_ylabel("tokens back")
         ax.set_title("How far back the trained models read")
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
-        fig.tight_layout()
-        written.append(out / "lm_table_windows.png")
-        fig.savefig(written[-1], dpi=110)
-        plt.close(fig)
+        save(fig, "lm_table_windows.png")
 
     if probes:
         fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
@@ -287,10 +285,7 @@ def figures(runs, probes, anchors, lengths, out: pathlib.Path) -> list[pathlib.P
         right.set_ylabel("last layer's posterior mass on the digits")
         right.set_title("Does the model look at it? (edge posterior; floor 1e-12)")
         right.legend(fontsize=7)
-        fig.tight_layout()
-        written.append(out / "lm_table_passkey.png")
-        fig.savefig(written[-1], dpi=110)
-        plt.close(fig)
+        save(fig, "lm_table_passkey.png")
     return written
 
 
