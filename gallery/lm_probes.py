@@ -61,13 +61,16 @@ def spaced_windows(data: torch.Tensor, length: int, count: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def layer_inputs(model: train_lm.ByteLM, tokens: torch.Tensor):
-    """Yields ``(layer, block, input to its attention)`` along one forward pass."""
+def layer_inputs(model: train_lm.ByteLM, tokens: torch.Tensor, **call):
+    """Yields ``(layer, block, input to its attention, what the attention returned besides
+    its output)`` along one forward pass; ``call``: the attention's options
+    (``return_trace=True``, ``return_posterior=True``), each layer's attention run once."""
     h = model.embed(tokens)
     for k, block in enumerate(model.blocks):
         a = block.ln1(h)
-        yield k, block, a
-        h = h + block.attn(a)
+        out, *extra = block.attn(a, **call) if call else (block.attn(a),)
+        yield k, block, a, tuple(extra)
+        h = h + out
         h = h + block.mlp(block.ln2(h))
 
 
@@ -78,8 +81,7 @@ def certified_widths(model, val, lengths, count) -> list[dict]:
     for length in lengths:
         widths, skipped = {}, {}
         for w in spaced_windows(val, length, count):
-            for k, block, a in layer_inputs(model, w[None]):
-                _, trace = block.attn(a, return_trace=True)
+            for k, block, a, (trace,) in layer_inputs(model, w[None], return_trace=True):
                 (cut,) = trace.truncation.values()
                 heads = cut.heads if cut.heads is not None else torch.full(
                     (a.shape[0], block.declaration.heads), cut.width)
@@ -101,7 +103,7 @@ def credible_windows(model, val, lengths, count, level=0.9) -> list[dict]:
     for length in lengths:
         highs = {}
         for w in spaced_windows(val, length, count):
-            for k, block, a in layer_inputs(model, w[None]):
+            for k, block, a, _ in layer_inputs(model, w[None]):
                 ctx = sa.windows.credible_context(block.attn, a, level)
                 highs.setdefault(k, []).append(ctx.length_high.reshape(ctx.length_high.shape[-2],
                                                                        -1).double())
@@ -110,22 +112,6 @@ def credible_windows(model, val, lengths, count, level=0.9) -> list[dict]:
             rows.append({"length": length, "layer": k, "level": level,
                          "median_length_high": per_head.median(-1).values.tolist(),
                          "p90_length_high": per_head.quantile(0.9, dim=-1).tolist()})
-    return rows
-
-
-def passkey(model, val, distances, trials, seed) -> list[dict]:
-    """``passkey_probe``'s accuracy and planted-edge mass per distance."""
-    gen = torch.Generator().manual_seed(seed)
-    rows = []
-    for d in distances:
-        found = []
-        for _ in range(trials):
-            tokens, keys, answers = passkey_probe.trial(val, d, gen)
-            found.append((*passkey_probe.probe(model, tokens, keys, answers),
-                          float((5 / answers.double()).mean())))
-        acc, mass, uniform = (sum(f[k] for f in found) / len(found) for k in range(3))
-        rows.append({"distance": d, "accuracy": acc, "planted_edge_mass": mass,
-                     "uniform_mass": uniform})
     return rows
 
 
@@ -153,7 +139,8 @@ def main(argv=None):
         raise SystemExit(f"lm_probes: this Python's standard library (corpus {here}) is not "
                          f"the one {run} trained on ({there})")
     out = {"variant": variant, "seed": result["args"]["seed"], "args": vars(args),
-           "passkey": passkey(model, val, args.distances, args.trials, args.seed)}
+           "passkey": passkey_probe.passkey_rows(model, val, args.distances, args.trials,
+                                                 args.seed)}
     for r in out["passkey"]:
         print(f"[{variant}] passkey at {r['distance']}: {r['accuracy']:.2f} of the digits, "
               f"planted-edge mass {r['planted_edge_mass']:.2e} (uniform "

@@ -98,6 +98,11 @@ def table(runs: dict, anchors: dict | None, lengths: list[int]) -> list[str]:
     return lines
 
 
+def _values(ps: list[dict], field: str, key: str, layer: int, length: int) -> list:
+    """Every run's ``key`` lists at ``layer`` and ``length`` of the probes' ``field``."""
+    return [r[key] for p in ps for r in p[field] if r["layer"] == layer and r["length"] == length]
+
+
 def _per_layer_rows(found: dict, field: str, per_head: str, lengths: list[int],
                     digits: int) -> list[str]:
     """Rows ``| variant | layer | each head's figure per length |`` of the probes' ``field``:
@@ -108,8 +113,7 @@ def _per_layer_rows(found: dict, field: str, per_head: str, lengths: list[int],
         for layer in sorted({r["layer"] for p in ps for r in p[field]}):
             cells = []
             for n in lengths:
-                at = [sorted(r[per_head]) for p in ps for r in p[field]
-                      if r["layer"] == layer and r["length"] == n]
+                at = [sorted(v) for v in _values(ps, field, per_head, layer, n)]
                 if not at:
                     cells.append("—")
                     continue
@@ -138,6 +142,17 @@ def windows_section(probes: dict, lengths: list[int]) -> list[str]:
     return lines
 
 
+def passkey_means(ps: list[dict]) -> dict:
+    """``{distance: (accuracy, planted-edge mass, uniform mass)}``, the seeds' means."""
+    by = defaultdict(list)
+    for p in ps:
+        for r in p["passkey"]:
+            by[r["distance"]].append(r)
+    return {d: tuple(statistics.fmean(r[k] for r in rows)
+                     for k in ("accuracy", "planted_edge_mass", "uniform_mass"))
+            for d, rows in sorted(by.items())}
+
+
 def passkey_section(probes: dict) -> list[str]:
     distances = sorted({r["distance"] for ps in probes.values() for p in ps for r in p["passkey"]})
     if not distances:
@@ -148,14 +163,11 @@ def passkey_section(probes: dict) -> list[str]:
              "|" + "---|" * (len(distances) + 1)]
     uniform = {}
     for v, ps in sorted(probes.items()):
-        cells = []
-        for d in distances:
-            rows = [r for p in ps for r in p["passkey"] if r["distance"] == d]
-            uniform[d] = rows[0]["uniform_mass"] if rows else uniform.get(d)
-            acc = statistics.fmean(r["accuracy"] for r in rows)
-            mass = statistics.fmean(r["planted_edge_mass"] for r in rows)
-            cells.append(f"{acc:.2f}, {mass:.1e}")
-        lines.append(f"| {v} | " + " | ".join(cells) + " |")
+        means = passkey_means(ps)
+        uniform.update({d: m[2] for d, m in means.items()})
+        lines.append(f"| {v} | " + " | ".join(
+            f"{means[d][0]:.2f}, {means[d][1]:.1e}" if d in means else "—" for d in distances)
+            + " |")
     lines.append("| uniform causal posterior's mass | "
                  + " | ".join(f"{uniform[d]:.1e}" for d in distances) + " |")
     return lines
@@ -181,11 +193,13 @@ def figures(runs, probes, anchors, lengths, out: pathlib.Path) -> list[pathlib.P
     trained = min(r["context"] for rs in runs.values() for r in rs)
     # left: every figure; right: the band around the anchors, where the variants that hold
     # their level beyond the training length differ
+    points = {v: [(n, xs) for n in lengths
+                  if (xs := [x for r in rs if (x := at_length(r, n)) is not None])]
+              for v, rs in runs.items()}
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
     for ax in axes:
         for v, rs in sorted(runs.items()):
-            pts = [(n, [x for r in rs if (x := at_length(r, n)) is not None]) for n in lengths]
-            pts = [(n, xs) for n, xs in pts if xs]
+            pts = points[v]
             ns = [n for n, _ in pts]
             ax.plot(ns, [statistics.fmean(xs) for _, xs in pts], "o-", color=colours[v],
                     label=f"{v} ({len(rs)} seed{'s' if len(rs) > 1 else ''})")
@@ -201,8 +215,7 @@ def figures(runs, probes, anchors, lengths, out: pathlib.Path) -> list[pathlib.P
     axes[0].set_ylabel("bits per byte, every validation byte")
     axes[0].set_title("Reading beyond the training length")
     if marks:
-        seen = [x for rs in runs.values() for r in rs for n in lengths
-                if (x := at_length(r, n)) is not None] + [b for _, b in marks]
+        seen = [x for pts in points.values() for _, xs in pts for x in xs] + [b for _, b in marks]
         axes[1].set_ylim(min(seen) - 0.1, max(b for _, b in marks) + 0.3)
     axes[1].set_title("The same, near the anchors")
     axes[1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
@@ -230,10 +243,10 @@ def figures(runs, probes, anchors, lengths, out: pathlib.Path) -> list[pathlib.P
         ax.plot(lengths, [n - 1 for n in lengths], "k:", lw=1, label="the whole past (L − 1)")
         for v, ps in sorted(cert.items()):
             for layer in sorted({r["layer"] for p in ps for r in p["certified"]}):
-                rows = {n: [w for p in ps for r in p["certified"] if r["layer"] == layer
-                            and r["length"] == n for w in r["median_width"]] for n in lengths}
-                tops = {n: [w for p in ps for r in p["certified"] if r["layer"] == layer
-                            and r["length"] == n for w in r["largest_width"]] for n in lengths}
+                rows = {n: sum(_values(ps, "certified", "median_width", layer, n), [])
+                        for n in lengths}
+                tops = {n: sum(_values(ps, "certified", "largest_width", layer, n), [])
+                        for n in lengths}
                 ns = [n for n in lengths if rows[n]]
                 ax.plot(ns, [statistics.median_low(rows[n]) for n in ns], "o-",
                         color=colours.get(v, "k"), alpha=1.0 if layer == 0 else 0.55,
@@ -243,8 +256,7 @@ def figures(runs, probes, anchors, lengths, out: pathlib.Path) -> list[pathlib.P
                         label=f"{v}, layer {layer}: the widest head")
         for v, ps in sorted(cred.items()):
             for layer in sorted({r["layer"] for p in ps for r in p["credible"]}):
-                rows = {n: [w for p in ps for r in p["credible"] if r["layer"] == layer
-                            and r["length"] == n for w in r["median_length_high"]]
+                rows = {n: sum(_values(ps, "credible", "median_length_high", layer, n), [])
                         for n in lengths}
                 ns = [n for n in lengths if rows[n]]
                 ax.plot(ns, [statistics.median_low(rows[n]) for n in ns], "s--",
@@ -263,15 +275,12 @@ def figures(runs, probes, anchors, lengths, out: pathlib.Path) -> list[pathlib.P
         fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
         uniform = {}
         for v, ps in sorted(probes.items()):
-            ds = sorted({r["distance"] for p in ps for r in p["passkey"]})
-            acc = [statistics.fmean(r["accuracy"] for p in ps for r in p["passkey"]
-                                    if r["distance"] == d) for d in ds]
-            mass = [statistics.fmean(r["planted_edge_mass"] for p in ps for r in p["passkey"]
-                                     if r["distance"] == d) for d in ds]
-            uniform.update({r["distance"]: r["uniform_mass"] for p in ps for r in p["passkey"]})
-            left.plot(ds, acc, "o-", color=colours.get(v, "k"), label=v)
-            right.plot(ds, [max(m, 1e-12) for m in mass], "o-", color=colours.get(v, "k"),
-                       label=v)
+            means = passkey_means(ps)
+            ds = list(means)
+            uniform.update({d: m[2] for d, m in means.items()})
+            left.plot(ds, [means[d][0] for d in ds], "o-", color=colours.get(v, "k"), label=v)
+            right.plot(ds, [max(means[d][1], 1e-12) for d in ds], "o-",
+                       color=colours.get(v, "k"), label=v)
         ds = sorted(uniform)
         right.plot(ds, [uniform[d] for d in ds], "k--", label="uniform causal posterior")
         for ax in (left, right):
@@ -323,14 +332,13 @@ def main(argv=None):
     lengths = sorted({e["context"] for rs in runs.values() for r in rs
                       for e in r.get("by_length") or ()} | {r["context"] for rs in runs.values()
                                                           for r in rs})
+    main_table = table(runs, anchors, lengths)
     lines = [f"Device: {', '.join(devices)}; corpus {sorted(hashes)[0][:16]}.", "",
-             *table(runs, anchors, lengths), *windows_section(probes, lengths),
-             *passkey_section(probes)]
+             *main_table, *windows_section(probes, lengths), *passkey_section(probes)]
     (out / "lm_table.md").write_text("\n".join(lines) + "\n")
     if args.docs:
-        main_table = table(runs, anchors, lengths)[2:]  # the rows, without the sentence above
-        for doc, part in DOCS.items():
-            write_into(doc, main_table if part == "main" else lines)
+        for doc, part in DOCS.items():  # the READMEs: the rows, without the sentence above
+            write_into(doc, main_table[2:] if part == "main" else lines)
     written = [out / "lm_table.md", *figures(runs, probes, anchors, lengths, out)]
     for path in written:
         print("wrote", path)

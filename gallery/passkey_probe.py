@@ -80,6 +80,25 @@ def probe(model: train_lm.ByteLM, tokens, keys, answers):
     return accuracy, mass
 
 
+def passkey_rows(model: train_lm.ByteLM, text: torch.Tensor, distances, trials: int,
+                 seed: int) -> list[dict]:
+    """Per distance, the means over ``trials`` trials of ``probe``'s accuracy and planted-edge
+    mass, and of the mass a uniform causal posterior gives the keys."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = []
+    for d in distances:
+        found = []
+        for _ in range(trials):
+            tokens, keys, answers = trial(text, d, gen)
+            # a uniform causal posterior: 1/(q + 1) on each of the five keys, q = answer − 1
+            found.append((*probe(model, tokens, keys, answers),
+                          float((5 / answers.double()).mean())))
+        acc, mass, uniform = (sum(f[k] for f in found) / len(found) for k in range(3))
+        rows.append({"distance": d, "accuracy": acc, "planted_edge_mass": mass,
+                     "uniform_mass": uniform})
+    return rows
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--variants", nargs="+", default=["causal", "rope", "fox", "fox+rope"],
@@ -105,20 +124,12 @@ def main(argv=None):
     _, val, _ = train_lm.stdlib_corpus(max_files=args.max_files)
     rows = []
     for variant in args.variants:
-        model = model_for(variant, args)
-        gen = torch.Generator().manual_seed(args.seed)
-        for d in args.distances:
-            found = []
-            for _ in range(args.trials):
-                tokens, keys, answers = trial(val, d, gen)
-                # a uniform causal posterior: 1/(q + 1) on each of the five keys, q = answer − 1
-                found.append((*probe(model, tokens, keys, answers),
-                              float((5 / answers.double()).mean())))
-            acc, mass, uniform = (sum(f[k] for f in found) / len(found) for k in range(3))
-            rows.append({"variant": variant, "distance": d, "accuracy": acc,
-                         "planted_edge_mass": mass, "uniform_mass": uniform})
-            print(f"{variant:>10} d={d:>5}: accuracy {acc:.2f}, planted-edge mass {mass:.2e} "
-                  f"(uniform {rows[-1]['uniform_mass']:.1e})", flush=True)
+        for r in passkey_rows(model_for(variant, args), val, args.distances, args.trials,
+                              args.seed):
+            rows.append({"variant": variant, **r})
+            print(f"{variant:>10} d={r['distance']:>5}: accuracy {r['accuracy']:.2f}, "
+                  f"planted-edge mass {r['planted_edge_mass']:.2e} "
+                  f"(uniform {r['uniform_mass']:.1e})", flush=True)
     (out / "passkey.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
     lines = ["| variant | distance | digits right | planted-edge mass | uniform's |",
              "|---|---|---|---|---|"]

@@ -58,9 +58,8 @@ def test_a_certified_width_bounds_the_posterior_mass_beyond_it(runs):
     i = torch.arange(length)
     distance = i[:, None] - i[None, :]  # child i, parent j
     narrower = 0
-    for (k, block, a), row in zip(probes.layer_inputs(exact, window), rows, strict=True):
-        with torch.no_grad():
-            _, post = block.attn(a, return_posterior=True)  # (1, H, T, T)
+    walk = probes.layer_inputs(exact, window, return_posterior=True)
+    for (k, _, _, (post,)), row in zip(walk, rows, strict=True):  # post: (1, H, T, T)
         for h, width in enumerate(row["largest_width"]):
             assert row["median_width"][h] == width  # one window: its own width
             beyond = post[0, h].masked_fill(distance <= width, 0).sum(-1)
