@@ -407,9 +407,12 @@ def train(args, variant: str, data, out_dir: pathlib.Path | None, log=print,
         windows_l = whole_windows(part, length)
         if len(windows_l[0]) == 0:
             continue
+        for block in model.blocks:  # one length's plans at a time: a dense prior's (H, L, L)
+            block.attn.reset()  # table is a plan's constant, 4 GiB per layer at 16,384
+        with sa.validation(False):  # the parameters were checked at every training step
+            bpb = bits_per_byte(model, windows_l, batch_size=max(1, 4096 // length))
         by_length.append({"context": length, "bytes": int(windows_l[1].numel()),
-                          "val_bpb": bits_per_byte(model, windows_l,
-                                                   batch_size=max(1, 4096 // length))})
+                          "val_bpb": bpb})
         log(f"[{variant}] read at {length} bytes: {by_length[-1]['val_bpb']:.3f} bits/byte "
             f"({by_length[-1]['bytes']:,} bytes)")
     result = {"variant": variant, "context": args.context, "params": params,

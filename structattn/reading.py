@@ -154,11 +154,18 @@ class Reading:
     """
 
     declaration = None
-    context: ReadingContext | None = None
+    _entered_in: ReadingContext | None = None  # the context around it, without it
+
+    @property
+    def context(self) -> ReadingContext | None:
+        # built on each read, not stored: a reading holding a context that holds the reading
+        # is a reference cycle, and every table of its pass (C×P and more) would then outlive
+        # the call until the cyclic collector ran — the next layer's tables on top of them
+        outer = self._entered_in
+        return None if outer is None else replace(outer, readings=(*outer.readings, self))
 
     def __enter__(self):
-        ctx = context()
-        self.context = replace(ctx, readings=(*ctx.readings, self))
+        self._entered_in = context()
         self._outer = _set(self.context)
         return self
 

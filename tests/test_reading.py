@@ -1,6 +1,7 @@
 """The reading stack (``structattn.reading``): one path from every primitive to the reading
 in force, and one immutable ``ReadingContext`` holding every mode a reading depends on."""
 
+import gc
 import pathlib
 import re
 import threading
@@ -151,3 +152,25 @@ def test_a_mode_entered_on_every_call_keeps_one_context():
         assert reading.context() is not first and reading.context().readings == (r,)
     with sa.iteration(steps=2):  # unhashable overrides: a new context, the same fields
         assert reading.context().iteration == {"steps": 2}
+
+
+def test_a_call_frees_its_families_and_tables_when_it_returns():
+    """A reading and the context it was entered in hold no reference cycle, so a compiled
+    call's families and prior tables — a dense (heads, C, P) table per layer — go when the
+    call returns, not when the cyclic collector next runs (layer on layer before that)."""
+    layer = sa.compile(sa.models.generalised_gaussian_attention(8, heads=2, dtype=torch.float64),
+                       replay=False)
+    x = torch.randn(1, 6, 8, dtype=torch.float64)
+    layer(x)
+    gc.collect()
+    gc.disable()
+    try:
+        layer(x)
+        alive = [type(o).__name__ for o in gc.get_objects()
+                 if type(o).__name__ in ("Marginalise", "EdgeFamily", "DistanceTables")]
+    finally:
+        gc.enable()
+    assert alive == []
+    with Marginalise() as r:  # the context is still there to read, after exit too
+        assert r.context.readings == (r,)
+    assert r.context.readings == (r,)

@@ -238,6 +238,10 @@ class DenseOperator(Operator, dense_twin=True):
             else:  # … elsewhere h rides in one more key dimension
                 a, b, u = with_parent_terms(a, b, u, h, scale)
                 mask, is_causal = None, f.tables.support.is_causal()
+            if mask is not None and 2 < mask.dim() < a.dim():  # a per-head table (H, C, P):
+                # q's rank, as a view — the CPU's fused kernel takes a 2-D or a 4-D mask only,
+                # a 3-D one sends SDPA to its math path (the C×P scores, twice, in memory)
+                mask = mask[(None,) * (a.dim() - mask.dim())]
             out = F.scaled_dot_product_attention(a, b, u, attn_mask=mask, is_causal=is_causal,
                                                  scale=scale)
             if h is not None:

@@ -140,6 +140,21 @@ class DistancePrior(Prior):
         offset = self.child_offset(*sizes)
         return self.log_at_distance(child + offset - parent)  # (H|1, *index)
 
+    def log_table(self, num_children, num_parents, device, dtype):
+        """Dense log weights ``(…, C, P)``: a stationary prior's C + P − 1 distinct weights,
+        one per distance, laid along the grid's diagonals (one copy of ``(…, C, P)``, not
+        ``log_weight``'s temporaries at every pair: at C = P = 16,384 and four heads, 4 GiB
+        in float32 instead of some 35). A non-stationary prior: ``log_weight`` on the grid."""
+        if not self.stationary or num_children == 0 or num_parents == 0:
+            return super().log_table(num_children, num_parents, device, dtype)
+        top = self.child_offset(num_children, num_parents) + num_children - 1  # the longest d
+        # h[m] = weight at d = top − m, m = 0 … C + P − 2: descending distances
+        h = self.log_at_distance(torch.arange(top, top - num_children - num_parents + 1, -1,
+                                              device=device))  # (H|1, C + P − 1)
+        # unfold: [k, j] = h[k + j], the weight at d = top − k − j; row k is child C − 1 − k
+        w = h.unfold(-1, num_parents, 1).flip(-2)  # (H|1, C, P)
+        return w if dtype is None else w.to(dtype)
+
     def log_by_distance(self, window: int, device, dtype) -> torch.Tensor | None:
         """``(heads or 1, window + 1)``: the log weight at each distance d = 0..window, in
         ``dtype``; None for a non-stationary prior. Read by the window operator (its band's

@@ -88,9 +88,9 @@ class PriorTables:
     def log_weights(self, dtype) -> torch.Tensor:
         """Unnormalised log prior ``(…, C, P)`` with −∞ outside the support (materialised)."""
         def build():
-            bias = self.bias(dtype)
+            table = self.table(dtype)  # its −∞ entries are outside full_mask: no bias copy
             table = (torch.zeros(self.num_children, self.num_parents, device=self.device, dtype=dtype)
-                     if bias is None else bias.to(dtype))
+                     if table is None else table)
             mask = self.full_mask()
             if mask is not None:
                 table = table.masked_fill(~mask, float("-inf"))

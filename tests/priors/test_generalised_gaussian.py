@@ -72,3 +72,22 @@ def test_bad_parameters_are_refused(kwargs, match):
 def test_factory_refuses_bad_initial_prior(kwargs, match):
     with pytest.raises(ValueError, match=match):
         sa.models.generalised_gaussian_attention(8, **kwargs)
+
+
+def test_the_per_head_table_reaches_sdpa_with_the_queries_rank(monkeypatch):
+    """The dense reading hands SDPA the (heads, C, P) table as a (1, heads, C, P) view: the
+    CPU's fused kernel takes a 2-D or 4-D mask only, and a 3-D one would send SDPA to its math
+    path (the C×P scores and their softmax in memory)."""
+    from structattn.kinds import dense
+
+    ranks, real = [], dense.F.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, **kw):
+        ranks.append((q.dim(), None if attn_mask is None else attn_mask.dim()))
+        return real(q, k, v, attn_mask=attn_mask, **kw)
+    layer = sa.compile(sa.models.generalised_gaussian_attention(12, heads=3, dtype=f64),
+                       replay=False)
+    monkeypatch.setattr(dense.F, "scaled_dot_product_attention", spy)
+    with torch.no_grad():
+        layer(torch.randn(2, 9, 12, dtype=f64))
+    assert ranks == [(4, 4)]

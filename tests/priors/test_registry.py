@@ -46,6 +46,35 @@ def test_every_distance_prior_takes_the_generic_tables_and_is_certified():
         assert entry.certified is not None and entry.parameters is not None, name
 
 
+@pytest.mark.parametrize("C, P", [(1, 1), (5, 5), (3, 7), (7, 3)])
+@pytest.mark.parametrize("dtype", [None, torch.float32])
+def test_a_stationary_distance_prior_lays_its_distances_along_the_diagonals(C, P, dtype):
+    """``DistancePrior.log_table`` evaluates the prior at the C + P − 1 distances once and lays
+    them along the grid's diagonals: bit for bit ``log_weight`` on the grid (the base
+    ``Prior.log_table``), for the first C of P tokens and for the last C (the beta-geometric's
+    children), −∞ included."""
+    g = torch.Generator().manual_seed(10 * C + P)
+    seen = 0
+    for entry in ENTRIES.values():
+        for prior in entry.cases(C, P, g):
+            if not (isinstance(prior, sa.priors.DistancePrior) and prior.stationary):
+                continue
+            asked = []
+            read = prior.log_at_distance
+
+            def spy(d, dtype=None, read=read, asked=asked):
+                asked.append(tuple(d.shape))
+                return read(d, dtype)
+            want = sa.priors.Prior.log_table(prior, C, P, "cpu", dtype)  # log_weight per pair
+            prior.log_at_distance = spy
+            got = prior.log_table(C, P, "cpu", dtype)
+            assert asked == [(C + P - 1,)], (prior.describe(), asked)
+            assert got.dtype == want.dtype and got.shape[-2:] == (C, P), prior.describe()
+            assert torch.equal(*torch.broadcast_tensors(got, want)), prior.describe()
+            seen += 1
+    assert seen >= (3 if C <= P else 1)  # ALiBi, the beta-geometric, the Gaussian (C ≤ P)
+
+
 @pytest.mark.parametrize("name", sorted(ENTRIES))
 def test_bad_parameters_are_refused_by_name(name):
     check_bad(ENTRIES[name])
