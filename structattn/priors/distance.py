@@ -142,9 +142,10 @@ class DistancePrior(Prior):
 
     def log_table(self, num_children, num_parents, device, dtype):
         """Dense log weights ``(…, C, P)``: a stationary prior's C + P − 1 distinct weights,
-        one per distance, laid along the grid's diagonals (one copy of ``(…, C, P)``, not
-        ``log_weight``'s temporaries at every pair: at C = P = 16,384 and four heads, 4 GiB
-        in float32 instead of some 35). A non-stationary prior: ``log_weight`` on the grid."""
+        one per distance, laid along the grid's diagonals — one copy of ``(…, C, P)`` (4 GiB
+        in float32 at C = P = 16,384 and four heads), not ``log_weight``'s several temporaries
+        of that size, one per operation at every pair. A non-stationary prior:
+        ``log_weight`` on the grid."""
         if not self.stationary or num_children == 0 or num_parents == 0:
             return super().log_table(num_children, num_parents, device, dtype)
         top = self.child_offset(num_children, num_parents) + num_children - 1  # the longest d
