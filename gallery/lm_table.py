@@ -47,13 +47,14 @@ def load(folder: pathlib.Path):
 
 
 def spread(values: list[float], digits: int = 3) -> str:
-    """``mean`` for one value, ``mean (min–max)`` for more."""
+    """``mean`` for one value (or several equal at ``digits``), ``mean (min–max)`` for more."""
     if not values:
         return "—"
     mean = statistics.fmean(values)
-    if len(values) == 1:
+    low, high = f"{min(values):.{digits}f}", f"{max(values):.{digits}f}"
+    if low == high:
         return f"{mean:.{digits}f}"
-    return f"{mean:.{digits}f} ({min(values):.{digits}f}–{max(values):.{digits}f})"
+    return f"{mean:.{digits}f} ({low}–{high})"
 
 
 def at_length(result: dict, length: int) -> float | None:

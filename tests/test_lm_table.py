@@ -133,6 +133,14 @@ def test_the_table_states_each_run_its_seeds_range_and_the_anchors(runs, probed,
                     "--out", str(tmp_path)])
 
 
+def test_a_spread_prints_a_range_only_where_the_seeds_differ_at_its_digits():
+    spread = _load("lm_table").spread
+    assert spread([]) == "—"
+    assert spread([1.25]) == "1.250" and spread([36104.0], 0) == "36104"
+    assert spread([30.0001, 29.9999], 1) == "30.0"
+    assert spread([1.0, 1.5]) == "1.250 (1.000–1.500)"
+
+
 ROOT = GALLERY.parent
 
 
