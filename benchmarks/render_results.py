@@ -78,7 +78,8 @@ def distance_priors(out: str) -> str | None:
     """Time and memory ratios to causal SDPA per prior and N (the CPU's runs)."""
     runs = {}  # N → {variant: row}
     machine = None
-    for name in ("distance_priors.json", "distance_priors_certified_16384.json"):
+    for name in ("distance_priors.json", "distance_priors_certified_16384.json",
+                 "distance_priors_gaussian.json"):  # later records replace earlier rows
         data = _load(name)
         if data is None or data.get("provenance", {}).get("device", "cpu") != "cpu":
             continue
