@@ -85,8 +85,10 @@ def distance_priors(out: str) -> str | None:
             continue
         machine = machine or _machine(data)
         for n, rows in data["results"]["runs"].items():
+            base = rows.get("causal SDPA", {}).get("peak_bytes")  # each record's own baseline
             runs.setdefault(int(n), {}).update(
-                {k: v for k, v in rows.items() if isinstance(v, dict) and "paired" in v})
+                {k: {**v, "memory": v["peak_bytes"] / base if base else float("nan")}
+                 for k, v in rows.items() if isinstance(v, dict) and "paired" in v})
     if not runs:
         return None
     sizes = sorted(runs)
@@ -95,8 +97,7 @@ def distance_priors(out: str) -> str | None:
     fig, axes = plt.subplots(1, 2, figsize=(13, 0.42 * len(variants) + 1.8), sharey=True)
 
     def memory(n, v):
-        base = runs[n].get("causal SDPA", {}).get("peak_bytes")
-        return runs[n][v]["peak_bytes"] / base if v in runs[n] and base else float("nan")
+        return runs[n].get(v, {}).get("memory", float("nan"))
     for ax, what, value, first in (
             (axes[0], "forward+backward time",
              lambda n, v: runs[n].get(v, {}).get("paired", float("nan")), True),
