@@ -13,6 +13,7 @@ from torch import nn
 from structattn.checks import check_positive, check_size
 from structattn.nodes import nodes
 from structattn.priors import BetaGeometric
+from structattn.renamed import refuses_renamed
 from structattn.windows import MeanFieldWindows
 
 from ._catalogue import TOKEN_SIZES, Entry, randn64
@@ -23,6 +24,7 @@ def _softplus_inverse(v: float) -> float:
     return v + math.log(-math.expm1(-v))
 
 
+@refuses_renamed
 class ExpandingAttention(TokenAttention):
     """φ_i = distance back from token i (parent i − φ_i), p(φ_i = d | q_i) = (1 − q_i) q_i^{d−1},
     q_i ~ Beta(a, b); ψ(x_j, x_i) = x_iᵀW_QᵀW_K x_j / τ; v = W_V x_j; y_i = W_O [E v_i]_heads.

@@ -12,10 +12,12 @@ from torch import nn
 import structattn as sa
 from structattn.checks import check_size
 from structattn.latent import IterationOptions
+from structattn.renamed import refuses_renamed
 
 from ._catalogue import Entry, randn64
 
 
+@refuses_renamed
 class Hopfield(sa.Declaration):
     """ξ_i ~ N(0, β⁻¹ I) (latent); φ_i ~ Uniform(stored patterns); ψ(y_j, ξ_i) = β ξ_iᵀ W_K y_j;
     v = W_V y_j — per head. Collapsed free energy (per query and head, up to a constant):

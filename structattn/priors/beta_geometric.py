@@ -32,6 +32,7 @@ import torch
 
 from .._validation import check_positive, checks_on, passes
 from ..beta import beta_quantile, log_beta
+from ..renamed import refuses_renamed
 from ._registry import PriorEntry
 from .distance import DistancePrior
 
@@ -59,6 +60,7 @@ def _check_options(tol, prior_tol, max_window, block_size) -> None:
             raise ValueError(f"BetaGeometric prior: {name} must be an int ≥ 1; got {val!r}")
 
 
+@refuses_renamed
 class BetaGeometric(DistancePrior):
     """``p(φ_i = d) = B(a + d − 1, b + 1) / B(a, b)`` for the distance d = i − j ≥ 1 back from
     child i: the geometric–Beta prior of expanding attention (module docstring).

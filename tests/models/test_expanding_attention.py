@@ -320,12 +320,14 @@ def test_a_prior_option_with_a_mean_field_scheme_is_refused(arg, value, scheme):
 
 
 def test_the_schemes_options_are_not_constructor_arguments():
-    """The scheme's options are not the constructor's: an unknown keyword, Python's TypeError
-    naming it (they live on ``inference=structattn.MeanFieldWindows(...)``)."""
-    with pytest.raises(TypeError, match=r"unexpected keyword argument 'variant'"):
+    """The scheme's options are not the constructor's: a TypeError naming the argument and
+    where it lives now (``inference=structattn.MeanFieldWindows(...)``; ``variant``, the
+    reading's old name, names ``inference`` itself)."""
+    with pytest.raises(TypeError, match=r"variant= is no longer an argument; use inference=None"):
         sa.models.expanding_attention(8, variant="mean_field", grad="last")
     for name, value in (("max_iters", 5), ("converge_tol", 1e-4), ("expectation", "plug_in"),
                         ("update", "accumulate"), ("window_rule", "evidence"),
                         ("initial_window", 4)):
-        with pytest.raises(TypeError, match=rf"unexpected keyword argument '{name}'"):
+        with pytest.raises(TypeError, match=rf"{name}= is no longer an argument; use "
+                                            rf"inference=sa\.MeanFieldWindows\({name}="):
             sa.models.expanding_attention(8, **{name: value})

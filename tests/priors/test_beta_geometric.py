@@ -148,9 +148,12 @@ def test_bad_prior_arguments(kwargs, match):
 
 @pytest.mark.parametrize("kwargs,match", [
     # the mean-field options are the family's inference scheme's (MeanFieldWindows), not the
-    # prior's: Python's own TypeError names the first one
-    (dict(inference="mean_field"), r"unexpected keyword argument 'inference'"),
-    (dict(window_rule="edge", grad="last"), r"unexpected keyword argument 'window_rule'"),
+    # prior's: a TypeError names the first one and where it lives now (structattn.renamed)
+    (dict(inference="mean_field"), r"inference= is no longer an argument; use "
+                                   r"sa\.edges\(\.\.\., inference=sa\.MeanFieldWindows"),
+    (dict(window_rule="edge", grad="last"),
+     r"window_rule= is no longer an argument; use "
+     r"sa\.edges\(\.\.\., inference=sa\.MeanFieldWindows\(window_rule="),
 ])
 def test_mean_field_options_are_not_the_priors(kwargs, match):
     with pytest.raises(TypeError, match=match):
