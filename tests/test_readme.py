@@ -24,3 +24,8 @@ def test_readme_examples_run(tmp_path, monkeypatch):
     assert sa.inference.compare(reader, q, m).max_abs_diff < 1e-6
     report = sa.inference.compare(ns["retrieve"], ns["q"], ns["Y"])  # the iterative example
     assert report.max_abs_diff < 1e-9 and report.fixed_point is not None
+
+
+def test_the_readme_stays_short():
+    """A newcomer's page: the details live in docs/ (the user guide, the gallery's pages)."""
+    assert len(README.read_text().splitlines()) <= 350
