@@ -23,4 +23,19 @@ def _seed_and_validate():
     sa.set_validation(True)
 
 
+#: the longest-running modules, started first: with one pytest-xdist worker per core, a long
+#: test that starts last leaves the other cores idle while it runs (the wheel test installs
+#: torch into a fresh environment and builds a C++ kernel)
+FIRST = ("tests/test_wheel.py", "tests/triton/test_expanding_triton.py", "tests/test_docs.py",
+         "tests/test_lm_table.py", "tests/triton/test_key_bias_triton.py",
+         "tests/triton/test_stick_breaking_triton.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    def rank(item):
+        path = item.nodeid.split("::", 1)[0]
+        return FIRST.index(path) if path in FIRST else len(FIRST)
+    items.sort(key=rank)  # stable: the rest keep their order
+
+
 PRIMES = [2, 3, 5, 7, 11, 13]

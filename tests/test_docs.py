@@ -12,10 +12,9 @@ import sys
 
 import pytest
 
+from .staging import once, stage
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-# one pytest-xdist worker for this module: its fixture builds the site once, and mkdocs-gallery
-# writes its pages into docs/gallery/scripts/ — two builds at once raced there
-pytestmark = pytest.mark.xdist_group("docs")
 DOCS = ROOT / "docs"
 DATE = re.compile(r"20[0-9][0-9]-[0-9][0-9]-[0-9][0-9]")
 
@@ -29,20 +28,35 @@ def _public_names():
     return sorted(n for n in names if not n.startswith("_")) + ["inference", "models"]
 
 
-@pytest.fixture(scope="module")
-def built(tmp_path_factory):
-    """The site as ``mkdocs build --strict`` builds it by default (no gallery script run), once
-    for the tests that read it: its directory and the build's output."""
-    for package in ("mkdocs", "material", "mkdocstrings", "mkdocstrings_handlers.python",
-                    "mkdocs_gallery"):
-        pytest.importorskip(package, reason="the docs packages come with the dev extra")
-    site = tmp_path_factory.mktemp("docs") / "site"
+def _build_site(where: pathlib.Path) -> None:
+    """``mkdocs build --strict`` of a copy of the repository (mkdocs-gallery writes its pages
+    into docs/gallery/scripts/ where it runs, and the clone is the rest of the suite's): the
+    site in ``where/site``, its whole log in ``where/mkdocs.log``, its exit status beside."""
+    source = stage(where / "repository")
     env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
     env.pop("STRUCTATTN_GALLERY_RUN", None)
     result = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    return site, result
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(where / "site")],
+        cwd=source, env=env, capture_output=True, text=True, timeout=300)
+    (where / "mkdocs.log").write_text(result.stdout + result.stderr)
+    (where / "mkdocs.returncode").write_text(str(result.returncode))
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """The site as ``mkdocs build --strict`` builds it by default (no gallery script run), once
+    per session for the tests that read it: its directory and the build's result."""
+    for package in ("mkdocs", "material", "mkdocstrings", "mkdocstrings_handlers.python",
+                    "mkdocs_gallery"):
+        pytest.importorskip(package, reason="the docs packages come with the dev extra")
+    where = once(tmp_path_factory, "docs", _build_site)
+    log = (where / "mkdocs.log").read_text()
+    result = subprocess.CompletedProcess(
+        "mkdocs build", int((where / "mkdocs.returncode").read_text()), log, "")
+    # the whole log: pytest shows it under a failed test's "Captured stdout setup" (a
+    # failure's message shows its last lines)
+    print(f"mkdocs build exited {result.returncode}; its log ({where / 'mkdocs.log'}):\n{log}")
+    return where / "site", result
 
 
 def test_mkdocs_build_strict(built):

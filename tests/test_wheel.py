@@ -18,9 +18,10 @@ import zipfile
 
 import pytest
 
+from .staging import once, stage
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-pytestmark = [pytest.mark.network,
-              pytest.mark.xdist_group("wheel")]  # one worker builds the wheel for both tests
+pytestmark = pytest.mark.network
 
 #: what the fresh environment runs, from a directory outside the repository
 PROBE = r"""
@@ -76,10 +77,18 @@ def _source_packages() -> set:
             for p in (ROOT / "structattn").rglob("__init__.py")}
 
 
+def _build(out: pathlib.Path) -> None:
+    # built from a copy: the build writes structattn-X.Y.Z/, build/ and structattn.egg-info
+    # where it runs, which in the clone raced the rest of the suite (the sdist's staging tree
+    # lost files it had just made)
+    source = stage(out / "source")
+    _run([sys.executable, "-m", "build", "--outdir", str(out / "dist"), str(source)], timeout=900)
+
+
 @pytest.fixture(scope="module")
 def dist(tmp_path_factory):
-    out = tmp_path_factory.mktemp("dist")
-    _run([sys.executable, "-m", "build", "--outdir", str(out), str(ROOT)], timeout=900)
+    """The wheel and the sdist, built once per session (whichever worker asks first)."""
+    out = once(tmp_path_factory, "wheel", _build) / "dist"
     (wheel,) = out.glob("structattn-*.whl")
     (sdist,) = out.glob("structattn-*.tar.gz")
     return wheel, sdist
@@ -106,7 +115,10 @@ def test_the_wheel_installs_imports_runs_and_renders_outside_the_repository(dist
     env_dir = tmp_path / "env"
     _run([sys.executable, "-m", "venv", str(env_dir)], timeout=300)
     python = env_dir / "bin" / "python"
-    pip = [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
+    # --no-compile: byte-compiling torch's thousands of modules at install is a minute of CPU
+    # the probe does not need (Python compiles what it imports)
+    pip = [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
+           "--no-compile"]
     import torch  # the same torch as this environment's: a local wheel, not a CUDA build
     _run([*pip, f"torch=={torch.__version__.split('+')[0]}"], timeout=900)
     _run([*pip, str(wheel)], timeout=900)
