@@ -24,10 +24,12 @@ bfloat16 (``--dtype``; ``autocast``: float32 parameters under ``torch.autocast``
 bfloat16). Each method is warmed up, then the methods run interleaved for ``--rounds``
 rounds (every other one reversed) of ``--block`` calls, timed on a GPU with CUDA events; the
 table gives medians per call and the median of the per-round ratios to causal SDPA
-(``paired``). Peak memory is ``torch.cuda.max_memory_allocated`` over one forward+backward
-after a reset, less what was allocated before. Before timing, each layer's output is
-compared with the baseline that computes the same function (self-attention with SDPA, FoX
-and stick-breaking with FLA's) and the largest difference printed.
+(``paired``). A layer whose call takes longer than ``--slow`` seconds (2) is timed by its last
+warm-up call alone, so that one slow layer does not spend the run. Peak memory is
+``torch.cuda.max_memory_allocated`` over one forward+backward after a reset, less what was
+allocated before. Before timing, each layer's output is compared with the baseline that
+computes the same function (self-attention with SDPA, FoX and stick-breaking with FLA's) and
+the largest difference printed.
 
 On the CPU (``--device cpu --sizes 64 128``, or ``--quick``: one round) the same code runs
 without FLA, a smoke test whose times mean nothing. Run on a GPU:
@@ -53,6 +55,8 @@ from _device import cuda_peak_bytes, sync  # noqa: E402
 import structattn as sa  # noqa: E402
 
 SDPA = "causal SDPA"
+#: SDPA around the self-attention layer's own weights: compared with it, not timed
+SDPA_TWIN = "causal SDPA (its weights)"
 #: the layer each FLA baseline computes the same function as
 FLA_TWIN = {"FoX": "FoX (FLA)", "stick-breaking": "stick-breaking (FLA)"}
 
@@ -170,9 +174,13 @@ class Method:
         with torch.autocast(self.x.device.type, dtype=torch.bfloat16, enabled=self.autocast):
             return self.forward(self.x)
 
-    def __call__(self):
+    def clear(self):
+        """Drop the gradients of the last call (a call's own are part of its peak)."""
         for p in (self.x, *self.params):
             p.grad = None
+
+    def __call__(self):
+        self.clear()
         y = self.output()
         if self.dy is None or self.dy.dtype != y.dtype:
             g = torch.Generator(device="cpu").manual_seed(1)
@@ -240,8 +248,8 @@ def run_size(N, args, fla, log) -> list[dict]:
         methods[name] = Method(layer, [p for p in m.parameters() if p.requires_grad],
                                inputs[kind], autocast)
         if name == "causal self-attention":
-            twins[name] = SDPA + " (its weights)"
-            methods[SDPA + " (its weights)"] = Method(lambda x, m=m: causal_sdpa(m, x), [], x,
+            twins[name] = SDPA_TWIN
+            methods[SDPA_TWIN] = Method(lambda x, m=m: causal_sdpa(m, x), [], x,
                                                       autocast)
         if fla is not None and name in FLA_TWIN:
             fn = fox_fla if name == "FoX" else stick_breaking_fla
@@ -250,12 +258,21 @@ def run_size(N, args, fla, log) -> list[dict]:
             methods[FLA_TWIN[name]] = Method(lambda x, fn=fn, kernel=kernel, m=m: fn(kernel, m, x),
                                              [p for p in m.parameters() if p.requires_grad], x,
                                              autocast)
-    notes, diffs = {}, {}
+    order = [n for n in methods if n != SDPA_TWIN]  # the rows
+    notes, diffs, once = {}, {}, {}
     for name, fn in list(methods.items()):  # warm-up: reads, records, compiles kernels
         try:
-            for _ in range(args.warmup):
+            for _ in range(args.warmup - 1):
                 fn()
             sync(device)
+            t = time.perf_counter()
+            fn()
+            sync(device)
+            t = time.perf_counter() - t
+            if t > args.slow and name != SDPA and name in order:  # timed by that call
+                once[name] = t
+                notes[name] = f"one call timed: {t:.2f} s > --slow {args.slow:g} s"
+                del methods[name]
         except Exception as err:  # a kernel missing for this dtype, out of memory …
             notes[name] = _why(err)
             del methods[name]
@@ -269,14 +286,16 @@ def run_size(N, args, fla, log) -> list[dict]:
                 diffs[name] = float((a - b).abs().max() / b.abs().max().clamp(min=1e-30))
                 log(f"  {name} vs {twin}: largest difference {diffs[name]:.2e} of the output's "
                     f"largest entry")
-    for twin in {t for t in twins.values() if t.startswith(SDPA)}:
-        methods.pop(twin, None)  # compared above, not timed (it is SDPA's row)
+    methods.pop(SDPA_TWIN, None)  # compared above, not timed (it is SDPA's row)
     times = time_interleaved(methods, device, args.rounds, args.block)
-    peaks = {k: cuda_peak_bytes(fn, device) if device.type == "cuda" else None
-             for k, fn in methods.items()}
+    peaks = {}
+    for k, fn in methods.items():
+        fn.clear()
+        peaks[k] = cuda_peak_bytes(fn, device) if device.type == "cuda" else None
     base_t, base_m = times[SDPA], peaks[SDPA]
+    times.update({k: [t] * len(base_t) for k, t in once.items()})
     rows = []
-    for name in [*methods, *notes]:
+    for name in (n for n in order if n in times or n in notes):
         t = times.get(name)
         fla_name = FLA_TWIN.get(name)
         row = {"N": N, "B": B, "H": H, "d": d, "dtype": args.dtype, "method": name,
@@ -341,7 +360,10 @@ def main(argv=None):
                    help="only the layers whose names contain one of these")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--block", type=int, default=3, help="calls per timed block")
-    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=3, help="calls before timing (≥ 2)")
+    p.add_argument("--slow", type=float, default=None, metavar="S",
+                   help="a layer whose call takes longer is timed once, its last warm-up call "
+                        "(default 2 s; 60 s with --quick)")
     p.add_argument("--budget", type=float, default=None, metavar="S",
                    help="start no further N once this many seconds have passed")
     p.add_argument("--no-fla", action="store_true", help="leave FLA's kernels out")
@@ -353,6 +375,10 @@ def main(argv=None):
     if args.quick:  # every path at a size the CPU runs in seconds
         args.device, args.rounds, args.block, args.warmup = "cpu", 1, 1, 2
         args.batch, args.heads, args.d, args.sizes = 1, 2, 16, args.sizes or [64, 128]
+        args.slow = 60.0 if args.slow is None else args.slow
+    args.slow = 2.0 if args.slow is None else args.slow
+    if args.warmup < 2:
+        p.error(f"--warmup must be ≥ 2 (the last warm-up call is timed); got {args.warmup}")
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         p.error(f"--device {args.device}: no CUDA device here (torch.cuda.is_available() is "

@@ -79,6 +79,12 @@ def test_the_layer_benchmark_records_each_layer_against_sdpa_and_renders(tmp_pat
         assert rows["causal SDPA"]["paired_vs_sdpa"] == 1.0
         assert rows["causal self-attention"]["max_difference"] < 1e-2
         assert rows["FoX"]["paired_vs_fla"] is None  # no FLA here
+    # a layer slower than --slow is timed by one call, and says so
+    rows = bench_gpu_layers.main(["--quick", "--sizes", "64", "--models", "self-attention",
+                                  "--slow", "0"])
+    by = {r["method"]: r for r in rows}
+    assert by["causal self-attention"]["note"].startswith("one call timed")
+    assert by["causal self-attention"]["seconds"] > 0 and by["causal SDPA"]["note"] is None
     monkeypatch.setattr(render_results, "RESULTS", str(tmp_path / "results"))
     picture = render_results.gpu_layers(str(tmp_path))
     assert pathlib.Path(picture).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
