@@ -93,14 +93,14 @@ def fox_fla(kernel, m, x):
     q, k, v = _qkv(m, x)
     log_f = F.logsigmoid(F.linear(x, m.W_f, m.b_f)).float()  # (B, N, H)
     y = kernel(q, k, v, log_f, scale=m.d_k ** -0.5)
-    return F.linear(y.flatten(-2), m.W_o)
+    return F.linear(y.flatten(-2).to(q.dtype), m.W_o)
 
 
 def stick_breaking_fla(kernel, m, x):
     """Stick-breaking with FLA's kernel."""
     q, k, v = _qkv(m, x)
     y = kernel(q, k, v, scale=m.d_k ** -0.5)[0]
-    return F.linear(y.flatten(-2).to(x.dtype), m.W_o)
+    return F.linear(y.flatten(-2).to(q.dtype), m.W_o)
 
 
 # -- the layers ----------------------------------------------------------------------------

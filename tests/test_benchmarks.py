@@ -108,3 +108,32 @@ def test_the_layer_table_puts_fla_beside_the_layers_that_have_its_kernel():
                            "| causal SDPA | 2.00 ms, 2 MiB |",
                            "| FoX | 2.50× (0.90× FLA), memory 1.20× |",
                            "| ALiBi | fails |"]
+
+
+def test_the_fla_baselines_compute_what_the_layers_compute():
+    """The FLA columns of ``bench_gpu_layers.py`` put the layer's own projections (and FoX's
+    forget gates) around FLA's kernels: with FLA's plain-torch references in place of its
+    Triton kernels (``naive.py``, which runs on the CPU), they equal the compiled FoX and
+    stick-breaking layers. Runs where ``fla-core`` is installed."""
+    import sys
+
+    fox_ref = pytest.importorskip("fla.ops.forgetting_attn.naive").naive_forgetting_attn
+    sb_ref = pytest.importorskip("fla.ops.stickbreaking_attn.naive").naive_stickbreaking_attn
+    sys.path.insert(0, str(BENCHMARKS))
+    import bench_gpu_layers as bench
+    import torch
+
+    import structattn as sa
+
+    torch.manual_seed(0)
+    kw = dict(heads=2, d_k=8, d_v=8, dtype=torch.float64)
+    x = torch.randn(2, 20, 16, dtype=torch.float64)
+    fox = sa.models.forgetting_attention(16, **kw)
+    with torch.no_grad():
+        fox.b_f.fill_(0.5)  # gates that forget within the 20 tokens
+    # FLA's reference computes in float32
+    torch.testing.assert_close(bench.fox_fla(fox_ref, fox, x), sa.compile(fox)(x),
+                               rtol=0, atol=1e-5)
+    sb = sa.models.stick_breaking_attention(16, tol=0.0, **kw)
+    torch.testing.assert_close(bench.stick_breaking_fla(sb_ref, sb, x), sa.compile(sb)(x),
+                               rtol=0, atol=1e-10)
