@@ -249,8 +249,16 @@ def test_a_corpus_that_is_not_the_tables_is_refused_in_one_line(lm, tmp_path, ca
                            f"Python is {sys.version.split()[0]}")
 def test_this_pythons_library_is_the_tables_corpus(lm):
     """Built here, the corpus has the hash the table names, and the manifest hash every
-    record of the table carries (tests/test_lm_table.py checks the records)."""
+    record of the table carries (tests/test_lm_table.py checks the records); its validation
+    bytes give the compressors' figures the records hold, to the last digit."""
+    import bz2
+    import zlib
+
     train, val, manifest = lm.stdlib_corpus()
     assert manifest["corpus_sha256"] == lm.lm_corpus.CORPUS_SHA256
     assert manifest["sha256"] == lm.lm_corpus.CORPUS_MANIFEST_SHA256
     assert (manifest["files"], len(train), len(val)) == (1790, 30012231, 1514783)
+    record = json.loads((GALLERY / "results" / "lm_table" / "fox_seed0.json").read_text())
+    raw = bytes(val.numpy())
+    assert 8 * len(zlib.compress(raw, 9)) / len(raw) == record["anchors"]["zlib -9"]
+    assert 8 * len(bz2.compress(raw, 9)) / len(raw) == record["anchors"]["bz2 -9"]
