@@ -11,9 +11,10 @@ the same shapes (FLA's, the FoX and stick-breaking layers' own weights):
   ``parallel_forgetting_attn``; ``stick-breaking (FLA)``: around FLA's
   ``parallel_stickbreaking_attn`` (``fla-core``; where it does not import, its columns say
   why);
-- the layers: causal self-attention, RoPE, ALiBi, relative positions (causal), FoX, FoX
-  certified (``tol=1e-4``), stick-breaking, BAM's generalised Gaussian (certified at
-  ``tol=1e-4``; without ``tol`` its (H, N, N) bias, up to N = 4,096), expanding attention's
+- the layers: causal self-attention, RoPE, ALiBi, relative and learned absolute positions
+  (causal), FoX, FoX certified (``tol=1e-4``), stick-breaking, BAM's generalised Gaussian
+  (certified at ``tol=1e-4``; without ``tol`` its (H, N, N) bias, up to N = 4,096), causal
+  multihop (P + P²)VX (up to N = 4,096: P² is dense), expanding attention's
   mean field with ``grad="last"`` on the expanding benchmark's input (each head's tokens
   carry their true parent's key, Geometric(1/16) back, and W_Q, W_K read it, as
   ``bench_expanding.py`` builds them; a = 16, b = 2, tol 0.05) and on standard-normal inputs
@@ -143,6 +144,8 @@ def layers(N, kw):
         "ALiBi": (models.alibi_attention(d_model, **kw), "normal"),
         "relative positions": (models.relative_position_attention(d_model, causal=True, **kw),
                                "normal"),
+        "absolute positions (learned)": (models.absolute_position_attention(
+            d_model, max_len=N, causal=True, **kw), "normal"),
         "FoX": (models.forgetting_attention(d_model, **kw), "normal"),
         "FoX, certified (tol 1e-4)": (models.forgetting_attention(d_model, tol=1e-4, **kw),
                                       "normal"),
@@ -155,9 +158,11 @@ def layers(N, kw):
         "expanding, grad='last' (standard normal)": (models.expanding_attention(
             d_model, inference=sa.MeanFieldWindows(grad="last"), **kw), "normal"),
     }
-    if N <= 4096:  # no fast path without tol: an (H, N, N) bias
+    if N <= 4096:  # (H, N, N) tables: no fast path without tol; P² of the posterior
         out["generalised Gaussian (dense bias)"] = (
             models.generalised_gaussian_attention(d_model, **kw), "normal")
+        out["multihop (P + P²)"] = (models.multihop_attention(d_model, causal=True, **kw),
+                                    "normal")
     return out
 
 
