@@ -355,6 +355,9 @@ def main(argv=None):
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     devices = sorted({r.get("device", "cpu") for rs in runs.values() for r in rs})
+    dtypes = sorted({r.get("dtype", "float32") for rs in runs.values() for r in rs})
+    if dtypes != ["float32"]:  # --dtype bfloat16: the forward under autocast
+        devices = [f"{', '.join(devices)} ({', '.join(dtypes)}, autocast)"]
     lengths = sorted({e["context"] for rs in runs.values() for r in rs
                       for e in r.get("by_length") or ()} | {r["context"] for rs in runs.values()
                                                           for r in rs})

@@ -180,3 +180,18 @@ def test_the_committed_records_were_trained_on_the_corpus_the_table_names():
     assert f"corpus sha256 {corpus.CORPUS_SHA256[:16]}" in first
     other = table.corpus_of({"manifest_sha256": "0" * 64})
     assert "not the LM table's" in table.corpus_line(other)
+
+
+def test_the_table_names_a_bfloat16_runs_precision(runs, tmp_path):
+    """Runs trained with --dtype bfloat16 (autocast) say so in the table's first line."""
+    table = _load("lm_table")
+    _, keep = runs
+    folder = tmp_path / "bf16"
+    folder.mkdir()
+    for path in keep.glob("*_seed*.json"):
+        record = json.loads(path.read_text())
+        (folder / path.name).write_text(json.dumps(dict(record, dtype="bfloat16")))
+    table.main(["--runs", str(folder), "--anchors", str(tmp_path / "none.json"),
+                "--out", str(tmp_path)])
+    first = (tmp_path / "lm_table.md").read_text().splitlines()[0]
+    assert first.startswith("Device: cpu (bfloat16, autocast);"), first
