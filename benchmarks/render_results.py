@@ -8,7 +8,11 @@ Reads the JSON each benchmark writes (``{"provenance": …, "results": …}``) a
 - ``gpu_kernels.png``: the Triton kernels' time against N beside FLA's and causal
   FlashAttention SDPA's (``gpu_kernels.json``), one panel per kernel;
 - ``expanding.png``: expanding attention's speed-up over full causal SDPA per variant and N
-  (``expanding.json``).
+  (``expanding.json``);
+- ``gpu_layers.png``: each compiled layer's forward+backward time and peak memory over the
+  same projections around causal SDPA, per N (``gpu_layers.json``, ``bench_gpu_layers.py``
+  on a GPU); its table, the same ratios with FLA's beside FoX and stick-breaking, is printed
+  in markdown for the docs (``gpu_layers_table``).
 
 Each picture names the machine it was measured on (the provenance). A result file that is
 missing leaves its picture out. Run: ``python benchmarks/render_results.py [--out DIR]``.
@@ -167,15 +171,63 @@ def expanding(out: str) -> str | None:
     return _save(fig, out, "expanding.png")
 
 
+def gpu_layers_table(data=None) -> list[str]:
+    """``bench_gpu_layers.py``'s record as a markdown table (one row per method, per N its
+    time and memory over causal SDPA's, FLA's beside), with a line naming the machine; []
+    where no record exists."""
+    data = data or _load("gpu_layers.json")
+    if data is None or not data["results"].get("rows"):
+        return []
+    import sys
+
+    sys.path.insert(0, HERE)
+    from bench_gpu_layers import table
+
+    r = data["results"]
+    c = r.get("config", {})
+    return [f"{r.get('device', _machine(data))}, {r.get('dtype')}, B={c.get('batch')} "
+            f"H={c.get('heads')} d={c.get('d')}, forward+backward (paired medians):", "",
+            *table(r["rows"], None if r.get("fla") else r.get("fla_note"))]
+
+
+def gpu_layers(out: str) -> str | None:
+    """Each compiled layer's time and peak memory over causal SDPA's, per N."""
+    data = _load("gpu_layers.json")
+    if data is None or not data["results"].get("rows"):
+        return None
+    rows = [r for r in data["results"]["rows"] if r["seconds"]]
+    sizes = sorted({r["N"] for r in rows})
+    variants = list(dict.fromkeys(r["method"] for r in rows if r["method"] != "causal SDPA"))
+    at = {(r["N"], r["method"]): r for r in rows}
+
+    def ratio(key):
+        return lambda n, v: (at.get((n, v)) or {}).get(key) or float("nan")
+    fig, axes = plt.subplots(1, 2, figsize=(13, 0.42 * len(variants) + 1.8), sharey=True)
+    for ax, what, key, first in ((axes[0], "forward+backward time", "paired_vs_sdpa", True),
+                                 (axes[1], "peak memory", "memory_vs_sdpa", False)):
+        _grouped_bars(ax, variants, sizes, ratio(key), label=first,
+                      xlabel=f"{what} ÷ causal SDPA's (log scale; left of the dashed line: "
+                             f"less)")
+    axes[1].legend(loc="upper right", fontsize=8)
+    r = data["results"]
+    fig.suptitle(f"Compiled layers against causal SDPA — {r.get('device', _machine(data))}, "
+                 f"{r.get('dtype')}", fontsize=11)
+    return _save(fig, out, "gpu_layers.png")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=OUT, help="where the pictures go (default: the docs')")
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     written = [w for w in (distance_priors(args.out), gpu_kernels(args.out),
-                           expanding(args.out)) if w]
+                           expanding(args.out), gpu_layers(args.out)) if w]
     for w in written:
         print(w)
+    layers = gpu_layers_table()
+    if layers:
+        print("\nthe layers on a GPU (docs/benchmarks/index.md, \"On a GPU\"):\n")
+        print("\n".join(layers))
     return written
 
 

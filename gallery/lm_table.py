@@ -29,6 +29,8 @@ import pathlib
 import statistics
 from collections import defaultdict
 
+import lm_corpus
+
 HERE = pathlib.Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 # where ``--docs`` writes: the main table into the READMEs, everything into the gallery page
@@ -44,6 +46,25 @@ def load(folder: pathlib.Path):
         data = json.loads(path.read_text())
         (probes if path.stem.endswith("_probes") else runs)[data["variant"]].append(data)
     return dict(runs), dict(probes)
+
+
+def corpus_of(result: dict) -> str:
+    """The sha256 of the corpus a run trained on (``lm_corpus.corpus_sha256``); a record that
+    names only its manifest is the table's corpus where that manifest is the table's."""
+    if result.get("corpus_sha256"):
+        return result["corpus_sha256"]
+    if result["manifest_sha256"] == lm_corpus.CORPUS_MANIFEST_SHA256:
+        return lm_corpus.CORPUS_SHA256
+    return f"manifest {result['manifest_sha256']}"
+
+
+def corpus_line(corpus: str) -> str:
+    """What the table says of its corpus: its hash, and whether it is the one
+    ``lm_corpus.CORPUS_SHA256`` names."""
+    if corpus == lm_corpus.CORPUS_SHA256:
+        return (f"corpus sha256 {corpus[:16]} (Python 3.11.7's standard library; "
+                f"`train_lm.py --write-corpus` writes it, `--corpus` reads it).")
+    return f"corpus {corpus[:24]}, not the LM table's ({lm_corpus.CORPUS_SHA256[:16]})."
 
 
 def spread(values: list[float], digits: int = 3) -> str:
@@ -327,14 +348,21 @@ def main(argv=None):
     if anchors and hashes != {anchors["manifest_sha256"]}:
         raise SystemExit(f"lm_table: the runs' corpora {sorted(h[:16] for h in hashes)} are not "
                          f"the anchors' ({anchors['manifest_sha256'][:16]})")
+    corpora = {corpus_of(r) for rs in runs.values() for r in rs}
+    if len(corpora) > 1:
+        raise SystemExit(f"lm_table: the runs were trained on different corpora "
+                         f"{sorted(c[:16] for c in corpora)}")
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     devices = sorted({r.get("device", "cpu") for rs in runs.values() for r in rs})
+    dtypes = sorted({r.get("dtype", "float32") for rs in runs.values() for r in rs})
+    if dtypes != ["float32"]:  # --dtype bfloat16: the forward under autocast
+        devices = [f"{', '.join(devices)} ({', '.join(dtypes)}, autocast)"]
     lengths = sorted({e["context"] for rs in runs.values() for r in rs
                       for e in r.get("by_length") or ()} | {r["context"] for rs in runs.values()
                                                           for r in rs})
     main_table = table(runs, anchors, lengths)
-    lines = [f"Device: {', '.join(devices)}; corpus {sorted(hashes)[0][:16]}.", "",
+    lines = [f"Device: {', '.join(devices)}; {corpus_line(corpora.pop())}", "",
              *main_table, *windows_section(probes, lengths), *passkey_section(probes)]
     (out / "lm_table.md").write_text("\n".join(lines) + "\n")
     if args.docs:

@@ -1,12 +1,17 @@
 """A byte-level language model on the Python standard library's own source, with the attention
 of each layer any compiled structattn model chosen by name.
 
-**Corpus** (``stdlib_corpus``): the ``.py`` files under ``sysconfig.get_paths()["stdlib"]``
-(no site-packages, no caches), sorted by path; every 20th file (from the first) is held out
-for validation, so the split is by file. The bytes are concatenated with a 0 byte between
-files (it never occurs in source). A manifest lists each file's path, size and SHA-256 and
-one hash of them all: two runs on the same manifest hash saw the same text. ``--text FILE``
-trains on any text file instead (its last 5% validates).
+**Corpus** (``lm_corpus.py``): the ``.py`` files of a standard library, sorted by path; every
+20th file (from the first) is held out for validation, so the split is by file; a manifest
+lists each file's path, size and SHA-256. The corpus is one fixed text, named by its hash
+(sha256 of the train and validation bytes' digests): the LM table's, ``CORPUS_SHA256``, is
+Python 3.11.7's standard library (1,790 files, 30.0 MB train / 1.5 MB validation), where
+another Python's differs (3.12's: 435 KB of validation bytes). ``--write-corpus [PATH]``
+writes the corpus built from this Python's library to a file (default
+``gallery/corpus/stdlib.corpus.gz``, ~6 MB, git-ignored) that ``--corpus [PATH]`` reads on
+any machine; a corpus whose hash is not ``CORPUS_SHA256`` is refused unless ``--any-corpus``
+is given (``--max-files``, for tiny runs, is such a corpus). ``--text FILE`` trains on any
+text file instead (its last 5% validates), unchecked.
 
 **Model** (``ByteLM``): byte embedding (256) → ``--layers`` pre-LayerNorm blocks, each
 ``x ← x + attn(LN(x))``, ``x ← x + MLP(LN(x))`` (4× wide, GELU) → LayerNorm → a head tied to
@@ -32,14 +37,17 @@ its end), random windows of ``--context`` + 1 bytes from the training bytes (a s
 generator), a budget of ``--steps`` steps or ``--minutes`` of training time, whichever comes
 first — the schedule follows whichever is further along, so a time budget decays over its
 minutes (and, timed, is not reproducible bit for bit, where a step budget is); validation bits
-per byte every ``--eval-every`` steps on fixed windows (the curve), and at the end on every
-validation byte once (``--final-eval whole``, the default: the table's figure, beside the
+per byte every ``--eval-every`` steps on fixed windows (the curve) and on them at the last
+step (``final_val_bpb``, also where a time budget ended between evaluations), and at the end
+on every validation byte once (``--final-eval whole``, the default: the table's figure, beside the
 compressors zlib, bz2 and xz on the same bytes), and with ``--eval-lengths`` in windows longer
 than the training length (``lm_extrapolation.png``); a checkpoint (model, optimiser,
 generator, step, elapsed time, history) every ``--save-every`` steps and at the end, which
 ``--resume`` continues from to the same numbers as an uninterrupted run (tested). Under
 ``torchrun`` (gloo) every rank draws the same global batch and trains on its share; DDP
-averages the gradients.
+averages the gradients. ``--dtype bfloat16`` trains and reads the model under
+``torch.autocast`` in bfloat16 on its device (float32 parameters and optimiser; ``float32``,
+the default, has no autocast).
 
 **Report** (``--out DIR``): ``DIR/<variant>/result.json`` per variant (validation curve
 against step and training time, tokens per second, peak RSS, parameter count, each head's
@@ -53,22 +61,22 @@ Run::
     python gallery/train_lm.py --attention causal expanding_mf --context 512 --steps 2000
     python gallery/train_lm.py --attention causal --context 512 --steps 4000 --resume
     torchrun --nproc_per_node=2 gallery/train_lm.py --attention causal --steps 200
-    python gallery/train_lm.py --device cuda --attention rope fox+rope --minutes 30 \
-        --steps 1000000   # one GPU; its name and peak memory in the table
+    python gallery/train_lm.py --device cuda --dtype bfloat16 --attention rope fox+rope \
+        --minutes 30 --steps 1000000 --corpus  # one GPU; its name and peak memory in the table
+    python gallery/train_lm.py --write-corpus   # the corpus built here, for --corpus elsewhere
     python gallery/train_lm.py --report-only --out DIR   # tables and pictures from DIR
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
-import hashlib
 import json
 import math
 import os
 import pathlib
 import sys
-import sysconfig
 import time
 
 import torch
@@ -83,49 +91,10 @@ from structattn.priors import Prior
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
 from _memory import peak_rss_kib, release_and_reset_peak  # noqa: E402
 
-# -- the corpus -------------------------------------------------------------------------
-
-
-def stdlib_files(root: str | None = None) -> list[pathlib.Path]:
-    """The standard library's ``.py`` files, sorted (no site-packages, no caches)."""
-    base = pathlib.Path(root or sysconfig.get_paths()["stdlib"])
-    skip = {"site-packages", "dist-packages", "__pycache__"}
-    return sorted(p for p in base.rglob("*.py") if not skip & set(p.relative_to(base).parts))
-
-
-def stdlib_corpus(root: str | None = None, max_files: int | None = None):
-    """``(train, validation, manifest)``: uint8 tensors and the manifest (every 20th file
-    validates; ``max_files``: the first so many files only, for tiny runs)."""
-    base = pathlib.Path(root or sysconfig.get_paths()["stdlib"])
-    files = stdlib_files(str(base))[:max_files]
-    if not files:
-        raise FileNotFoundError(f"no .py files under {base}")
-    parts = {"train": [], "validation": []}
-    entries = []
-    for k, path in enumerate(files):
-        data = path.read_bytes()
-        split = "validation" if k % 20 == 0 else "train"
-        parts[split].append(data)
-        entries.append({"path": str(path.relative_to(base)), "bytes": len(data),
-                        "sha256": hashlib.sha256(data).hexdigest(), "split": split})
-    whole = hashlib.sha256("".join(e["sha256"] for e in entries).encode()).hexdigest()
-    manifest = {"root": str(base), "files": len(entries), "sha256": whole,
-                "train_bytes": sum(len(d) + 1 for d in parts["train"]),
-                "validation_bytes": sum(len(d) + 1 for d in parts["validation"]),
-                "entries": entries}
-    train, val = (torch.frombuffer(bytearray(b"\0".join(parts[s]) + b"\0"), dtype=torch.uint8)
-                  for s in ("train", "validation"))
-    return train, val, manifest
-
-
-def text_corpus(path: str):
-    data = pathlib.Path(path).read_bytes()
-    cut = int(len(data) * 0.95)
-    manifest = {"root": str(path), "files": 1, "sha256": hashlib.sha256(data).hexdigest(),
-                "train_bytes": cut, "validation_bytes": len(data) - cut}
-    whole = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    return whole[:cut].clone(), whole[cut:].clone(), manifest
-
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+# the corpus (lm_corpus.py); its names stay this module's too (lm_probes, tests)
+import lm_corpus  # noqa: E402
+from lm_corpus import stdlib_corpus, stdlib_files, text_corpus  # noqa: E402, F401
 
 # -- the attention variants ------------------------------------------------------------
 
@@ -273,15 +242,25 @@ def compression_anchors(data: torch.Tensor) -> dict:
 
 
 @torch.no_grad()
-def bits_per_byte(model, windows, batch_size=8) -> float:
+def bits_per_byte(model, windows, batch_size=8, dtype="float32") -> float:
     x, y = windows
     device = model.embed.weight.device
     total = 0.0
     for k in range(0, len(x), batch_size):
-        logits = model(x[k:k + batch_size].to(device))
-        total += F.cross_entropy(logits.flatten(0, 1), y[k:k + batch_size].to(device).flatten(),
+        with precision(device, dtype):
+            logits = model(x[k:k + batch_size].to(device))
+        total += F.cross_entropy(logits.float().flatten(0, 1),
+                                 y[k:k + batch_size].to(device).flatten(),
                                  reduction="sum").item()
     return total / y.numel() / math.log(2)
+
+
+def precision(device: torch.device, dtype: str):
+    """The context a forward runs in: ``torch.autocast`` in bfloat16 on ``device`` for
+    ``"bfloat16"``, nothing for ``"float32"``."""
+    if dtype == "float32":
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=getattr(torch, dtype))
 
 
 def learning_rate(step, steps, lr, progress=None):
@@ -365,6 +344,7 @@ def train(args, variant: str, data, out_dir: pathlib.Path | None, log=print,
         os.replace(part, ckpt)
 
     stop = steps if args.stop_after is None else min(steps, args.stop_after)
+    start = step
     while step < stop and elapsed < budget:
         x, y = batch(train_bytes, args.batch, args.context, gen)
         x, y = (t[rank * share:(rank + 1) * share].to(device) for t in (x, y))
@@ -372,7 +352,9 @@ def train(args, variant: str, data, out_dir: pathlib.Path | None, log=print,
             group["lr"] = learning_rate(step, steps, args.lr,
                                         None if budget == math.inf else elapsed / budget)
         t = time.perf_counter()
-        loss = F.cross_entropy(net(x).flatten(0, 1), y.flatten())
+        with precision(device, args.dtype):
+            logits = net(x)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -386,19 +368,24 @@ def train(args, variant: str, data, out_dir: pathlib.Path | None, log=print,
                                      f"{step}")
         if step % args.eval_every == 0 or step == steps:
             history.append({"step": step, "seconds": elapsed, "train_loss": loss.item(),
-                            "val_bpb": bits_per_byte(model, windows)})
+                            "val_bpb": bits_per_byte(model, windows, dtype=args.dtype)})
             progress.set_postfix(val_bpb=f"{history[-1]['val_bpb']:.3f}")
         if args.save_every and step % args.save_every == 0:
             save()
         progress.update(1)
     progress.close()
     save()
+    if not history or history[-1]["step"] != step:  # a time budget ended between evaluations
+        # (after the checkpoint: a resumed run's curve is an uninterrupted one's)
+        history.append({"step": step, "seconds": elapsed,
+                        "train_loss": loss.item() if step > start else None,
+                        "val_bpb": bits_per_byte(model, windows, dtype=args.dtype)})
     train_peak_rss = peak_rss_mib() - rss_before  # before the long evaluation windows
     # the figure to read: every validation byte, once (the curve above samples windows)
     whole = None
     if args.final_eval == "whole":
         whole_set = whole_windows(val_bytes, args.context)
-        whole = {"val_bpb": bits_per_byte(model, whole_set),
+        whole = {"val_bpb": bits_per_byte(model, whole_set, dtype=args.dtype),
                  "bytes": int(whole_set[1].numel())}
     # length extrapolation: the same model read in windows longer than it was trained on
     by_length = []
@@ -410,7 +397,8 @@ def train(args, variant: str, data, out_dir: pathlib.Path | None, log=print,
         for block in model.blocks:  # one length's plans at a time: a dense prior's (H, L, L)
             block.attn.reset()  # table is a plan's constant, 4 GiB per layer at 16,384
         with sa.validation(False):  # the parameters were checked at every training step
-            bpb = bits_per_byte(model, windows_l, batch_size=max(1, 4096 // length))
+            bpb = bits_per_byte(model, windows_l, batch_size=max(1, 4096 // length),
+                                dtype=args.dtype)
         by_length.append({"context": length, "bytes": int(windows_l[1].numel()),
                           "val_bpb": bpb})
         log(f"[{variant}] read at {length} bytes: {by_length[-1]['val_bpb']:.3f} bits/byte "
@@ -426,7 +414,9 @@ def train(args, variant: str, data, out_dir: pathlib.Path | None, log=print,
               "peak_gpu_mib": (torch.cuda.max_memory_allocated(device) / 2 ** 20
                                if device.type == "cuda" else None),
               "final_val_bpb": history[-1]["val_bpb"] if history else None,
-              "manifest_sha256": manifest["sha256"], "args": vars(args),
+              "manifest_sha256": manifest["sha256"],
+              "corpus_sha256": manifest["corpus_sha256"], "dtype": args.dtype,
+              "args": vars(args),
               "heads": head_report(model, windows)}
     if out_dir is not None and rank == 0:
         (out_dir / "result.json").write_text(json.dumps(result, indent=1))
@@ -608,6 +598,15 @@ def main(argv=None):
     p.add_argument("--save-every", type=int, default=200)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--text", help="train on this text file instead of the standard library")
+    p.add_argument("--corpus", nargs="?", const=str(lm_corpus.CORPUS_FILE), metavar="PATH",
+                   help="train on the corpus file --write-corpus wrote (default path: "
+                        "gallery/corpus/stdlib.corpus.gz)")
+    p.add_argument("--write-corpus", nargs="?", const=str(lm_corpus.CORPUS_FILE),
+                   metavar="PATH", help="write the corpus built here to PATH and stop")
+    p.add_argument("--any-corpus", action="store_true",
+                   help="train on a corpus that is not the LM table's (its hash differs)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="float32 (default) or bfloat16: torch.autocast on the device")
     p.add_argument("--max-files", type=int, default=None, help="the first N files only")
     p.add_argument("--resume", action="store_true", help="continue from DIR/<variant>/checkpoint.pt")
     p.add_argument("--stop-after", type=int, default=None,
@@ -633,12 +632,36 @@ def main(argv=None):
         return report(out)
     rank, world = distributed()
     say = print if rank == 0 else (lambda *a, **k: None)
-    data = text_corpus(args.text) if args.text else stdlib_corpus(max_files=args.max_files)
+    if args.text and (args.corpus or args.write_corpus):
+        p.error("--text trains on a text file; --corpus and --write-corpus are the standard "
+                "library's corpus: give one or the other")
+    if args.corpus and args.max_files:
+        p.error(f"--max-files {args.max_files}: builds a corpus from this Python's standard "
+                f"library; --corpus reads a whole one: give one or the other")
+    try:
+        data = (text_corpus(args.text) if args.text else lm_corpus.read_corpus(args.corpus)
+                if args.corpus else stdlib_corpus(max_files=args.max_files))
+    except (OSError, ValueError) as err:
+        p.error(str(err))
     manifest = data[2]
+    digest = manifest["corpus_sha256"]
+    if args.write_corpus:
+        lm_corpus.write_corpus(args.write_corpus, *data)
+        say(f"wrote {args.write_corpus}: {manifest['files']} files, "
+            f"{manifest['train_bytes']:,} train / {manifest['validation_bytes']:,} validation "
+            f"bytes, corpus sha256 {digest}"
+            + (" (the LM table's)" if digest == lm_corpus.CORPUS_SHA256 else
+               f" (not the LM table's, {lm_corpus.CORPUS_SHA256[:16]}…)"))
+        return args.write_corpus
+    if not args.text and digest != lm_corpus.CORPUS_SHA256 and not args.any_corpus:
+        raise SystemExit(f"train_lm.py: the corpus's sha256 is {digest[:16]}…, not the LM table's "
+                         f"{lm_corpus.CORPUS_SHA256[:16]}… (Python 3.11.7's standard library): "
+                         f"give --corpus PATH (written there by --write-corpus), or --any-corpus "
+                         f"to train on this one")
     if rank == 0:
         (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
     say(f"corpus: {manifest['files']} files, {manifest['train_bytes']:,} train / "
-        f"{manifest['validation_bytes']:,} validation bytes, sha256 {manifest['sha256'][:16]}, "
+        f"{manifest['validation_bytes']:,} validation bytes, sha256 {digest[:16]}, "
         f"world size {world}")
     anchors = compression_anchors(data[1]) if args.final_eval == "whole" else None
     if anchors:

@@ -5,10 +5,18 @@
 #      CPU, replayed, in float32/bfloat16, checks that never wait for the GPU;
 #      tests/test_torch_compile.py's CUDA cases: one dynamo graph, inductor; FlexAttention's
 #      path);
-#   3. the key-bias kernel's launch settings (benchmarks/tune_key_bias.py), then the Triton
+#   3. the catalogue's causal layers as compiled, bfloat16, against the same projections around
+#      causal SDPA and FLA's kernels (benchmarks/bench_gpu_layers.py: gpu_layers.json);
+#   4. the byte-level language model, two variants a minute each in bfloat16 (autocast) on the
+#      corpus the LM table used, carried as gallery/corpus/stdlib.corpus.gz;
+#   5. (off unless their limits are given, e.g. GPU_KERNELS_S=230: their records are committed)
+#      the key-bias kernel's launch settings (benchmarks/tune_key_bias.py), then the Triton
 #      kernels against FLA and FlashAttention with them (benchmarks/bench_gpu_kernels.py);
-#   4. checks on and off, per-call cost and the distance priors' layers with --device cuda;
-#   5. (with LM_S) the byte-level language model trained on the GPU for LM_MINUTES.
+#      checks on and off, per-call cost, the distance priors' and expanding attention's layers
+#      with --device cuda.
+# The default limits add up to 8 minutes (steps 1-4), which leaves a lent machine's 15 minutes
+# room to start and to rerun a step. Carry .gpu-wheels and gallery/corpus (the corpus, ~6 MB:
+# python gallery/train_lm.py --write-corpus, on Python 3.11.7, writes it).
 # The device tool brings back at most eight files: wrap $OUT in one archive afterwards.
 # That machine has torch with CUDA but no network: Pyro, ArviZ and the other pure-Python
 # wheels travel in .gpu-wheels (made here with
@@ -19,8 +27,8 @@
 # of FoX and stick-breaking that benchmarks/bench_gpu_kernels.py compares against). Logs go to
 # $OUT (default gpu-out/). Each step has its own time limit, so one that stalls does not take
 # the others' results with it; the steps come in the order of what they settle: the kernels'
-# correctness on CUDA, their speed against the authors', the layers on CUDA, then per-call
-# cost and the distance priors' layers.
+# correctness on CUDA, the layers on CUDA against SDPA and the authors' kernels, the language
+# model on the GPU, then (when asked) the kernels alone, per-call cost and the other layers.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-gpu-out}"
@@ -56,29 +64,38 @@ step triton "${TRITON_S:-110}" "$PY" -m pytest -q -p no:cacheprovider -p no:benc
 step tests "${TESTS_S:-90}" "$PY" -m pytest -q -p no:cacheprovider -p no:benchmark "${XDIST[@]}" \
   ${CUDA_TESTS:-tests/test_cuda.py tests/test_torch_compile.py tests/models/test_expanding_attention.py} \
   -k "cuda" --durations=5
+# the compiled layers as a user builds them (projections included, bfloat16 parameters, B=2,
+# H=8, d=64, N = 1,024, 4,096, 16,384) against causal SDPA and FLA around the same
+# projections: time (CUDA events) and peak memory; each N is saved as it ends, and no N starts
+# after LAYERS_BUDGET_S
+step layers "${LAYERS_S:-120}" "$PY" benchmarks/bench_gpu_layers.py --device cuda \
+  --dtype "${LAYERS_DTYPE:-bfloat16}" ${LAYERS_SIZES:+--sizes $LAYERS_SIZES} \
+  --budget "${LAYERS_BUDGET_S:-75}" --json "$OUT/gpu_layers.json"
+# the byte-level language model on the GPU (gallery/train_lm.py --device cuda --dtype bfloat16,
+# the forward under autocast), LM_MINUTES each, on the carried corpus (refused if its hash is
+# not the LM table's); its table and result files land in $OUT/lm (each variant's result.json,
+# read at 512 … 16,384 bytes, goes into gallery/lm_table.py --runs DIR as
+# DIR/<variant>_seed0.json)
+step lm "${LM_S:-160}" "$PY" gallery/train_lm.py --device cuda --dtype bfloat16 \
+  --corpus "${LM_CORPUS:-gallery/corpus/stdlib.corpus.gz}" --attention ${LM_VARIANTS:-rope fox} \
+  --context 512 --steps 1000000 --minutes "${LM_MINUTES:-1}" --eval-every 500 --eval-windows 16 \
+  --eval-lengths 512 2048 8192 16384 --out "$OUT/lm"
 # the key-bias kernel's launch settings, one kernel at a time; then against FLA (fla-core in
 # .gpu-wheels) and FlashAttention, with those settings: time and peak memory
-step tune "${TUNE_S:-110}" "$PY" benchmarks/tune_key_bias.py --json "$OUT/tuned.json" \
+step tune "${TUNE_S:-0}" "$PY" benchmarks/tune_key_bias.py --json "$OUT/tuned.json" \
   --budget "${TUNE_BUDGET_S:-90}"
-step gpu_kernels "${GPU_KERNELS_S:-230}" "$PY" benchmarks/bench_gpu_kernels.py \
+step gpu_kernels "${GPU_KERNELS_S:-0}" "$PY" benchmarks/bench_gpu_kernels.py \
   --tuned "$OUT/tuned.json" --dtypes ${GPU_DTYPES:-bfloat16 float32} ${GPU_SIZES:+--sizes $GPU_SIZES} \
   --json "$OUT/gpu_kernels.json"
-step per_call "${PER_CALL_S:-40}" "$PY" benchmarks/bench_per_call.py --device cuda \
+step per_call "${PER_CALL_S:-0}" "$PY" benchmarks/bench_per_call.py --device cuda \
   ${PER_CALL_SKIP:+--skip $PER_CALL_SKIP} --json "$OUT/per_call.json"
-step attention "${ATTENTION_S:-30}" "$PY" benchmarks/bench_attention.py --device cuda \
+step attention "${ATTENTION_S:-0}" "$PY" benchmarks/bench_attention.py --device cuda \
   --json "$OUT/attention.json"
-step distance_priors "${DISTANCE_S:-50}" "$PY" benchmarks/bench_distance_priors.py --device cuda \
+step distance_priors "${DISTANCE_S:-0}" "$PY" benchmarks/bench_distance_priors.py --device cuda \
   --sizes ${DISTANCE_SIZES:-1024 4096 16384} ${DISTANCE_VARIANTS:+--variants $DISTANCE_VARIANTS} \
   --json "$OUT/distance_priors.json"
 # expanding attention's mean field on CUDA: the Triton solve and band per child, against
 # causal SDPA and the Python loop
-step expanding "${EXPANDING_S:-120}" "$PY" benchmarks/bench_expanding.py --device cuda \
+step expanding "${EXPANDING_S:-0}" "$PY" benchmarks/bench_expanding.py --device cuda \
   --sizes ${EXPANDING_SIZES:-4096 16384} --repeats ${EXPANDING_REPEATS:-3} \
   --json "$OUT/expanding.json"
-# the byte-level language model on the GPU (gallery/train_lm.py --device cuda; issue: real data
-# at a budget that means something): off unless LM_S is given (e.g. LM_S=400 LM_MINUTES=5);
-# its table and result files land in $OUT/lm (each variant's result.json, read at 512 …
-# 16,384 bytes, goes into gallery/lm_table.py --runs DIR as DIR/<variant>_seed0.json)
-step lm "${LM_S:-0}" "$PY" gallery/train_lm.py --device cuda --attention ${LM_VARIANTS:-rope} \
-  --context 512 --steps 1000000 --minutes "${LM_MINUTES:-5}" --eval-every 500 --eval-windows 16 \
-  --eval-lengths 512 2048 8192 16384 --out "$OUT/lm"

@@ -51,3 +51,89 @@ def test_the_results_render_as_the_docs_pictures(tmp_path, monkeypatch):
     for w in written:
         assert pathlib.Path(w).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert (BENCHMARKS.parent / "docs" / "benchmarks" / "img" / pathlib.Path(w).name).exists()
+
+
+def test_the_layer_benchmark_records_each_layer_against_sdpa_and_renders(tmp_path, monkeypatch):
+    """``bench_gpu_layers.py`` on the CPU (the GPU run's code, tiny sizes, no FLA): a row per
+    layer and N with its time and its paired ratio to causal SDPA; the compiled causal
+    self-attention computes what SDPA around the same weights computes; FLA's absence is
+    said; ``render_results.py`` draws the record and writes its markdown table."""
+    import json
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import bench_gpu_layers
+    import render_results
+
+    path = tmp_path / "results" / "gpu_layers.json"
+    bench_gpu_layers.main(["--quick", "--models", "self-attention", "FoX", "standard normal",
+                           "--json", str(path)])
+    data = json.loads(path.read_text())
+    res = data["results"]
+    assert res["fla"] is False and "GPU" in res["fla_note"] and data["provenance"]["device"] == "cpu"
+    want = {"causal SDPA", "causal self-attention", "FoX", "FoX, certified (tol 1e-4)",
+            "expanding, grad='last' (standard normal)"}
+    for n in (64, 128):
+        rows = {r["method"]: r for r in res["rows"] if r["N"] == n}
+        assert set(rows) == want, sorted(rows)
+        assert all(r["seconds"] > 0 and r["note"] is None for r in rows.values())
+        assert rows["causal SDPA"]["paired_vs_sdpa"] == 1.0
+        assert rows["causal self-attention"]["max_difference"] < 1e-2
+        assert rows["FoX"]["paired_vs_fla"] is None  # no FLA here
+    # a layer slower than --slow is timed by one call, and says so
+    rows = bench_gpu_layers.main(["--quick", "--sizes", "64", "--models", "self-attention",
+                                  "--slow", "0"])
+    by = {r["method"]: r for r in rows}
+    assert by["causal self-attention"]["note"].startswith("one call timed")
+    assert by["causal self-attention"]["seconds"] > 0 and by["causal SDPA"]["note"] is None
+    monkeypatch.setattr(render_results, "RESULTS", str(tmp_path / "results"))
+    picture = render_results.gpu_layers(str(tmp_path))
+    assert pathlib.Path(picture).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    lines = render_results.gpu_layers_table()
+    assert lines[0].startswith("CPU") and "| method | N = 64 | N = 128 |" in lines
+    assert any(line.startswith("| FoX | ") for line in lines) and lines[-1].startswith("\nFLA:")
+
+
+def test_the_layer_table_puts_fla_beside_the_layers_that_have_its_kernel():
+    import sys
+
+    sys.path.insert(0, str(BENCHMARKS))
+    from bench_gpu_layers import table
+
+    row = {"N": 1024, "seconds": 2e-3, "paired_vs_sdpa": 1.0, "paired_vs_fla": None,
+           "peak_bytes": 2 ** 21, "memory_vs_sdpa": 1.0}
+    rows = [dict(row, method="causal SDPA"),
+            dict(row, method="FoX", paired_vs_sdpa=2.5, paired_vs_fla=0.9, memory_vs_sdpa=1.2),
+            dict(row, method="ALiBi", seconds=None, note="OutOfMemoryError")]
+    assert table(rows) == ["| method | N = 1,024 |", "|---|---|",
+                           "| causal SDPA | 2.00 ms, 2 MiB |",
+                           "| FoX | 2.50× (0.90× FLA), memory 1.20× |",
+                           "| ALiBi | fails |"]
+
+
+def test_the_fla_baselines_compute_what_the_layers_compute():
+    """The FLA columns of ``bench_gpu_layers.py`` put the layer's own projections (and FoX's
+    forget gates) around FLA's kernels: with FLA's plain-torch references in place of its
+    Triton kernels (``naive.py``, which runs on the CPU), they equal the compiled FoX and
+    stick-breaking layers. Runs where ``fla-core`` is installed."""
+    import sys
+
+    fox_ref = pytest.importorskip("fla.ops.forgetting_attn.naive").naive_forgetting_attn
+    sb_ref = pytest.importorskip("fla.ops.stickbreaking_attn.naive").naive_stickbreaking_attn
+    sys.path.insert(0, str(BENCHMARKS))
+    import bench_gpu_layers as bench
+    import torch
+
+    import structattn as sa
+
+    torch.manual_seed(0)
+    kw = dict(heads=2, d_k=8, d_v=8, dtype=torch.float64)
+    x = torch.randn(2, 20, 16, dtype=torch.float64)
+    fox = sa.models.forgetting_attention(16, **kw)
+    with torch.no_grad():
+        fox.b_f.fill_(0.5)  # gates that forget within the 20 tokens
+    # FLA's reference computes in float32
+    torch.testing.assert_close(bench.fox_fla(fox_ref, fox, x), sa.compile(fox)(x),
+                               rtol=0, atol=1e-5)
+    sb = sa.models.stick_breaking_attention(16, tol=0.0, **kw)
+    torch.testing.assert_close(bench.stick_breaking_fla(sb_ref, sb, x), sa.compile(sb)(x),
+                               rtol=0, atol=1e-10)

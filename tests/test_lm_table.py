@@ -16,7 +16,8 @@ import torch
 GALLERY = pathlib.Path(__file__).resolve().parents[1] / "gallery"
 TINY = ["--context", "24", "--d-model", "16", "--layers", "2", "--heads", "2", "--batch", "2",
         "--steps", "2", "--eval-every", "2", "--eval-windows", "2", "--max-files", "40",
-        "--window", "8", "--eval-lengths", "24", "48", "--eval-bytes", "2000"]
+        "--window", "8", "--eval-lengths", "24", "48", "--eval-bytes", "2000",
+        "--any-corpus"]  # 40 files: not the table's corpus
 
 
 def _load(name):
@@ -161,3 +162,36 @@ def test_the_committed_table_is_its_records_and_the_readmes_hold_it(tmp_path):
         text = (ROOT / doc).read_text()
         missing = [r for r in rows if r not in text]
         assert not missing, f"{doc} lacks the table's rows {missing[:2]} (run gallery/lm_table.py)"
+
+
+def test_the_committed_records_were_trained_on_the_corpus_the_table_names():
+    """Every record under gallery/results/lm_table/ carries the manifest of the corpus
+    ``lm_corpus.CORPUS_SHA256`` names (Python 3.11.7's standard library; a record that states
+    its corpus hash states that one), and the table says so."""
+    table, corpus = _load("lm_table"), _load("lm_corpus")
+    records = sorted((GALLERY / "results" / "lm_table").glob("*_seed?.json"))
+    assert records
+    for path in records:
+        r = json.loads(path.read_text())
+        assert r["manifest_sha256"] == corpus.CORPUS_MANIFEST_SHA256, path.name
+        assert r.get("corpus_sha256", corpus.CORPUS_SHA256) == corpus.CORPUS_SHA256, path.name
+        assert table.corpus_of(r) == corpus.CORPUS_SHA256
+    first = (GALLERY / "results" / "lm_table.md").read_text().splitlines()[0]
+    assert f"corpus sha256 {corpus.CORPUS_SHA256[:16]}" in first
+    other = table.corpus_of({"manifest_sha256": "0" * 64})
+    assert "not the LM table's" in table.corpus_line(other)
+
+
+def test_the_table_names_a_bfloat16_runs_precision(runs, tmp_path):
+    """Runs trained with --dtype bfloat16 (autocast) say so in the table's first line."""
+    table = _load("lm_table")
+    _, keep = runs
+    folder = tmp_path / "bf16"
+    folder.mkdir()
+    for path in keep.glob("*_seed*.json"):
+        record = json.loads(path.read_text())
+        (folder / path.name).write_text(json.dumps(dict(record, dtype="bfloat16")))
+    table.main(["--runs", str(folder), "--anchors", str(tmp_path / "none.json"),
+                "--out", str(tmp_path)])
+    first = (tmp_path / "lm_table.md").read_text().splitlines()[0]
+    assert first.startswith("Device: cpu (bfloat16, autocast);"), first

@@ -1,12 +1,14 @@
-"""gallery/train_lm.py at a tiny size: the corpus is split by file with a manifest, every
-attention variant trains without NaN, a run stopped and resumed from its checkpoint equals an
-uninterrupted one, the report is written, and the sliding window declared there is what Pyro
-enumerates."""
+"""gallery/train_lm.py at a tiny size: the corpus is split by file with a manifest, written to
+a file and read back by its hash, and refused when it is not the LM table's; every attention
+variant trains without NaN (float32, and bfloat16 under autocast), a run stopped and resumed
+from its checkpoint equals an uninterrupted one, a time budget reports its last step, the
+report is written, and the sliding window declared there is what Pyro enumerates."""
 
 import importlib.util
 import json
 import math
 import pathlib
+import sys
 
 import pytest
 import torch
@@ -26,7 +28,7 @@ def lm():
 
 TINY = ["--context", "24", "--d-model", "16", "--layers", "1", "--heads", "2", "--batch", "2",
         "--eval-every", "2", "--eval-windows", "2", "--max-files", "40", "--window", "8",
-        "--final-eval", "windows"]
+        "--final-eval", "windows", "--any-corpus"]  # 40 files: not the LM table's corpus
 
 
 def test_the_corpus_is_split_by_file_with_a_manifest(lm):
@@ -162,3 +164,101 @@ def test_a_device_without_cuda_is_refused_by_name(lm, capsys):
     with pytest.raises(SystemExit):
         lm.main(["--device", "cuda", "--steps", "1"])
     assert "--device cuda: no CUDA device here" in capsys.readouterr().err
+
+
+def test_every_variant_trains_under_bfloat16_autocast(lm, tmp_path):
+    """--dtype bfloat16: the forward runs under torch.autocast (bfloat16 logits), the
+    parameters stay float32, and no variant's loss or validation figure is NaN."""
+    results = lm.main([*TINY, "--steps", "1", "--eval-every", "1", "--dtype", "bfloat16",
+                       "--attention", *lm.ATTENTIONS, "--out", str(tmp_path)])
+    assert [r["variant"] for r in results] == lm.ATTENTIONS
+    for r in results:
+        assert r["dtype"] == "bfloat16" and math.isfinite(r["final_val_bpb"]), r
+        assert math.isfinite(r["history"][-1]["train_loss"])
+    model = lm.ByteLM(16, 1, 2, "fox", 8)
+    x = torch.randint(0, 256, (2, 24))
+    with lm.precision(torch.device("cpu"), "bfloat16"):
+        assert model(x).dtype == torch.bfloat16
+    assert model(x).dtype == torch.float32
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
+def test_a_time_budget_that_ends_before_any_evaluation_reports_its_last_step(lm, tmp_path):
+    """--minutes with --final-eval windows and no evaluation due during training: the sampled
+    windows are read once at the last step, and that figure is the saved model's."""
+    (r,) = lm.main([*TINY, "--steps", "100000", "--eval-every", "100000", "--minutes", "0.0005",
+                    "--attention", "causal", "--out", str(tmp_path)])
+    assert r["steps"] < 100000 and r["whole_validation"] is None
+    assert [e["step"] for e in r["history"]] == [r["steps"]]
+    model = lm.ByteLM(16, 1, 2, "causal", 8)
+    state = torch.load(tmp_path / "causal_T24" / "checkpoint.pt", weights_only=True)
+    assert state["step"] == r["steps"] and state["history"] == []
+    model.load_state_dict(state["model"])
+    _, val, _ = lm.stdlib_corpus(max_files=40)
+    want = lm.bits_per_byte(model, lm.validation_windows(val, 2, 24))
+    assert r["final_val_bpb"] == pytest.approx(want, rel=1e-6)
+
+
+def test_the_corpus_travels_as_a_file_named_by_its_hash(lm, tmp_path):
+    """--write-corpus writes the corpus built here (the same file twice); --corpus reads it
+    back byte for byte, with its manifest and hash, and trains on it; a damaged file is
+    refused."""
+    import hashlib
+
+    path = tmp_path / "c.gz"
+    assert lm.main(["--write-corpus", str(path), "--max-files", "40",
+                    "--out", str(tmp_path / "w")]) == str(path)
+    first = path.read_bytes()
+    lm.main(["--write-corpus", str(path), "--max-files", "40", "--out", str(tmp_path / "w")])
+    assert path.read_bytes() == first
+    train, val, manifest = lm.stdlib_corpus(max_files=40)
+    train2, val2, manifest2 = lm.lm_corpus.read_corpus(path)
+    assert torch.equal(train, train2) and torch.equal(val, val2)
+    assert manifest2["sha256"] == manifest["sha256"] and manifest2["entries"] == manifest["entries"]
+    want = hashlib.sha256(hashlib.sha256(bytes(train.tolist())).digest()
+                          + hashlib.sha256(bytes(val.tolist())).digest()).hexdigest()
+    assert manifest["corpus_sha256"] == manifest2["corpus_sha256"] == want
+    args = [a for a in TINY if a not in ("--max-files", "40")]
+    (r,) = lm.main([*args, "--corpus", str(path), "--steps", "2", "--attention", "causal",
+                    "--out", str(tmp_path / "run")])
+    assert r["corpus_sha256"] == want and r["manifest_sha256"] == manifest["sha256"]
+    import gzip
+
+    raw = gzip.decompress(first)
+    bad = tmp_path / "bad.gz"
+    bad.write_bytes(gzip.compress(raw[:-1] + bytes([raw[-1] ^ 1])))
+    with pytest.raises(ValueError, match="a damaged file"):
+        lm.lm_corpus.read_corpus(bad)
+
+
+def test_a_corpus_that_is_not_the_tables_is_refused_in_one_line(lm, tmp_path, capsys):
+    """The LM table's corpus is named by its hash: another one (here 40 files of this
+    library) trains only with --any-corpus; the refusal names both hashes and the way out."""
+    args = [a for a in TINY if a != "--any-corpus"]
+    with pytest.raises(SystemExit) as refused:
+        lm.main([*args, "--steps", "1", "--out", str(tmp_path)])
+    message = str(refused.value)
+    assert "\n" not in message and "--any-corpus" in message and "--corpus PATH" in message
+    assert lm.lm_corpus.CORPUS_SHA256[:16] in message
+    assert lm.stdlib_corpus(max_files=40)[2]["corpus_sha256"][:16] in message
+    assert not list(tmp_path.glob("*/result.json"))
+
+
+@pytest.mark.skipif(sys.version_info[:3] != (3, 11, 7),
+                    reason="the LM table's corpus is Python 3.11.7's standard library; this "
+                           f"Python is {sys.version.split()[0]}")
+def test_this_pythons_library_is_the_tables_corpus(lm):
+    """Built here, the corpus has the hash the table names, and the manifest hash every
+    record of the table carries (tests/test_lm_table.py checks the records); its validation
+    bytes give the compressors' figures the records hold, to the last digit."""
+    import bz2
+    import zlib
+
+    train, val, manifest = lm.stdlib_corpus()
+    assert manifest["corpus_sha256"] == lm.lm_corpus.CORPUS_SHA256
+    assert manifest["sha256"] == lm.lm_corpus.CORPUS_MANIFEST_SHA256
+    assert (manifest["files"], len(train), len(val)) == (1790, 30012231, 1514783)
+    record = json.loads((GALLERY / "results" / "lm_table" / "fox_seed0.json").read_text())
+    raw = bytes(val.numpy())
+    assert 8 * len(zlib.compress(raw, 9)) / len(raw) == record["anchors"]["zlib -9"]
+    assert 8 * len(bz2.compress(raw, 9)) / len(raw) == record["anchors"]["bz2 -9"]
