@@ -38,10 +38,24 @@ def _problem(G, N, P, k, dtype, seed):
     return [t.to(DEVICE, dtype) for t in (a, b, a0, b0)] + [win0.to(DEVICE), caps.to(DEVICE)]
 
 
-@pytest.mark.parametrize("dtype", [f64, torch.float32])
-@pytest.mark.parametrize("rule", [3, 1])
-@pytest.mark.parametrize("expectation, update", [(True, True), (False, False)])
-@pytest.mark.parametrize("N, P", [(45, 70), (70, 70), (1, 1)])
+#: the default run: every option against a prefix of non-children (N < P), and at N = P one
+#: case of each option and dtype; the full product with ``-m slow`` (the interpreter runs each
+#: case in seconds)
+_SOLVE_BY_DEFAULT = {(70, 70, 1, True, True, torch.float32), (70, 70, 3, False, False, f64)}
+
+
+def _solve_cases():
+    for N, P in [(45, 70), (70, 70), (1, 1)]:
+        for expectation, update in [(True, True), (False, False)]:
+            for rule in (3, 1):
+                for dtype in (f64, torch.float32):
+                    case = (N, P, rule, expectation, update, dtype)
+                    slow = N == P == 70 and case not in _SOLVE_BY_DEFAULT
+                    yield pytest.param(*case, marks=(pytest.mark.slow,) if slow else (),
+                                       id=f"{N}-{P}-{expectation}-{update}-{rule}-{dtype}")
+
+
+@pytest.mark.parametrize("N, P, rule, expectation, update, dtype", list(_solve_cases()))
 def test_triton_solve_equals_the_cpu_kernel(N, P, rule, expectation, update, dtype):
     """float64: each child's window, steps and settledness exactly, α, β, E[φ] and the bound
     to 1e-12 — children crossing the blocks of 32, a prefix of non-children (P > N), the
@@ -148,10 +162,15 @@ def test_triton_band_per_child_takes_half_precision_as_it_is(dtype, atol, grad_r
         assert (x.double() - w).norm() <= grad_rtol * w.norm(), (x.dtype, x.shape)
 
 
-@pytest.mark.parametrize("rule, expectation, update", [
-    ("certified", "digamma", "conjugate"), ("certified", "plug_in", "accumulate"),
-    ("edge", "digamma", "conjugate")])
-@pytest.mark.parametrize("n", [9, 40])
+#: the options every length runs by default (the others at n = 40 with ``-m slow``)
+_FIRST = ("certified", "digamma", "conjugate")
+
+
+@pytest.mark.parametrize("n, rule, expectation, update", [
+    pytest.param(n, *options, marks=(pytest.mark.slow,) if n == 40 and options != _FIRST else ())
+    for n in (9, 40) for options in [
+        ("certified", "digamma", "conjugate"), ("certified", "plug_in", "accumulate"),
+        ("edge", "digamma", "conjugate")]])
 def test_triton_layer_equals_the_brute_force_mean_field(n, rule, expectation, update):
     """A whole layer through the Triton kernels (``on_cpu``, no grad) equals the brute-force
     mean field (tests/windows/test_windows.py: numpy, child by child): posterior and output."""

@@ -96,14 +96,18 @@ def test_triton_stops_where_every_stick_is_spent_and_the_backward_reads_the_same
         torch.testing.assert_close(g, w, rtol=0, atol=1e-10)
 
 
-def test_triton_gradcheck_through_the_autograd_rule():
+@pytest.mark.parametrize("fast_mode", [True, pytest.param(False, marks=pytest.mark.slow)],
+                         ids=["fast_mode", "every_entry"])
+def test_triton_gradcheck_through_the_autograd_rule(fast_mode):
+    """Every entry of the Jacobian (``-m slow``: a few hundred launches under the
+    interpreter), or a random projection of it (gradcheck's fast mode) by default."""
     torch.manual_seed(2)
     a = torch.randn(1, 33, 1, dtype=f64, device=DEVICE, requires_grad=True)
     b = torch.randn(1, 33, 1, dtype=f64, device=DEVICE, requires_grad=True)
     v = torch.randn(1, 33, 1, dtype=f64, device=DEVICE, requires_grad=True)
     sb = _sb()
     assert torch.autograd.gradcheck(lambda a, b, v: sb.forward(a, b, v, 0.7, 0.0)[:2],
-                                    (a, b, v), atol=1e-7)
+                                    (a, b, v), atol=1e-7, fast_mode=fast_mode)
 
 
 def test_triton_op_passes_torch_library_opcheck():
