@@ -97,6 +97,27 @@ def _register(ops) -> None:
                                     setup_context=band_setup)
 
 
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def computes_in(x: torch.Tensor) -> torch.dtype:
+    """The dtype a product of ``x`` (SDPA, a matmul) runs in: autocast's, where autocast is on
+    for ``x``'s device and ``x`` is float32; else ``x``'s own."""
+    device = x.device.type
+    if x.dtype == torch.float32 and torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return x.dtype
+
+
+def folds_terms(*factors: torch.Tensor) -> bool:
+    """Whether h may ride in one more key dimension of these factors
+    (``dense.with_parent_terms``): their products run in float32 or float64 (``computes_in``).
+    In half precision h_j's rounding, eps·|h_j| with h growing along the sequence, would
+    enter every logit; the key-bias kernels, which keep h in float32, or the prior's table
+    serve instead."""
+    return all(computes_in(x) not in _HALF for x in factors)
+
+
 def _asks_gradient(*tensors: torch.Tensor) -> bool:
     """Whether a gradient is asked of any of ``tensors`` (grad mode on, one requiring it)."""
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
