@@ -12,11 +12,14 @@ compiled kernel ``csrc/key_bias.cpp`` does the backward instead, with h's gradie
 same pass (``structattn.kernels.key_bias``): the forward is still PyTorch's fused kernel (a
 custom op around it, so that a recorded plan, ``torch.compile`` and the autograd rule see one
 operator). Without the kernel, the widened operator (``dense.with_parent_terms``: h riding in
-one more key dimension, ~12% slower) serves, as it serves half precision on the CPU.
+one more key dimension, ~12% slower) serves in float32 and float64.
 
 On CUDA the Triton kernel (``structattn.triton_kernels.key_bias``) reads the prior as an
-additive term of each block's scores, forward and backward with h's gradient: no widened
-head; the widened operator serves where Triton is not installed.
+additive term of each block's scores, forward and backward with h's gradient, in any float
+dtype (float32 under autocast too), h in float32: no widened head; the widened operator
+serves where Triton is not installed. Half precision without a kernel — half-precision
+factors, or float32 ones that autocast sends to half precision (``folds_terms``) — reads the
+prior's table instead: h, which grows along the sequence, would be rounded into the factors.
 
 A band per leading index (``key_bias_attention``'s ``window``: a certified width per head)
 is read by the Triton kernel on CUDA and by the compiled kernel's ``band_forward`` /
