@@ -50,7 +50,7 @@ AUTOCAST_DEVICES = tuple(d for d in ("cpu", "cuda", "xpu", "mps", "hpu", "xla", 
 def autocast_modes():
     """Autocast's state: False where it is off on every device type, else ``((device type,
     dtype), …)`` for each one it is on for — a plan recorded under one state replays only
-    under the same (its casts are in its graph)."""
+    under the same: a reading may branch on it (``kinds.key_bias.folds_terms``)."""
     if not any_autocast():
         return False
     return tuple((d, torch.get_autocast_dtype(d)) for d in AUTOCAST_DEVICES
