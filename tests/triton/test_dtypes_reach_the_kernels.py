@@ -95,3 +95,28 @@ def test_a_layer_reaches_its_kernel_in_every_training_dtype(layer_case, dtype_ca
         assert g.dtype == dtype
         off, plain_off = ((t.to(f64) - w).norm() / w.norm() for t in (g, p))
         assert off <= max(grad_rtol, 3 * plain_off), (g.shape, float(off), float(plain_off))
+
+
+@pytest.mark.parametrize("dtype_case", sorted(DTYPES))
+def test_expanding_attention_reaches_its_kernels_in_every_training_dtype(dtype_case):
+    """The beta-geometric prior's mean field (expanding attention, ``grad="last"``) runs its
+    solve and its band per child in Triton, forward and backward, in every training dtype,
+    with no op of an N×N output. (Its windows depend on the values, so a rounding may move
+    one: its values are checked against float64 in ``test_expanding_triton.py``.)"""
+    dtype, autocast = DTYPES[dtype_case][:2]
+    torch.manual_seed(7)
+    m = sa.models.expanding_attention(8, heads=2, d_k=4, dtype=dtype, device=DEVICE,
+                                      inference=sa.MeanFieldWindows(grad="last"))
+    x = torch.randn(1, N, 8, device=DEVICE).to(dtype).requires_grad_()
+    cast = (torch.autocast(DEVICE.type, autocast) if autocast is not None
+            else contextlib.nullcontext())
+    shapes = OpShapes()
+    with triton_kernels.on_cpu(), cast, shapes:
+        y = sa.compile(m)(x)
+        grads = torch.autograd.grad(y.float().square().sum(), [x, *m.parameters()])
+    assert y.dtype == (autocast or dtype)
+    ran = {name for name, _ in shapes.ops}
+    for op in ("mean_field_solve", "mean_field_attend_forward", "mean_field_attend_backward"):
+        assert f"structattn_triton.{op}.default" in ran, sorted(ran)
+    assert not shapes.square(N), shapes.square(N)
+    assert all(bool(g.isfinite().all()) for g in grads)
