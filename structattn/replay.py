@@ -48,6 +48,7 @@ from . import _validation, kernels, reading
 from .certified import CertifiedWindow
 from .latent import iteration_overrides
 from .plans.fast_path import _Last
+from .plans.internals import autocast_modes
 from .plans.plan import _FAILED, _RECORDING, MISSED, Plan, _leaf_key, _read, _split, hold, replay, stamp
 from .plans.record import record
 from .trace import Trace
@@ -131,7 +132,7 @@ class Plans:
     def signature(self, layer, inputs: tuple, kwargs: dict, state: list) -> tuple | None:
         """The call's signature, or None when an argument is not hashable (no plan)."""
         key = [getattr(layer.declaration, "structure_version", 0), torch.is_grad_enabled(),
-               torch.is_inference_mode_enabled(), torch.is_autocast_enabled(),
+               torch.is_inference_mode_enabled(), autocast_modes(),
                _validation.is_validating(), kernels._enabled(),
                reading.context().triton_on_cpu]
         try:

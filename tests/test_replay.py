@@ -97,6 +97,26 @@ def test_a_new_signature_is_read_then_recorded():
     assert len(layer.plans) == 4
 
 
+def test_autocast_and_its_dtype_are_part_of_the_signature():
+    """A reading may branch on autocast (``kinds.key_bias.folds_terms``: h is not folded into
+    factors that autocast sends to half precision): a plan recorded without CPU autocast
+    (which ``torch.is_autocast_enabled()`` does not see) is not replayed under it, nor one
+    recorded under bfloat16 under float16."""
+    torch.manual_seed(0)
+    m = sa.models.self_attention(8, d_k=4, heads=2, causal=True)
+    layer, x = sa.compile(m), torch.randn(2, 5, 8)
+    for _ in range(3):
+        assert layer(x).dtype == torch.float32
+    for dtype in (torch.bfloat16, torch.float16):
+        with torch.autocast("cpu", dtype):
+            ys = [layer(x) for _ in range(3)]
+            want = layer.interpret(x)
+        for y in ys:
+            assert y.dtype == dtype
+            torch.testing.assert_close(y, want, rtol=0, atol=0)
+    assert len(layer.plans) == 3
+
+
 def test_parameter_values_are_inputs_of_the_plan():
     m = sa.models.self_attention(8, d_k=4, heads=2, dtype=torch.float64)
     layer = sa.compile(m)

@@ -230,9 +230,12 @@ class DenseOperator(Operator, dense_twin=True):
         h = self._const("parent_terms", lambda: f.tables.parent_terms(xc.dtype))
         if h is not None and key_bias.applies(a, b, u, h):  # log prior g_i + h_j: g drops out,
             out = key_bias.key_bias_attention(  # h is a mask over the parents (CPU; with grad
-                # through the compiled kernel's backward)
+                # through the compiled kernel's backward), or a term of each block's scores
+                # (Triton, any dtype, h in float32)
                 a, b, u, h, scale, f.tables.support.is_causal())
         else:
+            if h is not None and not key_bias.folds_terms(a, b, u):  # half precision: the
+                h = None  # table, not h rounded into the factors
             if h is None:
                 mask, is_causal = self._const("sdpa", lambda: f.tables.sdpa_inputs(xc.dtype))
             else:  # … elsewhere h rides in one more key dimension

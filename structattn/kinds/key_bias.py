@@ -12,11 +12,14 @@ compiled kernel ``csrc/key_bias.cpp`` does the backward instead, with h's gradie
 same pass (``structattn.kernels.key_bias``): the forward is still PyTorch's fused kernel (a
 custom op around it, so that a recorded plan, ``torch.compile`` and the autograd rule see one
 operator). Without the kernel, the widened operator (``dense.with_parent_terms``: h riding in
-one more key dimension, ~12% slower) serves, as it serves half precision on the CPU.
+one more key dimension, ~12% slower) serves in float32 and float64.
 
 On CUDA the Triton kernel (``structattn.triton_kernels.key_bias``) reads the prior as an
-additive term of each block's scores, forward and backward with h's gradient: no widened
-head; the widened operator serves where Triton is not installed.
+additive term of each block's scores, forward and backward with h's gradient, in any float
+dtype (float32 under autocast too), h in float32: no widened head; the widened operator
+serves where Triton is not installed. Half precision without a kernel — half-precision
+factors, or float32 ones that autocast sends to half precision (``folds_terms``) — reads the
+prior's table instead: h, which grows along the sequence, would be rounded into the factors.
 
 A band per leading index (``key_bias_attention``'s ``window``: a certified width per head)
 is read by the Triton kernel on CUDA and by the compiled kernel's ``band_forward`` /
@@ -95,6 +98,27 @@ def _register(ops) -> None:
 
     torch.library.register_autograd(f"{lib}::band_forward", band_backward,
                                     setup_context=band_setup)
+
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def computes_in(x: torch.Tensor) -> torch.dtype:
+    """The dtype a product of ``x`` (SDPA, a matmul) runs in: autocast's, where autocast is on
+    for ``x``'s device and ``x`` is float32; else ``x``'s own."""
+    device = x.device.type
+    if x.dtype == torch.float32 and torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return x.dtype
+
+
+def folds_terms(*factors: torch.Tensor) -> bool:
+    """Whether h may ride in one more key dimension of these factors
+    (``dense.with_parent_terms``): their products run in float32 or float64 (``computes_in``).
+    In half precision h_j's rounding, eps·|h_j| with h growing along the sequence, would
+    enter every logit; the key-bias kernels, which keep h in float32, or the prior's table
+    serve instead."""
+    return all(computes_in(x) not in _HALF for x in factors)
 
 
 def _asks_gradient(*tensors: torch.Tensor) -> bool:

@@ -26,7 +26,7 @@ from ..block_sparse import block_sparse_attention, causal_posterior, certify_blo
 from ..certified import certify, window_bound
 from .base import Operator, Support
 from .dense import with_parent_terms
-from .key_bias import applies, band_applies, key_bias_attention
+from .key_bias import applies, band_applies, folds_terms, key_bias_attention
 
 
 def keep_from_position(n: int, device, dtype) -> torch.Tensor:
@@ -167,7 +167,8 @@ class WindowOperator(Operator):
             # dimension and the mask is the band's geometry alone, constant — SDPA's fused
             # kernel, which gives no mask a gradient, runs instead of its math path (3× slower
             # at N = 4,096), and no (…, nb, B, L) bias is gathered
-            h = f.tables.parent_terms(xc.dtype) if table is None else None
+            h = f.tables.parent_terms(xc.dtype) if table is None and folds_terms(a, b) \
+                else None  # (in half precision the band's weights: h would be rounded)
             geometry = None if h is None else torch.zeros(
                 inside.shape, dtype=xc.dtype, device=a.device).masked_fill(~inside & rows,
                                                                            float("-inf"))

@@ -12,7 +12,7 @@ import torch
 
 from .. import _validation, reading
 from ..verdicts import DEVICES, call_failed
-from .internals import STORAGE, VERSION, tensor_guards
+from .internals import STORAGE, VERSION, any_autocast, autocast_modes, tensor_guards
 from .plan import _MISSED, _constant_flags, _constants, _flags_pass, _output, _read, hold, stamp
 
 #: the environment as ``os.environ`` keeps it (its ``_data`` dict, which its assignments
@@ -29,7 +29,7 @@ def _modes(declaration) -> tuple:
     (the same as ``Plans.signature``'s, read without function calls of our own: this runs on
     every call)."""
     return (declaration.__dict__.get("structure_version", 0), torch.is_grad_enabled(),
-            torch.is_inference_mode_enabled(), torch.is_autocast_enabled(),
+            torch.is_inference_mode_enabled(), any_autocast() and autocast_modes(),
             _slot.__dict__.get("context", _DEFAULT_CONTEXT), _validation._DEFAULT,
             _environ.get(_KERNELS_KEY))
 

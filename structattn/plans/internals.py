@@ -16,6 +16,10 @@ there, by name, not somewhere in a replay):
   its own, every size of ``dynamic`` a symbol (no duck sizing), and ``size_guard``: the
   guards the tracing (and the passes after it) put on those sizes, as one compiled
   expression, and whether it fixed every one of them (``specialized``);
+- ``autocast_modes()``: autocast's state on every device type, as a signature holds it
+  (``torch._C._is_any_autocast_enabled``, then ``torch.is_autocast_enabled`` and
+  ``torch.get_autocast_dtype`` per device type: ``torch.is_autocast_enabled()`` alone is
+  CUDA's);
 - ``tracing_state()`` (``torch._C._get_tracing_state``: inside ``torch.jit.trace``) and
   ``GLOBAL_HOOKS``: ``nn.Module``'s global hook dicts, which the compiled module's own
   ``__call__`` must honour when it bypasses ``nn.Module.__call__``.
@@ -33,6 +37,25 @@ OpOverload = torch._ops.OpOverload
 #: torch registers into these very dicts, so a reference held here sees every registration
 GLOBAL_HOOKS = (_module._global_forward_pre_hooks, _module._global_forward_hooks,
                 _module._global_backward_hooks, _module._global_backward_pre_hooks)
+
+#: whether autocast is on for any device type: one C call, which the fast path makes on
+#: every call
+any_autocast = torch._C._is_any_autocast_enabled
+
+#: the device types autocast may be on for (``torch.amp.is_autocast_available``)
+AUTOCAST_DEVICES = tuple(d for d in ("cpu", "cuda", "xpu", "mps", "hpu", "xla", "mtia")
+                         if torch.amp.is_autocast_available(d))
+
+
+def autocast_modes():
+    """Autocast's state: False where it is off on every device type, else ``((device type,
+    dtype), …)`` for each one it is on for — a plan recorded under one state replays only
+    under the same: a reading may branch on it (``kinds.key_bias.folds_terms``)."""
+    if not any_autocast():
+        return False
+    return tuple((d, torch.get_autocast_dtype(d)) for d in AUTOCAST_DEVICES
+                 if torch.is_autocast_enabled(d))
+
 
 #: ``t``'s version counter and its storage's address as source expressions of ``{}`` (the
 #: tensor's name), for the generated fast path, where a function call per tensor costs

@@ -105,15 +105,15 @@ class PriorTables:
                           lambda: torch.log_softmax(self.log_weights(dtype), -1))
 
     def parent_terms(self, dtype) -> torch.Tensor | None:
-        """The prior's per-parent term ``h (…, P)`` in ``dtype`` when it separates
-        (``Prior.terms``) over every parent or j ≤ i — the supports SDPA takes without a mask
-        — and no row can be empty; None otherwise (the table is the bias). Not in half
-        precision: ``h`` grows along the sequence (m·j, a cumulative sum), and a logit read as
-        ``scale·⟨a_i, b_j⟩ + h_j`` carries h_j's rounding, eps·|h_j| — 6e-8·|h_j| in float32,
-        but 4e-3·|h_j| in bfloat16."""
-        if dtype in (torch.float16, torch.bfloat16):
-            return None
+        """The prior's per-parent term ``h (…, P)`` when it separates (``Prior.terms``) over
+        every parent or j ≤ i — the supports SDPA takes without a mask — and no row can be
+        empty; None otherwise (the table is the bias). In ``dtype``, float32 at least: h grows
+        along the sequence (m·j, a cumulative sum), and a logit read as ``scale·⟨a_i, b_j⟩ +
+        h_j`` carries h_j's rounding, eps·|h_j| — 6e-8·|h_j| in float32, but 4e-3·|h_j| in
+        bfloat16. The key-bias kernels take it so; a reading that would fold it into
+        half-precision factors (``kinds.key_bias.folds_terms``) reads the table instead."""
         terms = self.separable()
+        dtype = torch.promote_types(dtype, torch.float32)
         return None if terms is None else self._once(("parent_terms", dtype),
                                                      lambda: terms[1].to(dtype))
 

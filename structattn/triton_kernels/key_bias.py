@@ -13,6 +13,15 @@ keeps a running maximum and sum per child (online softmax) and stores log Σ_j e
 One kernel per block of children (the output, then da), one per block of parents (db, du
 and dh): no atomics, never the C×P table. Causal children are aligned at the first token
 (j ≤ i), as ``scaled_dot_product_attention``'s ``is_causal``.
+
+Half precision: the factors enter the products in their dtype, scores, h and sums are
+float32, and the output is rounded to the factors' dtype. Δ_i = dout_i·out_i then misses the
+backward's own Σ_j p_ij dout_i·u_j by eps·|out_i|, and since Σ_j ds_ij = Σ_j p_ij dout_i·u_j
+− Δ_i, every dh_j inherits it: Σ_j dh_j, zero in exact arithmetic, drifts, and a prior whose
+h is a cumulative sum (FoX: ∂L/∂log f_l = Σ_{j<l} dh_j) gets gate gradients several times
+farther from float64's than PyTorch's own reading in that dtype. So the children's kernel
+sums Σ_j p_ij dout_i·u_j on its way (no product more) and the parents' kernel reads that as
+Δ_i; in float32 and float64 the output is exact enough and Δ_i stays dout_i·out_i.
 """
 
 from __future__ import annotations
@@ -152,20 +161,23 @@ def _forward(A, B, U, H, O, LSE, SCALE, WIN, C, P, K, D,
 
 
 @triton.jit
-def _children_span(da, a, do, lse, delta, B, U, H, g, rows, ks, ds, lo, hi, sbg, sbp, sbk, sug,
-                   sup, sud, shg, shp, C, P, K, D, scale, w, CAUSAL: tl.constexpr,
+def _children_span(da, spent, a, do, lse, delta, B, U, H, g, rows, ks, ds, lo, hi, sbg, sbp,
+                   sbk, sug, sup, sud, shg, shp, C, P, K, D, scale, w, CAUSAL: tl.constexpr,
                    WINDOWED: tl.constexpr, MASKED: tl.constexpr, BN: tl.constexpr,
                    PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """da's terms from the parent blocks [lo, hi)."""
+    """da's terms from the parent blocks [lo, hi), and Σ_j p_ij dout_i·u_j over them
+    (``spent``: Δ_i as the backward's own products give it)."""
     for start in range(lo, hi, BN):
         cols = start + tl.arange(0, BN)
         s, b = _tile(a, B, H, g, rows, cols, ks, sbg, sbp, sbk, shg, shp, C, P, K, scale, w,
                      CAUSAL, WINDOWED, MASKED, PRECISION, UPCAST)
         p = tl.exp(s - lse[:, None])
         u = load_tile(U, g, sug, cols, sup, P, ds, sud, D)
-        dsc = p * (dot(do, tl.trans(u), PRECISION, UPCAST) - delta[:, None])
+        dpu = dot(do, tl.trans(u), PRECISION, UPCAST)
+        dsc = p * (dpu - delta[:, None])
+        spent += tl.sum(p * dpu, axis=1)
         da += dot(dsc.to(b.dtype), b, PRECISION, UPCAST)
-    return da
+    return da, spent
 
 
 @triton.jit
@@ -173,8 +185,10 @@ def _children_backward(A, B, U, H, DO, LSE, DELTA, DA, SCALE, WIN, C, P, K, D,
                        sag, sac, sak, sbg, sbp, sbk, sug, sup, sud, shg, shp, sdg, sdc, sdd,
                        slg, slc, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr,
                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr,
-                       ACC: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """da per block of children."""
+                       ACC: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+                       RESUM: tl.constexpr):
+    """da per block of children; then (``RESUM``: half precision) Δ_i = Σ_j p_ij dout_i·u_j
+    into ``DELTA`` for the parents' kernel (module docstring)."""
     scale = tl.load(SCALE)  # in the accumulators' dtype (a float argument is float32)
     m = tl.program_id(0)
     g = tl.program_id(1)
@@ -186,18 +200,21 @@ def _children_backward(A, B, U, H, DO, LSE, DELTA, DA, SCALE, WIN, C, P, K, D,
     lse = load_row(LSE, g, slg, rows, slc, C)
     delta = load_row(DELTA, g, slg, rows, slc, C)
     da = tl.zeros([BM, BK], dtype=ACC)
+    spent = tl.zeros([BM], dtype=ACC)
     w = _window(WIN, g, WINDOWED)
     lo, inner_lo, inner_hi, end = _parent_spans(m, w, C, P, CAUSAL, WINDOWED, BM, BN)
-    da = _children_span(da, a, do, lse, delta, B, U, H, g, rows, ks, ds, lo, inner_lo, sbg, sbp,
-                        sbk, sug, sup, sud, shg, shp, C, P, K, D, scale, w, CAUSAL, WINDOWED,
-                        True, BN, PRECISION, UPCAST)
-    da = _children_span(da, a, do, lse, delta, B, U, H, g, rows, ks, ds, inner_lo, inner_hi, sbg,
-                        sbp, sbk, sug, sup, sud, shg, shp, C, P, K, D, scale, w, CAUSAL,
-                        WINDOWED, False, BN, PRECISION, UPCAST)
-    da = _children_span(da, a, do, lse, delta, B, U, H, g, rows, ks, ds, inner_hi, end, sbg, sbp,
-                        sbk, sug, sup, sud, shg, shp, C, P, K, D, scale, w, CAUSAL, WINDOWED,
-                        True, BN, PRECISION, UPCAST)
+    da, spent = _children_span(da, spent, a, do, lse, delta, B, U, H, g, rows, ks, ds, lo,
+                               inner_lo, sbg, sbp, sbk, sug, sup, sud, shg, shp, C, P, K, D,
+                               scale, w, CAUSAL, WINDOWED, True, BN, PRECISION, UPCAST)
+    da, spent = _children_span(da, spent, a, do, lse, delta, B, U, H, g, rows, ks, ds, inner_lo,
+                               inner_hi, sbg, sbp, sbk, sug, sup, sud, shg, shp, C, P, K, D,
+                               scale, w, CAUSAL, WINDOWED, False, BN, PRECISION, UPCAST)
+    da, spent = _children_span(da, spent, a, do, lse, delta, B, U, H, g, rows, ks, ds, inner_hi,
+                               end, sbg, sbp, sbk, sug, sup, sud, shg, shp, C, P, K, D, scale,
+                               w, CAUSAL, WINDOWED, True, BN, PRECISION, UPCAST)
     store_tile(DA, da * scale, g, sag, rows, sac, C, ks, sak, K)
+    if RESUM:
+        tl.store(DELTA + g * slg + rows * slc, spent, mask=rows < C)
 
 
 @triton.jit
@@ -369,7 +386,8 @@ def backward(dout: torch.Tensor, a: torch.Tensor, b: torch.Tensor, u: torch.Tens
         parents = _common(a.dtype, K, D, causal, window, 64, 64, "parents", a.device)
         scale, win = scalar(scale, a), _win(window, a)
         _children_backward[(triton.cdiv(C, children["BM"]), G)](
-            a, b, u, h, dout, lse, delta, da, scale, win, C, P, K, D, *strides, **children)
+            a, b, u, h, dout, lse, delta, da, scale, win, C, P, K, D, *strides, **children,
+            RESUM=a.dtype in (torch.float16, torch.bfloat16))
         _parents_backward[(triton.cdiv(P, parents["BN"]), G)](
             a, b, u, h, dout, lse, delta, db, du, dh, scale, win, C, P, K, D, *strides,
             **parents)

@@ -256,3 +256,27 @@ def test_a_band_per_head_refuses_what_it_cannot_read():
         ops.band_forward(q, q, q, q[..., 0], torch.tensor([[3, -1]]), 1.0)
     with pytest.raises(ValueError, match="a window per leading index needs is_causal"):
         key_bias.key_bias_attention(q, q, q, q[..., 0], 1.0, False, torch.tensor([[3, 1]]))
+
+
+def test_h_is_folded_into_factors_only_where_their_products_run_in_single_or_double():
+    """``folds_terms``: h rides in one more key dimension of float32 or float64 factors only —
+    not half precision, nor float32 that autocast on their device sends to half precision
+    (h_j's rounding, eps·|h_j|, would enter every logit); float64 is not autocast's."""
+    x = torch.randn(3, 4)
+    assert key_bias.folds_terms(x, x.double())
+    assert not key_bias.folds_terms(x, x.bfloat16())
+    assert not key_bias.folds_terms(x.half())
+    for dtype in (torch.bfloat16, torch.float16):
+        with torch.autocast(x.device.type, dtype):
+            assert key_bias.computes_in(x) == dtype
+            assert not key_bias.folds_terms(x)
+            assert key_bias.folds_terms(x.double())
+
+
+def test_parent_terms_stay_float32_in_half_precision():
+    """h comes in float32 at least whatever the states' dtype: the kernels read it so."""
+    prior = sa.priors.ForgettingGate(F.logsigmoid(torch.randn(2, 9)))
+    tables = prior.tables(9, 9, "cpu")
+    for dtype, want in ((torch.bfloat16, torch.float32), (torch.float16, torch.float32),
+                        (torch.float32, torch.float32), (torch.float64, torch.float64)):
+        assert tables.parent_terms(dtype).dtype == want

@@ -119,3 +119,14 @@ def test_global_hooks_are_the_dicts_torch_registers_into():
         for h in handles:
             h.remove()
     assert not any(internals.GLOBAL_HOOKS)
+
+
+def test_autocast_modes_name_each_device_type_on_and_its_dtype():
+    """``torch.is_autocast_enabled()`` is CUDA's alone: the signature reads every device type."""
+    assert internals.autocast_modes() is False
+    with torch.autocast("cpu", torch.bfloat16):
+        assert not torch.is_autocast_enabled()
+        assert internals.autocast_modes() == (("cpu", torch.bfloat16),)
+    with torch.autocast("cpu", torch.float16):
+        assert internals.autocast_modes() == (("cpu", torch.float16),)
+    assert internals.autocast_modes() is False

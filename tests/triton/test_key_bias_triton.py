@@ -177,3 +177,51 @@ def test_triton_key_bias_takes_half_precision_as_it_is(C, P, k, d, causal, dtype
     grads = torch.autograd.grad((want * dout.double()).sum(), leaves)
     for g, w in zip(got, grads, strict=True):
         assert (g.double() - w).norm() <= grad_rtol * w.norm(), (g.dtype, g.shape)
+
+
+@pytest.mark.parametrize("precision, products", [("highest", "ieee"), ("high", "tf32"),
+                                                 ("medium", "tf32")])
+def test_float32_products_follow_torchs_matmul_precision(precision, products):
+    """float32 blocks multiply as ``torch.set_float32_matmul_precision`` says: IEEE at
+    "highest", TF32 at "high" and "medium" (half precision goes to the tensor cores either
+    way); the interpreter takes either and multiplies in float32. On a GPU, TF32 keeps 10 bits
+    of each factor: the output to ~2⁻¹⁰ of its scale."""
+    from structattn.triton_kernels._tiles import settings
+
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision(precision)
+        assert settings(torch.float32, 16)["PRECISION"] == products
+        assert settings(torch.bfloat16, 16)["PRECISION"] == "ieee"
+        assert settings(f64, 16)["PRECISION"] == "ieee"
+        torch.manual_seed(5)
+        a, b, u = (torch.randn(2, 70, 16, device=DEVICE) for _ in range(3))
+        h = torch.randn(2, 70, device=DEVICE)
+        out = _kb().forward(a, b, u, h, 0.3, True)[0]
+    finally:
+        torch.set_float32_matmul_precision(before)
+    want = _dense(*(t.double() for t in (a, b, u, h)), 0.3, True)
+    tf32_on_gpu = products == "tf32" and DEVICE.type == "cuda"
+    torch.testing.assert_close(out.double(), want, rtol=0, atol=5e-3 if tf32_on_gpu else 2e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("causal, windows", [(True, None), (False, None), (True, [5, 40])],
+                         ids=["causal", "all", "band"])
+def test_half_precision_h_gradient_sums_to_zero_as_the_softmax_says(dtype, causal, windows):
+    """Σ_j ∂L/∂h_j = Σ_ij ds_ij = 0 (each row's softmax is invariant to a shift of h): in half
+    precision the backward's Δ_i is its own Σ_j p_ij dout_i·u_j, not dout_i·out_i with out
+    rounded, so the sum stays at float32's rounding — a cumulative prior's gradient (FoX's
+    gates, Σ_{j<l} ∂L/∂h_j) does not drift along the sequence."""
+    torch.manual_seed(6)
+    G, C, k = 2, 70, 16
+    a, b, u = (torch.randn(G, C, k, device=DEVICE).to(dtype) for _ in range(3))
+    h = torch.randn(G, C, device=DEVICE)
+    window = None if windows is None else torch.tensor(windows, dtype=torch.int32,
+                                                       device=DEVICE)
+    kb = _kb()
+    out, lse = kb.forward(a, b, u, h, 0.6, causal, window)
+    dout = torch.randn_like(out)
+    dh = kb.backward(dout, a, b, u, h, out, lse, 0.6, causal, window)[3]
+    assert dh.dtype == torch.float32
+    assert (dh.sum(-1).abs() <= 1e-5 * dh.abs().sum(-1)).all(), (dh.sum(-1), dh.abs().sum(-1))
