@@ -4,9 +4,11 @@ script, carries no dates, and its user guide's Python examples run as written.""
 import ast
 import html
 import importlib.util
+import json
 import os
 import pathlib
 import re
+import shutil
 import subprocess
 import sys
 
@@ -67,6 +69,89 @@ def test_mkdocs_build_strict(built):
     assert (site / "index.html").exists() and (site / "api" / "models" / "index.html").exists()
     for png in (ROOT / "gallery" / "results").glob("*.png"):
         assert (site / "assets" / "gallery" / png.name).exists(), png.name
+
+
+#: pages that must show typeset formulas: the home page, a guide page, the API reference's
+#: catalogue (the models' docstrings) and building blocks (the priors' docstrings)
+MATH_PAGES = ["index.html", "guide/declaring/index.html", "api/models/index.html",
+              "api/building-blocks/index.html"]
+#: what pymdownx.arithmatex (generic) makes of $...$ and $$...$$
+FORMULA = re.compile(r'<(span|div) class="arithmatex">(.*?)</\1>', re.S)
+
+
+def _formulas(site: pathlib.Path) -> list[tuple[str, str, bool]]:
+    """Every formula of the built site: its page, its TeX, whether it is displayed."""
+    found = []
+    for page in sorted(site.rglob("*.html")):
+        for _tag, body in FORMULA.findall(page.read_text()):
+            tex = html.unescape(body).strip()
+            assert tex[:2] in ("\\(", "\\[") and tex[-2:] in ("\\)", "\\]"), (page, tex)
+            found.append((str(page.relative_to(site)), tex[2:-2], tex.startswith("\\[")))
+    return found
+
+
+def test_formulas_are_marked_up_and_their_renderer_ships_with_the_site(built):
+    """The pages carry their formulas as arithmatex markup and load the vendored KaTeX
+    (script, stylesheet and the woff2 fonts it names) and the script that typesets them,
+    from the site itself: it renders offline."""
+    site, result = built
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    for page in MATH_PAGES:
+        text = (site / page).read_text()
+        assert FORMULA.search(text), f"{page}: no formula"
+        up = "../" * page.count("/")
+        assert f'href="{up}assets/katex/katex.min.css"' in text, page
+        for script in ("assets/katex/katex.min.js", "assets/math.js"):
+            assert f'<script src="{up}{script}"' in text, (page, script)
+    for name in ("katex.min.js", "katex.min.css", "LICENSE"):
+        assert (site / "assets" / "katex" / name).stat().st_size > 0, name
+    css = (site / "assets" / "katex" / "katex.min.css").read_text()
+    fonts = set(re.findall(r"url\((fonts/[^)]+\.woff2)\)", css))
+    assert len(fonts) >= 20, fonts
+    missing = sorted(f for f in fonts if not (site / "assets" / "katex" / f).exists())
+    assert not missing, missing
+    home = {tex for page, tex, _ in _formulas(site) if page == "index.html"}
+    assert r"p(φ_i = j \mid x) ∝ p(φ_i = j)\, e^{ψ_{ij}}" in home, home
+    models = {tex for page, tex, _ in _formulas(site) if page == "api/models/index.html"}
+    assert r"ψ(x_j, x_i) = x_iᵀW_QᵀW_K x_j / τ" in models, models  # SelfAttention's docstring
+
+
+_KATEX_CHECK = """
+const katex = require(process.argv[1]);
+const options = JSON.parse(process.argv[2]);
+const bad = [];
+for (const [page, tex, display] of JSON.parse(require("fs").readFileSync(0, "utf8"))) {
+  const warnings = [];
+  const strict = (code, message) => { warnings.push(code + ": " + message); return "ignore"; };
+  try {
+    katex.renderToString(tex, Object.assign({}, options, {displayMode: display, throwOnError: true, strict}));
+  } catch (error) { warnings.push(error.message); }
+  if (warnings.length) bad.push([page, tex, warnings]);
+}
+console.log(JSON.stringify(bad));
+"""
+
+
+def test_every_formula_typesets_without_an_error_or_a_warning(built):
+    """Every formula on the site, through the vendored KaTeX with the site's options
+    (docs/assets/math.js), parses, and needs none of KaTeX's leniency (the browser would
+    show a red error, or silently set text): run with Node.js, where there is one."""
+    site, result = built
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    node = shutil.which("node") or shutil.which("nodejs")
+    if node is None:
+        pytest.skip("needs Node.js to run KaTeX")
+    options = re.search(r"^const KATEX_OPTIONS = (\{.*?^\});", (DOCS / "assets" / "math.js").read_text(),
+                        re.S | re.M)
+    assert options, "docs/assets/math.js: no KATEX_OPTIONS = {...}; JSON"
+    formulas = _formulas(site)
+    assert len(formulas) > 100, len(formulas)
+    run = subprocess.run([node, "-e", _KATEX_CHECK, str(site / "assets" / "katex" / "katex.min.js"),
+                          json.dumps(json.loads(options.group(1)))],
+                         input=json.dumps(formulas), capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    bad = json.loads(run.stdout)
+    assert not bad, json.dumps(bad[:10], ensure_ascii=False, indent=1)
 
 
 def _hooks():

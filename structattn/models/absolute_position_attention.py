@@ -14,7 +14,7 @@ from ._projections import TokenAttention
 
 
 class AbsolutePositionAttention(TokenAttention):
-    """φ_i ~ Uniform (causal: j ≤ i); ψ = (x_i + e_i)ᵀW_QᵀW_K(x_j + e_j) / τ; v = W_V x_j.
+    r"""$φ_i ∼ \mathrm{Uniform}$ (causal: $j ≤ i$); $ψ = (x_i + e_i)ᵀW_QᵀW_K(x_j + e_j) / τ$; $v = W_V x_j$.
 
     e: learned ``(max_len, d_model)`` (``positions="learned"``) or fixed sinusoidal
     (``"sinusoidal"``). x: ``(*batch, n ≤ max_len, d_model)`` → ``(*batch, n, d_model)``.

@@ -77,9 +77,10 @@ RECIPES = ("original", "blockwise", "collapsed")
 
 
 class BlockSlotAttention(SlotAttention):
-    """z_s ~ N(μ, σ²) (latent slots of M blocks); each input j picks a slot, φ_j ~ Uniform(slots)
-    (softmax over slots); each block m of each slot picks a prototype, ω_sm ~ Uniform(memory),
-    with ψ(C_mk, z_s) on block m — two edge families, ``"assign"`` and ``"bind"`` (heads = blocks).
+    r"""$z_s ∼ \mathcal{N}(μ, σ²)$ (latent slots of $M$ blocks); each input $j$ picks a slot,
+    $φ_j ∼ \mathrm{Uniform}(\text{slots})$ (softmax over slots); each block $m$ of each slot picks a
+    prototype, $ω_{sm} ∼ \mathrm{Uniform}(\text{memory})$, with $ψ(C_{mk}, z_s)$ on block $m$ — two edge
+    families, ``"assign"`` and ``"bind"`` (heads = blocks).
 
     - ``recipe="original"``: SysBinder (Singh et al. 2023, ``sysbinder.py``), step for step.
       Slot attention's step (ψ = to_k(x̂_j)ᵀ to_q(LN(z_s)) / √dim, the ε-renormalised
@@ -116,9 +117,9 @@ class BlockSlotAttention(SlotAttention):
     ::
 
         memory   C_m1 … C_mK        ω_sm ~ Uniform(memory), per block m
-                    \\ | /
+                    \ | /
         slots        z_s  (blocks z_s1 … z_sM)
-                    / | \\
+                    / | \
         inputs   x_1 … x_N          φ_j ~ Uniform(slots)
 
     Args:

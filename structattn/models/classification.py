@@ -22,7 +22,7 @@ from ._catalogue import Entry, randn64
 
 
 class Classification(Declaration):
-    """φ_i ~ Uniform(classes); ψ(y_j, f_i) = f_iᵀ y_j / τ; v = y_j.
+    r"""$φ_i ∼ \mathrm{Uniform}(\text{classes})$; $ψ(y_j, f_i) = f_iᵀ y_j / τ$; $v = y_j$.
 
     The edge posterior p(φ_i = j | f) = softmax_j(f_iᵀ y_j / τ) *is* the class
     distribution, so −log p(φ_i = c_i | f) is the cross-entropy of the logits f Yᵀ/τ.

@@ -13,7 +13,8 @@ from ._projections import ProjectedAttention
 
 
 class CrossAttention(ProjectedAttention):
-    """φ_i ~ Uniform(keys); ψ(k_j, q_i) = q_iᵀW_QᵀW_K k_j / τ; v = W_V k_j; y_i = W_O[E v_i]_heads.
+    r"""$φ_i ∼ \mathrm{Uniform}(\text{keys})$; $ψ(k_j, q_i) = q_iᵀW_QᵀW_K k_j / τ$; $v = W_V k_j$;
+    $y_i = W_O[\mathbb{E}\, v_i]_\text{heads}$.
 
     queries: ``(*batch, M, d_query)``, keys: ``(*batch, N, d_key)``
     → ``(*batch, M, d_out or heads·d_v)``. Cost O(M·N·heads·(d_k + d_v)).
@@ -21,7 +22,7 @@ class CrossAttention(ProjectedAttention):
     ::
 
         keys     k_1  k_2 … k_N
-                   \\   |   /      φ_i ∈ {1..N}
+                   \   |   /      φ_i ∈ {1..N}
         queries      q_i
 
     Args:

@@ -26,8 +26,9 @@ def _softplus_inverse(v: float) -> float:
 
 @refuses_renamed
 class ExpandingAttention(TokenAttention):
-    """φ_i = distance back from token i (parent i − φ_i), p(φ_i = d | q_i) = (1 − q_i) q_i^{d−1},
-    q_i ~ Beta(a, b); ψ(x_j, x_i) = x_iᵀW_QᵀW_K x_j / τ; v = W_V x_j; y_i = W_O [E v_i]_heads.
+    r"""$φ_i$ = distance back from token $i$ (parent $i − φ_i$),
+    $p(φ_i = d \mid q_i) = (1 − q_i)\, q_i^{d−1}$, $q_i ∼ \mathrm{Beta}(a, b)$;
+    $ψ(x_j, x_i) = x_iᵀW_QᵀW_K x_j / τ$; $v = W_V x_j$; $y_i = W_O [\mathbb{E}\, v_i]_\text{heads}$.
 
     ``inference=sa.MeanFieldWindows(...)`` (the default, ``MeanFieldWindows()``): the paper's
     scheme, declared on the family and taken whole — a window per token that grows while

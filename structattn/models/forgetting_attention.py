@@ -17,11 +17,11 @@ from ._projections import TokenAttention
 
 
 class ForgettingAttention(TokenAttention):
-    """φ_i ~ p(φ_i = j) ∝ Π_{l=j+1..i} f_{l,h} over j ≤ i, per head h, with forget gates
-    f_{l,h} = σ(w_hᵀ x_l + b_h) (``W_f: (heads, d_model)``, ``b_f: (heads,)``); ψ = x_iᵀW_QᵀW_K x_j
-    / τ; v = W_V x_j. The log prior is c_i − c_j (c = cumsum log f): lowered as SDPA with −c_j
-    as a mask over the parents (CPU; elsewhere one more key dimension), O(n) memory, backward
-    included.
+    r"""$p(φ_i = j) ∝ \prod_{l=j+1}^{i} f_{l,h}$ over $j ≤ i$, per head $h$, with forget gates
+    $f_{l,h} = σ(w_hᵀ x_l + b_h)$ (``W_f: (heads, d_model)``, ``b_f: (heads,)``); $ψ = x_iᵀW_QᵀW_K x_j / τ$;
+    $v = W_V x_j$. The log prior is $c_i − c_j$ ($c = \mathrm{cumsum} \log f$): lowered as SDPA with
+    $−c_j$ as a mask over the parents (CPU; elsewhere one more key dimension), $O(n)$ memory,
+    backward included.
 
     x: ``(*batch, n, d_model)`` → ``(*batch, n, d_model or heads·d_v)``.
     ``gate_bias``: b_h's initial value (σ(3) ≈ 0.95: the gates start mostly open).

@@ -15,9 +15,9 @@ from ._projections import TokenAttention
 
 
 class GeneralisedGaussianAttention(TokenAttention):
-    """φ_i ~ p(φ_i = j) ∝ exp(−|(i − j − μ_h)·e^{s_h}|^{β_h}) per head h, with μ_h, s_h and
-    β_h = exp(log β_h) learned (``loc``, ``log_scale``, ``log_shape``, each ``(heads,)``);
-    ψ = x_iᵀW_QᵀW_K x_j / τ; v = W_V x_j. Causal by default.
+    r"""$p(φ_i = j) ∝ \exp(−\lvert(i − j − μ_h)\, e^{s_h}\rvert^{β_h})$ per head $h$, with $μ_h$, $s_h$ and
+    $β_h = \exp(\log β_h)$ learned (``loc``, ``log_scale``, ``log_shape``, each ``(heads,)``);
+    $ψ = x_iᵀW_QᵀW_K x_j / τ$; $v = W_V x_j$. Causal by default.
 
     x: ``(*batch, n, d_model)`` → ``(*batch, n, d_model or heads·d_v)``.
     Initial prior: μ = 0, scale e^s = 1/``width`` (``width`` = 16: distances are read in units

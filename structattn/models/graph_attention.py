@@ -11,8 +11,8 @@ from ._projections import TokenAttention
 
 
 class GraphAttention(TokenAttention):
-    """φ_i ~ Uniform(N(i)), N(i) = the parents of node i in ``adjacency``;
-    ψ = x_iᵀW_QᵀW_K x_j / τ; v = W_V x_j.
+    r"""$φ_i ∼ \mathrm{Uniform}(N(i))$, $N(i)$ = the parents of node $i$ in ``adjacency``;
+    $ψ = x_iᵀW_QᵀW_K x_j / τ$; $v = W_V x_j$.
 
     adjacency: a dense boolean ``(n, n)`` mask (``adjacency[i, j]``: i may attend to j;
     lowered to SDPA with a boolean mask) or an ``edge_index`` ``(2, E)`` int64 with row 0

@@ -19,9 +19,10 @@ from ._catalogue import Entry, randn64
 
 @refuses_renamed
 class Hopfield(sa.Declaration):
-    """ξ_i ~ N(0, β⁻¹ I) (latent); φ_i ~ Uniform(stored patterns); ψ(y_j, ξ_i) = β ξ_iᵀ W_K y_j;
-    v = W_V y_j — per head. Collapsed free energy (per query and head, up to a constant):
-    β·E(ξ) with E(ξ) = −(1/β)·lse(β K ξ) + ½‖ξ‖², K = W_K Y (Ramsauer et al.'s energy).
+    r"""$ξ_i ∼ \mathcal{N}(0, β⁻¹ I)$ (latent); $φ_i ∼ \mathrm{Uniform}(\text{stored patterns})$;
+    $ψ(y_j, ξ_i) = β ξ_iᵀ W_K y_j$; $v = W_V y_j$ — per head. Collapsed free energy (per query and
+    head, up to a constant): $β E(ξ)$ with $E(ξ) = −β⁻¹ \mathrm{lse}(β K ξ) + ½‖ξ‖²$, $K = W_K Y$
+    (Ramsauer et al.'s energy).
 
     The CCCP update of ξ is ξ ← Kᵀ softmax(β K ξ), T = ``iteration.steps`` times from
     ξ₀ = W_Q r; the output is W_O concat_h(Vᵀ softmax(β K ξ_T)), V = W_V Y — the
@@ -39,7 +40,7 @@ class Hopfield(sa.Declaration):
     ::
 
         stored  y_1 … y_N          φ_i ~ Uniform, ψ = β ξ_iᵀ W_K y_j
-                   \\ | /
+                   \ | /
         latent     ξ_i  ← Σ_j p(φ_i = j | ξ) W_K y_j   (T times)
 
     Args:

@@ -12,8 +12,9 @@ from ._projections import TokenAttention
 
 
 class MultihopAttention(TokenAttention):
-    """φ_i ~ Uniform (causal: j ≤ i); ψ = x_iᵀW_QᵀW_K x_j / τ;
-    v_i = Σ_k w_k W_V x_{φ^k(i)} (φ^k: k steps along the edges) ⇒ y = W_O[Σ_k w_k P^k V X]_heads.
+    r"""$φ_i ∼ \mathrm{Uniform}$ (causal: $j ≤ i$); $ψ = x_iᵀW_QᵀW_K x_j / τ$;
+    $v_i = \sum_k w_k W_V x_{φ^k(i)}$ ($φ^k$: $k$ steps along the edges)
+    $⇒ y = W_O[\sum_k w_k P^k V X]_\text{heads}$.
 
     ``hop_weights``: (w_0, …, w_K), finite, not all zero (a weight may be negative: the
     value is a linear combination of hops); (0, 1, 1) is the paper's (P + P²)VX, (⅓, ⅓, ⅓)

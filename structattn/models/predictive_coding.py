@@ -15,19 +15,19 @@ from ._catalogue import Entry, randn64
 
 
 class PredictiveCoding(sa.Declaration):
-    """Layers z_0 = x (observed), z_1 … z_L (latent, flat prior; z_L = y observed when given).
+    r"""Layers $z_0 = x$ (observed), $z_1 … z_L$ (latent, flat prior; $z_L = y$ observed when given).
 
     - ``attention=True``: each node i of layer l picks one incoming node of layer l − 1,
-      φ_li ~ Uniform, with ψ(z_j, z_i) = −(k/2)‖z_i − W_ij f(z_j) − b_i‖²
-      (``PredictionError``): F = −Σ_{l,i} log (1/P_{l−1}) Σ_j exp ψ_ij, whose gradient weighs
-      each node's prediction errors by a softmax over them. A node is a unit (the paper's
+      $φ_{li} ∼ \mathrm{Uniform}$, with $ψ(z_j, z_i) = −\tfrac{k}{2}‖z_i − W_{ij} f(z_j) − b_i‖²$
+      (``PredictionError``): $F = −\sum_{l,i} \log \frac{1}{P_{l−1}} \sum_j \exp ψ_{ij}$, whose
+      gradient weighs each node's prediction errors by a softmax over them. A node is a unit (the paper's
       derivation, the default) or, with ``blocks=[B_0, …, B_L]``, one of B_l equal blocks of
       layer l's units (blocks of units competing, the paper's suggestion): ``blocks=[1, 4, 1]``
       makes the output layer pick one of four hidden blocks, each predicted from the whole
       input. With one block per layer there is one edge to choose and F is the standard
       network's.
     - ``attention=False`` (the standard, precision-weighted network, the baseline): the node
-      energy E_l = (k/2)‖z_l − W_l f(z_{l−1}) − b_l‖² per layer (``structattn.energy``).
+      energy $E_l = \tfrac{k}{2}‖z_l − W_l f(z_{l−1}) − b_l‖²$ per layer (``structattn.energy``).
 
     Inference: gradient steps on F for the latent layers (``steps``, ``step_size``), from the
     prediction under the prior (``attention``: the mean of the single-edge predictions,
@@ -43,7 +43,7 @@ class PredictiveCoding(sa.Declaration):
     ::
 
         layer l      z_i              φ_li ~ Uniform(layer l − 1): one incoming unit
-                    / | \\
+                    / | \
         layer l−1  z_1 … z_n          ψ = −(k/2)(z_i − w_ij f(z_j) − b_i)²
 
     Args:

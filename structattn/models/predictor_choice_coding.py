@@ -18,14 +18,17 @@ RECIPES = ("library", "authors")
 
 
 class PredictorChoiceCoding(sa.Declaration):
-    """A generative predictive-coding network whose layers each choose one of K predictors of
+    r"""A generative predictive-coding network whose layers each choose one of $K$ predictors of
     the layer below (the authors' code, not the paper's derivation):
 
-    φ_l ~ Uniform{1..K},  ψ_lk = −T‖z_l − tanh(W_lk z_{l+1})‖₂  (``norm="euclidean"``; or
-    −(T/2)‖·‖², ``"squared"``),  F = Σ_l −log (1/K) Σ_k exp ψ_lk
+    $$
+    φ_l ∼ \mathrm{Uniform}\{1..K\}, \quad ψ_{lk} = −T‖z_l − \tanh(W_{lk} z_{l+1})‖₂, \quad
+    F = \sum_l −\log \tfrac{1}{K} \sum_k \exp ψ_{lk}
+    $$
 
-    — T times the authors' F_l = −(1/T) logsumexp_k(−T‖z_l − tanh(W_k z_{l−1})‖), plus a
-    constant, so a gradient step of ``step_size`` dt on theirs is one of dt/T on this one.
+    (``norm="euclidean"``; or $−\tfrac{T}{2}‖\cdot‖²$, ``"squared"``) — $T$ times the authors'
+    $F_l = −\tfrac{1}{T} \mathrm{logsumexp}_k(−T‖z_l − \tanh(W_k z_{l−1})‖)$, plus a constant, so a
+    gradient step of ``step_size`` $dt$ on theirs is one of $dt/T$ on this one.
 
     Layers are listed bottom-up like ``predictive_coding``'s, ``layer_sizes = [n_0, …, n_L]``:
     layer 0 is the data x (observed), layer L the label y (observed when given: training;
@@ -59,9 +62,9 @@ class PredictorChoiceCoding(sa.Declaration):
     ::
 
         layer l+1        z_{l+1}
-                      /    |    \\          K predictions tanh(W_lk z_{l+1}) (deterministic)
+                      /    |    \          K predictions tanh(W_lk z_{l+1}) (deterministic)
         predictions   g_1  g_2 … g_K
-                      \\    |    /          φ_l ~ Uniform(K): one predictor
+                      \    |    /          φ_l ~ Uniform(K): one predictor
         layer l          z_l              ψ = −T‖z_l − g_φ‖
 
     Args:

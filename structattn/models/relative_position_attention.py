@@ -13,8 +13,9 @@ from ._projections import TokenAttention
 
 
 class RelativePositionAttention(TokenAttention):
-    """φ_i ~ Categorical(softmax_j b_{clip(i−j, −K, K)}) per head (b learned, ``(heads, 2K+1)``);
-    ψ = x_iᵀW_QᵀW_K x_j / τ; v = W_V x_j. The log prior is an additive SDPA bias.
+    r"""$φ_i ∼ \mathrm{Categorical}(\mathrm{softmax}_j\, b_{\mathrm{clip}(i−j, −K, K)})$ per head ($b$
+    learned, ``(heads, 2K+1)``); $ψ = x_iᵀW_QᵀW_K x_j / τ$; $v = W_V x_j$. The log prior is an additive SDPA
+    bias.
 
     x: ``(*batch, n, d_model)`` → ``(*batch, n, d_model or heads·d_v)``.
 

@@ -12,9 +12,10 @@ from ._projections import TokenAttention
 
 
 class RoPEAttention(TokenAttention):
-    """φ_i ~ Uniform({j ≤ i} if causal else all); ψ(x_j, x_i) = (R_i W_Q x_i)ᵀ(R_j W_K x_j)/τ
-    with R_p the rotation by p·θ_k, θ_k = base^(−2k/dims) (``potentials.Rotary``), so ψ depends
-    on the positions through j − i only; v = W_V x_j; y_i = W_O [E v_i]_heads.
+    r"""$φ_i ∼ \mathrm{Uniform}(\{j ≤ i\})$ if causal, else uniform over all parents;
+    $ψ(x_j, x_i) = (R_i W_Q x_i)ᵀ(R_j W_K x_j)/τ$ with $R_p$ the rotation by $p θ_k$,
+    $θ_k = \mathrm{base}^{−2k/\mathrm{dims}}$ (``potentials.Rotary``), so $ψ$ depends on the positions
+    through $j − i$ only; $v = W_V x_j$; $y_i = W_O [\mathbb{E}\, v_i]_\text{heads}$.
 
     x: ``(*batch, n, d_model)`` → ``(*batch, n, d_model or heads·d_v)``. ``rope_base``
     (default 10,000) and ``rope_dims`` (rotated dimensions per head, even; default d_k).

@@ -11,8 +11,8 @@ from ._projections import TokenAttention
 
 
 class SelfAttention(TokenAttention):
-    """φ_i ~ Uniform({j ≤ i} if causal else all); ψ(x_j, x_i) = x_iᵀW_QᵀW_K x_j / τ;
-    v = W_V x_j; y_i = W_O [E v_i]_heads.
+    r"""$φ_i ∼ \mathrm{Uniform}(\{j ≤ i\})$ if causal, else uniform over all parents;
+    $ψ(x_j, x_i) = x_iᵀW_QᵀW_K x_j / τ$; $v = W_V x_j$; $y_i = W_O [\mathbb{E}\, v_i]_\text{heads}$.
 
     x: ``(*batch, n, d_model)`` → ``(*batch, n, d_model or heads·d_v)``.
     ``support``: optional boolean ``(n, n)`` (or ``(*batch, heads, n, n)``) restriction

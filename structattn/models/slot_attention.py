@@ -16,8 +16,9 @@ RECIPES = ("original", "collapsed")
 
 
 class SlotAttention(sa.Declaration):
-    """z_s ~ N(μ, σ²) (latent slots); each input j picks a slot, φ_j ~ Uniform(slots), so the
-    posterior is a softmax over *slots*; the slots are updated from it ``iters`` times.
+    r"""$z_s ∼ \mathcal{N}(μ, σ²)$ (latent slots); each input $j$ picks a slot,
+    $φ_j ∼ \mathrm{Uniform}(\text{slots})$, so the posterior is a softmax over *slots*; the slots are updated
+    from it ``iters`` times.
 
     - ``recipe="original"`` (Locatello et al. 2020; a drop-in for the ``slot-attention``
       package's ``SlotAttention``, same parameter names): ψ(z_s, x_j) = to_k(x̂_j)ᵀ
@@ -45,7 +46,7 @@ class SlotAttention(sa.Declaration):
     ::
 
         slots   z_1  z_2 … z_S      φ_j ~ Uniform(slots): softmax over slots
-                  \\   |   /
+                  \   |   /
         inputs       x_j
 
     Args:

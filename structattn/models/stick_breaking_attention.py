@@ -12,10 +12,10 @@ from ._projections import TokenAttention
 
 
 class StickBreakingAttention(TokenAttention):
-    """φ_i: scan l = i − 1, i − 2, …, break at l with probability β_il = σ(ψ_il), ψ = x_iᵀ
-    W_QᵀW_K x_l / τ, per head: p(φ_i = j) = β_ij Π_{j<l<i} (1 − β_il), and no parent with the
-    leftover Π_{l<i} (1 − β_il) (value zero); v = W_V x_j. No position encoding is needed: the
-    scan's order is the position.
+    r"""$φ_i$: scan $l = i − 1, i − 2, …$, break at $l$ with probability $β_{il} = σ(ψ_{il})$,
+    $ψ = x_iᵀW_QᵀW_K x_l / τ$, per head: $p(φ_i = j) = β_{ij} \prod_{j<l<i} (1 − β_{il})$, and no parent
+    with the leftover $\prod_{l<i} (1 − β_{il})$ (value zero); $v = W_V x_j$. No position encoding is
+    needed: the scan's order is the position.
 
     x: ``(*batch, n, d_model)`` → ``(*batch, n, d_model or heads·d_v)``. Compiled, the CPU
     kernel (``structattn.kinds.stick_breaking``) reads it forward and backward without the

@@ -15,10 +15,10 @@ def alibi_slopes(heads: int) -> torch.Tensor:
 
 
 class ALiBi(DistancePrior):
-    """``p(φ_i = j) ∝ exp(−m_h |i − j|)`` per head h (ALiBi, Press et al. 2022).
+    r"""$p(φ_i = j) ∝ \exp(−m_h \lvert i − j\rvert)$ per head $h$ (ALiBi, Press et al. 2022).
 
     A relative-position prior with fixed slopes m, by default the paper's geometric
-    2^(−8h/H), h = 1..H. Under j ≤ i its log weight is −m·i + m·j, a difference of per-token
+    $2^{−8h/H}$, $h = 1..H$. Under $j ≤ i$ its log weight is $−m i + m j$, a difference of per-token
     terms (``terms``): the dense and window operators lower it as one more key dimension,
     never a C×P bias.
 

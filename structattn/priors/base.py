@@ -31,7 +31,7 @@ from .tables import PriorTables
 
 
 class Prior:
-    """Base class of edge priors p(φ_i = j): a support Φ_i and log weights w_ij on it.
+    r"""Base class of edge priors $p(φ_i = j)$: a support $Φ_i$ and log weights $w_{ij}$ on it.
 
     A subclass states ``support`` and ``log_weight`` (module docstring); every other hook
     has a default derived from them. A prior over the distance i − j (a band, certified

@@ -62,8 +62,8 @@ def _check_options(tol, prior_tol, max_window, block_size) -> None:
 
 @refuses_renamed
 class BetaGeometric(DistancePrior):
-    """``p(φ_i = d) = B(a + d − 1, b + 1) / B(a, b)`` for the distance d = i − j ≥ 1 back from
-    child i: the geometric–Beta prior of expanding attention (module docstring).
+    r"""$p(φ_i = d) = B(a + d − 1, b + 1) / B(a, b)$ for the distance $d = i − j ≥ 1$ back from
+    child $i$: the geometric–Beta prior of expanding attention (module docstring).
 
     Strictly the past: the child at position 0 has no parent and gets a zero output. The
     mean-field options (``grad``, ``window_rule``, ``max_iters``, …) are not the prior's (an

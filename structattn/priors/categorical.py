@@ -10,7 +10,7 @@ from .uniform import _support_np, dense_support
 
 
 class Categorical(Prior):
-    """``p(φ_i = j) = softmax_{j∈Φ_i}(b_ij)`` with explicit logits b on the support Φ_i.
+    r"""$p(φ_i = j) = \mathrm{softmax}_{j∈Φ_i}(b_{ij})$ with explicit logits $b$ on the support $Φ_i$.
 
     Lowered as an additive bias (the logits tensor itself is the dense log table). Paper
     Table 1 (relative positional encodings).

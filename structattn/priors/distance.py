@@ -42,7 +42,7 @@ from .uniform import dense_support
 
 
 class DistancePrior(Prior):
-    """Base class of priors over the distance d = i − j back from child i (module docstring).
+    r"""Base class of priors over the distance $d = i − j$ back from child $i$ (module docstring).
 
     A stationary subclass states ``log_at_distance`` (and ``heads``, if it can say it
     without evaluating a weight) and calls ``super().__init__`` with its options; every

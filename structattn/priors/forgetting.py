@@ -10,14 +10,14 @@ from .distance import DistancePrior
 
 
 class ForgettingGate(DistancePrior):
-    """``p(φ_i = j) ∝ Π_{l=j+1..i} f_l`` over j ≤ i (FoX, Lin et al. 2025): each token l between
-    a child and a parent forgets with its own gate f_l ∈ (0, 1].
+    r"""$p(φ_i = j) ∝ \prod_{l=j+1}^{i} f_l$ over $j ≤ i$ (FoX, Lin et al. 2025): each token $l$ between
+    a child and a parent forgets with its own gate $f_l ∈ (0, 1]$.
 
-    The gates are data-dependent (FoX's f_l = σ(wᵀx_l + b), one per head). With c =
-    cumsum(log f) the log weight is c_i − c_j, a difference of per-token terms (``terms``),
-    so the dense operator lowers it, on the CPU, as the fused kernel with −c_j as its mask
+    The gates are data-dependent (FoX's $f_l = σ(wᵀx_l + b)$, one per head). With
+    $c = \mathrm{cumsum}(\log f)$ the log weight is $c_i − c_j$, a difference of per-token terms (``terms``),
+    so the dense operator lowers it, on the CPU, as the fused kernel with $−c_j$ as its mask
     (trained through ``csrc/key_bias.cpp``'s backward), elsewhere as plain SDPA with one more
-    key dimension — never an N×N bias. A constant gate f is ALiBi with slope m = −log f.
+    key dimension — never an N×N bias. A constant gate $f$ is ALiBi with slope $m = −\log f$.
 
     A distance prior that is not stationary (``DistancePrior``'s module docstring): the
     weight of a distance depends on the gates in between, so it states no

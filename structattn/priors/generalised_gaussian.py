@@ -18,10 +18,11 @@ def _per_head(name: str, t) -> torch.Tensor:
 
 
 class GeneralisedGaussian(DistancePrior):
-    """``p(φ_i = j) ∝ exp(−|(i − j − μ_h)·e^{s_h}|^{β_h})`` per head h (BAM).
+    r"""$p(φ_i = j) ∝ \exp(−\lvert(i − j − μ_h)\, e^{s_h}\rvert^{β_h})$ per head $h$ (BAM).
 
-    A learned location μ (the preferred distance), log scale s and shape β > 0: β = 1 is a
-    Laplace prior (ALiBi's −m|i − j| with μ = 0, e^s = m), β = 2 a Gaussian, β → ∞ a window.
+    A learned location $μ$ (the preferred distance), log scale $s$ and shape $β > 0$: $β = 1$ is a
+    Laplace prior (ALiBi's $−m\lvert i − j\rvert$ with $μ = 0$, $e^s = m$), $β = 2$ a Gaussian, $β → ∞$ a
+    window.
     Not a difference of per-token terms, so the dense reading adds it as a ``(heads, C, P)``
     bias; a certified window (``tol``) never builds that bias.
 

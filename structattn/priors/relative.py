@@ -17,7 +17,7 @@ def offsets(num_children: int, num_parents: int, device) -> torch.Tensor:
 
 
 class RelativePosition(Prior):
-    """``p(φ_i = j) ∝ exp(b_{clip(i−j, −K, K)})``: logits b indexed by the clipped offset.
+    r"""$p(φ_i = j) ∝ \exp(b_{\mathrm{clip}(i−j, −K, K)})$: logits $b$ indexed by the clipped offset.
 
     Learned or fixed; offsets beyond ±K share the outermost logit. Lowered as an additive
     bias ``(heads, C, P)``. Paper Table 1 (relative positional encodings).

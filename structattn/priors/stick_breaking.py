@@ -13,15 +13,18 @@ from .base import Prior
 
 
 class StickBreaking(Prior):
-    """An edge-choice process, not a softmax: child i scans its parents back from i − 1 and
-    at each parent l breaks with probability β_il = σ(ψ_il) — ψ being the family's one
+    r"""An edge-choice process, not a softmax: child $i$ scans its parents back from $i − 1$ and
+    at each parent $l$ breaks with probability $β_{il} = σ(ψ_{il})$ — $ψ$ being the family's one
     potential, read as a break logit — unless it broke nearer. So
 
-        p(φ_i = j) = β_ij Π_{j<l<i} (1 − β_il)  (j < i),   p(no parent) = Π_{l<i} (1 − β_il),
+    $$
+    p(φ_i = j) = β_{ij} \prod_{j<l<i} (1 − β_{il}) \quad (j < i), \qquad
+    p(\text{no parent}) = \prod_{l<i} (1 − β_{il}),
+    $$
 
-    and "no parent" (value zero) keeps the leftover mass: outputs are Σ_j p_ij v_j, rows
+    and "no parent" (value zero) keeps the leftover mass: outputs are $\sum_j p_{ij} v_j$, rows
     summing to one minus it (``trace.leftover[family]``). A constant β is the geometric
-    prior over distance with q = 1 − β, truncated at the sequence's start.
+    prior over distance with $q = 1 − β$, truncated at the sequence's start.
 
     Pyro's reading (the oracle) states the scan as written: φ_i is one of its i + 1 outcomes
     (parents j < i, or none) a priori alike, and the factor is the log-probability of the

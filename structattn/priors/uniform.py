@@ -19,9 +19,9 @@ def dense_support(causal: bool, mask: torch.Tensor | None):
 
 
 class Uniform(Prior):
-    """``p(φ_i = j) = 1/|Φ_i|`` on the support Φ_i: all parents, optionally restricted.
+    r"""$p(φ_i = j) = 1/\lvert Φ_i\rvert$ on the support $Φ_i$: all parents, optionally restricted.
 
-    Φ_i is every parent, ∩ {j ≤ i} with ``causal``, ∩ a dense mask (``support``) or ∩ a
+    $Φ_i$ is every parent, $∩ \{j ≤ i\}$ with ``causal``, ∩ a dense mask (``support``) or ∩ a
     graph (``edge_index``, lowered to an O(E)-memory segment softmax, never a C×P matrix).
     Paper §3.2 (cross/self attention), Table 1 (graph/sparse attention).
 
