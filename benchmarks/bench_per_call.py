@@ -7,7 +7,11 @@ sizes the fixed cost per call is what shows, so that is what this measures:
 1. self-attention per call vs a hand-written module (``nn.Linear`` projections without bias +
    ``F.scaled_dot_product_attention``), forward and forward+backward, at B=1, N=16, d=64 with
    1 and 4 heads and at B=8, N=128, d=256 — validation on (targets ≤ 1.15× small, ≤ 1.02×
-   large), off (≤ 1.05×), and the first call's reading for reference;
+   large), off (≤ 1.05×), and the first call's reading for reference; at the small sizes the
+   forward is timed three ways — under ``torch.no_grad()`` (``forward``), under
+   ``torch.inference_mode()`` (``inference_mode``) and with autograd recording
+   (``forward_grad``, no backward) — with validation on ≤ 1.05× under ``no_grad`` and
+   ``inference_mode``;
 2. iterative models at B=1: Hopfield at T = 1, 3, 10 vs a hand-written loop of the same
    update (one SDPA per step); collapsed slot attention vs a hand-written EM loop (≤ 1.15×);
    slot attention (original recipe) vs the ``slot-attention`` package at its benchmark size
@@ -91,23 +95,29 @@ def collapsed_slots_by_hand(m, x, z):
 
 # -- timing --------------------------------------------------------------------------------
 
-def _once(fn, params, backward):
-    if backward:
+#: how a call is timed: the forward under ``torch.no_grad()``, under
+#: ``torch.inference_mode()``, with autograd recording, and forward + backward
+MODES = {"forward": torch.no_grad, "inference_mode": torch.inference_mode,
+         "forward_grad": torch.enable_grad, "fwd+bwd": None}
+
+
+def _once(fn, params, mode):
+    if mode == "fwd+bwd":
         for p in params:
             p.grad = None
         out = fn()
         (out[0] if isinstance(out, tuple) else out).sum().backward()
     else:
-        with torch.no_grad():
+        with MODES[mode]():
             fn()
 
 
-def time_calls(fns: dict, *, backward: bool, rounds: int, block: int, device) -> dict:
+def time_calls(fns: dict, *, mode: str, rounds: int, block: int, device) -> dict:
     """Per call: median seconds per variant and the median per-round ratio to ``"baseline"``
     (on a GPU each block is timed from a synchronised start to a synchronised end)."""
     for fn, params in fns.values():
         for _ in range(3):  # read, record, replay: a plan is recorded on the second call
-            _once(fn, params, backward)
+            _once(fn, params, mode)
     times = {k: [] for k in fns}
     names = list(fns)
     gc.disable()
@@ -118,7 +128,7 @@ def time_calls(fns: dict, *, backward: bool, rounds: int, block: int, device) ->
                 sync(device)
                 t = time.perf_counter()
                 for _ in range(block):
-                    _once(fn, params, backward)
+                    _once(fn, params, mode)
                 sync(device)
                 times[name].append((time.perf_counter() - t) / block)
     finally:
@@ -142,14 +152,17 @@ def _report(log, title, res, targets):
 
 
 def time_both(log, title: str, fns: dict, cfg, targets: dict, block: int, out: dict,
-              key: str) -> None:
-    """Forward (no grad) and forward+backward of ``fns``, reported; results in ``out``."""
-    for backward in (False, True):
-        res = time_calls(fns, backward=backward, rounds=cfg["rounds"], block=block,
+              key: str, modes=("forward", "fwd+bwd")) -> None:
+    """``fns`` timed in each of ``modes`` (``MODES``; by default the forward under no_grad
+    and forward+backward), reported; results in ``out`` under ``{key}_{mode}``.
+    ``targets``: variant → target, or (variant, mode) → target for one mode."""
+    for mode in modes:
+        res = time_calls(fns, mode=mode, rounds=cfg["rounds"], block=block,
                          device=cfg["device"])
-        what = "fwd+bwd" if backward else "forward"
-        _report(log, title.format(what=what), res, targets)
-        out[f"{key}_{what}"] = res
+        _report(log, title.format(what=mode), res,
+                {**{k: v for k, v in targets.items() if isinstance(k, str)},
+                 **{k[0]: v for k, v in targets.items() if isinstance(k, tuple) and k[1] == mode}})
+        out[f"{key}_{mode}"] = res
 
 
 def _layer_variants(layer, args, *, params):
@@ -172,12 +185,15 @@ def section_attention(cfg, log):
         torch.testing.assert_close(layer(x), hand(x), rtol=1e-5, atol=1e-5)
         params = [x, *m.parameters()]
         small = B * N * d <= 4096
-        targets = {"structattn": 1.15 if small else 1.02, "structattn, validation off": 1.05}
+        targets = {"structattn": 1.15 if small else 1.02, "structattn, validation off": 1.05,
+                   ("structattn", "forward"): 1.05 if small else 1.02,
+                   ("structattn", "inference_mode"): 1.05 if small else 1.02}
         fns = {"baseline": ((lambda hand=hand, x=x: hand(x)), params),
                **_layer_variants(layer, (x,), params=params)}
         time_both(log, f"self-attention B={B} N={N} d={d} H={H}, {{what}}, vs hand-written "
                        f"nn.Linear + SDPA", fns, cfg, targets,
-                  cfg["block"] if small else max(1, cfg["block"] // 20), out, f"B{B}_N{N}_d{d}_H{H}")
+                  cfg["block"] if small else max(1, cfg["block"] // 20), out, f"B{B}_N{N}_d{d}_H{H}",
+                  modes=tuple(MODES) if small else ("forward", "fwd+bwd"))
     return out
 
 
@@ -251,7 +267,7 @@ def section_expanding(cfg, log):
 
     fns = {"baseline": (sdpa_final_token, [x]), "structattn": ((lambda: layer(x, last=1)), [x]),
            "first call (reading)": ((lambda: layer.interpret(x, last=1)), [x])}
-    res = time_calls(fns, backward=False, rounds=cfg["rounds"], block=cfg["block"],
+    res = time_calls(fns, mode="forward", rounds=cfg["rounds"], block=cfg["block"],
                      device=cfg["device"])
     _report(log, f"expanding attention, toy task T={T} d={d}, final token (last=1), forward, "
                  f"vs one SDPA call for it", res, {"structattn": 1.0})
