@@ -11,7 +11,8 @@ sizes the fixed cost per call is what shows, so that is what this measures:
    forward is timed three ways — under ``torch.no_grad()`` (``forward``), under
    ``torch.inference_mode()`` (``inference_mode``) and with autograd recording
    (``forward_grad``, no backward) — with validation on ≤ 1.05× under ``no_grad`` and
-   ``inference_mode``;
+   ``inference_mode`` — and as a training loop that evaluates between steps calls it, a
+   forward with gradients and one under ``no_grad`` in turn (``grad_then_no_grad``);
 2. iterative models at B=1: Hopfield at T = 1, 3, 10 vs a hand-written loop of the same
    update (one SDPA per step); collapsed slot attention vs a hand-written EM loop (≤ 1.15×);
    slot attention (original recipe) vs the ``slot-attention`` package at its benchmark size
@@ -96,13 +97,18 @@ def collapsed_slots_by_hand(m, x, z):
 # -- timing --------------------------------------------------------------------------------
 
 #: how a call is timed: the forward under ``torch.no_grad()``, under
-#: ``torch.inference_mode()``, with autograd recording, and forward + backward
+#: ``torch.inference_mode()``, with autograd recording, forward + backward, and a forward with
+#: gradients then one under ``torch.no_grad()`` (the time of the two)
 MODES = {"forward": torch.no_grad, "inference_mode": torch.inference_mode,
-         "forward_grad": torch.enable_grad, "fwd+bwd": None}
+         "forward_grad": torch.enable_grad, "fwd+bwd": None, "grad_then_no_grad": None}
 
 
 def _once(fn, params, mode):
-    if mode == "fwd+bwd":
+    if mode == "grad_then_no_grad":
+        fn()
+        with torch.no_grad():
+            fn()
+    elif mode == "fwd+bwd":
         for p in params:
             p.grad = None
         out = fn()
@@ -187,7 +193,8 @@ def section_attention(cfg, log):
         small = B * N * d <= 4096
         targets = {"structattn": 1.15 if small else 1.02, "structattn, validation off": 1.05,
                    ("structattn", "forward"): 1.05 if small else 1.02,
-                   ("structattn", "inference_mode"): 1.05 if small else 1.02}
+                   ("structattn", "inference_mode"): 1.05 if small else 1.02,
+                   ("structattn", "grad_then_no_grad"): 1.05}
         fns = {"baseline": ((lambda hand=hand, x=x: hand(x)), params),
                **_layer_variants(layer, (x,), params=params)}
         time_both(log, f"self-attention B={B} N={N} d={d} H={H}, {{what}}, vs hand-written "
