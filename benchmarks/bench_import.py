@@ -4,7 +4,9 @@ Each round runs ``python -c "import torch"`` and ``python -c "import structattn"
 interpreters, one after the other (the order alternating from round to round), from this
 checkout's root, so that its ``structattn`` is the one imported; a round's ratio is the
 second's wall time over the first's, the interpreter's own start-up included in both. The
-figures are the medians over rounds (target: ratio ≤ 1.05). Python's bytecode cache is on, as
+figures are the medians over rounds (target: ratio ≤ 1.05). Each run's CPU time (user +
+system, from ``getrusage``) is kept too, with its own paired ratio: on a machine other work
+shares it leaves out the time spent waiting for a core. Python's bytecode cache is on, as
 for an installed package (``PYTHONDONTWRITEBYTECODE`` is cleared for the runs, and a first
 import writes the cache); ``--no-bytecode-cache`` keeps the environment's setting, where
 without the cache every module of structattn is compiled from source on each import (torch's
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -41,12 +44,17 @@ def environment(bytecode_cache: bool) -> dict:
     return env
 
 
-def wall(code: str, env: dict) -> float:
-    """Seconds for a fresh interpreter to run ``code`` and exit."""
-    t = time.perf_counter()
+def _children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def wall(code: str, env: dict) -> tuple:
+    """(wall seconds, CPU seconds) for a fresh interpreter to run ``code`` and exit."""
+    c, t = _children_cpu(), time.perf_counter()
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, check=True,
                    capture_output=True)
-    return time.perf_counter() - t
+    return time.perf_counter() - t, _children_cpu() - c
 
 
 def loaded_optional(env: dict) -> list:
@@ -70,17 +78,26 @@ def measure(rounds: int, bytecode_cache: bool = True, log=print) -> dict:
         else:
             sa_s.append(wall("import structattn", env))
             torch_s.append(wall("import torch", env))
-    ratios = [s / t for s, t in zip(sa_s, torch_s, strict=True)]
-    res = {"rounds": rounds, "bytecode_cache": bytecode_cache, "import_torch_s": statistics.median(torch_s),
-           "import_structattn_s": statistics.median(sa_s), "paired": statistics.median(ratios),
-           "paired_min": min(ratios), "paired_max": max(ratios),
-           "optional_loaded": loaded_optional(env)}
+    ratios = [s[0] / t[0] for s, t in zip(sa_s, torch_s, strict=True)]
+    cpu_ratios = [s[1] / t[1] for s, t in zip(sa_s, torch_s, strict=True)]
+    res = {"rounds": rounds, "bytecode_cache": bytecode_cache,
+           "import_torch_s": statistics.median(t[0] for t in torch_s),
+           "import_structattn_s": statistics.median(s[0] for s in sa_s),
+           "paired": statistics.median(ratios), "paired_min": min(ratios),
+           "paired_max": max(ratios),
+           "import_torch_cpu_s": statistics.median(t[1] for t in torch_s),
+           "import_structattn_cpu_s": statistics.median(s[1] for s in sa_s),
+           "paired_cpu": statistics.median(cpu_ratios), "paired_cpu_min": min(cpu_ratios),
+           "paired_cpu_max": max(cpu_ratios), "optional_loaded": loaded_optional(env)}
     ok = "OK" if res["paired"] <= TARGET else "MISS"
     cache = "on" if bytecode_cache else "off"
     log(f"fresh processes, {rounds} pairs, bytecode cache {cache}: import torch "
         f"{res['import_torch_s']:.2f} s, import "
         f"structattn {res['import_structattn_s']:.2f} s; paired ratio {res['paired']:.3f}× "
         f"(range {res['paired_min']:.3f}–{res['paired_max']:.3f}; target ≤ {TARGET}: {ok})")
+    log(f"CPU time: import torch {res['import_torch_cpu_s']:.2f} s, import structattn "
+        f"{res['import_structattn_cpu_s']:.2f} s; paired ratio {res['paired_cpu']:.3f}× (range "
+        f"{res['paired_cpu_min']:.3f}–{res['paired_cpu_max']:.3f})")
     log(f"optional libraries imported by `import structattn`: "
         f"{', '.join(res['optional_loaded']) or 'none'}")
     return res

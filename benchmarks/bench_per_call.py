@@ -24,8 +24,10 @@ sizes the fixed cost per call is what shows, so that is what this measures:
 
 Timing: the variants run interleaved (order reversed each round), each round times a block
 of calls; medians over rounds, and the median of per-round ratios (``paired``), which is
-less sensitive to the machine drifting. Run:
-``python benchmarks/bench_per_call.py [--quick] [--json PATH]``.
+less sensitive to the machine drifting. ``--clock cpu`` times the process's CPU time instead
+of the wall clock (on the CPU only): on a machine other work shares, the time this process
+waits for a core is then left out. Run:
+``python benchmarks/bench_per_call.py [--quick] [--clock wall|cpu] [--json PATH]``.
 """
 
 from __future__ import annotations
@@ -103,6 +105,10 @@ MODES = {"forward": torch.no_grad, "inference_mode": torch.inference_mode,
          "forward_grad": torch.enable_grad, "fwd+bwd": None, "grad_then_no_grad": None}
 
 
+#: what a block of calls is timed by: the wall clock, or the process's CPU time
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
 def _once(fn, params, mode):
     if mode == "grad_then_no_grad":
         fn()
@@ -118,9 +124,11 @@ def _once(fn, params, mode):
             fn()
 
 
-def time_calls(fns: dict, *, mode: str, rounds: int, block: int, device) -> dict:
+def time_calls(fns: dict, *, mode: str, rounds: int, block: int, device,
+               clock=time.perf_counter) -> dict:
     """Per call: median seconds per variant and the median per-round ratio to ``"baseline"``
-    (on a GPU each block is timed from a synchronised start to a synchronised end)."""
+    (on a GPU each block is timed from a synchronised start to a synchronised end);
+    ``clock``: the wall clock, or ``time.process_time`` for the CPU time."""
     for fn, params in fns.values():
         for _ in range(3):  # read, record, replay: a plan is recorded on the second call
             _once(fn, params, mode)
@@ -132,11 +140,11 @@ def time_calls(fns: dict, *, mode: str, rounds: int, block: int, device) -> dict
             for name in (names if r % 2 == 0 else names[::-1]):
                 fn, params = fns[name]
                 sync(device)
-                t = time.perf_counter()
+                t = clock()
                 for _ in range(block):
                     _once(fn, params, mode)
                 sync(device)
-                times[name].append((time.perf_counter() - t) / block)
+                times[name].append((clock() - t) / block)
     finally:
         gc.enable()
     base = times["baseline"]
@@ -164,7 +172,7 @@ def time_both(log, title: str, fns: dict, cfg, targets: dict, block: int, out: d
     ``targets``: variant → target, or (variant, mode) → target for one mode."""
     for mode in modes:
         res = time_calls(fns, mode=mode, rounds=cfg["rounds"], block=block,
-                         device=cfg["device"])
+                         device=cfg["device"], clock=CLOCKS[cfg["clock"]])
         _report(log, title.format(what=mode), res,
                 {**{k: v for k, v in targets.items() if isinstance(k, str)},
                  **{k[0]: v for k, v in targets.items() if isinstance(k, tuple) and k[1] == mode}})
@@ -275,7 +283,7 @@ def section_expanding(cfg, log):
     fns = {"baseline": (sdpa_final_token, [x]), "structattn": ((lambda: layer(x, last=1)), [x]),
            "first call (reading)": ((lambda: layer.interpret(x, last=1)), [x])}
     res = time_calls(fns, mode="forward", rounds=cfg["rounds"], block=cfg["block"],
-                     device=cfg["device"])
+                     device=cfg["device"], clock=CLOCKS[cfg["clock"]])
     _report(log, f"expanding attention, toy task T={T} d={d}, final token (last=1), forward, "
                  f"vs one SDPA call for it", res, {"structattn": 1.0})
     (plan,) = layer.plans.values()
@@ -324,11 +332,16 @@ def main(argv=None):
                    choices=["attention", "iterative", "expanding", "startup"])
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda; start-up is measured "
                                                    "on the CPU only")
+    p.add_argument("--clock", choices=list(CLOCKS), default="wall",
+                   help="wall (default) or cpu: the process's CPU time, on the CPU only")
     args = p.parse_args(argv)
+    if args.clock == "cpu" and args.device != "cpu":
+        p.error(f"--clock cpu times the CPU only; got --device {args.device}")
     cfg = dict(attention_sizes=[(1, 16, 64, 1), (1, 16, 64, 4), (8, 128, 256, 4)],
                hop_M=4, hop_N=16, hop_d=32, slots=4, slot_dim=32, slot_N=64,
                peer_sizes=[(1, 64, 32, 4), (16, 1024, 64, 7)], exp_T=50, exp_d=16,
-               rounds=15, block=100, startup_repeats=5, device=torch.device(args.device))
+               rounds=15, block=100, startup_repeats=5, device=torch.device(args.device),
+               clock=args.clock)
     if args.quick:
         cfg.update(attention_sizes=[(1, 16, 64, 1), (2, 32, 64, 4)], peer_sizes=[(1, 64, 32, 4)],
                    rounds=3, block=5, startup_repeats=1)
