@@ -4,6 +4,7 @@ Declare a Pyro model whose edges are random variables with a prior; compile it
 to an attention layer; check the layer against Pyro; draw the structure.
 """
 import importlib as _importlib
+from typing import TYPE_CHECKING as _TYPE_CHECKING
 
 from . import block_sparse as block_sparse
 from . import checks as checks
@@ -48,6 +49,15 @@ from .trace import Trace as Trace
 from .verdicts import raise_pending as raise_pending
 from .windows import MeanFieldHistory as MeanFieldHistory
 from .windows import MeanFieldWindows as MeanFieldWindows
+
+if _TYPE_CHECKING:  # for type checkers and the API reference; loaded on first use (below)
+    from . import drawing as drawing
+    from .drawing import RenderError as RenderError
+    from .drawing import model_graph as model_graph
+    from .drawing import plot_attention as plot_attention
+    from .drawing import render as render
+    from .drawing import save as save
+    from .drawing import to_networkx as to_networkx
 
 #: names loaded on first use, with the module that defines them: the drawings need networkx
 #: and graphviz, which a compiled module never touches
