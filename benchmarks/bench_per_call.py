@@ -7,7 +7,12 @@ sizes the fixed cost per call is what shows, so that is what this measures:
 1. self-attention per call vs a hand-written module (``nn.Linear`` projections without bias +
    ``F.scaled_dot_product_attention``), forward and forward+backward, at B=1, N=16, d=64 with
    1 and 4 heads and at B=8, N=128, d=256 — validation on (targets ≤ 1.15× small, ≤ 1.02×
-   large), off (≤ 1.05×), and the first call's reading for reference;
+   large), off (≤ 1.05×), and the first call's reading for reference; at the small sizes the
+   forward is timed three ways — under ``torch.no_grad()`` (``forward``), under
+   ``torch.inference_mode()`` (``inference_mode``) and with autograd recording
+   (``forward_grad``, no backward) — with validation on ≤ 1.05× under ``no_grad`` and
+   ``inference_mode`` — and as a training loop that evaluates between steps calls it, a
+   forward with gradients and one under ``no_grad`` in turn (``grad_then_no_grad``);
 2. iterative models at B=1: Hopfield at T = 1, 3, 10 vs a hand-written loop of the same
    update (one SDPA per step); collapsed slot attention vs a hand-written EM loop (≤ 1.15×);
    slot attention (original recipe) vs the ``slot-attention`` package at its benchmark size
@@ -19,8 +24,10 @@ sizes the fixed cost per call is what shows, so that is what this measures:
 
 Timing: the variants run interleaved (order reversed each round), each round times a block
 of calls; medians over rounds, and the median of per-round ratios (``paired``), which is
-less sensitive to the machine drifting. Run:
-``python benchmarks/bench_per_call.py [--quick] [--json PATH]``.
+less sensitive to the machine drifting. ``--clock cpu`` times the process's CPU time instead
+of the wall clock (on the CPU only): on a machine other work shares, the time this process
+waits for a core is then left out. Run:
+``python benchmarks/bench_per_call.py [--quick] [--clock wall|cpu] [--json PATH]``.
 """
 
 from __future__ import annotations
@@ -91,23 +98,40 @@ def collapsed_slots_by_hand(m, x, z):
 
 # -- timing --------------------------------------------------------------------------------
 
-def _once(fn, params, backward):
-    if backward:
+#: how a call is timed: the forward under ``torch.no_grad()``, under
+#: ``torch.inference_mode()``, with autograd recording, forward + backward, and a forward with
+#: gradients then one under ``torch.no_grad()`` (the time of the two)
+MODES = {"forward": torch.no_grad, "inference_mode": torch.inference_mode,
+         "forward_grad": torch.enable_grad, "fwd+bwd": None, "grad_then_no_grad": None}
+
+
+#: what a block of calls is timed by: the wall clock, or the process's CPU time
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+def _once(fn, params, mode):
+    if mode == "grad_then_no_grad":
+        fn()
+        with torch.no_grad():
+            fn()
+    elif mode == "fwd+bwd":
         for p in params:
             p.grad = None
         out = fn()
         (out[0] if isinstance(out, tuple) else out).sum().backward()
     else:
-        with torch.no_grad():
+        with MODES[mode]():
             fn()
 
 
-def time_calls(fns: dict, *, backward: bool, rounds: int, block: int, device) -> dict:
+def time_calls(fns: dict, *, mode: str, rounds: int, block: int, device,
+               clock=time.perf_counter) -> dict:
     """Per call: median seconds per variant and the median per-round ratio to ``"baseline"``
-    (on a GPU each block is timed from a synchronised start to a synchronised end)."""
+    (on a GPU each block is timed from a synchronised start to a synchronised end);
+    ``clock``: the wall clock, or ``time.process_time`` for the CPU time."""
     for fn, params in fns.values():
         for _ in range(3):  # read, record, replay: a plan is recorded on the second call
-            _once(fn, params, backward)
+            _once(fn, params, mode)
     times = {k: [] for k in fns}
     names = list(fns)
     gc.disable()
@@ -116,11 +140,11 @@ def time_calls(fns: dict, *, backward: bool, rounds: int, block: int, device) ->
             for name in (names if r % 2 == 0 else names[::-1]):
                 fn, params = fns[name]
                 sync(device)
-                t = time.perf_counter()
+                t = clock()
                 for _ in range(block):
-                    _once(fn, params, backward)
+                    _once(fn, params, mode)
                 sync(device)
-                times[name].append((time.perf_counter() - t) / block)
+                times[name].append((clock() - t) / block)
     finally:
         gc.enable()
     base = times["baseline"]
@@ -142,14 +166,17 @@ def _report(log, title, res, targets):
 
 
 def time_both(log, title: str, fns: dict, cfg, targets: dict, block: int, out: dict,
-              key: str) -> None:
-    """Forward (no grad) and forward+backward of ``fns``, reported; results in ``out``."""
-    for backward in (False, True):
-        res = time_calls(fns, backward=backward, rounds=cfg["rounds"], block=block,
-                         device=cfg["device"])
-        what = "fwd+bwd" if backward else "forward"
-        _report(log, title.format(what=what), res, targets)
-        out[f"{key}_{what}"] = res
+              key: str, modes=("forward", "fwd+bwd")) -> None:
+    """``fns`` timed in each of ``modes`` (``MODES``; by default the forward under no_grad
+    and forward+backward), reported; results in ``out`` under ``{key}_{mode}``.
+    ``targets``: variant → target, or (variant, mode) → target for one mode."""
+    for mode in modes:
+        res = time_calls(fns, mode=mode, rounds=cfg["rounds"], block=block,
+                         device=cfg["device"], clock=CLOCKS[cfg["clock"]])
+        _report(log, title.format(what=mode), res,
+                {**{k: v for k, v in targets.items() if isinstance(k, str)},
+                 **{k[0]: v for k, v in targets.items() if isinstance(k, tuple) and k[1] == mode}})
+        out[f"{key}_{mode}"] = res
 
 
 def _layer_variants(layer, args, *, params):
@@ -172,12 +199,16 @@ def section_attention(cfg, log):
         torch.testing.assert_close(layer(x), hand(x), rtol=1e-5, atol=1e-5)
         params = [x, *m.parameters()]
         small = B * N * d <= 4096
-        targets = {"structattn": 1.15 if small else 1.02, "structattn, validation off": 1.05}
+        targets = {"structattn": 1.15 if small else 1.02, "structattn, validation off": 1.05,
+                   ("structattn", "forward"): 1.05 if small else 1.02,
+                   ("structattn", "inference_mode"): 1.05 if small else 1.02,
+                   ("structattn", "grad_then_no_grad"): 1.05}
         fns = {"baseline": ((lambda hand=hand, x=x: hand(x)), params),
                **_layer_variants(layer, (x,), params=params)}
         time_both(log, f"self-attention B={B} N={N} d={d} H={H}, {{what}}, vs hand-written "
                        f"nn.Linear + SDPA", fns, cfg, targets,
-                  cfg["block"] if small else max(1, cfg["block"] // 20), out, f"B{B}_N{N}_d{d}_H{H}")
+                  cfg["block"] if small else max(1, cfg["block"] // 20), out, f"B{B}_N{N}_d{d}_H{H}",
+                  modes=tuple(MODES) if small else ("forward", "fwd+bwd"))
     return out
 
 
@@ -251,8 +282,8 @@ def section_expanding(cfg, log):
 
     fns = {"baseline": (sdpa_final_token, [x]), "structattn": ((lambda: layer(x, last=1)), [x]),
            "first call (reading)": ((lambda: layer.interpret(x, last=1)), [x])}
-    res = time_calls(fns, backward=False, rounds=cfg["rounds"], block=cfg["block"],
-                     device=cfg["device"])
+    res = time_calls(fns, mode="forward", rounds=cfg["rounds"], block=cfg["block"],
+                     device=cfg["device"], clock=CLOCKS[cfg["clock"]])
     _report(log, f"expanding attention, toy task T={T} d={d}, final token (last=1), forward, "
                  f"vs one SDPA call for it", res, {"structattn": 1.0})
     (plan,) = layer.plans.values()
@@ -301,11 +332,16 @@ def main(argv=None):
                    choices=["attention", "iterative", "expanding", "startup"])
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda; start-up is measured "
                                                    "on the CPU only")
+    p.add_argument("--clock", choices=list(CLOCKS), default="wall",
+                   help="wall (default) or cpu: the process's CPU time, on the CPU only")
     args = p.parse_args(argv)
+    if args.clock == "cpu" and args.device != "cpu":
+        p.error(f"--clock cpu times the CPU only; got --device {args.device}")
     cfg = dict(attention_sizes=[(1, 16, 64, 1), (1, 16, 64, 4), (8, 128, 256, 4)],
                hop_M=4, hop_N=16, hop_d=32, slots=4, slot_dim=32, slot_N=64,
                peer_sizes=[(1, 64, 32, 4), (16, 1024, 64, 7)], exp_T=50, exp_d=16,
-               rounds=15, block=100, startup_repeats=5, device=torch.device(args.device))
+               rounds=15, block=100, startup_repeats=5, device=torch.device(args.device),
+               clock=args.clock)
     if args.quick:
         cfg.update(attention_sizes=[(1, 16, 64, 1), (2, 32, 64, 4)], peer_sizes=[(1, 64, 32, 4)],
                    rounds=3, block=5, startup_repeats=1)

@@ -4,6 +4,7 @@ Declare a Pyro model whose edges are random variables with a prior; compile it
 to an attention layer; check the layer against Pyro; draw the structure.
 """
 import importlib as _importlib
+from typing import TYPE_CHECKING as _TYPE_CHECKING
 
 from . import block_sparse as block_sparse
 from . import checks as checks
@@ -23,12 +24,6 @@ from .compiler import CompiledModule as CompiledModule
 from .compiler import compile as compile
 from .declaration import Declaration as Declaration
 from .divergence import DivergenceWarning as DivergenceWarning
-from .drawing import RenderError as RenderError
-from .drawing import model_graph as model_graph
-from .drawing import plot_attention as plot_attention
-from .drawing import render as render
-from .drawing import save as save
-from .drawing import to_networkx as to_networkx
 from .energy import energy as energy
 from .export import export as export
 from .family import EdgeFamily as EdgeFamily
@@ -55,10 +50,36 @@ from .verdicts import raise_pending as raise_pending
 from .windows import MeanFieldHistory as MeanFieldHistory
 from .windows import MeanFieldWindows as MeanFieldWindows
 
+if _TYPE_CHECKING:  # for type checkers and the API reference; loaded on first use (below)
+    from . import drawing as drawing
+    from .drawing import RenderError as RenderError
+    from .drawing import model_graph as model_graph
+    from .drawing import plot_attention as plot_attention
+    from .drawing import render as render
+    from .drawing import save as save
+    from .drawing import to_networkx as to_networkx
+
+#: names loaded on first use, with the module that defines them: the drawings need networkx
+#: and graphviz, which a compiled module never touches
+_LAZY = {"models": None, "inference": None, "drawing": None,
+         **{name: "drawing" for name in ("RenderError", "model_graph", "plot_attention", "render",
+                                         "save", "to_networkx")}}
+
 
 def __getattr__(name):
-    """``structattn.models`` and ``structattn.inference`` load on first use: both build on the
-    core above, so importing them lazily leaves no import cycle."""
-    if name in ("models", "inference"):
+    """``structattn.models``, ``structattn.inference`` and ``structattn.drawing`` (and the
+    drawing functions named here) load on first use: the catalogue and the inference build on
+    the core above, so importing them lazily leaves no import cycle; the drawings' libraries
+    are imported only by those who draw."""
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    where = _LAZY[name]
+    if where is None:
         return _importlib.import_module(f".{name}", __name__)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(_importlib.import_module(f".{where}", __name__), name)
+    globals()[name] = value  # found here from now on, without this function
+    return value
+
+
+def __dir__():
+    return sorted({*globals(), *_LAZY})

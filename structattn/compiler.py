@@ -102,6 +102,8 @@ class CompiledModule(nn.Module):
                          or _HOOKS[3]) \
                 and not torch.compiler.is_compiling() and not tracing_state():
             out = last.run(self, inputs, kwargs)
+            if out is MISSED:  # another recent plan's: e.g. evaluation between training steps
+                out = plans.replay_recent(self, inputs, kwargs)
             if out is not MISSED:
                 return out
         return super().__call__(*inputs, **kwargs)
@@ -138,6 +140,8 @@ class CompiledModule(nn.Module):
             last = plans._last  # the plan replayed last, behind its guard: the common case
             if last is not None:
                 out = last.run(self, inputs, kwargs)
+                if out is MISSED:
+                    out = plans.replay_recent(self, inputs, kwargs)
                 if out is not MISSED:
                     return out
             return plans(self, inputs, kwargs)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 
-import pyro
 import torch
 
 from . import reading
@@ -48,6 +47,8 @@ class Energy:
 
 def _factor_energy(term: Energy) -> Energy:
     """Default (Pyro) reading: ``pyro.factor(name, −E)`` inside the batch plates."""
+    import pyro
+
     first = term.node_sets[0]
     with contextlib.ExitStack() as stack:
         for plate in first.batch_plates(event_dims=1):

@@ -21,8 +21,6 @@ import contextlib
 from dataclasses import dataclass, field
 from typing import Any
 
-import pyro
-import pyro.distributions as dist
 import torch
 
 from . import reading
@@ -101,6 +99,8 @@ class EdgeFamily:
 
     def plates(self) -> contextlib.ExitStack:
         """The Pyro plates of this family's edge variables, (*batch, heads, children)."""
+        import pyro
+
         if self._heads_plate is None and self.heads > 1:  # size-1 plates: see NodeSet.plates
             self._heads_plate = pyro.plate(f"{self.name}.heads", self.heads, dim=-2)
         stack = contextlib.ExitStack()
@@ -225,6 +225,8 @@ class SampledEdge:
         self.index = index if none is None else index.clamp(max=family.parents.size - 1)
 
     def add_potential(self, potential):
+        import pyro
+
         fam = self.family
         fam.add_potential(potential)
         # the prior says how a potential enters (ψ at the chosen parent, or e.g. a scan's
@@ -241,6 +243,9 @@ class SampledEdge:
 
 def _sample_edges(family: EdgeFamily) -> SampledEdge:
     """Default (Pyro) reading of an edge site: a ``Categorical`` over the declared prior."""
+    import pyro
+    import pyro.distributions as dist
+
     # with a leftover, "no parent" is already an outcome of every child: (…, C, P + 1)
     log_prior, has_parent = declared_log_prior(family, leftover=family.prior.leftover)
     none = family.outcomes > family.parents.size

@@ -28,10 +28,7 @@ import contextlib
 import math
 from dataclasses import dataclass, replace
 
-import pyro
-import pyro.distributions as dist
 import torch
-from pyro.distributions import constraints
 
 from . import reading
 from ._validation import is_recording, passes, shape_str
@@ -258,21 +255,36 @@ def _make_latent(name, init, loc, scale, options, features):
     return LatentNodeSet(name, ns.states, loc, scale, options)
 
 
-class _Flat(dist.ImproperUniform):
-    """Pyro's improper flat density, with log p = 0 in the value's dtype (Pyro's is float32)."""
+def _flat() -> type:
+    """``_Flat``, Pyro's improper flat density with log p = 0 in the value's dtype (Pyro's is
+    float32): defined on the first Pyro reading of a flat prior, so that importing structattn
+    does not import Pyro."""
+    global _Flat
+    if "_Flat" in globals():
+        return _Flat
+    import pyro.distributions as dist
 
-    def log_prob(self, value):
-        shape = value.shape[:value.dim() - self.event_dim]
-        return value.new_zeros(torch.broadcast_shapes(shape, self.batch_shape))
+    class _Flat(dist.ImproperUniform):
+        """Pyro's improper flat density, with log p = 0 in the value's dtype."""
+
+        def log_prob(self, value):
+            shape = value.shape[:value.dim() - self.event_dim]
+            return value.new_zeros(torch.broadcast_shapes(shape, self.batch_shape))
+
+    return _Flat
 
 
 def _sample_latent(node_set: LatentNodeSet) -> LatentNodeSet:
     """Default (Pyro) reading: z is a ``pyro.sample`` site in the plates (*batch, heads = 1,
     nodes) of the families, event dim = features; its value is ``(*batch, 1, n, d)``."""
+    import pyro
+    import pyro.distributions as dist
+    from pyro.distributions import constraints
+
     z = node_set.init
     shape = (*z.shape[:-2], 1, z.shape[-2])
     if node_set.scale is None:
-        prior = _Flat(constraints.real, shape, z.shape[-1:])
+        prior = _flat()(constraints.real, shape, z.shape[-1:])
     else:
         loc = torch.as_tensor(node_set.loc, dtype=z.dtype, device=z.device).expand(z.shape)
         scale = torch.as_tensor(node_set.scale, dtype=z.dtype, device=z.device).expand(z.shape)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import pyro
 import torch
 
 from . import reading
@@ -43,6 +42,8 @@ class NodeSet:
         site indexed by these nodes shares them; ``event_dims`` extra plate dims (e.g.
         heads) sit between batch and nodes."""
         if self._plates is None:
+            import pyro
+
             # Size-1 plates are left out: they state no independence, and Pyro's
             # compute_marginals cannot broadcast over dims it packed away.
             nb = len(self.batch_shape)

@@ -65,6 +65,10 @@ for _cls in (Trace, MeanFieldHistory, CertifiedWindow):
 #: (``sa.compile(model, max_plans=…)``; like dynamo's cache size limit: a stream of ever-new
 #: shapes should not fill memory with graphs); it warns once when that happens
 MAX_PLANS = 32
+#: how many recently replayed plans keep their fast path in reach (``Plans.replay_recent``):
+#: a module called in turn with gradients and under ``no_grad`` (training and evaluation), or
+#: with two input shapes in turn, replays each without building a signature
+RECENT = 4
 
 
 class Plans:
@@ -86,6 +90,7 @@ class Plans:
         self._modules = None  # (structure version, [(prefix, module)])
         self._checked = None  # (the parameter versions last looked at, whether all were finite)
         self._last = None  # the last plan replayed, with its guard (``_replay_last``)
+        self._recent = ()  # the fast paths (``_Last``) of the plans replayed last, newest first
         self.verdicts = Verdicts()  # its calls' checks in flight on a GPU (``structattn.verdicts``)
 
     def __deepcopy__(self, memo):
@@ -99,6 +104,7 @@ class Plans:
         self.reads.clear()
         self.dynamic_plans.clear()
         self._modules = self._checked = self._last = None
+        self._recent = ()
 
     # -- the signature -------------------------------------------------------------------
     def state(self, module: torch.nn.Module) -> list:
@@ -181,7 +187,7 @@ class Plans:
         their storages) are noted non-finite and the fast paths dropped, so that every call
         while they stay so raises in the call, as without the queue; then the error."""
         self._checked = (stamps, False, refs)
-        self._last = None
+        self._last, self._recent = None, ()
         for plan in self.plans.values():
             plan.last = None
         parameters_failed(module)
@@ -215,6 +221,25 @@ class Plans:
         return plan, queue
 
     # -- one call ------------------------------------------------------------------------
+    def replay_recent(self, layer, inputs: tuple, kwargs: dict):
+        """A call the last plan's fast path missed, served by the fast path of another plan
+        replayed recently (``RECENT``), which becomes the last; or ``MISSED``. Each fast path
+        checks everything its plan depends on, so the plan that serves a call is one that
+        would serve it as the last plan."""
+        recent = self._recent  # a tuple, replaced whole: another thread sees one or the other
+        for last in recent[1:]:
+            out = last.run(layer, inputs, kwargs)
+            if out is not MISSED:
+                self._remember(last)
+                return out
+        return MISSED
+
+    def _remember(self, last) -> None:
+        """``last`` (a plan's ``_Last``) is the last plan replayed, first among the recent."""
+        self._last = last
+        if self._recent[:1] != (last,):
+            self._recent = (last, *(r for r in self._recent if r is not last))[:RECENT]
+
     def __call__(self, layer, inputs: tuple, kwargs: dict):
         """A call that ``_Last.run`` (tried first, by ``CompiledModule.forward``) did not
         serve: its signature's plan, recorded when due, or a reading."""
@@ -273,7 +298,7 @@ class Plans:
                 with _RECORDING:  # generated code: CPython's compiler is not thread-safe
                     if plan.last is None:
                         plan.last = _Last(layer, self, plan, inputs, kwargs, state)
-            self._last = plan.last
+            self._remember(plan.last)
         return out
 
 

@@ -22,12 +22,15 @@ DATE = re.compile(r"20[0-9][0-9]-[0-9][0-9]-[0-9][0-9]")
 
 
 def _public_names():
-    """The names ``structattn/__init__.py`` imports (``from … import x as x``), and the two
-    subpackages it loads lazily."""
+    """The names ``structattn/__init__.py`` imports (``from … import x as x``), and those it
+    loads lazily (``_LAZY``: the catalogue, the inference and the drawing functions; the
+    drawing subpackage is documented by its functions)."""
+    import structattn
+
     tree = ast.parse((ROOT / "structattn" / "__init__.py").read_text())
     names = {alias.asname or alias.name for node in tree.body if isinstance(node, ast.ImportFrom)
-             for alias in node.names}
-    return sorted(n for n in names if not n.startswith("_")) + ["inference", "models"]
+             for alias in node.names} | (set(structattn._LAZY) - {"drawing"})
+    return sorted(n for n in names if not n.startswith("_"))
 
 
 def _build_site(where: pathlib.Path) -> None:

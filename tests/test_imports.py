@@ -245,3 +245,106 @@ def test_import_loads_no_dynamo_nor_pyro_inference():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, timeout=120)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+# -- what `import structattn` imports ---------------------------------------------------------
+#: libraries a feature of structattn uses, imported when that feature is first called
+OPTIONAL = ("pyro", "networkx", "graphviz", "arviz", "matplotlib")
+
+
+def _run_here(code):
+    """Run ``code`` in a fresh interpreter from the repository's root (so this checkout's
+    structattn is the one imported); return (returncode, output)."""
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def test_import_leaves_the_optional_libraries_unloaded():
+    """``import structattn``, then compiling and calling a layer, imports none of Pyro,
+    networkx, graphviz, ArviZ and matplotlib, and numpy only where torch itself does."""
+    rc, out = _run_here(f"""
+        import subprocess, sys
+        import structattn as sa
+        assert sa.__file__.startswith({str(ROOT)!r}), sa.__file__
+        loaded = lambda: sorted(m for m in {OPTIONAL!r} if m in sys.modules)
+        assert loaded() == [], loaded()
+        torch_numpy = subprocess.run([sys.executable, "-c", "import sys, torch; "
+                                      "print('numpy' in sys.modules)"], capture_output=True,
+                                     text=True, check=True).stdout.strip() == "True"
+        assert ("numpy" in sys.modules) == torch_numpy
+        import torch
+        layer = sa.compile(sa.models.self_attention(8, heads=2))
+        for _ in range(3):  # read, record, replay
+            layer(torch.randn(1, 4, 8))
+        assert loaded() == [], loaded()
+    """)
+    assert rc == 0, out
+
+
+def test_the_features_that_import_a_library_on_first_use_work():
+    """In a fresh interpreter, after ``import structattn``: the drawings (networkx,
+    graphviz), Pyro's reading through the inference (a model checked against enumeration,
+    a raw Pyro site refused), a flat latent prior's Pyro site and a measure's Pyro
+    distribution each import what they need and work."""
+    rc, out = _run_here("""
+        import sys
+        import torch
+        import structattn as sa
+
+        def attention(x):
+            tokens = sa.nodes("x", x)
+            phi = sa.edges("attn", tokens, tokens, sa.priors.Uniform(causal=True))
+            sa.potential(phi, sa.potentials.DotProduct())
+            return sa.value(phi, sa.values.Identity())
+
+        x = torch.randn(1, 4, 3, dtype=torch.float64)
+        for name in ("networkx", "graphviz", "pyro"):
+            assert name not in sys.modules, name
+        from structattn import render, to_networkx  # module __getattr__: from-imports work
+        G = to_networkx(attention, x)
+        assert sorted(G.nodes) == [f"x[{i}]" for i in range(4)] and "networkx" in sys.modules
+        assert callable(render) and sa.render is render
+        assert issubclass(sa.RenderError, RuntimeError)
+        assert type(sa.model_graph(attention, x)).__name__ == "Digraph"
+
+        post = sa.inference.exact(attention, x)  # the structure's reading imported Pyro above
+        torch.testing.assert_close(post.output, sa.compile(attention)(x), rtol=1e-6, atol=1e-8)
+
+        import pyro
+        def raw(x):
+            n = sa.nodes("x", x)
+            pyro.sample("noise", pyro.distributions.Normal(0.0, 1.0))
+            return attention(x)
+        try:
+            sa.inference.exact(raw, x)
+        except ValueError as e:
+            assert "'noise' is a raw pyro.sample" in str(e), e
+        else:
+            raise AssertionError("a raw pyro.sample site was not refused")
+
+        def flat(x, z):
+            lat = sa.latent("z", z, scale=None)
+            phi = sa.edges("f", lat, sa.nodes("x", x), sa.priors.Uniform())
+            sa.potential(phi, sa.potentials.DotProduct())
+            return lat
+        z = torch.randn(1, 2, 3, dtype=torch.float64)
+        given = pyro.poutine.condition(flat, data={"z": z[:, None]})  # (*batch, 1, n, d)
+        site = pyro.poutine.trace(given).get_trace(x, z).nodes["z"]
+        assert type(site["fn"]).__name__ == "_Flat"
+        lp = site["fn"].log_prob(site["value"])
+        assert lp.dtype == torch.float64 and not lp.any()
+
+        points = torch.randn(5, 3, dtype=torch.float64)
+        d = sa.measures.Empirical(points).distribution(torch.randn(2, 3, dtype=torch.float64))
+        assert isinstance(d, pyro.distributions.MixtureSameFamily)
+
+        assert {"render", "to_networkx", "drawing", "inference", "models"} <= set(dir(sa))
+        try:
+            sa.no_such_name
+        except AttributeError as e:
+            assert "no_such_name" in str(e)
+        else:
+            raise AssertionError("an unknown name did not raise AttributeError")
+    """)
+    assert rc == 0, out

@@ -610,6 +610,73 @@ def test_each_plan_keeps_its_fast_path_when_calls_alternate():
     assert on.last is fast_on and off.last is fast_off
 
 
+def test_recent_plans_serve_calls_that_alternate_without_the_long_way(monkeypatch):
+    """Training steps with gradients and evaluation under ``no_grad`` or ``inference_mode``
+    in turn, and two input shapes in turn: once each plan is recorded, every call is replayed
+    by its own plan's fast path (``Plans.replay_recent``), never the long way, with the
+    reading's answer bit for bit; a fast path that waited while a parameter was replaced or
+    went non-finite still sees it."""
+    from structattn.replay import RECENT, Plans
+
+    torch.manual_seed(0)
+    m = sa.models.self_attention(8, d_k=4, heads=2, dtype=torch.float64)
+    layer = sa.compile(m)
+    x, x6 = torch.randn(2, 5, 8, dtype=torch.float64), torch.randn(2, 6, 8, dtype=torch.float64)
+    modes = [torch.enable_grad, torch.no_grad, torch.inference_mode]
+    assert len(modes) + 1 <= RECENT
+    for _ in range(3):  # read, record, replay each
+        for mode in modes:
+            with mode():
+                layer(x)
+        layer(x6)
+    long_way = []
+    monkeypatch.setattr(Plans, "__call__", lambda *a, f=Plans.__call__: long_way.append(1) or f(*a))
+    for _ in range(2):
+        for mode in modes:
+            with mode():
+                out, want = layer(x), layer.interpret(x)
+            assert torch.equal(out, want) and out.requires_grad == want.requires_grad
+        assert torch.equal(layer(x6), layer.interpret(x6))
+    assert long_way == []
+    assert all(plan.calls >= 3 for plan in layer.plans.values())
+    m.W_q = torch.nn.Parameter(torch.randn_like(m.W_q))  # replaced: each plan's call is read
+    for mode in modes:
+        with mode():
+            assert torch.equal(layer(x), layer.interpret(x))
+    for _ in range(3):
+        layer(x)
+        with torch.no_grad():
+            layer(x)
+    with torch.no_grad():
+        m.W_k[0, 0] = float("nan")
+    layer.interpret(x6)  # not replayed: the no_grad plan's fast path waits behind the last
+    with pytest.raises(ValueError, match="W_k"), torch.no_grad():
+        layer(x)
+    with pytest.raises(ValueError, match="W_k"):
+        layer(x)
+
+
+def test_only_the_most_recent_plans_keep_their_fast_path_in_reach():
+    """Beyond ``RECENT`` plans replayed in turn, the oldest leaves the recent ones: its call
+    takes the long way (its own plan, its own answer) and brings it back."""
+    from structattn.replay import RECENT
+
+    torch.manual_seed(0)
+    m = sa.models.self_attention(8, d_k=4, heads=2, dtype=torch.float64)
+    xs = [torch.randn(1, n, 8, dtype=torch.float64) for n in range(3, 3 + RECENT + 1)]
+    layer = sa.compile(m, dynamic=False)
+    for _ in range(3):
+        for x in xs:
+            layer(x)
+    recent = layer._plans._recent
+    assert len(recent) == RECENT and recent[0] is layer._plans._last
+    assert [r.plan for r in recent] == [layer.plans[k] for k in list(layer.plans)[::-1][:RECENT]]
+    oldest = layer.plans[next(iter(layer.plans))]
+    assert all(r.plan is not oldest for r in recent)
+    assert torch.equal(layer(xs[0]), layer.interpret(xs[0]))
+    assert layer._plans._last.plan is oldest and len(layer._plans._recent) == RECENT
+
+
 def test_hooks_fire_on_replayed_calls():
     """A replayed call skips nn.Module's call machinery only where nothing needs it: with a
     forward pre-hook, a forward hook or a global hook registered, every call goes through

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 
-import pyro.distributions as dist
 import torch
 import torch.nn.functional as F
 
@@ -60,6 +59,8 @@ class Empirical(Measure):
         return weighted_covariance(p, self.points)
 
     def distribution(self, eta):
+        import pyro.distributions as dist
+
         logits = self._logits(self._check_eta(eta))  # (*batch, M, N)
         comps = dist.Delta(self.points.unsqueeze(-3).expand(*logits.shape, self.dim), event_dim=1)
         return dist.MixtureSameFamily(dist.Categorical(logits=logits), comps)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import pyro.distributions as dist
 import torch
 
 from .._validation import shape_str
@@ -40,7 +39,9 @@ class Gaussian(Measure):
         return self.sigma.unsqueeze(-3).expand(*eta.shape[:-1], self.dim, self.dim)
 
     def distribution(self, eta):
-        return dist.MultivariateNormal(self.mean(eta), covariance_matrix=self.covariance(eta))
+        from pyro.distributions import MultivariateNormal
+
+        return MultivariateNormal(self.mean(eta), covariance_matrix=self.covariance(eta))
 
 
 class GaussianMixture(Measure):
@@ -91,6 +92,8 @@ class GaussianMixture(Measure):
                                                               self.means)
 
     def distribution(self, eta):
+        import pyro.distributions as dist
+
         eta = self._check_eta(eta)
         logits = self._logits(eta)  # (*batch, M, K)
         locs = self.means.unsqueeze(-3) + (eta @ self.sigma).unsqueeze(-2)  # (*batch, M, K, d)

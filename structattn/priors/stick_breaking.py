@@ -3,7 +3,6 @@ takes the first parent it breaks at, p(φ_i = j) = σ(ψ_ij) Π_{j<l<i} σ(−ψ
 
 from __future__ import annotations
 
-import pyro.distributions as dist
 import torch
 
 from ..kinds.base import grid
@@ -84,7 +83,9 @@ class StickBreaking(Prior):
         i, l = grid(psi.shape[-2], P, index.device)
         scanned = (l < i) & ((l >= chosen) | (chosen == P))  # the parents the scan passed by
         broke = (l == chosen).to(psi.dtype)
-        log_p = dist.Bernoulli(logits=psi).log_prob(broke)
+        from pyro.distributions import Bernoulli
+
+        log_p = Bernoulli(logits=psi).log_prob(broke)
         return torch.where(scanned, log_p, torch.zeros_like(log_p)).sum(-1)
 
     def describe(self) -> str:

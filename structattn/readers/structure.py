@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from pyro.poutine.messenger import Messenger
 
 from .. import lowering
 from ..family import EdgeFamily
@@ -75,25 +74,36 @@ class StructureEdge:
         return self.reader.expectation(self.family)
 
 
-class _RawSites(Messenger):
-    """Refuses a raw Pyro site in a declaration read by ``TraceStructure``."""
+def _raw_sites() -> type:
+    """``_RawSites``, a Pyro messenger that refuses a raw Pyro site in a declaration read by
+    ``TraceStructure``: defined on the first such reading, so that importing structattn does
+    not import Pyro."""
+    global _RawSites
+    if "_RawSites" in globals():
+        return _RawSites
+    from pyro.poutine.messenger import Messenger
 
-    def _pyro_sample(self, msg):
-        """Every random variable of a declaration comes from a structattn primitive; a raw
-        ``pyro.sample`` / ``pyro.factor`` has no compiled reading, so it is refused here, where
-        every oracle starts."""
-        from pyro.poutine.subsample_messenger import _Subsample
+    class _RawSites(Messenger):
+        """Refuses a raw Pyro site in a declaration read by ``TraceStructure``."""
 
-        if isinstance(msg["fn"], _Subsample):  # a plate's own bookkeeping site
-            return
-        kind = "pyro.factor" if msg["is_observed"] and msg["fn"].__class__.__name__ == "Unit" \
-            else "pyro.sample"
-        raise ValueError(
-            f"site {msg['name']!r} is a raw {kind}, which structattn's readers do not support "
-            f"(the compiled module would ignore it or draw it at random). Declare latent "
-            f"variables with structattn.latent(...), edges with structattn.edges(...), edge "
-            f"log-likelihoods with structattn.potential(...) and other terms of −log p with "
-            f"structattn.energy(...)")
+        def _pyro_sample(self, msg):
+            """Every random variable of a declaration comes from a structattn primitive; a raw
+            ``pyro.sample`` / ``pyro.factor`` has no compiled reading, so it is refused here, where
+            every oracle starts."""
+            from pyro.poutine.subsample_messenger import _Subsample
+
+            if isinstance(msg["fn"], _Subsample):  # a plate's own bookkeeping site
+                return
+            kind = "pyro.factor" if msg["is_observed"] and msg["fn"].__class__.__name__ == "Unit" \
+                else "pyro.sample"
+            raise ValueError(
+                f"site {msg['name']!r} is a raw {kind}, which structattn's readers do not support "
+                f"(the compiled module would ignore it or draw it at random). Declare latent "
+                f"variables with structattn.latent(...), edges with structattn.edges(...), edge "
+                f"log-likelihoods with structattn.potential(...) and other terms of −log p with "
+                f"structattn.energy(...)")
+
+    return _RawSites
 
 
 class TraceStructure(Reading):
@@ -125,7 +135,7 @@ class TraceStructure(Reading):
         self.energies: dict = {}
 
     def __enter__(self):
-        self._refusal = _RawSites().__enter__()  # inside the reading: leaves it first
+        self._refusal = _raw_sites()().__enter__()  # inside the reading: leaves it first
         return super().__enter__()
 
     def __exit__(self, *exc):

@@ -14,8 +14,6 @@ Three readings:
 
 from __future__ import annotations
 
-import pyro
-import pyro.distributions as dist
 import torch
 
 from ..heads import gather_parents
@@ -41,6 +39,9 @@ def value_term(name: str, value: torch.Tensor, *, family: str, edge: str | None,
     Returns:
         ``weight · value``, the tensor recorded.
     """
+    import pyro
+    import pyro.distributions as dist
+
     value = value * weight
     # A tensor mask, not mask(False): Pyro's mask(False) log-prob is a float32 zero whatever
     # the value's dtype, which breaks float64 enumeration once a term joins a contraction.

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import math
 
-import pyro
-import pyro.distributions as dist
 import torch
 
 from ..heads import gather_parents
@@ -73,6 +71,9 @@ class Hops(Linear):
         return out
 
     def pyro_value(self, edge):
+        import pyro
+        import pyro.distributions as dist
+
         fam = edge.family
         x = fam.parents.states
         values = self.parent_values(x)
