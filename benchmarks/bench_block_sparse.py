@@ -160,7 +160,7 @@ def synthetic(args):
     from structattn.block_sparse import causal_posterior, certify_blocks
 
     torch.set_num_threads(1)
-    n = 512 if args.quick else args.n
+    n = 512 if args.quick else args.n or 4096
     print(f"torch {torch.__version__}, 1 thread; N = {n:,}, ε = {args.eps}, blocks of "
           f"{args.block}, d_model = 64, 4 heads, d_k = 16, W_q × 10, a match planted "
           f"{(3 * n) // 4} back")
@@ -204,7 +204,7 @@ def synthetic(args):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--n", type=int, default=16384, help="tokens (bytes) per sequence")
+    p.add_argument("--n", type=int, help="tokens per sequence (16,384 bytes; --synthetic: 4,096)")
     p.add_argument("--eps", type=float, default=1e-4)
     p.add_argument("--block", type=int, default=64)
     p.add_argument("--checkpoint", help="a causal ByteLM's checkpoint.pt (train_lm.py)")
@@ -218,7 +218,7 @@ def main(argv=None):
     if args.synthetic:
         return synthetic(args)
     d_model, layers, heads = (32, 1, 2) if args.quick else (128, 2, 4)
-    n = 512 if args.quick else args.n
+    n = 512 if args.quick else args.n or 16384
     steps = 3 if args.quick else args.steps
     model, train_lm = trained_model(args.checkpoint, steps, d_model, layers, heads)
     _, val, _ = train_lm.stdlib_corpus(max_files=40 if args.quick else None)
