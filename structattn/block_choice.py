@@ -36,6 +36,9 @@ __all__ = ["choose_blocks", "in_blocks"]
 
 #: the share of ε the unscored blocks' ceilings may take (the rest: scored blocks skipped)
 UNSCORED_SHARE = 0.5
+#: the least exponent a scored term is computed at (e^FLOOR ≈ 1.8e-35: above float32's
+#: subnormals, whose exponentials are slow)
+FLOOR = -80.0
 
 
 def in_blocks(x: torch.Tensor, nb: int, L: int, fill: float = 0.0) -> torch.Tensor:
@@ -100,10 +103,11 @@ def _scored(ops, own, To, rank, eps, L, sel):
     hi = torch.full((G, S, L, nb + 1), float("inf"), dtype=To.dtype, device=To.device)
     lo = torch.full((G, S, L, nb + 1), float("-inf"), dtype=To.dtype, device=To.device)
     m = torch.zeros(G, S, dtype=torch.long, device=To.device)  # ranks scored
+    logit = math.log(UNSCORED_SHARE * eps / (1 - UNSCORED_SHARE * eps))
     while True:
         known = torch.logaddexp(own, lo.flatten(1, 2).logsumexp(-1))  # (G, R)
-        fits = torch.sigmoid(tail - known[..., None]) <= UNSCORED_SHARE * eps
-        need = (~fits).view(G, S, L, nb + 1).any(2).sum(-1)  # (G, S): fits from there on
+        over = tail > (known + logit)[..., None]  # σ(tail − known) > UNSCORED_SHARE·ε
+        need = over.view(G, S, L, nb + 1).any(2).sum(-1)  # (G, S): fits from there on
         if bool((need <= m).all()):
             return hi[..., :nb].flatten(1, 2), lo[..., :nb].flatten(1, 2)
         to = torch.where(need > m, torch.minimum(need, 2 * m + 1), m)
@@ -170,16 +174,17 @@ def _score(ops, rank, m0, m1, sel, L, hi, lo) -> None:
     in the products' precision (unit u), less r, the largest of its block's; with
     M_i ≥ |scale|·‖a_i‖·max‖b_j‖ + max|h_j|, x̃ is within (γ_{k+1} + 2u)·M_i of
     scale·⟨a_i, b_j⟩ + h_j (the casts charged), x̃ − r within 2.02·u·M_i more; e^x within 4u
-    relatively and a sum of L of them within (L + 4)·u·1.01; a term flushed to zero is off by
-    at most the least normal number, and the sum is ≥ 1 (its largest term is e⁰)."""
+    relatively and a sum of L of them within (L + 4)·u·1.01; an exponent below ``FLOOR`` is
+    raised to it (its term off by at most 1.01·e^FLOOR, a normal number in float32), and the
+    sum is ≥ 1 (its largest term is e⁰)."""
     wide = torch.float64
     q, kh, err = ops["q"], ops["kh"], ops["err"]
     nb = rank.shape[-1]
     dev = q.device
     u = torch.finfo(q.dtype).eps / 2
-    # a block's sum of e^x within (L + 4)·u·1.01 relatively and 2L·tiny absolutely, ≥ 1:
-    # its log within these (1e-12: the float64 log's own rounding)
-    rel = (L + 4) * u * 1.01 + 2 * L * torch.finfo(q.dtype).tiny
+    # a block's sum of e^x within (L + 4)·u·1.01 relatively and 1.01·L·e^FLOOR absolutely,
+    # ≥ 1: its log within these (1e-12: the float64 log's own rounding)
+    rel = (L + 4) * u * 1.01 + 1.01 * L * math.exp(FLOOR)
     up, down = math.log1p(rel) + 1e-12, -math.log1p(-rel) + 1e-12
     g_idx, s_idx = (m1 > m0).nonzero(as_tuple=True)
     width = (m1 - m0)[g_idx, s_idx]
@@ -198,7 +203,9 @@ def _score(ops, rank, m0, m1, sel, L, hi, lo) -> None:
         x = (q[g, sel[s]] @ keys.transpose(-1, -2)).unflatten(-1, (w, L))  # (p, L, w, L)
         r = x.amax(-1, keepdim=True)  # (p, L, w, 1): each block's largest
         # (p, L, w): log Σ e^{x − r} (the sum ≥ 1: its largest term is e⁰), plus r
-        mid = x.sub_(r).exp_().sum(-1).to(wide).log_().add_(r.squeeze(-1).to(wide))
+        # (exponents below FLOOR raised to it: no subnormal exponentials, slow on CPUs)
+        mid = x.sub_(r).clamp_(min=FLOOR).exp_().sum(-1).to(wide).log_() \
+            .add_(r.squeeze(-1).to(wide))
         e = err[g, sel[s]][..., None]  # (p, L, 1)
         where = torch.where(live, ranks, nb)[:, None, :].expand(-1, mid.shape[1], -1)
         hi[g, s] = hi[g, s].scatter(-1, where, mid + (e + up))
