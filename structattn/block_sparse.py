@@ -125,10 +125,12 @@ def certify_blocks(a: torch.Tensor, b: torch.Tensor, scale: float, h: torch.Tens
                                  b.detach().expand(*lead, n, k).reshape(G, n, k), scale)
         slack = _blocks(slack, nb, L).flatten(1)  # (G, nb·L)
         earlier_blocks = torch.arange(nb, device=dev)  # child block c has c earlier blocks
-        # a head whose sampled child blocks (every eighth) skip under WORTH of their earlier
-        # blocks reads all of its past, the certificate's work spared (bound 0)
+        # a head whose sampled child blocks (every eighth, or at most eight evenly spread)
+        # skip under WORTH of their earlier blocks reads all of its past, the certificate's
+        # work spared (bound 0)
         whole = torch.zeros(G, dtype=torch.bool, device=dev)
-        sample = torch.arange(8, max(nb, 8), 8, device=dev)
+        step = max(8, nb // 8)
+        sample = torch.arange(step, max(nb, step), step, device=dev)
         if sample.numel() >= 2:
             c, _, _ = choose_blocks(A, B, hh, slack, scale, eps, L, nb, sample)
             whole = 1 - c.sum(-1) / sample.sum() < WORTH
