@@ -18,6 +18,20 @@ def test_benchmark_runs_quick(script, tmp_path):
     assert (tmp_path / "r.json").exists()
 
 
+def test_block_sparse_synthetic_runs_quick(tmp_path):
+    """``bench_block_sparse.py --synthetic``: every prior and input kind, against the oracle."""
+    import json
+
+    out = subprocess.run([sys.executable, str(BENCHMARKS / "bench_block_sparse.py"),
+                          "--synthetic", "--quick", "--rounds", "1", "--json",
+                          str(tmp_path / "r.json")], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    rows = json.loads((tmp_path / "r.json").read_text())["results"]["rows"]
+    assert {(r["prior"], r["inputs"]) for r in rows} == {
+        (p, k) for p in ("alibi", "forget", "uniform") for k in ("iid", "drifting")}
+    assert all(r["largest_skipped_mass"] <= 1e-4 for r in rows)
+
+
 def test_results_carry_their_provenance(tmp_path, monkeypatch):
     """A benchmark's JSON says what produced it; a quick smoke run without a path writes
     nothing (the committed results are full runs only)."""

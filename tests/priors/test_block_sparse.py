@@ -231,3 +231,18 @@ def test_block_certificates_need_a_tol_and_a_known_name():
         sa.models.alibi_attention(8, tol=0.1, certificate="band")
     with pytest.raises(ValueError, match="ALiBi prior: certificate"):
         sa.priors.ALiBi(2, causal=True, tol=0.1, certificate=None)
+
+
+@torch.no_grad()
+def test_a_head_read_whole_reads_every_earlier_block():
+    """iid sharp queries under the uniform prior: nothing can be skipped, the sampled child
+    blocks say so, and the head reads all of its past (bound 0, no mass skipped)."""
+    gen = torch.Generator().manual_seed(9)
+    n, L = 1024, 32
+    a = 10 * torch.randn(2, n, 8, generator=gen, dtype=torch.float64)
+    b = torch.randn(2, n, 8, generator=gen, dtype=torch.float64)
+    cert = certify_blocks(a, b, 0.35, None, 1e-4, block=L)
+    assert cert.skipped == 0 and cert.certified and (cert.bound == 0).all()
+    assert (cert.read == torch.ones(n // L, n // L, dtype=torch.bool).tril()).all()
+    p = _dense_posterior(a, b, None, 0.35)
+    assert (p * ~_read_pairs(cert, n)).sum(-1).max() == 0
