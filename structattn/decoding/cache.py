@@ -103,6 +103,18 @@ class DecodeCache:
         if self.state is not None:
             self.state = _put(self.state, rows, at, state[rows, :, new])
         self._lengths = self._lengths + counts
+        self._written = (rows, new, at)
+
+    def write_values(self, values: torch.Tensor, block: slice) -> None:
+        """Overwrite the features ``block`` of the values the last ``append`` wrote with
+        ``values (B, H, k, width)``: a multihop value's next hop, known only once the new
+        rows' posterior is."""
+        rows, new, at = self._written
+        moved = self.values.movedim(1, 2)  # (B, L, H, d)
+        held = moved[rows, at]  # (E, H, d)
+        held = torch.cat([held[..., :block.start], values[rows, :, new],
+                          held[..., block.stop:]], -1)
+        self.values = moved.index_put((rows, at), held).movedim(2, 1)
 
 
 def _grow(t: torch.Tensor, capacity: int, dim: int) -> torch.Tensor:

@@ -23,7 +23,7 @@ def new_cache(layer) -> DecodeCache:
     return DecodeCache(layer.declaration)
 
 
-def read(layer, x_new, *, cache, lengths=None, return_posterior=False, **options):
+def read(layer, *inputs, cache, lengths=None, return_posterior=False, **options):
     """The outputs of ``x_new``'s tokens read after the cache's, the cache extended by them.
 
     Args:
@@ -44,9 +44,11 @@ def read(layer, x_new, *, cache, lengths=None, return_posterior=False, **options
     model = layer.declaration
     owner = type(model).__name__
     rule = rule_for(model)
-    if options:
+    if options or len(inputs) != 1:
         raise ValueError(f"{owner}: with cache=, the call takes x_new, lengths= and "
-                         f"return_posterior=; got {sorted(options)}")
+                         f"return_posterior=; got {len(inputs)} positional inputs and "
+                         f"{sorted(options)}")
+    (x_new,) = inputs
     if not isinstance(return_posterior, bool):
         raise TypeError(f"{owner}: return_posterior must be True or False; got "
                         f"{return_posterior!r}")
@@ -74,8 +76,12 @@ def read(layer, x_new, *, cache, lengths=None, return_posterior=False, **options
     x = x_new.reshape(-1, k, d)  # (B, k, d)
     B, H = x.shape[0], model.heads
     counts = _counts(owner, lengths, batch_shape, k, x.device)  # (B,)
+    # the values of hops 0..K−1 side by side (a multihop value, Σ_m w_m P^m V; else P V):
+    # hop m + 1 of the new rows is their posterior times hop m of every row, written below
+    weights = getattr(model, "hop_weights", (0.0, 1.0))
+    hops, d_v = len(weights) - 1, model.d_v
     if cache.keys is None:
-        cache.start(batch_shape, H, model.d_k, model.d_v, x, rule.state)
+        cache.start(batch_shape, H, model.d_k, d_v * hops, x, rule.state)
     start = cache._lengths  # (B,)
     slot = torch.arange(k, device=x.device)
     pos = start[:, None] + slot  # (B, k): the new tokens' positions in their rows
@@ -93,9 +99,10 @@ def read(layer, x_new, *, cache, lengths=None, return_posterior=False, **options
             if cache.state.shape[-1] else torch.zeros(B, H, dtype=x.dtype, device=x.device)
         held = torch.where((start > 0)[:, None], held, torch.zeros_like(held))
         state = rule.new_state(model, x, counts, held)
-    cache.append(key, value, state, counts, total)
+    cache.append(key, torch.cat([value] + [torch.zeros_like(value)] * (hops - 1), -1), state,
+                 counts, total)
 
-    keys, values = cache.keys[..., :total, :], cache.values[..., :total, :]
+    keys = cache.keys[..., :total, :]
     scale = Bilinear(model.W_q, model.W_k, heads=H, temperature=model.temperature).factor_scale()
     if isinstance(scale, torch.Tensor):
         scale = scale.to(dtype=q.dtype, device=q.device)
@@ -104,7 +111,18 @@ def read(layer, x_new, *, cache, lengths=None, return_posterior=False, **options
     real = slot[None, :] < counts[:, None]  # (B, k)
     valid = (parents[None, None, :] < ends[:, None, None]) & real[:, :, None]  # (B, k, P)
     post = rule.posterior(model, scores, pos, parents, valid, cache)  # (B, H, k, P)
-    y = merge_heads(post @ values)  # (B, k, H·d_v); zero at padding
+    expected = value * weights[0] if weights[0] else None  # (B, H, k, d_v): E[v_i]
+    for m in range(1, hops + 1):
+        hop = post @ cache.values[..., :total, (m - 1) * d_v:m * d_v]  # (P^m V) at the new rows
+        if m < hops:
+            cache.write_values(hop, slice(m * d_v, (m + 1) * d_v))
+        if weights[m]:
+            term = hop * weights[m] if weights[m] != 1.0 else hop
+            expected = term if expected is None else expected + term
+    if expected is None:
+        expected = torch.zeros_like(value)
+    expected = expected.masked_fill(~real[:, None, :, None], 0.0)
+    y = merge_heads(expected)  # (B, k, H·d_v); zero at padding
     if model.W_o is not None:
         y = F.linear(y, model.W_o)
     y = y.reshape(*batch_shape, k, y.shape[-1])

@@ -90,7 +90,8 @@ class Gate(Rule):
 
     def posterior(self, model, scores, pos, parents, valid, cache):
         c = cache.state[..., : parents.shape[-1]]  # (B, H, P): now holds the new tokens too
-        c_child = c.gather(-1, pos[:, None, :].expand(-1, c.shape[1], -1))  # (B, H, k)
+        at = pos.clamp(max=c.shape[-1] - 1)  # padding's positions may lie beyond its row
+        c_child = c.gather(-1, at[:, None, :].expand(-1, c.shape[1], -1))  # (B, H, k)
         logits = scores + (c_child[..., None] - c[:, :, None, :]).to(scores.dtype)
         allowed = (parents[None, None, :] <= pos[:, :, None]) & valid
         return _softmax_rows(logits, allowed.unsqueeze(1))
@@ -123,6 +124,7 @@ def rules() -> dict:
         m.SelfAttention: Positional(lambda model: Uniform(causal=True)),
         m.RoPEAttention: Positional(lambda model: Uniform(causal=True)),
         m.AbsolutePositionAttention: Positional(lambda model: Uniform(causal=True)),
+        m.MultihopAttention: Positional(lambda model: Uniform(causal=True)),
         m.ALiBiAttention: Positional(
             lambda model: ALiBi(model.heads, slopes=model.slopes, causal=True)),
         m.RelativePositionAttention: Positional(
