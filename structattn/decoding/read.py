@@ -44,6 +44,57 @@ def read(layer, *inputs, cache, lengths=None, return_posterior=False, **options)
     model = layer.declaration
     owner = type(model).__name__
     rule = rule_for(model)
+    x_new = _check_call(model, owner, inputs, options, cache, return_posterior)
+    batch_shape, k = x_new.shape[:-2], x_new.shape[-2]
+    cache.check_call(owner, x_new, batch_shape)
+    if checks_on() and not passes(x_new.isfinite().all()):
+        raise ValueError(f"{owner}: x_new must be finite; got a NaN or an infinity")
+    x = x_new.reshape(-1, k, model.d_model)  # (B, k, d)
+    H = model.heads
+    counts = _counts(owner, lengths, batch_shape, k, x.device)  # (B,)
+    # the values of hops 0..K−1 side by side (a multihop value, Σ_m w_m P^m V; else P V):
+    # hop m + 1 of the new rows is their posterior times hop m of every row, written below
+    weights = getattr(model, "hop_weights", (0.0, 1.0))
+    hops, d_v = len(weights) - 1, model.d_v
+    if cache.keys is None:
+        cache.start(batch_shape, H, model.d_k, d_v * hops, x, rule.state)
+    start = cache._lengths  # (B,)
+    slot = torch.arange(k, device=x.device)
+    pos = start[:, None] + slot  # (B, k): the new tokens' positions in their rows
+    ends = start + counts
+    total = int(ends.max())
+    if getattr(model, "positions", None) is not None and total > model.max_len:
+        raise ValueError(f"{owner}: the cache would hold {total} tokens but positional "
+                         f"encodings exist for max_len={model.max_len}")
+
+    q, key, value = _project(model, x, pos)  # (B, H, k, d_k), (B, H, k, d_k), (B, H, k, d_v)
+    state = _new_state(rule, model, cache, x, start, counts) if rule.state else None
+    cache.append(key, torch.cat([value] + [torch.zeros_like(value)] * (hops - 1), -1), state,
+                 counts, total)
+
+    keys = cache.keys[..., :total, :]
+    scale = Bilinear(model.W_q, model.W_k, heads=H, temperature=model.temperature).factor_scale()
+    if isinstance(scale, torch.Tensor):
+        scale = scale.to(dtype=q.dtype, device=q.device)
+    scores = (q @ keys.transpose(-1, -2)) * scale  # (B, H, k, P)
+    parents = torch.arange(total, device=x.device)
+    real = slot[None, :] < counts[:, None]  # (B, k)
+    valid = (parents[None, None, :] < ends[:, None, None]) & real[:, :, None]  # (B, k, P)
+    post = rule.posterior(model, scores, pos, parents, valid, cache)  # (B, H, k, P)
+    expected = _expected(post, value, cache, weights, total)  # (B, H, k, d_v): E[v_i]
+    expected = expected.masked_fill(~real[:, None, :, None], 0.0)
+    y = merge_heads(expected)  # (B, k, H·d_v); zero at padding
+    if model.W_o is not None:
+        y = F.linear(y, model.W_o)
+    y = y.reshape(*batch_shape, k, y.shape[-1])
+    if return_posterior:
+        return y, post.reshape(*batch_shape, *post.shape[1:])
+    return y
+
+
+def _check_call(model, owner, inputs, options, cache, return_posterior):
+    """x_new, checked against the layer and the cache; a ValueError (TypeError) naming the
+    argument otherwise."""
     if options or len(inputs) != 1:
         raise ValueError(f"{owner}: with cache=, the call takes x_new, lengths= and "
                          f"return_posterior=; got {len(inputs)} positional inputs and "
@@ -69,49 +120,26 @@ def read(layer, *inputs, cache, lengths=None, return_posterior=False, **options)
     if x_new.dtype != W.dtype or x_new.device != W.device:
         raise ValueError(f"{owner}: x_new must have the parameters' dtype and device "
                          f"({W.dtype}, {W.device}); got ({x_new.dtype}, {x_new.device})")
-    batch_shape, k = x_new.shape[:-2], x_new.shape[-2]
-    cache.check_call(owner, x_new, batch_shape)
-    if checks_on() and not passes(x_new.isfinite().all()):
-        raise ValueError(f"{owner}: x_new must be finite; got a NaN or an infinity")
-    x = x_new.reshape(-1, k, d)  # (B, k, d)
+    return x_new
+
+
+def _new_state(rule, model, cache, x, start, counts):
+    """The prior's state at the new tokens ``(B, H, k)``, continuing each row's last cached
+    one (none before a row's first token)."""
     B, H = x.shape[0], model.heads
-    counts = _counts(owner, lengths, batch_shape, k, x.device)  # (B,)
-    # the values of hops 0..K−1 side by side (a multihop value, Σ_m w_m P^m V; else P V):
-    # hop m + 1 of the new rows is their posterior times hop m of every row, written below
-    weights = getattr(model, "hop_weights", (0.0, 1.0))
-    hops, d_v = len(weights) - 1, model.d_v
-    if cache.keys is None:
-        cache.start(batch_shape, H, model.d_k, d_v * hops, x, rule.state)
-    start = cache._lengths  # (B,)
-    slot = torch.arange(k, device=x.device)
-    pos = start[:, None] + slot  # (B, k): the new tokens' positions in their rows
-    ends = start + counts
-    total = int(ends.max())
-    if getattr(model, "positions", None) is not None and total > model.max_len:
-        raise ValueError(f"{owner}: the cache would hold {total} tokens but positional "
-                         f"encodings exist for max_len={model.max_len}")
+    last = (start - 1).clamp(min=0)  # each row's last cached token
+    held = cache.state.gather(-1, last[:, None, None].expand(-1, H, 1))[..., 0] \
+        if cache.state.shape[-1] else torch.zeros(B, H, dtype=x.dtype, device=x.device)
+    held = torch.where((start > 0)[:, None], held, torch.zeros_like(held))
+    return rule.new_state(model, x, counts, held)
 
-    q, key, value = _project(model, x, pos)  # (B, H, k, d_k), (B, H, k, d_k), (B, H, k, d_v)
-    state = None
-    if rule.state:
-        last = (ends - counts - 1).clamp(min=0)  # each row's last cached token
-        held = cache.state.gather(-1, last[:, None, None].expand(-1, H, 1))[..., 0] \
-            if cache.state.shape[-1] else torch.zeros(B, H, dtype=x.dtype, device=x.device)
-        held = torch.where((start > 0)[:, None], held, torch.zeros_like(held))
-        state = rule.new_state(model, x, counts, held)
-    cache.append(key, torch.cat([value] + [torch.zeros_like(value)] * (hops - 1), -1), state,
-                 counts, total)
 
-    keys = cache.keys[..., :total, :]
-    scale = Bilinear(model.W_q, model.W_k, heads=H, temperature=model.temperature).factor_scale()
-    if isinstance(scale, torch.Tensor):
-        scale = scale.to(dtype=q.dtype, device=q.device)
-    scores = (q @ keys.transpose(-1, -2)) * scale  # (B, H, k, P)
-    parents = torch.arange(total, device=x.device)
-    real = slot[None, :] < counts[:, None]  # (B, k)
-    valid = (parents[None, None, :] < ends[:, None, None]) & real[:, :, None]  # (B, k, P)
-    post = rule.posterior(model, scores, pos, parents, valid, cache)  # (B, H, k, P)
-    expected = value * weights[0] if weights[0] else None  # (B, H, k, d_v): E[v_i]
+def _expected(post, value, cache, weights, total):
+    """E[v_i] of the new rows: Σ_m w_m (P^m V)_i (a plain value: weights (0, 1), P V). The
+    cached values hold hops 0..K−1 side by side; hop m + 1 of the new rows is their
+    posterior times hop m of every row, written into the cache as it is known."""
+    d_v, hops = value.shape[-1], len(weights) - 1
+    expected = value * weights[0] if weights[0] else None
     for m in range(1, hops + 1):
         hop = post @ cache.values[..., :total, (m - 1) * d_v:m * d_v]  # (P^m V) at the new rows
         if m < hops:
@@ -119,16 +147,7 @@ def read(layer, *inputs, cache, lengths=None, return_posterior=False, **options)
         if weights[m]:
             term = hop * weights[m] if weights[m] != 1.0 else hop
             expected = term if expected is None else expected + term
-    if expected is None:
-        expected = torch.zeros_like(value)
-    expected = expected.masked_fill(~real[:, None, :, None], 0.0)
-    y = merge_heads(expected)  # (B, k, H·d_v); zero at padding
-    if model.W_o is not None:
-        y = F.linear(y, model.W_o)
-    y = y.reshape(*batch_shape, k, y.shape[-1])
-    if return_posterior:
-        return y, post.reshape(*batch_shape, *post.shape[1:])
-    return y
+    return torch.zeros_like(value) if expected is None else expected
 
 
 def _counts(owner, lengths, batch_shape, k, device) -> torch.Tensor:

@@ -116,26 +116,28 @@ class Stick(Rule):
         return log_p.exp().masked_fill(~before, 0.0)
 
 
-def rules() -> dict:
-    """Declaration class → its ``Rule``: every causal catalogue model."""
-    from .. import models as m
+def _uniform(model):
+    return Uniform(causal=True)
 
-    return {
-        m.SelfAttention: Positional(lambda model: Uniform(causal=True)),
-        m.RoPEAttention: Positional(lambda model: Uniform(causal=True)),
-        m.AbsolutePositionAttention: Positional(lambda model: Uniform(causal=True)),
-        m.MultihopAttention: Positional(lambda model: Uniform(causal=True)),
-        m.ALiBiAttention: Positional(
-            lambda model: ALiBi(model.heads, slopes=model.slopes, causal=True)),
-        m.RelativePositionAttention: Positional(
-            lambda model: RelativePosition(model.position_logits, causal=True)),
-        m.GeneralisedGaussianAttention: Positional(
-            lambda model: GeneralisedGaussian(model.loc, model.log_scale, model.log_shape.exp(),
-                                              causal=True)),
-        m.ExpandingAttention: Positional(lambda model: model.prior()),
-        m.ForgettingAttention: Gate(),
-        m.StickBreakingAttention: Stick(),
-    }
+
+#: the declaration class, by module and name (the catalogue is not imported here: it imports
+#: the compiler, which imports this) → its ``Rule``: every causal catalogue model
+RULES = {
+    "self_attention.SelfAttention": Positional(_uniform),
+    "rope_attention.RoPEAttention": Positional(_uniform),
+    "absolute_position_attention.AbsolutePositionAttention": Positional(_uniform),
+    "multihop_attention.MultihopAttention": Positional(_uniform),
+    "alibi_attention.ALiBiAttention": Positional(
+        lambda model: ALiBi(model.heads, slopes=model.slopes, causal=True)),
+    "relative_position_attention.RelativePositionAttention": Positional(
+        lambda model: RelativePosition(model.position_logits, causal=True)),
+    "generalised_gaussian_attention.GeneralisedGaussianAttention": Positional(
+        lambda model: GeneralisedGaussian(model.loc, model.log_scale, model.log_shape.exp(),
+                                          causal=True)),
+    "expanding_attention.ExpandingAttention": Positional(lambda model: model.prior()),
+    "forgetting_attention.ForgettingAttention": Gate(),
+    "stick_breaking_attention.StickBreakingAttention": Stick(),
+}
 
 
 def rule_for(model) -> Rule:
@@ -145,8 +147,8 @@ def rule_for(model) -> Rule:
     if not getattr(model, "causal", False):
         raise ValueError(f"{owner}: cache= (incremental decoding) needs a causal model, where "
                          f"each token reads only itself and its past; {owner} is not causal")
-    table = rules()
-    rule = table.get(type(model))  # the class itself: a subclass may declare another prior
+    cls = type(model)  # the class itself: a subclass may declare another prior
+    rule = RULES.get(f"{cls.__module__.removeprefix('structattn.models.')}.{cls.__qualname__}")
     if rule is None:
         raise NotImplementedError(f"{owner}: cache= has no incremental reading for this model "
                                   f"(structattn/decoding/rules.py names those that have one)")
