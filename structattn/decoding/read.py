@@ -56,6 +56,8 @@ def read(layer, *inputs, cache, lengths=None, return_posterior=False, **options)
     # hop m + 1 of the new rows is their posterior times hop m of every row, written below
     weights = getattr(model, "hop_weights", (0.0, 1.0))
     hops, d_v = len(weights) - 1, model.d_v
+    if rule.tokens:
+        return _reread(layer, x, counts, cache, batch_shape, return_posterior)
     if cache.keys is None:
         cache.start(batch_shape, H, model.d_k, d_v * hops, x, rule.state)
     start = cache._lengths  # (B,)
@@ -90,6 +92,36 @@ def read(layer, *inputs, cache, lengths=None, return_posterior=False, **options)
     if return_posterior:
         return y, post.reshape(*batch_shape, *post.shape[1:])
     return y
+
+
+def _reread(layer, x, counts, cache, batch_shape, return_posterior):
+    """A model that reads its new tokens itself, as the last of their row (``Reread``):
+    the cache keeps the tokens ``(B, 1, L, d_model)`` in its keys; each row with new tokens
+    is read by ``model(tokens, last=count)``."""
+    B, k, d = x.shape
+    if cache.keys is None:
+        cache.start(batch_shape, 1, d, 0, x, False)
+    ends = cache._lengths + counts
+    total = int(ends.max())
+    cache.append(x[:, None], x.new_zeros(B, 1, k, 0), None, counts, total)
+    ys, posts = [], []
+    for b in range(B):
+        c, end = int(counts[b]), int(ends[b])
+        if c == 0:
+            ys.append(None)
+            posts.append(None)
+            continue
+        y, post = layer.interpret(cache.keys[b:b + 1, 0, :end], last=c, return_posterior=True)
+        ys.append(F.pad(y[0], (0, 0, 0, k - c)))  # (k, d_out)
+        posts.append(F.pad(post[0], (0, total - end, 0, k - c)))  # (H, k, total)
+    model = layer.declaration
+    width = model.W_o.shape[0] if model.W_o is not None else model.heads * model.d_v
+    zero_y, zero_p = x.new_zeros(k, width), x.new_zeros(model.heads, k, total)
+    y = torch.stack([zero_y if t is None else t for t in ys]).reshape(*batch_shape, k, -1)
+    if not return_posterior:
+        return y
+    post = torch.stack([zero_p if t is None else t for t in posts])
+    return y, post.reshape(*batch_shape, *post.shape[1:])
 
 
 def _check_call(model, owner, inputs, options, cache, return_posterior):

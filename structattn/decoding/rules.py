@@ -26,9 +26,11 @@ from ..priors.generalised_gaussian import GeneralisedGaussian
 class Rule:
     """A model's incremental reading: ``posterior(model, scores, pos, parents, valid,
     cache)`` → p(φ_i = j) ``(B, H, k, P)`` for the new rows; ``state`` whether the cache
-    keeps a per-token state (``new_state``)."""
+    keeps a per-token state (``new_state``); ``tokens`` whether it keeps the tokens
+    themselves and the model reads them again (``Reread``)."""
 
     state = False
+    tokens = False
 
     def check(self, model) -> None:
         """Refuse a configuration the reading cannot continue exactly (e.g. a certified
@@ -116,6 +118,17 @@ class Stick(Rule):
         return log_p.exp().masked_fill(~before, 0.0)
 
 
+class Reread(Rule):
+    """Expanding attention's mean-field windows: each token's window and Beta posterior are
+    inferred from its own past alone, so a new token is read by the model itself as the
+    last of its row (``model(x, last=k)``); the cache keeps the tokens, not keys."""
+
+    tokens = True
+
+    def check(self, model) -> None:
+        pass
+
+
 def _uniform(model):
     return Uniform(causal=True)
 
@@ -154,10 +167,7 @@ def rule_for(model) -> Rule:
                                   f"(structattn/decoding/rules.py names those that have one)")
     if owner == "ExpandingAttention":
         if model.inference is not None:
-            raise NotImplementedError(
-                f"{owner}: cache= reads expanding attention exactly (inference=None); the "
-                f"mean-field windows (inference={model.inference!r}) are not read "
-                f"incrementally")
+            return Reread()
         rule.check(model.prior())  # the exact reading's prior holds its tol
     else:
         rule.check(model)
