@@ -7,6 +7,7 @@ and every token-attention case with a ``causal`` option, made causal. A new caus
 covered here as soon as it joins the catalogue; one without an incremental reading fails.
 """
 
+import contextlib
 import random
 
 import pytest
@@ -103,7 +104,9 @@ def test_prefill_and_steps_equal_the_full_forward(case, seed):
     longest = 9 if getattr(model, "positions", None) is None else min(9, model.max_len)
     total = [rng.randint(1, longest) for _ in range(B)]
     x = torch.randn(B, max(total), x0.shape[-1], dtype=torch.float64)
-    got, cache = _decode(layer, x, total, rng, max_step=rng.choice([1, 2, 4]))
+    # odd seeds without gradients: the cache is then written in place
+    with torch.no_grad() if seed % 2 else contextlib.nullcontext():
+        got, cache = _decode(layer, x, total, rng, max_step=rng.choice([1, 2, 4]))
     assert len(cache) == max(total)
     for b in range(B):
         y, post = _full(layer, x[b:b + 1, :total[b]])
@@ -217,3 +220,36 @@ def test_gradients_flow_through_a_cached_step():
     g_full = torch.autograd.grad(layer(x)[:, -1].sum(), (x, model.W_f))
     for a, b in zip(g_step, g_full, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", DECODED)
+def test_lower_precision_follows_the_full_forward(case, dtype):
+    """In float32 and bfloat16 a prefill and a step agree with the full forward to the
+    dtype's rounding, in the dtype of the parameters."""
+    model, _ = _causal(CASES[case])
+    model = model.to(dtype)
+    layer = sa.compile(model)
+    x = torch.randn(2, 5, model.d_model, dtype=dtype)
+    cache = layer.new_cache()
+    with torch.no_grad():
+        y = torch.cat([layer(x[:, :3], cache=cache), layer(x[:, 3:4], cache=cache),
+                       layer(x[:, 4:], cache=cache)], 1)
+    assert y.dtype == dtype and cache.dtype == dtype
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    torch.testing.assert_close(y, layer(x), rtol=tol, atol=tol)
+
+
+def test_without_gradients_the_cache_grows_by_doubling_and_is_written_in_place():
+    layer = _layer()
+    x = torch.randn(2, 6, 6, dtype=torch.float64)
+    cache = layer.new_cache()
+    with torch.no_grad():
+        layer(x[:, :3], cache=cache)
+        layer(x[:, 3:4], cache=cache)  # 4 tokens: the storage doubles to 6
+        keys, state = cache.keys.data_ptr(), cache.state.data_ptr()
+        assert cache.keys.shape[-2] == 6
+        layer(x[:, 4:5], cache=cache)
+        layer(x[:, 5:], cache=cache)
+    assert (cache.keys.data_ptr(), cache.state.data_ptr()) == (keys, state)
+    assert cache.keys.shape == (2, 2, 6, 3) and len(cache) == 6

@@ -85,7 +85,8 @@ class DecodeCache:
                counts: torch.Tensor, total: int) -> None:
         """Write row b's first ``counts[b]`` new tokens (``keys (B, H, k, d_k)``, ``values``,
         ``state (B, H, k)``) after its ``lengths[b]``; ``total`` = max(lengths + counts).
-        The storage doubles when it is full (amortised O(1) per token)."""
+        The storage doubles when it is full, and is written in place unless gradients flow
+        (then each call copies it: ``_put``)."""
         if total > self.keys.shape[-2]:
             capacity = max(total, 2 * self.keys.shape[-2])
             self.keys = _grow(self.keys, capacity, -2)
@@ -114,7 +115,7 @@ class DecodeCache:
         held = moved[rows, at]  # (E, H, d)
         held = torch.cat([held[..., :block.start], values[rows, :, new],
                           held[..., block.stop:]], -1)
-        self.values = moved.index_put((rows, at), held).movedim(2, 1)
+        self.values = _put(self.values, rows, at, held)
 
 
 def _grow(t: torch.Tensor, capacity: int, dim: int) -> torch.Tensor:
@@ -124,6 +125,11 @@ def _grow(t: torch.Tensor, capacity: int, dim: int) -> torch.Tensor:
 
 
 def _put(store: torch.Tensor, rows: torch.Tensor, at: torch.Tensor, new: torch.Tensor):
-    """``store[rows, :, at] = new`` out of place; ``new (E, H, …)``."""
+    """``store[rows, :, at] = new``, ``new (E, H, …)``: in place when no gradient flows
+    through either; else out of place (a copy), since an earlier call's graph may have saved
+    ``store`` for its backward."""
     moved = store.movedim(1, 2)  # (B, L, H, …)
-    return moved.index_put((rows, at), new).movedim(2, 1)
+    if torch.is_grad_enabled() and (store.requires_grad or new.requires_grad):
+        return moved.index_put((rows, at), new).movedim(2, 1)
+    moved.index_put_((rows, at), new)
+    return store
