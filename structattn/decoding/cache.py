@@ -14,7 +14,9 @@ class DecodeCache:
     """The tokens a causal layer has read, row by row: keys ``(B, H, L, d_k)`` (rotated, for
     rotary positions), values ``(B, H, L, d_v)`` and, for a prior that carries one, its state
     per token (``state``, e.g. FoX's running sum of log forget gates ``(B, H, L)``); row b
-    holds its first ``lengths[b]`` tokens, the rest of its L slots is free.
+    holds its first ``lengths[b]`` tokens, the rest of its L slots is free. A model that
+    reads its new tokens itself (expanding attention's mean-field windows) keeps the tokens
+    as its keys, ``(B, 1, L, d_model)``, and no values.
 
     Made empty by ``layer.new_cache()``; the first call with it fixes the batch shape, dtype
     and device. ``len(cache)`` is the number of tokens a row holds — the longest row's when
