@@ -117,6 +117,9 @@ class CompiledModule(nn.Module):
                 each True or False (False by default): ``return_posterior`` also returns the
                 edge posteriors p(φ_i = j | x); ``return_trace`` also returns the ``Trace``;
                 ``trace_posteriors`` records the edge posteriors per step in the trace.
+                ``cache=layer.new_cache()`` (a causal model) reads x's tokens after those
+                the cache holds and appends them (``structattn.decoding.read``: ``lengths=``,
+                ``return_posterior=``).
 
         Returns:
             (torch.Tensor | tuple): the model's output with every value replaced by its

@@ -33,16 +33,18 @@ class Rule:
     tokens = False
 
     def check(self, model) -> None:
-        """Refuse a configuration the reading cannot continue exactly (e.g. a certified
-        window); default: none."""
+        """Refuse a configuration the reading cannot continue exactly; default: a certified
+        window (the model's or prior's ``tol``), since the cache reads the whole past."""
         tol = getattr(model, "tol", None)
         if tol is not None:
             raise NotImplementedError(
                 f"{type(model).__name__}: cache= reads the whole past exactly; a certified "
                 f"window (tol={tol!r}) is not read incrementally; build the model with tol=None")
 
-    def new_state(self, model, x, counts, previous):  # pragma: no cover - stateful rules only
-        raise NotImplementedError
+    def new_state(self, model, x, counts, previous):
+        """The state at the new tokens ``(B, H, k)`` from each row's last cached one
+        ``previous (B, H)``; stated by a rule with ``state = True``."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no per-token state")
 
 
 def _softmax_rows(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
