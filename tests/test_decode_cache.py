@@ -253,3 +253,12 @@ def test_without_gradients_the_cache_grows_by_doubling_and_is_written_in_place()
         layer(x[:, 5:], cache=cache)
     assert (cache.keys.data_ptr(), cache.state.data_ptr()) == (keys, state)
     assert cache.keys.shape == (2, 2, 6, 3) and len(cache) == 6
+
+
+def test_an_unbatched_sequence_is_one_row():
+    layer = sa.compile(sa.models.alibi_attention(6, heads=2, dtype=torch.float64))
+    x = torch.randn(5, 6, dtype=torch.float64)
+    cache = layer.new_cache()
+    y = torch.cat([layer(x[:3], cache=cache), layer(x[3:], cache=cache, lengths=2)])
+    torch.testing.assert_close(y, layer(x), rtol=0, atol=1e-10)
+    assert len(cache) == 5 and cache.lengths.shape == ()
