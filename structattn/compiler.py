@@ -97,6 +97,7 @@ class CompiledModule(nn.Module):
         plans = self._plans
         last = plans._last
         if last is not None and plans.enabled and self._compiled_call_impl is None \
+                and "cache" not in kwargs \
                 and not (self._forward_pre_hooks or self._forward_hooks or self._backward_hooks
                          or self._backward_pre_hooks or _HOOKS[0] or _HOOKS[1] or _HOOKS[2]
                          or _HOOKS[3]) \
@@ -118,6 +119,9 @@ class CompiledModule(nn.Module):
                 each True or False (False by default): ``return_posterior`` also returns the
                 edge posteriors p(φ_i = j | x); ``return_trace`` also returns the ``Trace``;
                 ``trace_posteriors`` records the edge posteriors per step in the trace.
+                ``cache=layer.new_cache()`` (a causal model) reads x's tokens after those
+                the cache holds and appends them (``structattn.decoding.read``: ``lengths=``,
+                ``return_posterior=``).
 
         Returns:
             (torch.Tensor | tuple): the model's output with every value replaced by its
@@ -135,6 +139,9 @@ class CompiledModule(nn.Module):
                 and a failed one raises at a later call of the module or at
                 ``structattn.raise_pending()``.
         """
+        if "cache" in kwargs:  # decoding: read eagerly against the cache (structattn.decoding)
+            from .decoding import read
+            return read(self, *inputs, **kwargs)
         plans = self._plans
         if plans.enabled and not torch.compiler.is_compiling():
             last = plans._last  # the plan replayed last, behind its guard: the common case
@@ -146,6 +153,13 @@ class CompiledModule(nn.Module):
                     return out
             return plans(self, inputs, kwargs)
         return self.interpret(*inputs, **kwargs)
+
+    def new_cache(self):
+        """An empty ``structattn.decoding.DecodeCache`` for ``self(x_new, cache=c)``: each
+        call reads x_new's tokens after everything ``c`` holds and appends them (a causal
+        model only; ``lengths=`` for rows with different numbers of new tokens)."""
+        from .decoding import new_cache
+        return new_cache(self)
 
     def interpret(self, *inputs, return_posterior: bool = False, return_trace: bool = False,
                   trace_posteriors: bool = False, **kwargs):
