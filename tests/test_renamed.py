@@ -15,9 +15,10 @@ BUILD = {
 }
 
 #: a value each removed argument used to take
-OLD_VALUE = {"update_steps": 3, "tol": 1e-6, "grad": "last", "variant": "exact", "inference": "mean_field", "max_iters": 10,
-             "converge_tol": 1e-3, "expectation": "plug_in", "update": "accumulate",
-             "window_rule": "edge", "initial_window": 4}
+OLD_VALUE = {"update_steps": 3, "tol": 1e-6, "grad": "last", "variant": "exact",
+             "inference": "mean_field", "max_iters": 10, "converge_tol": 1e-3,
+             "expectation": "plug_in", "update": "accumulate", "window_rule": "edge",
+             "initial_window": 4}
 
 CASES = [(owner, name, replacement) for owner, table in RENAMED.items()
          for name, replacement in table.items()]
