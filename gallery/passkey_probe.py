@@ -41,7 +41,9 @@ def model_for(variant: str, args) -> train_lm.ByteLM:
                        str(args.context), "--d-model", str(args.d_model), "--layers",
                        str(args.layers), "--heads", str(args.heads), "--final-eval", "windows",
                        "--eval-every", str(args.steps), "--out", str(folder.parent)]
-                      + (["--max-files", str(args.max_files)] if args.max_files else []))
+                      # the first N files are another corpus than the LM table's, by choice
+                      + (["--max-files", str(args.max_files), "--any-corpus"]
+                         if args.max_files else []))
     model = train_lm.ByteLM(args.d_model, args.layers, args.heads, variant)
     model.load_state_dict(torch.load(ckpt, weights_only=True)["model"])
     return model.eval()
