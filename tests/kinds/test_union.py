@@ -99,3 +99,14 @@ def test_a_union_reads_like_its_parts():
     assert (a | sa.kinds.AllParents()).dense(n, n, "cpu") is None  # every parent
     assert (a | b).operator is None  # the dense operator, whatever its parts name
     assert (a | b).describe() == "1 ≤ i − j ≤ 1 ∨ FirstTokens"
+
+
+def test_a_union_is_drawn_with_its_edges_alone():
+    """The drawing (``to_networkx``) has an edge per head for each allowed pair, no other."""
+    kind = Window(1) | FirstTokens(2)
+    n = 6
+    G = sa.to_networkx(_program(kind, _weights(0)), torch.randn(1, n, 4, dtype=F64))
+    drawn = {(G.nodes[child]["index"], G.nodes[parent]["index"], a["head"])
+             for parent, child, a in G.edges(data=True) if a["family"] == "attn" and a["support"]}
+    i, j = _allowed(kind, n).nonzero().T.tolist()
+    assert drawn == {(c, p, h) for c, p in zip(i, j, strict=True) for h in (0, 1)}
