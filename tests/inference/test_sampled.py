@@ -7,8 +7,7 @@ import torch
 from scipy import stats
 
 import structattn as sa
-from structattn.inference.sampled import z_threshold
-from structattn.inference.sampled import binomial_z, edge_z, output_z
+from structattn.inference.sampled import binomial_z, edge_z, output_z, z_threshold
 
 f64 = torch.float64
 KEYS = torch.tensor([[[0.0], [8.0]]], dtype=f64)  # 2 parents, d = 1
@@ -85,3 +84,17 @@ def test_compare_with_samples_passes_a_nearly_certain_posterior(gap):
         assert report.passed, str(report)
         assert set(report.sampled_z) == {"E[output] by samples", "edge frequencies[attn]"}
         assert report.sampled_z["edge frequencies[attn]"].shape == (1, 1, 1, 2)
+
+
+def test_long_sampled_checks_show_progress(capsys):
+    """From PROGRESS_DRAWS draws on a tqdm bar counts the draws; below it, or with
+    progress=False, nothing is printed."""
+    from structattn.inference.compare import PROGRESS_DRAWS
+
+    q, k = torch.ones(1, 1, 1, dtype=f64), torch.tensor([[[0.0], [1.0]]], dtype=f64)
+    sa.inference.compare(_family, q, k, samples=PROGRESS_DRAWS)
+    err = capsys.readouterr().err
+    assert "posterior samples" in err and f"{PROGRESS_DRAWS}/{PROGRESS_DRAWS}" in err
+    sa.inference.compare(_family, q, k, samples=PROGRESS_DRAWS - 1)
+    sa.inference.compare(_family, q, k, samples=PROGRESS_DRAWS, progress=False)
+    assert "posterior samples" not in capsys.readouterr().err
