@@ -54,6 +54,9 @@ def test_binomial_z_is_the_exact_two_sided_test():
         want = float(-stats.norm.ppf(min(pvalue, 1.0) / 2)) if pvalue < 1 else 0.0
         got = float(binomial_z(torch.tensor(n), torch.tensor(q, dtype=f64), S))
         assert got == pytest.approx(want, abs=1e-6), (n, q, S)
+    # the rare edge: one hit of an edge of probability 4e-4 in 100 draws (normal
+    # approximation: z = 4.79) is what one in 26 runs sees
+    assert float(binomial_z(torch.tensor(1), torch.tensor(4e-4, dtype=f64), 100)) < 2.1
 
 
 def test_an_output_no_draw_explains_fails():
