@@ -9,6 +9,7 @@ from torch import nn
 
 from .declaration import Declaration, as_declaration
 from .iterate import Engine
+from .output_batch import check_output_batch
 from .plans.internals import GLOBAL_HOOKS as _HOOKS
 from .plans.internals import tracing_state
 from .readers.marginalise import Marginalise
@@ -174,6 +175,7 @@ class CompiledModule(nn.Module):
                          record_trace_posteriors=trace_posteriors,
                          declaration=self.declaration) as reader:
             out = self.declaration.model(*inputs, **kwargs)
+        check_output_batch(self.declaration.display_name, out, inputs, kwargs, reader.families)
         result = (out,)
         if return_posterior:
             posts = reader.posteriors

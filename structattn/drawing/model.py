@@ -33,14 +33,15 @@ def _esc(text: str) -> str:
     return graphviz.escape(text).replace("\n", "\\n")
 
 
-def _node_label(ns) -> str:
+def _node_label(ns, memories: dict) -> str:
     d = ns.states.shape[-1]
     if isinstance(ns, DeterministicNodeSet):
         return (f"{ns.name}_i = f({', '.join(s.name for s in ns.sources)})\ndeterministic"
                 f"\n(d = {d})")
     if ns.observed:
-        return f"{ns.name}_i\n" + ("memory (learned)" if getattr(ns, "memory", False)
-                                    else "observed")
+        if not getattr(ns, "memory", False):
+            return f"{ns.name}_i\nobserved"
+        return f"{ns.name}_i\nmemory ({memories.get(ns.name, 'fixed')})"
     o = ns.options
     update = o.update if isinstance(o.update, str) else getattr(o.update, "__name__", "callable")
     prior = "flat" if ns.scale is None else "N(loc, scale²)"
@@ -48,7 +49,7 @@ def _node_label(ns) -> str:
         f", tol {o.tol:g}" if o.tol else "") + f"\n(d = {d})"
 
 
-def _plate(dot, k: int, ns, s, colours: dict, sources: dict) -> None:
+def _plate(dot, k: int, ns, s, colours: dict, sources: dict, memories: dict) -> None:
     """Node set ``ns``'s plate: its node (shaded observed, dashed latent, dotted
     deterministic, a box for memories), the plate's label beside it, and the hyper-prior of
     every family whose children it is."""
@@ -69,7 +70,7 @@ def _plate(dot, k: int, ns, s, colours: dict, sources: dict) -> None:
             style = {"style": "dotted", "penwidth": "1.6"}
         if getattr(ns, "memory", False):  # stored patterns / prototypes
             style, shape = {"style": "filled,rounded", "fillcolor": "#fff2cc"}, "box"
-        label = _node_label(ns)
+        label = _node_label(ns, memories)
         if sources.get(ns.name):
             label += "\nstarts from " + ", ".join(sources[ns.name])
         c.node(f"ns{k}", _esc(label), shape=shape, **style)
@@ -125,8 +126,10 @@ def model_graph(model, *inputs, unrolled: bool = False) -> graphviz.Digraph:
     ids = {ns.name: f"ns{k}" for k, ns in enumerate(s.node_sets.values())}
     colours = {name: _COLOURS[f_i % len(_COLOURS)] for f_i, name in enumerate(s.families)}
     sources = _initial_sources(decl, inputs) if s.latents else {}
+    memories = _memory_sources(decl, inputs) if any(
+        getattr(ns, "memory", False) for ns in s.node_sets.values()) else {}
     for k, ns in enumerate(s.node_sets.values()):
-        _plate(dot, k, ns, s, colours, sources)
+        _plate(dot, k, ns, s, colours, sources, memories)
     for name, fam in s.families.items():
         colour = colours[name]
         pots = ", ".join(p.describe() for p in fam.potentials) or "none"
@@ -155,6 +158,27 @@ def model_graph(model, *inputs, unrolled: bool = False) -> graphviz.Digraph:
         title.append("below: the compiled iteration unrolled, one column per step")
     dot.attr(label=_esc("\n".join(title)))
     return dot
+
+
+def _memory_sources(decl, inputs) -> dict:
+    """Where each memory node set's states come from, read from autograd (the declaration run
+    once with gradients on, the inputs requiring them): "inputs" (stored patterns computed from
+    the data), "learned" (from parameters alone) or "fixed" (a registered buffer, a
+    constant)."""
+    traced = tuple(x.detach().requires_grad_().clone()
+                   if torch.is_tensor(x) and x.is_floating_point() else x for x in inputs)
+    data = [x for x in traced if torch.is_tensor(x) and x.requires_grad]
+    with torch.enable_grad(), TraceStructure(None) as reader:
+        decl.model(*traced)
+    found = {}
+    for ns in (ns for ns in reader.node_sets.values() if getattr(ns, "memory", False)):
+        if not ns.states.requires_grad:
+            found[ns.name] = "fixed"
+            continue
+        grads = torch.autograd.grad(ns.states.sum(), data, retain_graph=True,
+                                    allow_unused=True) if data else ()
+        found[ns.name] = "inputs" if any(g is not None for g in grads) else "learned"
+    return found
 
 
 def _initial_sources(decl, inputs) -> dict:

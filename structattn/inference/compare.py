@@ -1,7 +1,9 @@
 """Compare a compiled module against ground truth from the same declaration, with a verdict
-(``compare``: exact enumeration, edge draws, SVI or NUTS). Sampled checks use a z-threshold
-with Bonferroni's rule: with m entries tested at family-wise level α (default 0.01) an entry
-passes when |z| ≤ Φ⁻¹(1 − α/(2m)).
+(``compare``: exact enumeration, edge draws, SVI or NUTS). Sampled checks test each entry
+against the compiled posterior (``structattn.inference.sampled``: edge frequencies by an exact
+binomial test, E[output] in standard errors) and read its p-value as |z|; with Bonferroni's
+rule, m entries tested at family-wise level α (default 0.01), an entry passes when
+|z| ≤ Φ⁻¹(1 − α/(2m)).
 """
 
 from __future__ import annotations
@@ -19,8 +21,10 @@ from structattn.readers import Marginalise, trace_structure
 from .exact import exact
 from .map import map_estimate
 from .sample import sample
+from .sampled import edge_z, output_z, z_threshold
 
 METHODS = ("exact", "samples", "svi", "mcmc")
+PROGRESS_DRAWS = 100  #: sampled checks show a tqdm bar from this many draws on
 
 
 @dataclass
@@ -48,8 +52,10 @@ class Comparison:
         output (float): max |compiled output − exact output| (nan for "svi"/"mcmc").
         posteriors (dict): per family, max |compiled − exact p(φ_i = j | x)|.
         expectations (dict): per family, max |compiled − exact E[v_i]|.
-        sampled_output (float | None): with samples, max |compiled − Monte-Carlo E[output]|;
-            sampled_z (float | None) the same in standard errors.
+        sampled_output (float | None): with samples, max |compiled − Monte-Carlo E[output]|.
+        sampled_z (dict | None): with samples, each sampled check's statistic per entry, as
+            |z| (``structattn.inference.sampled``): "E[output] by samples" ``(*output)``,
+            "edge frequencies[f]" ``(*batch, H, C, P)``.
         free_energy (float | None): latent models, |F(compiled final state) − Pyro's
             −log p(x, z) there| (summed over the batch).
         fixed_point (dict | None): latent models, max |compiled final state − Pyro's MAP (or
@@ -67,7 +73,7 @@ class Comparison:
     posteriors: dict = field(default_factory=dict)
     expectations: dict = field(default_factory=dict)
     sampled_output: float | None = None
-    sampled_z: float | None = None
+    sampled_z: dict | None = None
     free_energy: float | None = None
     fixed_point: dict | None = None
     fixed_point_free_energy: float | None = None
@@ -135,12 +141,6 @@ class Comparison:
         return fig
 
 
-def z_threshold(m: int, alpha: float = 0.01) -> float:
-    """Bonferroni: the |z| an entry may reach when m entries are tested at family-wise α."""
-    return float(torch.special.ndtri(torch.tensor(1 - alpha / (2 * max(m, 1)),
-                                                  dtype=torch.float64)))
-
-
 def _maxdiff(a, b) -> float:
     if isinstance(a, torch.Tensor):
         if a.numel() == 0:  # nothing to disagree about (e.g. a graph with no edges)
@@ -169,7 +169,8 @@ def _default_atol(inputs) -> float:
 def compare(model, *inputs, method: str = "exact", atol: float | None = None,
             samples: int = 0, alpha: float = 0.01, map_atol: float = 1e-4,
             svi_atol: float = 1e-3, num_samples: int = 200, fixed_point: bool = True,
-            fit_options: dict | None = None, **kwargs) -> Comparison:
+            fit_options: dict | None = None, progress: bool | None = None,
+            **kwargs) -> Comparison:
     """Check the compiled module against ground truth from the same declaration: a verdict.
 
     Args:
@@ -180,8 +181,9 @@ def compare(model, *inputs, method: str = "exact", atol: float | None = None,
             also against Pyro's MAP (in the verdict once the iteration converged); "samples":
             edge draws (no latents), the output against the Monte-Carlo E[output] (what sees
             a program not affine in its values) and the posteriors against the edge
-            frequencies, in standard errors; "svi": the final state against SVI's MAP;
-            "mcmc": the final state within the z-threshold of NUTS' posterior mean.
+            frequencies (an exact binomial test per edge), each entry as a |z|; "svi": the
+            final state against SVI's MAP; "mcmc": the final state within the z-threshold
+            of NUTS' posterior mean.
         atol (float | None): the exact checks' absolute tolerance; None, the default: 1e-6
             for float64 inputs, 1e-4 for float32, 1e-2 otherwise.
         samples (int): with "exact", S > 0 adds the sampled checks with S draws; default 0.
@@ -190,6 +192,8 @@ def compare(model, *inputs, method: str = "exact", atol: float | None = None,
         svi_atol (float): the final state against SVI's MAP; default 1e-3.
         num_samples (int): draws for "samples"/"mcmc"; default 200.
         fixed_point (bool): search Pyro's MAP for latent models; default True.
+        progress (bool | None): a tqdm bar over the sampled checks' draws; None, the default:
+            from ``PROGRESS_DRAWS`` draws on.
         fit_options (dict | None): keyword arguments of the "svi"/"mcmc" fitter (e.g.
             ``{"num_steps": 500}``) or, for a latent model read exactly, of ``map_estimate``
             (``max_iter``, ``gtol``, ``init``, ``progress``).
@@ -224,7 +228,10 @@ def compare(model, *inputs, method: str = "exact", atol: float | None = None,
                                map_options=_map_options(fit_options), **kwargs)
     report = _compare_exact(layer, *inputs, atol=atol, **kwargs)
     if method == "samples" or samples:
-        _add_sampled(report, layer, *inputs, S=samples or num_samples, alpha=alpha, **kwargs)
+        S = samples or num_samples
+        progress = S >= PROGRESS_DRAWS if progress is None else progress
+        _add_sampled(report, layer, *inputs, S=S, alpha=alpha, atol=atol, progress=progress,
+                     **kwargs)
         report.method = method if method == "samples" else "exact + samples"
     return report
 
@@ -250,27 +257,19 @@ def _exact_checks(report, atol):
                                    atol * max(1.0, abs(report._F))))
 
 
-def _add_sampled(report, layer, *inputs, S, alpha, **kwargs):
-    draws = sample(layer.declaration, *inputs, num_samples=S, **kwargs)
-    mean, se = draws.mean_output()
-    diff = (report._out.detach() - mean).abs()
-    z_out = torch.where(se > 0, diff / se.clamp_min(1e-300),
-                        torch.where(diff > 1e-9, torch.inf, 0.0))
-    zs = {"E[output] by samples": z_out.flatten()}
-    for name, (p, _) in report.pictures.items():  # edge frequencies vs compiled posteriors
-        idx = draws.flat(draws.edges)[name]  # (S, *batch, H, C)
-        P = p.shape[-1]  # draws of P: "no parent" (a child without any, empty="zero")
-        freq = torch.nn.functional.one_hot(idx, P + 1)[..., :P].to(p.dtype).mean(0)
-        se_p = (p * (1 - p) / S).sqrt()
-        d = (freq - p).abs()
-        zs[f"edge frequencies[{name}]"] = torch.where(
-            se_p > 0, d / se_p.clamp_min(1e-300), torch.where(d > 0, torch.inf, 0.0)).flatten()
+def _add_sampled(report, layer, *inputs, S, alpha, atol, progress, **kwargs):
+    draws = sample(layer.declaration, *inputs, num_samples=S, progress=progress, **kwargs)
+    outputs, edges = draws.outputs.flatten(0, 1), draws.flat(draws.edges)  # (S, …)
+    posteriors = {name: p for name, (p, _) in report.pictures.items()}  # dense layouts
+    zs = {"E[output] by samples": output_z(outputs, report._out, posteriors, edges, atol)}
+    for name, p in posteriors.items():  # edge frequencies vs compiled posteriors
+        zs[f"edge frequencies[{name}]"] = edge_z(p, edges[name])
     m = sum(z.numel() for z in zs.values())
     crit = z_threshold(m, alpha)
-    for name, z in zs.items():
-        report.checks.append(Check(name, float(z.max()), crit, "z"))
-    report.sampled_output = float(diff.max())
-    report.sampled_z = float(z_out.max())
+    report.checks += [Check(name, float(z.max()) if z.numel() else 0.0, crit, "z")
+                      for name, z in zs.items()]
+    report.sampled_output = float((report._out.detach() - outputs.mean(0)).abs().max())
+    report.sampled_z = zs
     report.notes.append(f"sampled checks: {S} draws, z-threshold {crit:.2f} = Bonferroni over "
                         f"{m} entries at family-wise α = {alpha}")
 

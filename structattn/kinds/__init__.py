@@ -6,6 +6,7 @@ it names as ``operator``."""
 from .base import Intersection as Intersection
 from .base import Operator as Operator
 from .base import Support as Support
+from .base import Union as Union
 from .base import grid as grid
 from .dense import AllParents as AllParents
 from .dense import Before as Before

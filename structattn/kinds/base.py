@@ -87,8 +87,8 @@ class Support:
 
     A subclass states ``contains(child, parent)``, the definition; it may also name the
     ``Operator`` subclass that lowers it (``operator``) and give its dense mask faster than
-    the grid (``dense``). Supports intersect with ``&`` (``Intersection``). The base class
-    takes no constructor arguments.
+    the grid (``dense``). Supports intersect with ``&`` (``Intersection``) and unite with
+    ``|`` (``Union``). The base class takes no constructor arguments.
 
     Attributes:
         operator (type | None): the ``Operator`` subclass lowering this kind, a class
@@ -117,6 +117,9 @@ class Support:
 
     def __and__(self, other: Support) -> Support:
         return Intersection(self, other)
+
+    def __or__(self, other: Support) -> Support:
+        return Union(self, other)
 
     def describe(self) -> str:
         return type(self).__name__
@@ -158,6 +161,41 @@ class Intersection(Support):
 
     def describe(self):
         return " ∧ ".join(p.describe() for p in self.parts)
+
+
+class Union(Support):
+    """Φ_i = the parents any part allows (e.g. a window ∨ the first g tokens); what ``a | b``
+    gives. Lowered by the dense operator (one masked SDPA call): a part's own operator reads
+    its set alone.
+
+    Args:
+        *parts (Support): the supports to unite; a ``Union`` among them contributes its own
+            parts.
+    """
+
+    operator = None
+
+    def __init__(self, *parts: Support):
+        self.parts = [q for p in parts for q in (p.parts if isinstance(p, Union) else [p])]
+
+    def contains(self, child, parent):
+        out = self.parts[0].contains(child, parent)
+        for p in self.parts[1:]:
+            out = out | p.contains(child, parent)
+        return out
+
+    def dense(self, num_children, num_parents, device):
+        out = None
+        for p in self.parts:
+            m = p.dense(num_children, num_parents, device)
+            if m is None:  # a part allows every parent: so does the union
+                return None
+            out = m if out is None else out | m
+        return out
+
+    def describe(self):
+        return " ∨ ".join(f"({p.describe()})" if isinstance(p, Intersection) else p.describe()
+                          for p in self.parts)
 
 
 class Operator:

@@ -10,6 +10,7 @@ from .. import lowering
 from ..family import EdgeFamily
 from ..latent import LatentNodeSet, place_latent
 from ..nodes import NodeSet
+from ..output_batch import check_output_batch
 from ..priors.declared import declared_log_prior
 from ..reading import Reading
 
@@ -225,4 +226,7 @@ def trace_structure(program, *inputs, latent_values: dict | None = None, **kwarg
     """
     with torch.no_grad(), TraceStructure(latent_values) as reader:
         out = program(*inputs, **kwargs)
+    owner = getattr(getattr(program, "__self__", None), "display_name", None) \
+        or getattr(program, "__name__", type(program).__name__)
+    check_output_batch(owner, out, inputs, kwargs, reader.families)
     return Structure(reader.node_sets, reader.families, out, dict(reader.energies))

@@ -1,6 +1,7 @@
 """Every catalogue model drawn in plate notation (structattn/drawing/model.py)."""
 
 import pytest
+import torch
 
 import structattn as sa
 
@@ -120,3 +121,35 @@ def test_hyper_prior_is_drawn_inside_its_plate():
     bx0, by0, bx1, by1 = map(float, plate["bb"].split(","))
     assert bx0 < x < bx1 and by0 < y < by1
     assert [h["label"] for t, h, _, _ in edges if t is objects[q]] == ["x_i\\nobserved"]
+
+
+class _SlotReader(torch.nn.Module):
+    """Queries reading memory slots held as a parameter, a registered buffer, or the inputs."""
+
+    def __init__(self, held):
+        super().__init__()
+        self.held = held
+        slots = torch.randn(5, 4)
+        if held == "learned":
+            self.slots = torch.nn.Parameter(slots)
+        else:
+            self.register_buffer("slots", slots)
+        self.W = torch.nn.Parameter(torch.randn(4, 4))
+
+    def forward(self, x, y):
+        q = sa.nodes("queries", x)
+        slots = y @ self.W if self.held == "inputs" else self.slots
+        m = sa.nodes("slots", slots, memory=True)
+        phi = sa.edges("read", q, m, sa.priors.Uniform())
+        sa.potential(phi, sa.potentials.DotProduct())
+        return x + sa.merge_heads(sa.value(phi, sa.values.Identity()))
+
+
+@pytest.mark.parametrize("held", ["learned", "fixed", "inputs"])
+def test_a_memory_is_labelled_by_where_its_states_come_from(held):
+    """A parameter's slots are learned; a registered buffer's are fixed; slots computed from
+    the inputs (through a learned projection, as Hopfield's stored patterns) are the inputs'."""
+    reader = _SlotReader(held)
+    source = sa.model_graph(reader.forward, torch.randn(3, 4), torch.randn(5, 4)).source
+    assert f"slots_i\\nmemory ({held})" in source
+    assert source.count("memory (") == 1
