@@ -34,7 +34,7 @@ def _symbolic(*things) -> bool:
 
 def check_output_batch(owner: str, out, inputs: tuple, kwargs: dict, families: dict) -> None:
     """Refuse an output tensor ``(*b, n, d)`` whose batch ``b`` fits no input's batch
-    (``x.shape[:-2]``) and no family's value batch ``(*batch, heads)``.
+    (``x.shape[:-2]``), no family's batch and no family's value batch ``(*batch, heads)``.
 
     Args:
         owner (str): the declaration's name, for the message.
@@ -50,13 +50,16 @@ def check_output_batch(owner: str, out, inputs: tuple, kwargs: dict, families: d
         return  # no value to broadcast; or a recording, whose concrete reading was checked
     given = sorted({tuple(x.shape[:-2]) for x in (*inputs, *kwargs.values())
                     if isinstance(x, torch.Tensor) and x.dim() >= 2})
-    values = sorted({(*f.batch_shape, f.heads) for f in families.values()})
+    # a family's own batch (its node sets', which a program may have reshaped its inputs
+    # into) and its value's (*batch, heads)
+    values = sorted({shape for f in families.values()
+                     for shape in (tuple(f.batch_shape), (*f.batch_shape, f.heads))})
     for t in _tensors(out):
         batch = tuple(t.shape[:-2])
         if not any(_fits(batch, a) for a in (*given, *values)):
             raise ValueError(
                 f"{owner}: the output {tuple(t.shape)} has batch dims {batch} that no input "
-                f"(batch {given}) and no value ((*batch, heads) {values}) has: a value "
+                f"(batch {given}) and no family or value ((*batch[, heads]) {values}) has: a value "
                 f"(*batch, heads, children, d_v) was broadcast against a (*batch, children, d) "
                 f"tensor — merge its heads first, structattn.merge_heads(structattn.value(…)) "
                 f"→ (*batch, children, heads·d_v)")

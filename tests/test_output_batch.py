@@ -21,7 +21,8 @@ def _program(merge: bool, heads: int = 1):
 
 
 MESSAGE = (r"^program: the output \(2, 2, 9, 6\) has batch dims \(2, 2\) that no input \(batch "
-           r"\[\(2,\)\]\) and no value \(\(\*batch, heads\) \[\(2, 1\)\]\) has: .* merge its "
+           r"\[\(2,\)\]\) and no family or value \(\(\*batch\[, heads\]\) \[\(2,\), \(2, 1\)\]\) has: "
+           r".* merge its "
            r"heads first, structattn\.merge_heads\(structattn\.value\(…\)\) → \(\*batch, "
            r"children, heads·d_v\)$")
 
