@@ -15,6 +15,26 @@ import torch
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
+def cpu() -> dict:
+    """The CPU a figure came from: its model, the widest vector instruction set it has
+    ("AVX-512", "AVX2" or "other": what the C++ kernels, built with ``-march=native``, were
+    compiled for) and the one PyTorch's kernels dispatch to (``get_cpu_capability``)."""
+    flags, model = set(), None
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                key, _, value = line.partition(":")
+                if key.strip() == "flags" and not flags:
+                    flags = set(value.split())
+                elif key.strip() == "model name" and model is None:
+                    model = value.strip()
+    except OSError:  # not Linux: the flags are not read
+        pass
+    isa = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "other"
+    return {"cpu_model": model or platform.processor() or None, "cpu_isa": isa,
+            "torch_cpu_capability": torch.backends.cpu.get_cpu_capability()}
+
+
 def provenance(device=None) -> dict:
     """What a measurement depends on besides the code: machine, versions, commit, date."""
     try:
@@ -28,7 +48,7 @@ def provenance(device=None) -> dict:
             "commit": commit or None, "torch": torch.__version__,
             "python": platform.python_version(), "machine": platform.machine(),
             "processor": platform.processor() or None, "cores": os.cpu_count(),
-            "threads": torch.get_num_threads(),
+            "threads": torch.get_num_threads(), **cpu(),
             "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"}
 
 
