@@ -17,8 +17,8 @@ the rows are read exactly, never more than (new tokens × cached tokens) per hea
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from ..kinds.stick_breaking import stick_breaking_table
 from ..priors import ALiBi, RelativePosition, Uniform
 from ..priors.generalised_gaussian import GeneralisedGaussian
 
@@ -113,11 +113,7 @@ class Stick(Rule):
 
     def posterior(self, model, scores, pos, parents, valid, cache):
         before = ((parents[None, None, :] < pos[:, :, None]) & valid).unsqueeze(1)  # (B,1,k,P)
-        stay = F.logsigmoid(-scores).masked_fill(~before, 0.0)  # log(1 − β_il) on the scan
-        # Σ_{l > j} log(1 − β_il): the reversed cumulative sum, less the term at j
-        passed = stay.flip(-1).cumsum(-1).flip(-1) - stay
-        log_p = F.logsigmoid(scores) + passed
-        return log_p.exp().masked_fill(~before, 0.0)
+        return stick_breaking_table(scores, before)[0]  # the full reading's scan, on the rows
 
 
 class Reread(Rule):
