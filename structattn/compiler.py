@@ -155,12 +155,24 @@ class CompiledModule(nn.Module):
             return plans(self, inputs, kwargs)
         return self.interpret(*inputs, **kwargs)
 
-    def new_cache(self):
+    def new_cache(self, tol=None, *, query_norm=None, key_norm=None, input_norm=None,
+                  block=64):
         """An empty ``structattn.decoding.DecodeCache`` for ``self(x_new, cache=c)``: each
         call reads x_new's tokens after everything ``c`` holds and appends them (a causal
-        model only; ``lengths=`` for rows with different numbers of new tokens)."""
+        model only; ``lengths=`` for rows with different numbers of new tokens).
+
+        ``tol`` (in (0, 1)): certified eviction (``structattn.decoding.evict``): the oldest
+        blocks of ``block`` keys are dropped once their posterior mass is proved ≤ tol for
+        every later query, from ceilings on the future queries' and keys' norms —
+        ``query_norm`` and ``key_norm`` (a number, or one per head), or ``input_norm``, a
+        ceiling on ‖x‖ carried through the projections' spectral norms. ALiBi, FoX and the
+        generalised Gaussian with loc ≤ 0 only; ``c.trace`` reports each call."""
         from .decoding import new_cache
-        return new_cache(self)
+        given = {k: v for k, v in (("query_norm", query_norm), ("key_norm", key_norm),
+                                   ("input_norm", input_norm)) if v is not None}
+        if block != 64:
+            given["block"] = block
+        return new_cache(self, tol, **given)
 
     def interpret(self, *inputs, return_posterior: bool = False, return_trace: bool = False,
                   trace_posteriors: bool = False, **kwargs):

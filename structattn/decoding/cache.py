@@ -30,6 +30,8 @@ class DecodeCache:
         self.values: torch.Tensor | None = None  # (B, H, capacity, d_v)
         self.state: torch.Tensor | None = None  # (B, H, capacity) where the prior carries one
         self._lengths: torch.Tensor | None = None  # (B,) long
+        self.offset = 0  # tokens evicted from the front of every row (slot s: position offset + s)
+        self.eviction = None  # the ``Eviction`` policy of new_cache(tol=…), or None
 
     # -- what it holds --------------------------------------------------------------------
     def __len__(self) -> int:
@@ -40,6 +42,17 @@ class DecodeCache:
     def lengths(self) -> torch.Tensor | None:
         """How many tokens each row holds, a long tensor of the batch shape (None: empty)."""
         return None if self._lengths is None else self._lengths.reshape(self.batch_shape)
+
+    @property
+    def evicted(self) -> int:
+        """How many of each row's first tokens certified eviction has dropped (0 without tol)."""
+        return self.offset
+
+    @property
+    def trace(self) -> list | None:
+        """One ``EvictionStep`` per call (tokens held, the bound on the evicted mass, whether
+        it is proved), with ``new_cache(tol=…)``; else None."""
+        return None if self.eviction is None else self.eviction.trace
 
     @property
     def dtype(self) -> torch.dtype | None:
@@ -118,6 +131,18 @@ class DecodeCache:
         held = torch.cat([held[..., :block.start], values[rows, :, new],
                           held[..., block.stop:]], -1)
         self.values = _put(self.values, rows, at, held)
+
+
+    # -- eviction -------------------------------------------------------------------------
+    def drop_front(self, n: int) -> None:
+        """Drop every row's first ``n`` held tokens (certified eviction's compaction): a view,
+        so the storage is reclaimed when it next grows."""
+        self.keys = self.keys[..., n:, :]
+        self.values = self.values[..., n:, :]
+        if self.state is not None:
+            self.state = self.state[..., n:]
+        self._lengths = self._lengths - n
+        self.offset += n
 
 
 def _grow(t: torch.Tensor, capacity: int, dim: int) -> torch.Tensor:

@@ -13,14 +13,23 @@ from .._validation import checks_on, passes, shape_str
 from ..heads import merge_heads, split_heads
 from ..potentials import Bilinear, Rotary
 from .cache import DecodeCache
+from .evict import eviction
 from .rules import rule_for
 
 
-def new_cache(layer) -> DecodeCache:
+def new_cache(layer, tol=None, **ceilings) -> DecodeCache:
     """An empty cache for ``layer`` (refused, naming ``cache=``, for a model that is not
-    causal)."""
+    causal); with ``tol``, one that evicts its oldest key blocks once their posterior mass
+    is proved ≤ tol for every later query (``structattn.decoding.evict.eviction`` takes the
+    ``ceilings``: ``query_norm`` and ``key_norm``, or ``input_norm``, and ``block``)."""
     rule_for(layer.declaration)
-    return DecodeCache(layer.declaration)
+    cache = DecodeCache(layer.declaration)
+    if tol is not None:
+        cache.eviction = eviction(layer.declaration, tol, **ceilings)
+    elif ceilings:
+        raise ValueError(f"{type(layer.declaration).__name__}: new_cache's {sorted(ceilings)} "
+                         f"are certified eviction's; they need tol=")
+    return cache
 
 
 def read(layer, *inputs, cache, lengths=None, return_posterior=False, **options):
@@ -62,14 +71,16 @@ def read(layer, *inputs, cache, lengths=None, return_posterior=False, **options)
         cache.start(batch_shape, H, model.d_k, d_v * hops, x, rule.state)
     start = cache._lengths  # (B,)
     slot = torch.arange(k, device=x.device)
-    pos = start[:, None] + slot  # (B, k): the new tokens' positions in their rows
+    # (B, k): the new tokens' slots in their rows; their positions are cache.offset later
+    # (certified eviction; the priors it allows depend on distances alone, read on slots)
+    pos = start[:, None] + slot
     ends = start + counts
     total = int(ends.max())
-    if getattr(model, "positions", None) is not None and total > model.max_len:
+    if getattr(model, "positions", None) is not None and total + cache.offset > model.max_len:
         raise ValueError(f"{owner}: the cache would hold {total} tokens but positional "
                          f"encodings exist for max_len={model.max_len}")
 
-    q, key, value = _project(model, x, pos)  # (B, H, k, d_k), (B, H, k, d_k), (B, H, k, d_v)
+    q, key, value = _project(model, x, pos + cache.offset)  # (B, H, k, d_k), (B, H, k, d_k), (B, H, k, d_v)
     state = _new_state(rule, model, cache, x, start, counts) if rule.state else None
     cache.append(key, torch.cat([value] + [torch.zeros_like(value)] * (hops - 1), -1), state,
                  counts, total)
@@ -85,6 +96,8 @@ def read(layer, *inputs, cache, lengths=None, return_posterior=False, **options)
     post = rule.posterior(model, scores, pos, parents, valid, cache)  # (B, H, k, P)
     expected = _expected(post, value, cache, weights, total)  # (B, H, k, d_v): E[v_i]
     expected = expected.masked_fill(~real[:, None, :, None], 0.0)
+    if cache.eviction is not None:  # certified eviction: check, report, evict
+        cache.eviction.after_read(cache, q, key, start, counts, scale)
     y = merge_heads(expected)  # (B, k, H·d_v); zero at padding
     if model.W_o is not None:
         y = F.linear(y, model.W_o)
