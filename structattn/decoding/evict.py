@@ -113,17 +113,18 @@ class _Gate:
     slack = 0.0
 
     def offsets(self, cache, block):
-        c = cache.state.to(torch.float64)  # (B, H, L)
+        c = cache.state  # (B, H, L)
         t = (cache._lengths - 1).clamp(min=0)
         latest = c.gather(-1, t[:, None, None].expand(-1, c.shape[1], 1))  # (B, H, 1)
-        return latest - c[..., :block]
+        return latest.to(torch.float64) - c[..., :block].to(torch.float64)
 
     def steps(self, cache, start, counts):
-        c = cache.state.to(torch.float64)
+        c = cache.state
         H = c.shape[1]
 
         def at(slot):
-            return c.gather(-1, slot.clamp(min=0)[:, None, None].expand(-1, H, 1))[..., 0]
+            return c.gather(-1, slot.clamp(min=0)[:, None, None].expand(-1, H, 1))[..., 0] \
+                .to(torch.float64)
         before, real = at(start - 1), ((start > 0) & (counts > 0))[:, None]  # (B, H), (B, 1)
         first, last = at(start), at(start + counts - 1)
         zero = torch.zeros_like(before)
