@@ -285,3 +285,17 @@ def _no_grad():
     """Decoding reads without gradients (the cache is then written in place)."""
     with torch.no_grad():
         yield
+
+
+def test_eviction_with_gradients_on():
+    """Decoding with autograd on: eviction reads no gradient and the outputs back-propagate."""
+    torch.manual_seed(0)
+    layer = _model("fox", 2, (0.0, 1.0), None)
+    x = _inputs(layer, 200, 1, 1.0, False, torch.Generator().manual_seed(0))
+    cache = layer.new_cache(tol=1e-3, input_norm=1.0, block=16)
+    with torch.enable_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for t in range(200):
+            y = layer(x[:, t:t + 1], cache=cache)
+        y.sum().backward()
+    assert cache.evicted > 0 and layer.declaration.W_q.grad is not None

@@ -189,6 +189,7 @@ class Eviction:
         gamma = d_k * unit / (1 - d_k * unit) if d_k * unit < 1 else math.inf
         return 1 + gamma + 6 * unit + 4 * d_k * 2.0**-53, 1 - 16 * unit
 
+    @torch.no_grad()
     def after_read(self, cache, q, key, start, counts, scale):
         """After a call read its new tokens (``q``, ``key`` ``(B, H, k, d_k)``, row b's first
         ``counts[b]`` real, appended after its ``start[b]`` held slots): check them against
