@@ -12,8 +12,8 @@ says so).
 
 Measured, for each model:
 
-- decoding both caches in lockstep (each token read by the evicting cache, then by the full
-  one: paired rounds) to ``--full-to`` tokens, then the evicting cache alone to ``--n``:
+- decoding both caches in turn (``--alternate`` tokens by the evicting cache, then the
+  same tokens by the full one: paired, interleaved rounds) to ``--full-to`` tokens, then the evicting cache alone to ``--n``:
   the tokens held and the milliseconds per token (median over the ``--window`` tokens before
   each position), and tokens/s at ``--ratio-at`` (the full cache's over the evicting one's);
 - the largest bound the trace reports, whether every step stayed certified;
@@ -117,14 +117,18 @@ def run_model(kind, args, tokens):
         t_ev, t_full = [], []
         nll_ev, nll_full = [], []
         targets = tokens[1:args.n + 1]
-        for t in range(args.n):
-            xt = x[:, t:t + 1]
-            t0 = time.perf_counter()
-            h = layer(xt, cache=ev)
-            t1 = time.perf_counter()
-            t_ev.append(t1 - t0)
-            nll_ev.append(lm.readout(xt, h)[0, 0])
-            if t < args.full_to:
+        for c0 in range(0, args.n, args.alternate):  # paired rounds of ``alternate`` tokens
+            chunk = range(c0, min(args.n, c0 + args.alternate))
+            for t in chunk:
+                xt = x[:, t:t + 1]
+                t0 = time.perf_counter()
+                h = layer(xt, cache=ev)
+                t_ev.append(time.perf_counter() - t0)
+                nll_ev.append(lm.readout(xt, h)[0, 0])
+            for t in chunk:
+                if t >= args.full_to:
+                    break
+                xt = x[:, t:t + 1]
                 t0 = time.perf_counter()
                 hf = layer(xt, cache=full)
                 t_full.append(time.perf_counter() - t0)
@@ -175,6 +179,8 @@ def main(argv=None):
     ap.add_argument("--positions", type=int, nargs="+",
                     default=[1024, 4096, 16384, 32768, 65536])
     ap.add_argument("--window", type=int, default=256)
+    ap.add_argument("--alternate", type=int, default=64,
+                    help="tokens each cache reads in turn (paired, interleaved rounds)")
     ap.add_argument("--val", type=int, default=4096, help="bytes of the full forward's bpb")
     ap.add_argument("--d", type=int, default=256)
     ap.add_argument("--heads", type=int, default=8)
