@@ -179,6 +179,13 @@ def test_outputs_stay_within_the_bound_of_the_full_cache():
         o = torch.linalg.matrix_norm(W_o.detach(), ord=2) if W_o is not None else 1.0
         assert float((y1 - y2).norm()) <= 2 * bound * float(v * o) * math.sqrt(2) + 1e-12
     assert ev.evicted > 0
+    # the posterior over the tokens held: the full one's over them, renormalised
+    x_new = torch.nn.functional.normalize(torch.randn(1, 1, 8, dtype=f64), dim=-1)
+    _, p_ev = layer(x_new, cache=ev, return_posterior=True)
+    _, p_full = layer(x_new, cache=full, return_posterior=True)
+    kept = p_full[..., ev.evicted:]
+    assert p_ev.shape[-1] == len(ev) == 301 - ev.evicted
+    torch.testing.assert_close(p_ev, kept / kept.sum(-1, keepdim=True), rtol=1e-10, atol=1e-12)
 
 
 def test_a_token_beyond_the_ceilings_stops_eviction_and_says_so():
