@@ -13,9 +13,10 @@ says so).
 Measured, for each model:
 
 - decoding both caches in turn (``--alternate`` tokens by the evicting cache, then the
-  same tokens by the full one: paired, interleaved rounds) to ``--full-to`` tokens, then the evicting cache alone to ``--n``:
-  the tokens held and the milliseconds per token (median over the ``--window`` tokens before
-  each position), and tokens/s at ``--ratio-at`` (the full cache's over the evicting one's);
+  same tokens by the full one: paired, interleaved rounds) to ``--full-to`` tokens, then
+  the evicting cache alone to ``--n``: the tokens held and the milliseconds per token
+  (median over the ``--window`` tokens before each position), and tokens/s at
+  ``--ratio-at`` (the evicting cache's over the full one's);
 - the largest bound the trace reports, whether every step stayed certified;
 - bits per byte of the first ``--val`` bytes, fed token by token through the evicting
   cache, against the full forward (``layer(x)``, one call) of the same bytes, and the
@@ -177,7 +178,7 @@ def main(argv=None):
     ap.add_argument("--full-to", type=int, default=16384, help="tokens the full cache reads")
     ap.add_argument("--ratio-at", type=int, default=16384)
     ap.add_argument("--positions", type=int, nargs="+",
-                    default=[1024, 4096, 16384, 32768, 65536])
+                    default=[1024, 2048, 4096, 8192, 16384, 32768, 65536])
     ap.add_argument("--window", type=int, default=256)
     ap.add_argument("--alternate", type=int, default=64,
                     help="tokens each cache reads in turn (paired, interleaved rounds)")
@@ -200,7 +201,10 @@ def main(argv=None):
     tokens = stdlib_bytes(args.n + 1)
     rows = []
     for kind in args.models:
+        load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
         row = run_model(kind, args, tokens)
+        # the machine's 1-minute load average before and after (a shared machine's timings)
+        row["load_average"] = [load, os.getloadavg()[0] if load is not None else None]
         rows.append(row)
         print(f"{kind}: held {row['held_at']} (max {row['held_max']}), ms/token evict "
               f"{ {p: round(v, 3) for p, v in row['ms_per_token_evict'].items()} } full "
