@@ -16,7 +16,9 @@ Measured, for each model:
   same tokens by the full one: paired, interleaved rounds) to ``--full-to`` tokens, then
   the evicting cache alone to ``--n``: the tokens held and the milliseconds per token
   (median over the ``--window`` tokens before each position), and tokens/s at
-  ``--ratio-at`` (the evicting cache's over the full one's);
+  ``--ratio-at`` (the evicting cache's over the full one's: the ratio of the medians, and
+  the median over the paired turns of the ``--ratio-window`` tokens before it of each
+  turn's ratio);
 - the largest bound the trace reports, whether every step stayed certified;
 - bits per byte of the first ``--val`` bytes, fed token by token through the evicting
   cache, against the full forward (``layer(x)``, one call) of the same bytes, and the
@@ -107,6 +109,16 @@ def ceilings(lm, x, calibrate, margin):
     return {"query_norm": longest(m.W_q), "key_norm": longest(m.W_k)}
 
 
+def paired_ratio(t_ev, t_full, at, args):
+    """The median, over the turns in the ``ratio_window`` tokens before ``at``, of the full
+    cache's median time per token in the turn over the evicting cache's."""
+    ratios = []
+    for c0 in range(max(0, at - args.ratio_window), at, args.alternate):
+        c1 = min(at, c0 + args.alternate)
+        ratios.append(statistics.median(t_full[c0:c1]) / statistics.median(t_ev[c0:c1]))
+    return statistics.median(ratios)
+
+
 def run_model(kind, args, tokens):
     lm = ByteLM(kind, args.d, args.heads, args.seed)
     layer = lm.layer
@@ -154,6 +166,9 @@ def run_model(kind, args, tokens):
         "ms_per_token_full": {p: ms(t_full, p) for p in positions if p <= args.full_to},
         "ratio_at": ratio_at,
         "tokens_per_s_ratio": ms(t_full, ratio_at) / ms(t_ev, ratio_at),
+        # the median over the turns of the ``--ratio-window`` tokens before ratio_at of each
+        # turn's ratio (paired: the two caches' turns ran back to back, under the same load)
+        "tokens_per_s_ratio_paired": paired_ratio(t_ev, t_full, ratio_at, args),
         "bound_max": max(s.bound for s in trace),
         "certified": all(s.certified for s in trace),
         "val_bytes": val,
@@ -177,6 +192,8 @@ def main(argv=None):
     ap.add_argument("--n", type=int, default=65536, help="tokens decoded by the evicting cache")
     ap.add_argument("--full-to", type=int, default=16384, help="tokens the full cache reads")
     ap.add_argument("--ratio-at", type=int, default=16384)
+    ap.add_argument("--ratio-window", type=int, default=1024,
+                    help="tokens before --ratio-at whose paired turns give the ratio")
     ap.add_argument("--positions", type=int, nargs="+",
                     default=[1024, 2048, 4096, 8192, 16384, 32768, 65536])
     ap.add_argument("--window", type=int, default=256)
@@ -196,6 +213,7 @@ def main(argv=None):
     if args.quick:
         args.n, args.full_to, args.ratio_at, args.val = 2048, 1024, 1024, 512
         args.positions, args.window, args.d, args.heads = [512, 1024, 2048], 128, 64, 4
+        args.ratio_window = 256
         args.calibrate = 1024
     torch.set_num_threads(args.threads)
     tokens = stdlib_bytes(args.n + 1)
@@ -209,7 +227,8 @@ def main(argv=None):
         print(f"{kind}: held {row['held_at']} (max {row['held_max']}), ms/token evict "
               f"{ {p: round(v, 3) for p, v in row['ms_per_token_evict'].items()} } full "
               f"{ {p: round(v, 3) for p, v in row['ms_per_token_full'].items()} }; tokens/s "
-              f"×{row['tokens_per_s_ratio']:.2f} at {row['ratio_at']}; bound ≤ "
+              f"×{row['tokens_per_s_ratio']:.2f} at {row['ratio_at']} (paired turns "
+              f"×{row['tokens_per_s_ratio_paired']:.2f}); bound ≤ "
               f"{row['bound_max']:.3g} certified={row['certified']}; bpb "
               f"{row['bpb_evict_token_by_token']:.6f} vs full forward "
               f"{row['bpb_full_forward']:.6f} (Δ {row['bpb_diff_vs_full_forward']:.2e}), "
