@@ -155,12 +155,19 @@ class CompiledModule(nn.Module):
             return plans(self, inputs, kwargs)
         return self.interpret(*inputs, **kwargs)
 
-    def new_cache(self):
+    def new_cache(self, capacity: int | None = None):
         """An empty ``structattn.decoding.DecodeCache`` for ``self(x_new, cache=c)``: each
         call reads x_new's tokens after everything ``c`` holds and appends them (a causal
-        model only; ``lengths=`` for rows with different numbers of new tokens)."""
+        model only; ``lengths=`` for rows with different numbers of new tokens).
+
+        Args:
+            capacity (int | None): None: the cache grows as it fills; an int: room for that
+                many tokens per row, allocated by the first call and written in place, so
+                that every step has the same shapes and replays one recorded plan (and
+                ``torch.compile`` traces it once); a call beyond it is refused.
+        """
         from .decoding import new_cache
-        return new_cache(self)
+        return new_cache(self, capacity)
 
     def interpret(self, *inputs, return_posterior: bool = False, return_trace: bool = False,
                   trace_posteriors: bool = False, **kwargs):

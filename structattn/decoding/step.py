@@ -1,0 +1,183 @@
+"""A step against a ``FixedCache``: the new tokens read over the cache's whole capacity, the
+slots beyond each row's tokens masked out, so that its tensors' shapes do not depend on the
+lengths — one recorded plan serves every step, and ``torch.compile`` traces it once.
+
+y_i = W_O [Σ_{j < capacity} p(φ_i = j | x) [j < ends_b] W_V x_j]_heads for the new tokens i:
+the rows of the full forward's causal problem (``read``), with the parents that are not the
+row's tokens given no mass.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .. import _validation
+from ..heads import merge_heads
+from ..potentials import Bilinear
+from ..replay import MISSED
+from .static import FixedCache, slots, write
+
+
+class Held:
+    """What a rule's ``posterior`` reads of the cache: the prior's state (FoX's c)."""
+
+    __slots__ = ("state",)
+
+    def __init__(self, state):
+        self.state = state
+
+
+def step(model, rule, x, keys, values, state, lengths, counts=None, *, capacity: int,
+         return_posterior: bool = False):
+    """The new tokens of ``x (B, k, d)`` read after each row's ``lengths (B,)`` cached tokens.
+
+    ``keys``, ``values``, ``state``: the ``FixedCache``'s storage (capacity + 1 slots; the
+    new tokens are written into it, in place without gradients); ``counts (B,)``: each row's
+    real new tokens (None: k). Returns ``(y (B, k, d_out), post (B, H, k, capacity) | None,
+    keys, values, state, ends (B,))``: the storage as written and each row's new length.
+    Every shape is fixed by x's and the storage's: no value is read on the host."""
+    from .read import _project  # read imports this module
+
+    B, k, _ = x.shape
+    H, L = model.heads, capacity
+    if _validation.checks_on() and not _validation.passes(x.isfinite().all()):
+        raise ValueError(f"{type(model).__name__}: x_new must be finite; got a NaN or an "
+                         f"infinity")
+    if counts is None:
+        counts = torch.full((B,), k, dtype=torch.long, device=x.device)
+    slot = torch.arange(k, device=x.device)
+    pos = lengths[:, None] + slot  # (B, k): the new tokens' positions in their rows
+    real = slot < counts[:, None]  # (B, k)
+    ends = lengths + counts  # (B,)
+    at = slots(lengths, counts, k, L)  # (B, k): padding to the spare slot
+    weights = getattr(model, "hop_weights", (0.0, 1.0))
+    hops, d_v = len(weights) - 1, model.d_v
+
+    q, key, value = _project(model, x, pos)  # (B, H, k, d_k), (B, H, k, d_k), (B, H, k, d_v)
+    keys = write(keys, at, key)
+    v_new = value if hops == 1 else torch.cat([value, value.new_zeros(
+        *value.shape[:-1], d_v * (hops - 1))], -1)
+    values = write(values, at, v_new)
+    if rule.state:
+        last = (lengths - 1).clamp(min=0)  # each row's last cached token
+        held = state.gather(-1, last[:, None, None].expand(-1, H, 1))[..., 0]  # (B, H)
+        held = torch.where((lengths > 0)[:, None], held, torch.zeros_like(held))
+        state = _write_state(state, at, rule.new_state(model, x, counts, held))
+
+    scale = Bilinear(model.W_q, model.W_k, heads=H, temperature=model.temperature).factor_scale()
+    if isinstance(scale, torch.Tensor):
+        scale = scale.to(dtype=q.dtype, device=q.device)
+    scores = (q @ keys[..., :L, :].transpose(-1, -2)) * scale  # (B, H, k, L)
+    parents = torch.arange(L, device=x.device)
+    valid = (parents[None, None, :] < ends[:, None, None]) & real[:, :, None]  # (B, k, L)
+    held = Held(None if state is None else state[..., :L])
+    post = rule.posterior(model, scores, pos, parents, valid, held)  # (B, H, k, L)
+
+    expected = value * weights[0] if weights[0] else None
+    for m in range(1, hops + 1):  # hop m + 1 of the new rows: their posterior times hop m
+        hop = post @ values[..., :L, (m - 1) * d_v:m * d_v]  # (B, H, k, d_v)
+        if m < hops:
+            values = _write_block(values, at, hop, slice(m * d_v, (m + 1) * d_v))
+        if weights[m]:
+            term = hop * weights[m] if weights[m] != 1.0 else hop
+            expected = term if expected is None else expected + term
+    if expected is None:
+        expected = torch.zeros_like(value)
+    expected = expected.masked_fill(~real[:, None, :, None], 0.0)
+    y = merge_heads(expected)  # (B, k, H·d_v); zero at padding
+    if model.W_o is not None:
+        y = F.linear(y, model.W_o)
+    return y, (post if return_posterior else None), keys, values, state, ends
+
+
+def _write_state(state, at, new):
+    """``write`` for a state ``(B, H, L)`` of one number per token, ``new (B, H, k)``."""
+    return write(state.unsqueeze(-1), at, new.unsqueeze(-1))[..., 0]
+
+
+def _write_block(values, at, new, block: slice):
+    """The features ``block`` of the values just written at ``at`` overwritten with ``new
+    (B, H, k, width)``: a multihop value's next hop, known once the new rows' posterior is."""
+    rows = torch.arange(at.shape[0], device=at.device)[:, None].expand_as(at)
+    held = values.movedim(1, 2)[rows, at]  # (B, k, H, d)
+    new = new.movedim(1, 2)
+    held = torch.cat([held[..., :block.start], new, held[..., block.stop:]], -1)
+    return write(values, at, held.movedim(2, 1))
+
+
+class StepReading:
+    """A layer's steps against a ``FixedCache`` as the plan compiler sees a module: its
+    ``declaration`` and ``interpret(x, keys, values, [state], lengths, [counts], …)``, a pure
+    tensor function (``step``) that ``structattn.replay.Plans`` records once per signature and
+    replays. Kept by the compiled layer (``steps``)."""
+
+    def __init__(self, layer, rule, capacity):
+        from ..replay import Plans
+
+        self.declaration = layer.declaration
+        self._modules = {"declaration": layer.declaration}  # what a fast path checks
+        self.rule = rule
+        self.plans = Plans(max_plans=layer._plans.max_plans, dynamic=layer._plans.dynamic)
+        self.capacity = capacity
+
+    def interpret(self, *tensors, state: bool, counts: bool, return_posterior: bool):
+        x, keys, values, *rest = tensors
+        st = rest.pop(0) if state else None
+        lengths = rest.pop(0)
+        c = rest.pop(0) if counts else None
+        return step(self.declaration, self.rule, x, keys, values, st, lengths, c,
+                    capacity=self.capacity, return_posterior=return_posterior)
+
+
+def steps(layer, rule, capacity: int) -> StepReading:
+    """The layer's ``StepReading`` for caches of this capacity (one per capacity, kept on the
+    layer: ``layer.step_plans``), made anew when the layer's declaration was replaced."""
+    kept = layer.__dict__.setdefault("_decode_steps", {})
+    reading = kept.get(capacity)
+    if reading is None or reading.declaration is not layer.declaration:
+        reading = kept[capacity] = StepReading(layer, rule, capacity)
+    return reading
+
+
+def read_fixed(layer, rule, x, counts, cache: FixedCache, batch_shape, return_posterior):
+    """``read`` for a ``FixedCache``: the step recorded as a plan and replayed (eagerly under
+    torch.compile, which traces it); ``counts`` None: every new token is real."""
+    model = layer.declaration
+    owner = type(model).__name__
+    k = x.shape[-2]
+    weights = getattr(model, "hop_weights", (0.0, 1.0))
+    if cache.keys is None:
+        cache.start(batch_shape, model.heads, model.d_k, model.d_v * (len(weights) - 1), x,
+                    rule.state)
+    keys, values, state = cache.stores
+    tensors = [x, keys, values] + ([state] if state is not None else []) + [cache._lengths] \
+        + ([counts] if counts is not None else [])
+    options = {"state": state is not None, "counts": counts is not None,
+               "return_posterior": return_posterior}
+    reading = cache._steps = steps(layer, rule, cache.capacity)
+    if torch.compiler.is_compiling():
+        cache._bound = None  # kept on the host: read by the next eager call
+        out = reading.interpret(*tensors, **options)
+        ends = out[-1]
+        torch._assert_async((ends <= cache.capacity).all(), f"{owner}: the cache would hold "
+                             f"more tokens in a row than its capacity={cache.capacity}")
+    else:
+        cache.make_room(owner, k, counts)
+        plans = reading.plans
+        out = MISSED
+        if plans._last is not None:
+            out = plans._last.run(reading, tuple(tensors), options)
+            if out is MISSED:
+                out = plans.replay_recent(reading, tuple(tensors), options)
+        if out is MISSED:
+            out = plans(reading, tuple(tensors), options)
+    y, post, keys, values, state, ends = out
+    cache.stores = [keys, values, state]
+    cache._lengths = ends
+    cache.keys_read = cache.capacity  # a fixed shape: every slot, masked
+    y = y.reshape(*batch_shape, k, y.shape[-1])
+    if return_posterior:
+        return y, post.reshape(*batch_shape, *post.shape[1:])
+    return y
+
