@@ -49,8 +49,9 @@ def read(layer, *inputs, cache, lengths=None, return_posterior=False, **options)
         lengths (torch.Tensor | None): how many of each row's k tokens are real, an integer
             tensor of the batch shape with values in [0, k]; None: all k.
         return_posterior (bool): also return p(φ_i = j | x) ``(*batch, heads, k, P)`` of the
-            new rows over the P = ``len(cache)`` parents cached after the call (zero rows at
-            padding, zero columns beyond a row's tokens).
+            new rows over the P = ``len(cache)`` parents cached after the call — P = the
+            capacity for a fixed-capacity cache — (zero rows at padding, zero columns beyond
+            a row's tokens).
 
     Returns:
         (torch.Tensor | tuple): ``(*batch, k, d_out)`` (zero at padding), and the posterior
@@ -58,7 +59,7 @@ def read(layer, *inputs, cache, lengths=None, return_posterior=False, **options)
     """
     model = layer.declaration
     owner = type(model).__name__
-    rule = rule_for(model)
+    rule = _rule(model, cache)
     x_new = _check_call(model, owner, inputs, options, cache, return_posterior)
     batch_shape, k = x_new.shape[:-2], x_new.shape[-2]
     cache.check_call(owner, x_new, batch_shape)
@@ -115,6 +116,19 @@ def read(layer, *inputs, cache, lengths=None, return_posterior=False, **options)
     if return_posterior:
         return y, post.reshape(*batch_shape, *post.shape[1:])
     return y
+
+
+def _rule(model, cache):
+    """``rule_for(model)``, kept by the cache for the model's structure version (a cache
+    serves one model: ``_check_call`` refuses another's)."""
+    version = getattr(model, "structure_version", 0)
+    kept = getattr(cache, "_rule", None) if isinstance(cache, DecodeCache) else None
+    if kept is not None and kept[0] == version:
+        return kept[1]
+    rule = rule_for(model)
+    if isinstance(cache, DecodeCache):
+        cache._rule = (version, rule)
+    return rule
 
 
 def _reread(layer, x, counts, cache, batch_shape, return_posterior):

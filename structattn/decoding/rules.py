@@ -57,27 +57,36 @@ def _softmax_rows(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
     return w / torch.where(z > 0, z, torch.ones_like(z))
 
 
-class Positional(Rule):
+class Normalised(Rule):
+    """A prior whose rows are normalised over the allowed parents: p(φ_i = j) ∝
+    exp(ψ_ij + b_ij) over the allowed j, from ``bias(model, pos, parents, valid, cache,
+    dtype)`` → ``(b (B, H|1, k, P) | None, allowed (B, 1, k, P))`` — what an attention
+    kernel's additive mask states."""
+
+    def posterior(self, model, scores, pos, parents, valid, cache):
+        b, allowed = self.bias(model, pos, parents, valid, cache, scores.dtype)
+        return _softmax_rows(scores if b is None else scores + b, allowed)
+
+
+class Positional(Normalised):
     """A prior stating log p(φ_i = j) from the positions: ``prior(model)`` builds it as the
     model's own ``model`` does."""
 
     def __init__(self, prior):
         self.prior = prior
 
-    def posterior(self, model, scores, pos, parents, valid, cache):
+    def bias(self, model, pos, parents, valid, cache, dtype):
         prior = self.prior(model)
         S = parents.shape[-1]  # the square problem over every token read so far
         child, parent = pos[:, :, None], parents[None, None, :]  # (B, k, 1), (1, 1, P)
         allowed = prior.support(S, S).contains(child, parent) & valid  # (B, k, P)
         lw = prior.log_weight(child, parent, (S, S))
-        logits = scores
         if lw is not None:  # (H|1, B, k, P), or (B, k, P) for weights shared by every head
-            lw = lw.unsqueeze(1) if lw.dim() == 3 else lw.movedim(0, 1)
-            logits = scores + lw.to(scores.dtype)
-        return _softmax_rows(logits, allowed.unsqueeze(1))
+            lw = (lw.unsqueeze(1) if lw.dim() == 3 else lw.movedim(0, 1)).to(dtype)
+        return lw, allowed.unsqueeze(1)
 
 
-class Gate(Rule):
+class Gate(Normalised):
     """FoX: log p(φ_i = j) = c_i − c_j + const over j ≤ i, c_i = Σ_{l ≤ i} log f_l; the
     cache keeps c of every token read."""
 
@@ -92,13 +101,12 @@ class Gate(Rule):
         c = torch.cumsum(log_f, -1, dtype=torch.promote_types(log_f.dtype, torch.float32))
         return (previous[:, :, None] + c).to(x.dtype)
 
-    def posterior(self, model, scores, pos, parents, valid, cache):
+    def bias(self, model, pos, parents, valid, cache, dtype):
         c = cache.state[..., : parents.shape[-1]]  # (B, H, P): now holds the new tokens too
         at = pos.clamp(max=c.shape[-1] - 1)  # padding's positions may lie beyond its row
         c_child = c.gather(-1, at[:, None, :].expand(-1, c.shape[1], -1))  # (B, H, k)
-        logits = scores + (c_child[..., None] - c[:, :, None, :]).to(scores.dtype)
         allowed = (parents[None, None, :] <= pos[:, :, None]) & valid
-        return _softmax_rows(logits, allowed.unsqueeze(1))
+        return (c_child[..., None] - c[:, :, None, :]).to(dtype), allowed.unsqueeze(1)
 
 
 class Stick(Rule):

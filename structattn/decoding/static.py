@@ -63,6 +63,9 @@ class FixedCache(DecodeCache):
     @stores.setter
     def stores(self, stores: list) -> None:
         keys, values, state = stores
+        held = self._stores
+        if held is not None and keys is held[0] and values is held[1] and state is held[2]:
+            return  # written in place: the views stand
         self._stores = [keys, values, state]
         self.keys = keys[..., :self.capacity, :]
         self.values = values[..., :self.capacity, :]

@@ -16,7 +16,8 @@ from .. import _validation
 from ..heads import merge_heads
 from ..potentials import Bilinear
 from ..replay import MISSED
-from .static import FixedCache, slots, write
+from .rules import Normalised
+from .static import FixedCache, write
 
 
 class Held:
@@ -41,16 +42,23 @@ def step(model, rule, x, keys, values, state, lengths, counts=None, *, capacity:
 
     B, k, _ = x.shape
     H, L = model.heads, capacity
-    if _validation.checks_on() and not _validation.passes(x.isfinite().all()):
-        raise ValueError(f"{type(model).__name__}: x_new must be finite; got a NaN or an "
-                         f"infinity")
-    if counts is None:
-        counts = torch.full((B,), k, dtype=torch.long, device=x.device)
+    _validation.check_finite("x_new", x)
     slot = torch.arange(k, device=x.device)
     pos = lengths[:, None] + slot  # (B, k): the new tokens' positions in their rows
-    real = slot < counts[:, None]  # (B, k)
-    ends = lengths + counts  # (B,)
-    at = slots(lengths, counts, k, L)  # (B, k): padding to the spare slot
+    parents = torch.arange(L, device=x.device)
+    if counts is None:  # every new token real: no padding, every parent ≤ the row's own
+        counts_given = False
+        counts = torch.full((B,), k, dtype=torch.long, device=x.device)
+        real = torch.ones(B, k, dtype=torch.bool, device=x.device)
+        ends = lengths + k
+        at = pos
+        valid = parents[None, None, :] <= pos[:, :, None]  # (B, k, L)
+    else:
+        counts_given = True
+        real = slot < counts[:, None]  # (B, k)
+        ends = lengths + counts  # (B,)
+        at = torch.where(real, pos, L)  # (B, k): padding to the spare slot
+        valid = (parents[None, None, :] < ends[:, None, None]) & real[:, :, None]  # (B, k, L)
     weights = getattr(model, "hop_weights", (0.0, 1.0))
     hops, d_v = len(weights) - 1, model.d_v
 
@@ -68,10 +76,19 @@ def step(model, rule, x, keys, values, state, lengths, counts=None, *, capacity:
     scale = Bilinear(model.W_q, model.W_k, heads=H, temperature=model.temperature).factor_scale()
     if isinstance(scale, torch.Tensor):
         scale = scale.to(dtype=q.dtype, device=q.device)
-    scores = (q @ keys[..., :L, :].transpose(-1, -2)) * scale  # (B, H, k, L)
-    parents = torch.arange(L, device=x.device)
-    valid = (parents[None, None, :] < ends[:, None, None]) & real[:, :, None]  # (B, k, L)
     held = Held(None if state is None else state[..., :L])
+    if isinstance(rule, Normalised) and counts_given is False and hops == 1 \
+            and not return_posterior and not isinstance(scale, torch.Tensor):
+        # every row real (each allows itself): one attention kernel, the prior an additive mask
+        bias, allowed = rule.bias(model, pos, parents, valid, held, q.dtype)
+        mask = allowed if bias is None else bias.masked_fill(~allowed, float("-inf"))
+        expected = F.scaled_dot_product_attention(q, keys[..., :L, :], values[..., :L, :],
+                                                  attn_mask=mask, scale=scale)
+        y = merge_heads(expected)  # (B, k, H·d_v)
+        if model.W_o is not None:
+            y = F.linear(y, model.W_o)
+        return _out(y, None, keys, values, state, ends)
+    scores = (q @ keys[..., :L, :].transpose(-1, -2)) * scale  # (B, H, k, L)
     post = rule.posterior(model, scores, pos, parents, valid, held)  # (B, H, k, L)
 
     expected = value * weights[0] if weights[0] else None
@@ -88,12 +105,28 @@ def step(model, rule, x, keys, values, state, lengths, counts=None, *, capacity:
     y = merge_heads(expected)  # (B, k, H·d_v); zero at padding
     if model.W_o is not None:
         y = F.linear(y, model.W_o)
-    return y, (post if return_posterior else None), keys, values, state, ends
+    return _out(y, post if return_posterior else None, keys, values, state, ends)
+
+
+def _out(y, post, keys, values, state, ends) -> tuple:
+    """The step's tensors, flat, without a None (what a plan returns fastest): ``(y, keys,
+    values, ends[, state][, post])``; ``_parts`` reads them back."""
+    return (y, keys, values, ends) + ((state,) if state is not None else ()) \
+        + ((post,) if post is not None else ())
+
+
+def _parts(out: tuple, state: bool, posterior: bool) -> tuple:
+    """``(y, post, keys, values, state, ends)`` from ``_out``'s tuple."""
+    y, keys, values, ends, *rest = out
+    s = rest.pop(0) if state else None
+    return y, (rest[0] if posterior else None), keys, values, s, ends
 
 
 def _write_state(state, at, new):
-    """``write`` for a state ``(B, H, L)`` of one number per token, ``new (B, H, k)``."""
-    return write(state.unsqueeze(-1), at, new.unsqueeze(-1))[..., 0]
+    """``write`` for a state ``(B, H, L)`` of one number per token, ``new (B, H, k)``: the
+    same tensor where written in place."""
+    out = write(state.unsqueeze(-1), at, new.unsqueeze(-1))
+    return out[..., 0] if out.requires_grad else state
 
 
 def _write_block(values, at, new, block: slice):
@@ -155,15 +188,16 @@ def read_fixed(layer, rule, x, counts, cache: FixedCache, batch_shape, return_po
         + ([counts] if counts is not None else [])
     options = {"state": state is not None, "counts": counts is not None,
                "return_posterior": return_posterior}
-    reading = cache._steps = steps(layer, rule, cache.capacity)
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():  # traced by dynamo: the step itself, no plan
         cache._bound = None  # kept on the host: read by the next eager call
-        out = reading.interpret(*tensors, **options)
-        ends = out[-1]
+        out = step(model, rule, x, keys, values, state, cache._lengths, counts,
+                   capacity=cache.capacity, return_posterior=return_posterior)
+        ends = out[3]  # (_out)
         torch._assert_async((ends <= cache.capacity).all(), f"{owner}: the cache would hold "
                              f"more tokens in a row than its capacity={cache.capacity}")
     else:
         cache.make_room(owner, k, counts)
+        reading = cache._steps = steps(layer, rule, cache.capacity)
         plans = reading.plans
         out = MISSED
         if plans._last is not None:
@@ -172,7 +206,7 @@ def read_fixed(layer, rule, x, counts, cache: FixedCache, batch_shape, return_po
                 out = plans.replay_recent(reading, tuple(tensors), options)
         if out is MISSED:
             out = plans(reading, tuple(tensors), options)
-    y, post, keys, values, state, ends = out
+    y, post, keys, values, state, ends = _parts(out, state is not None, return_posterior)
     cache.stores = [keys, values, state]
     cache._lengths = ends
     cache.keys_read = cache.capacity  # a fixed shape: every slot, masked
