@@ -180,14 +180,14 @@ def main(argv=None):
                             clock=time.process_time if args.clock == "cpu" else time.perf_counter)
             mem = {k: peak(fn, x_new, block, device)
                    for k, fn in (("hand", hand), ("structattn", ours))}
-            assert len(cache.plans) == plans  # no plan recorded while timed
+            recorded = len(cache.plans) - plans  # plans recorded while timed: none expected
             row = {"layer": name, "mode": "compiled" if compiled else "eager", "d_model": d,
                    "heads": heads, "batch": B, "capacity": L, "prefill": prefill,
                    "dtype": "float32", "hand_us": res["hand"]["median_us"],
                    "structattn_us": res["structattn"]["median_us"],
                    "paired_ratio": res["structattn"]["paired"], "target": TARGET,
                    "peak_mib_hand": mem["hand"], "peak_mib_structattn": mem["structattn"],
-                   "max_abs_difference": error, "plans_recorded_while_timed": 0}
+                   "max_abs_difference": error, "plans_recorded_while_timed": recorded}
             rows.append(row)
             verdict = "OK" if row["paired_ratio"] <= TARGET else "MISS"
             print(f"{name:22s} {row['mode']:8s} hand {row['hand_us']:8.1f} µs  structattn "
