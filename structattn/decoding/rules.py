@@ -61,7 +61,8 @@ class Normalised(Rule):
     """A prior whose rows are normalised over the allowed parents: p(φ_i = j) ∝
     exp(ψ_ij + b_ij) over the allowed j, from ``bias(model, pos, parents, valid, cache,
     dtype)`` → ``(b (B, H|1, k, P) | None, allowed (B, 1, k, P))`` — what an attention
-    kernel's additive mask states."""
+    kernel's additive mask states. ``valid`` None: every parent the prior's causal support
+    allows is a token of the row (a step without padding)."""
 
     def posterior(self, model, scores, pos, parents, valid, cache):
         b, allowed = self.bias(model, pos, parents, valid, cache, scores.dtype)
@@ -79,7 +80,9 @@ class Positional(Normalised):
         prior = self.prior(model)
         S = parents.shape[-1]  # the square problem over every token read so far
         child, parent = pos[:, :, None], parents[None, None, :]  # (B, k, 1), (1, 1, P)
-        allowed = prior.support(S, S).contains(child, parent) & valid  # (B, k, P)
+        allowed = prior.support(S, S).contains(child, parent)  # (B, k, P)
+        if valid is not None:
+            allowed = allowed & valid
         lw = prior.log_weight(child, parent, (S, S))
         if lw is not None:  # (H|1, B, k, P), or (B, k, P) for weights shared by every head
             lw = (lw.unsqueeze(1) if lw.dim() == 3 else lw.movedim(0, 1)).to(dtype)
@@ -105,7 +108,9 @@ class Gate(Normalised):
         c = cache.state[..., : parents.shape[-1]]  # (B, H, P): now holds the new tokens too
         at = pos.clamp(max=c.shape[-1] - 1)  # padding's positions may lie beyond its row
         c_child = c.gather(-1, at[:, None, :].expand(-1, c.shape[1], -1))  # (B, H, k)
-        allowed = (parents[None, None, :] <= pos[:, :, None]) & valid
+        allowed = parents[None, None, :] <= pos[:, :, None]
+        if valid is not None:
+            allowed = allowed & valid
         return (c_child[..., None] - c[:, :, None, :]).to(dtype), allowed.unsqueeze(1)
 
 
@@ -120,7 +125,10 @@ class Stick(Rule):
                 f"model with tol=None")
 
     def posterior(self, model, scores, pos, parents, valid, cache):
-        before = ((parents[None, None, :] < pos[:, :, None]) & valid).unsqueeze(1)  # (B,1,k,P)
+        before = parents[None, None, :] < pos[:, :, None]  # (B, k, P)
+        if valid is not None:
+            before = before & valid
+        before = before.unsqueeze(1)  # (B, 1, k, P)
         return stick_breaking_table(scores, before)[0]  # the full reading's scan, on the rows
 
 

@@ -112,9 +112,16 @@ def write(store: torch.Tensor, at: torch.Tensor, new: torch.Tensor) -> torch.Ten
     """``store[b, :, at[b, s]] = new[b, :, s]`` (``store (B, H, L, …)``, ``new (B, H, k, …)``):
     in place when no gradient flows through either, else into a copy. Several writes to the
     spare slot in one call leave any one of them there: it is never read."""
-    rows = torch.arange(at.shape[0], device=at.device)[:, None].expand_as(at)  # (B, k)
-    moved = new.movedim(1, 2)  # (B, k, H, …)
-    if torch.is_grad_enabled() and (store.requires_grad or new.requires_grad):
-        return store.movedim(1, 2).index_put((rows, at), moved).movedim(2, 1)
-    store.movedim(1, 2).index_put_((rows, at), moved)
-    return store
+    copy = torch.is_grad_enabled() and (store.requires_grad or new.requires_grad)
+    if torch.compiler.is_compiling():  # inductor writes an index_put_ in place (a scatter_
+        # into an input it copies whole)
+        rows = torch.arange(at.shape[0], device=at.device)[:, None]  # (B, 1): broadcast
+        where = [rows, None, at]  # store[rows, :, at] ← new (B, k, H, …)
+        if copy:
+            return torch.ops.aten.index_put(store, where, new.transpose(1, 2))
+        torch.ops.aten.index_put_(store, where, new.transpose(1, 2))
+        return store
+    # eagerly, one scatter (an index_put_ wraps its indices first: two kernels more)
+    B, H, k = new.shape[:3]
+    index = at.view(B, 1, k, *(1,) * (new.dim() - 3)).expand(new.shape)  # (B, H, k, …)
+    return store.scatter(2, index, new) if copy else store.scatter_(2, index, new)

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import _validation
-from ..heads import merge_heads
+from ..heads import merge_heads, split_heads
 from ..potentials import Bilinear
 from ..replay import MISSED
 from .rules import Normalised
@@ -38,21 +38,19 @@ def step(model, rule, x, keys, values, state, lengths, counts=None, *, capacity:
     real new tokens (None: k). Returns ``(y (B, k, d_out), post (B, H, k, capacity) | None,
     keys, values, state, ends (B,))``: the storage as written and each row's new length.
     Every shape is fixed by x's and the storage's: no value is read on the host."""
-    from .read import _project  # read imports this module
-
     B, k, _ = x.shape
     H, L = model.heads, capacity
     _validation.check_finite("x_new", x)
     slot = torch.arange(k, device=x.device)
     pos = lengths[:, None] + slot  # (B, k): the new tokens' positions in their rows
     parents = torch.arange(L, device=x.device)
-    if counts is None:  # every new token real: no padding, every parent ≤ the row's own
+    if counts is None:  # every new token real: no padding; the causal support is the row's
         counts_given = False
         counts = torch.full((B,), k, dtype=torch.long, device=x.device)
         real = torch.ones(B, k, dtype=torch.bool, device=x.device)
         ends = lengths + k
         at = pos
-        valid = parents[None, None, :] <= pos[:, :, None]  # (B, k, L)
+        valid = None
     else:
         counts_given = True
         real = slot < counts[:, None]  # (B, k)
@@ -62,7 +60,7 @@ def step(model, rule, x, keys, values, state, lengths, counts=None, *, capacity:
     weights = getattr(model, "hop_weights", (0.0, 1.0))
     hops, d_v = len(weights) - 1, model.d_v
 
-    q, key, value = _project(model, x, pos)  # (B, H, k, d_k), (B, H, k, d_k), (B, H, k, d_v)
+    q, key, value = _project_step(model, x, pos)  # (B, H, k, d_k), (…, d_k), (…, d_v)
     keys = write(keys, at, key)
     v_new = value if hops == 1 else torch.cat([value, value.new_zeros(
         *value.shape[:-1], d_v * (hops - 1))], -1)
@@ -106,6 +104,20 @@ def step(model, rule, x, keys, values, state, lengths, counts=None, *, capacity:
     if model.W_o is not None:
         y = F.linear(y, model.W_o)
     return _out(y, post if return_posterior else None, keys, values, state, ends)
+
+
+def _project_step(model, x, pos):
+    """``read._project``; where the keys are x's alone (no absolute positions), one
+    projection by W_q, W_k and W_v stacked — in a recorded plan without gradients the stack
+    is a constant, made once per change of the weights."""
+    from .read import _project, rotated  # read imports this module
+
+    if getattr(model, "positions", None) is not None or torch.compiler.is_compiling():
+        return _project(model, x, pos)
+    H, d_q, d_v = model.heads, model.W_q.shape[0], model.W_v.shape[0]
+    both = F.linear(x, torch.cat([model.W_q, model.W_k, model.W_v]))  # (B, k, 2·d_q + d_v)
+    q, key, value = (split_heads(t, H) for t in both.split([d_q, d_q, d_v], -1))
+    return (*rotated(model, q, key, pos), value)
 
 
 def _out(y, post, keys, values, state, ends) -> tuple:
