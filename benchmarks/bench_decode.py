@@ -10,13 +10,15 @@ the row's length (``index_copy_``; FoX: its running sum of log forget gates too)
 masked out (FoX: c_i − c_j added to the mask), then W_O. Both read a tensor of lengths, so
 neither reads a length on the host.
 
-Each is timed eagerly (the layer: its recorded plan replayed) and under ``torch.compile`` (a
-function doing one step, compiled once; the layer's and the hand-written step alike), the
-outputs checked equal first. Timing: the two run interleaved (order reversed each round),
-each round a block of steps; medians over rounds and the median of the per-round ratios
-(``paired``; target ≤ 1.2×). Peak memory: the growth of the RSS high-water mark (CPU) or of
-the CUDA allocator's peak over a block of steps.
-Run: ``python benchmarks/bench_decode.py [--quick] [--device cpu|cuda] [--json PATH]``.
+Each is timed eagerly (the layer: its recorded plan replayed, with structattn's value checks
+on — the default — and off) and under ``torch.compile`` (a function doing one step, compiled
+once; the layer's and the hand-written step alike), the outputs checked equal first.
+Timing: the two run interleaved (order reversed each round), each round a block of steps;
+medians over rounds and the median of the per-round ratios (``paired``; target ≤ 1.2×);
+``--clock cpu`` times the process's CPU time (on a shared machine the time spent waiting for
+a core is left out). Peak memory: the growth of the RSS high-water mark (CPU) or of the CUDA
+allocator's peak over a block of steps. Run: ``python benchmarks/bench_decode.py [--quick]
+[--device cpu|cuda] [--clock wall|cpu] [--threads N] [--json PATH]``.
 """
 
 from __future__ import annotations
@@ -40,6 +42,10 @@ from _memory import measure_peak_mib  # noqa: E402
 import structattn as sa  # noqa: E402
 
 TARGET = 1.2
+#: how the layer's step runs: its plan replayed with structattn's value checks (the
+#: default: x_new found finite, a sum per step), without them (``sa.validation(False)``),
+#: and compiled by torch.compile (where structattn's checks are not traced)
+MODES = ("eager", "eager_unchecked", "compiled")
 
 
 class HandStep:
@@ -140,6 +146,29 @@ def peak(fn, x_new, steps: int, device) -> float:
     return measure_peak_mib(run)
 
 
+def measure(model, name, mode, B, L, prefill, x, x_new, rounds, block, device, clock) -> dict:
+    """One row: the layer's step and the hand-written one after the same prefill, checked
+    equal, warmed up, timed in pairs and their peak memory measured."""
+    ours, hand, cache = _pair(model, B, L, prefill, x, mode == "compiled")
+    with torch.no_grad():  # the same step from the same cache: the same output
+        a, b = ours(x[:, prefill:prefill + 1]), hand(x[:, prefill:prefill + 1])
+        error = float((a - b).abs().max())
+        assert error < 1e-4, (name, mode, error)
+        for _ in range(2):  # the plan recorded, the compiled code warm
+            ours(x_new)
+            hand(x_new)
+    plans = len(cache.plans)
+    res = time_pair({"hand": hand, "structattn": ours}, x_new, rounds, block, device, clock)
+    mem = {k: peak(fn, x_new, block, device) for k, fn in (("hand", hand), ("structattn", ours))}
+    return {"layer": name, "mode": mode, "d_model": model.d_model, "heads": model.heads,
+            "batch": B, "capacity": L, "prefill": prefill, "dtype": str(x.dtype),
+            "hand_us": res["hand"]["median_us"], "structattn_us": res["structattn"]["median_us"],
+            "paired_ratio": res["structattn"]["paired"], "target": TARGET,
+            "peak_mib_hand": mem["hand"], "peak_mib_structattn": mem["structattn"],
+            "max_abs_difference": error,
+            "plans_recorded_while_timed": len(cache.plans) - plans}
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true")
@@ -166,34 +195,16 @@ def main(argv=None):
     for name, model in _layers(d, heads, torch.float32, device).items():
         x = torch.randn(B, L, d, device=device)
         x_new = torch.randn(B, 1, d, device=device)
-        for compiled in (False, True):
-            ours, hand, cache = _pair(model, B, L, prefill, x, compiled)
-            with torch.no_grad():  # the same step from the same cache: the same output
-                a, b = ours(x[:, prefill:prefill + 1]), hand(x[:, prefill:prefill + 1])
-                error = float((a - b).abs().max())
-                assert error < 1e-4, (name, compiled, error)
-                for _ in range(2):  # the plan recorded, the compiled code warm
-                    ours(x_new)
-                    hand(x_new)
-            plans = len(cache.plans)
-            res = time_pair({"hand": hand, "structattn": ours}, x_new, rounds, block, device,
-                            clock=time.process_time if args.clock == "cpu" else time.perf_counter)
-            mem = {k: peak(fn, x_new, block, device)
-                   for k, fn in (("hand", hand), ("structattn", ours))}
-            recorded = len(cache.plans) - plans  # plans recorded while timed: none expected
-            row = {"layer": name, "mode": "compiled" if compiled else "eager", "d_model": d,
-                   "heads": heads, "batch": B, "capacity": L, "prefill": prefill,
-                   "dtype": "float32", "hand_us": res["hand"]["median_us"],
-                   "structattn_us": res["structattn"]["median_us"],
-                   "paired_ratio": res["structattn"]["paired"], "target": TARGET,
-                   "peak_mib_hand": mem["hand"], "peak_mib_structattn": mem["structattn"],
-                   "max_abs_difference": error, "plans_recorded_while_timed": recorded}
+        for mode in MODES:
+            with sa.validation(mode != "eager_unchecked"):
+                row = measure(model, name, mode, B, L, prefill, x, x_new, rounds, block, device,
+                              time.process_time if args.clock == "cpu" else time.perf_counter)
             rows.append(row)
             verdict = "OK" if row["paired_ratio"] <= TARGET else "MISS"
-            print(f"{name:22s} {row['mode']:8s} hand {row['hand_us']:8.1f} µs  structattn "
+            print(f"{name:22s} {mode:15s} hand {row['hand_us']:8.1f} µs  structattn "
                   f"{row['structattn_us']:8.1f} µs  paired {row['paired_ratio']:.3f}× "
-                  f"(≤ {TARGET}: {verdict})  peak MiB {mem['hand']:.2f} / {mem['structattn']:.2f}",
-                  flush=True)
+                  f"(≤ {TARGET}: {verdict})  peak MiB {row['peak_mib_hand']:.2f} / "
+                  f"{row['peak_mib_structattn']:.2f}", flush=True)
     path = _results.save("decode", {"rows": rows, "rounds": rounds, "block": block,
                                     "clock": args.clock},
                          args.json, quick=args.quick, device=device)

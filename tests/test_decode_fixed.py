@@ -171,3 +171,32 @@ def test_torch_compile_traces_a_step_once(name):
     eager, _ = _steps(layer, x, capacity=7)
     torch.testing.assert_close(torch.cat(ys, 1), eager, rtol=0, atol=1e-10)
     torch.testing.assert_close(eager, layer(x), rtol=0, atol=1e-10)
+
+
+def test_after_warm_up_a_bad_step_is_still_refused_naming_the_argument():
+    """A step the last plan would serve skips ``read``'s checks: one that plan would not
+    serve — another batch shape, width, dtype, a hook — is read and checked as before."""
+    layer = sa.compile(sa.models.forgetting_attention(6, heads=2, dtype=torch.float64))
+    x = torch.randn(2, 8, 6, dtype=torch.float64)
+    cache = layer.new_cache(capacity=8)
+    with torch.no_grad():
+        for t in range(4):
+            layer(x[:, t:t + 1], cache=cache)
+        with pytest.raises(ValueError, match=r"batch shape must be the cache's, \(2,\); got "
+                                             r"\(3,\)"):
+            layer(torch.randn(3, 1, 6, dtype=torch.float64), cache=cache)
+        with pytest.raises(ValueError, match=r"d_model=6\); got \(2, 1, 5\)"):
+            layer(torch.randn(2, 1, 5, dtype=torch.float64), cache=cache)
+        with pytest.raises(ValueError, match=r"x_new must have the parameters' dtype"):
+            layer(x[:, 4:5].float(), cache=cache)
+        with pytest.raises(ValueError, match="cache holds another layer's tokens"):
+            sa.compile(sa.models.forgetting_attention(6, heads=2, dtype=torch.float64))(
+                x[:, 4:5], cache=cache)
+        assert len(cache) == 4
+        seen = []
+        handle = layer.register_forward_hook(lambda *args: seen.append(1))
+        layer(x[:, 4:5], cache=cache)
+        handle.remove()
+        ys = [layer(x[:, t:t + 1], cache=cache) for t in range(5, 8)]
+    assert seen == [1] and len(cache) == 8
+    torch.testing.assert_close(torch.cat(ys, 1), layer(x)[:, 5:], rtol=0, atol=1e-10)

@@ -163,7 +163,8 @@ class StepReading:
         self.declaration = layer.declaration
         self._modules = {"declaration": layer.declaration}  # what a fast path checks
         self.rule = rule
-        self.plans = Plans(max_plans=layer._plans.max_plans, dynamic=layer._plans.dynamic)
+        self.plans = Plans(layer._plans.enabled, max_plans=layer._plans.max_plans,
+                           dynamic=layer._plans.dynamic)
         self.capacity = capacity
 
     def interpret(self, *tensors, state: bool, counts: bool, return_posterior: bool):
@@ -227,3 +228,43 @@ def read_fixed(layer, rule, x, counts, cache: FixedCache, batch_shape, return_po
         return y, post.reshape(*batch_shape, *post.shape[1:])
     return y
 
+
+
+#: the options of a step with every new token real and no posterior, without and with a state
+_STEP = ({"state": False, "counts": False, "return_posterior": False},
+         {"state": True, "counts": False, "return_posterior": False})
+
+
+def fast_step(layer, inputs: tuple, kwargs: dict):
+    """``layer(x_new, cache=c)`` for a ``FixedCache`` whose last step's plan serves this call
+    too — the same layer, options and x_new's shape, dtype and device (its guard), rows
+    sure to fit (the bound on the lengths) — replayed without ``read``'s checks, which that
+    plan's first call passed; ``MISSED`` otherwise (``read`` then reads the call)."""
+    cache = kwargs["cache"]
+    if type(cache) is not FixedCache or len(kwargs) != 1 or len(inputs) != 1:
+        return MISSED
+    reading = cache._steps
+    last = None if reading is None else reading.plans._last
+    x = inputs[0]
+    if last is None or reading.declaration is not layer._modules.get("declaration") \
+            or type(x) is not torch.Tensor or x.dim() != 3 \
+            or x.shape[:1] != cache.batch_shape:
+        return MISSED
+    k, bound = x.shape[1], cache._bound
+    if bound is None or bound + k > cache.capacity:
+        return MISSED
+    keys, values, state = stores = cache._stores
+    if state is None:
+        out = last.run(reading, (x, keys, values, cache._lengths), _STEP[0])
+    else:
+        out = last.run(reading, (x, keys, values, state, cache._lengths), _STEP[1])
+    if out is MISSED:
+        return MISSED
+    cache._bound = bound + k
+    y, keys, values, ends = out[:4]
+    if keys is not stores[0] or values is not stores[1] or (
+            state is not None and out[4] is not state):
+        cache.stores = [keys, values, None if state is None else out[4]]
+    cache._lengths = ends
+    cache.keys_read = cache.capacity
+    return y
