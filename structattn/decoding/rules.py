@@ -97,17 +97,21 @@ class Gate(Normalised):
 
     def new_state(self, model, x, counts, previous):
         """c of the new tokens ``(B, H, k)``: the row's last cached c plus the running sum of
-        the new log gates (padding adds nothing)."""
+        the new log gates (padding adds nothing; ``counts`` None: no padding)."""
         log_f = model.log_gates(x)  # (B, H, k)
-        slot = torch.arange(x.shape[-2], device=x.device)
-        log_f = log_f.masked_fill(~(slot < counts[:, None])[:, None, :], 0.0)
-        c = torch.cumsum(log_f, -1, dtype=torch.promote_types(log_f.dtype, torch.float32))
+        if counts is not None:
+            slot = torch.arange(x.shape[-2], device=x.device)
+            log_f = log_f.masked_fill(~(slot < counts[:, None])[:, None, :], 0.0)
+        wide = torch.promote_types(log_f.dtype, torch.float32)
+        c = log_f.to(wide) if x.shape[-2] == 1 else torch.cumsum(log_f, -1, dtype=wide)
         return (previous[:, :, None] + c).to(x.dtype)
 
     def bias(self, model, pos, parents, valid, cache, dtype):
         c = cache.state[..., : parents.shape[-1]]  # (B, H, P): now holds the new tokens too
-        at = pos.clamp(max=c.shape[-1] - 1)  # padding's positions may lie beyond its row
-        c_child = c.gather(-1, at[:, None, :].expand(-1, c.shape[1], -1))  # (B, H, k)
+        c_child = getattr(cache, "new_state", None)  # (B, H, k), where the reading has it
+        if c_child is None:
+            at = pos.clamp(max=c.shape[-1] - 1)  # padding's positions may lie beyond its row
+            c_child = c.gather(-1, at[:, None, :].expand(-1, c.shape[1], -1))
         allowed = parents[None, None, :] <= pos[:, :, None]
         if valid is not None:
             allowed = allowed & valid

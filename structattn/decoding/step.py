@@ -21,12 +21,13 @@ from .static import FixedCache, write
 
 
 class Held:
-    """What a rule's ``posterior`` reads of the cache: the prior's state (FoX's c)."""
+    """What a rule's ``posterior`` reads of the cache: the prior's state (FoX's c) at every
+    slot, and at the new tokens ``new_state (B, H, k)``."""
 
-    __slots__ = ("state",)
+    __slots__ = ("state", "new_state")
 
-    def __init__(self, state):
-        self.state = state
+    def __init__(self, state, new_state=None):
+        self.state, self.new_state = state, new_state
 
 
 def step(model, rule, x, keys, values, state, lengths, counts=None, *, capacity: int,
@@ -69,12 +70,13 @@ def step(model, rule, x, keys, values, state, lengths, counts=None, *, capacity:
         last = (lengths - 1).clamp(min=0)  # each row's last cached token
         held = state.gather(-1, last[:, None, None].expand(-1, H, 1))[..., 0]  # (B, H)
         held = torch.where((lengths > 0)[:, None], held, torch.zeros_like(held))
-        state = _write_state(state, at, rule.new_state(model, x, counts, held))
+        new_state = rule.new_state(model, x, counts if counts_given else None, held)
+        state = _write_state(state, at, new_state)  # (B, H, k) at the new tokens
 
     scale = Bilinear(model.W_q, model.W_k, heads=H, temperature=model.temperature).factor_scale()
     if isinstance(scale, torch.Tensor):
         scale = scale.to(dtype=q.dtype, device=q.device)
-    held = Held(None if state is None else state[..., :L])
+    held = Held(None, None) if state is None else Held(state[..., :L], new_state)
     if isinstance(rule, Normalised) and counts_given is False and hops == 1 \
             and not return_posterior and not isinstance(scale, torch.Tensor):
         # every row real (each allows itself): one attention kernel, the prior an additive mask
