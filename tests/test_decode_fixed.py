@@ -200,3 +200,18 @@ def test_after_warm_up_a_bad_step_is_still_refused_naming_the_argument():
         ys = [layer(x[:, t:t + 1], cache=cache) for t in range(5, 8)]
     assert seen == [1] and len(cache) == 8
     torch.testing.assert_close(torch.cat(ys, 1), layer(x)[:, 5:], rtol=0, atol=1e-10)
+
+
+def test_a_layer_that_decoded_still_copies_and_pickles():
+    """The step plans are kept beside the layer: a copy or a pickle of it starts without
+    them and decodes on its own."""
+    import copy
+    import pickle
+
+    layer = sa.compile(sa.models.alibi_attention(6, heads=2, dtype=torch.float64))
+    x = torch.randn(1, 5, 6, dtype=torch.float64)
+    y, _ = _steps(layer, x, capacity=6)
+    for other in (copy.deepcopy(layer), pickle.loads(pickle.dumps(layer))):
+        z, cache = _steps(other, x, capacity=6)
+        torch.testing.assert_close(z, y, rtol=0, atol=0)
+        assert sum(plan.calls for plan in cache.plans.values()) == 1  # its own plan

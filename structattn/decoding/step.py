@@ -9,6 +9,8 @@ row's tokens given no mass.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 
@@ -36,9 +38,10 @@ def step(model, rule, x, keys, values, state, lengths, counts=None, *, capacity:
 
     ``keys``, ``values``, ``state``: the ``FixedCache``'s storage (capacity + 1 slots; the
     new tokens are written into it, in place without gradients); ``counts (B,)``: each row's
-    real new tokens (None: k). Returns ``(y (B, k, d_out), post (B, H, k, capacity) | None,
-    keys, values, state, ends (B,))``: the storage as written and each row's new length.
-    Every shape is fixed by x's and the storage's: no value is read on the host."""
+    real new tokens (None: k). Returns ``y (B, k, d_out)``, the storage as written, each
+    row's new length ``ends (B,)`` and, asked for, the posterior ``(B, H, k, capacity)``, as
+    ``_out``'s flat tuple (``_parts`` names them). Every shape is fixed by x's and the
+    storage's: no value is read on the host."""
     B, k, _ = x.shape
     H, L = model.heads, capacity
     _validation.check_finite("x_new", x)
@@ -178,13 +181,22 @@ class StepReading:
                     capacity=self.capacity, return_posterior=return_posterior)
 
 
+#: compiled layer → {capacity: its ``StepReading``}: kept beside the layer, not in it (a copy
+#: or a pickle of the layer starts without them, as with its own plans)
+_STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def steps(layer, rule, capacity: int) -> StepReading:
-    """The layer's ``StepReading`` for caches of this capacity (one per capacity, kept on the
-    layer: ``layer.step_plans``), made anew when the layer's declaration was replaced."""
-    kept = layer.__dict__.setdefault("_decode_steps", {})
+    """The layer's ``StepReading`` for caches of this capacity (one per capacity; its plans
+    are its caches' ``plans``), made anew when the layer's declaration was
+    replaced; ``rule``: the declaration's as it reads now."""
+    kept = _STEPS.get(layer)
+    if kept is None:
+        kept = _STEPS[layer] = {}
     reading = kept.get(capacity)
     if reading is None or reading.declaration is not layer.declaration:
         reading = kept[capacity] = StepReading(layer, rule, capacity)
+    reading.rule = rule
     return reading
 
 
@@ -229,7 +241,6 @@ def read_fixed(layer, rule, x, counts, cache: FixedCache, batch_shape, return_po
     if return_posterior:
         return y, post.reshape(*batch_shape, *post.shape[1:])
     return y
-
 
 
 #: the options of a step with every new token real and no posterior, without and with a state
