@@ -65,10 +65,9 @@ def step(model, rule, x, keys, values, state, lengths, counts=None, *, capacity:
     hops, d_v = len(weights) - 1, model.d_v
 
     q, key, value = _project_step(model, x, pos)  # (B, H, k, d_k), (…, d_k), (…, d_v)
-    keys = write(keys, at, key)
     v_new = value if hops == 1 else torch.cat([value, value.new_zeros(
         *value.shape[:-1], d_v * (hops - 1))], -1)
-    values = write(values, at, v_new)
+    keys, values = write(keys, at, key), write(values, at, v_new)
     if rule.state:
         last = (lengths - 1).clamp(min=0)  # each row's last cached token
         held = state.gather(-1, last[:, None, None].expand(-1, H, 1))[..., 0]  # (B, H)
@@ -121,7 +120,10 @@ def _project_step(model, x, pos):
         return _project(model, x, pos)
     H, d_q, d_v = model.heads, model.W_q.shape[0], model.W_v.shape[0]
     both = F.linear(x, torch.cat([model.W_q, model.W_k, model.W_v]))  # (B, k, 2·d_q + d_v)
-    q, key, value = (split_heads(t, H) for t in both.split([d_q, d_q, d_v], -1))
+    if d_q == d_v:  # (B, k, 3, H, d) → three (B, H, k, d) views in two calls
+        q, key, value = both.unflatten(-1, (3, H, d_q // H)).permute(2, 0, 3, 1, 4).unbind(0)
+    else:
+        q, key, value = (split_heads(t, H) for t in both.split([d_q, d_q, d_v], -1))
     return (*rotated(model, q, key, pos), value)
 
 
