@@ -28,13 +28,15 @@ from .key_bias_launch import common as _common
 
 @triton.jit
 def _log_prior(rows, cols, mu, es, beta, ACC: tl.constexpr):
-    """``(−y, y, z)`` at a block's pairs ``(BM, BN)``: the log prior −y = −z^β with z =
-    |(i − j − μ)·e^s| (y = 0 where z = 0, as ``GeneralisedGaussian.log_at_distance``)."""
+    """``(−y, y, log₂ z)`` at a block's pairs ``(BM, BN)``: the log prior −y = −z^β =
+    −2^{β·log₂ z} with z = |(i − j − μ)·e^s| (y = 0 where z = 0, as
+    ``GeneralisedGaussian.log_at_distance``; log₂ z is 0 there)."""
     d = (rows[:, None] - cols[None, :]).to(ACC)
     z = tl.abs((d - mu) * es)
     pos = z > 0
-    y = tl.where(pos, tl.exp(beta * tl.log(tl.where(pos, z, 1.0))), 0.0)
-    return -y, y, z
+    lz = tl.log2(tl.where(pos, z, 1.0))
+    y = tl.where(pos, tl.exp2(beta * lz), 0.0)
+    return -y, y, lz
 
 
 @triton.jit
@@ -175,7 +177,7 @@ def _parents_span(db, du, dmu, dls, dbeta, b, u, cols, A, DO, LSE, DELTA, g, ks,
         do = load_tile(DO, g, sdg, rows, sdc, C, ds, sdd, D)
         lse = load_row(LSE, g, slg, rows, slc, C)
         delta = load_row(DELTA, g, slg, rows, slc, C)
-        bias, y, z = _log_prior(rows, cols, mu, es, beta, ACC)
+        bias, y, lz = _log_prior(rows, cols, mu, es, beta, ACC)
         s = dot(a, tl.trans(b), PRECISION, UPCAST) * scale + bias - lse[:, None]
         if MASKED:
             s = tl.where(_allowed(rows, cols, C, P, w, CAUSAL, WINDOWED), s, -float("inf"))
@@ -185,12 +187,12 @@ def _parents_span(db, du, dmu, dls, dbeta, b, u, cols, A, DO, LSE, DELTA, g, ks,
         db += dot(tl.trans(dsc.to(a.dtype)), a, PRECISION, UPCAST)
         # the prior's derivatives where a pair carries a gradient (off the support, or where
         # y overflowed to a zero probability, 0·∞ would be NaN)
-        live = (dsc != 0) & (z > 0)
-        dy = tl.where(live, dsc * y, 0.0)  # ds_ij·y_ij
         gap = (rows[:, None] - cols[None, :]).to(ACC) - mu
+        live = (dsc != 0) & (gap != 0)  # (z = 0 exactly where the gap is)
+        dy = tl.where(live, dsc * y, 0.0)  # ds_ij·y_ij
         dmu += tl.sum(tl.where(live, dy / tl.where(live, gap, 1.0), 0.0), axis=0)
         dls += tl.sum(dy, axis=0)
-        dbeta += tl.sum(dy * tl.log(tl.where(live, z, 1.0)), axis=0)
+        dbeta += tl.sum(dy * lz, axis=0)  # Σ ds·y·log₂ z: the op multiplies by ln 2
     return db, du, dmu, dls, dbeta
 
 
@@ -201,7 +203,7 @@ def _parents_backward(A, B, U, PRIOR, DO, LSE, DELTA, DB, DU, DPRIOR, SCALE, WIN
                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr,
                       ACC: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """db, du per block of parents, and per parent j the sums over its children of ds_ij
-    times β·y/(d − μ), y and y·log z into ``DPRIOR (3, G, P)`` (the op scales and sums them)."""
+    times y/(d − μ), y and y·log₂ z into ``DPRIOR (3, G, P)`` (the op scales and sums them)."""
     scale = tl.load(SCALE)
     n = tl.program_id(0)
     g = tl.program_id(1)
@@ -302,9 +304,10 @@ def backward(dout: torch.Tensor, a: torch.Tensor, b: torch.Tensor, u: torch.Tens
         _parents_backward[(triton.cdiv(P, parents["BN"]), G)](
             a, b, u, params, dout, lse, delta, db, du, parts, scale, win, C, P, K, D, *strides,
             *parts.stride(), **parents)
-    dmu, dy, dylog = parts.sum(-1)  # (G,) each
+    dmu, dy, dylog2 = parts.sum(-1)  # (G,) each
     beta = params[:, 2]
-    dprior = torch.stack([beta * dmu, -beta * dy, -dylog], -1)  # ∂/∂μ, ∂/∂s, ∂/∂β
+    ln2 = 0.6931471805599453
+    dprior = torch.stack([beta * dmu, -beta * dy, -ln2 * dylog2], -1)  # ∂/∂μ, ∂/∂s, ∂/∂β
     return da, db, du, dprior.to(prior.dtype)
 
 
