@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from . import band
-from .ceilings import score_ceiling
+from .ceilings import RUN_ENTRIES, score_ceiling
 from .certified import CertifiedWindow, skipped_pairs, tail_bound
 
 
@@ -78,16 +78,26 @@ class _Reader:
         return self.forward(a, b, u, h, self.scale, True, width.to(torch.int32))
 
     def bound(self, rows, width, log_in):
-        """B_i(width) ``(R, n)`` for ``rows`` at ``width`` ``(R,)`` from the evidence
-        ``log_in`` ``(R, n)`` (a lower bound of log Σ_{window} e^{s + h}); 0 where the width
-        holds the child's whole past."""
-        w = width[:, None]
-        far = self.pos - w - 1  # the nearest parent beyond the window, (R, n)
+        """B_i(width) ``(…, R, n)`` for ``rows`` ``(R,)`` at ``width`` ``(…, R)`` (several
+        widths at once along the leading dims) from the evidence ``log_in`` ``(R, n)`` (a
+        lower bound of log Σ_{window} e^{s + h}); 0 where the width holds the child's whole
+        past."""
+        w = width[..., None]
+        far = self.pos - w - 1  # the nearest parent beyond the window, (…, R, n)
         at = far.clamp(min=0)
-        tail = self.behind[rows].gather(-1, at).masked_fill(far < 0, float("-inf"))
-        ceiling = self.a_norm[rows] * self.b_run[rows].gather(-1, at) + self.slack[rows]
+        behind, run = (t[rows].expand(*at.shape) for t in (self.behind, self.b_run))
+        tail = behind.gather(-1, at).masked_fill(far < 0, float("-inf"))
+        ceiling = self.a_norm[rows] * run.gather(-1, at) + self.slack[rows]
         out = tail_bound(log_in, tail, ceiling)
         return torch.where(self.pos <= w, torch.zeros_like(out), out)
+
+    def certifies(self, rows, widths, log_in, eps):
+        """``(len(widths), R)`` bool: whether the evidence ``log_in`` ``(R, n)`` certifies
+        every child of each row at each of ``widths`` ``(W,)``; several widths per pass, at
+        most ``RUN_ENTRIES`` entries at once."""
+        step = max(1, RUN_ENTRIES // max(1, rows.numel() * self.n))
+        return torch.cat([(self.bound(rows, w[:, None].expand(-1, rows.numel()), log_in)
+                           <= eps).all(-1) for w in widths.split(step)])
 
     def evidence(self, rows, width, lse):
         """log I at ``width`` from the kernel's ``lse``, less its rounding: a lower bound."""
@@ -130,10 +140,11 @@ def certified_band_attention(a, b, u, scale: float, h, eps: float, *, start: int
     if widest is not None:
         widths = [w for w in widths[:-1] if w <= widest] + [last]
     every = torch.arange(G, device=dev)
+    wt = torch.tensor(widths, device=dev)
     with torch.no_grad():
         best = torch.logcumsumexp(hh.detach().to(torch.float64), -1) + r.high  # I ≤ e^{best}
-        possible = torch.stack([(r.bound(every, torch.full((G,), w, device=dev), best) <= eps)
-                                .all(-1) for w in widths])  # (len(widths), G)
+        possible = r.certifies(every, wt, best, eps)  # (len(widths), G): whether the best
+        # scores inside could certify each width
     hopeless = ~possible[:-1].any(0) if len(widths) > 1 else torch.ones_like(possible[0])
     own = torch.where(hopeless, last, widths[0])  # (G,): each row's first reading
     out, lse = r.read(every, own)
@@ -147,11 +158,9 @@ def certified_band_attention(a, b, u, scale: float, h, eps: float, *, start: int
     if rest.numel():
         with torch.no_grad():  # the first width the start's evidence certifies, per row
             log_in = r.evidence(rest, own[rest], lse[rest])
-            ok = torch.stack([(r.bound(rest, torch.full_like(rest, w), log_in) <= eps).all(-1)
-                              for w in widths])  # (len(widths), R)
-            ok[-1] = True  # all of the past: bound 0
+            ok = r.certifies(rest, wt, log_in, eps)
+            ok[-1] = True  # (len(widths), R); all of the past: bound 0
             k = ok.int().argmax(0)  # (R,)
-            wt = torch.tensor(widths, device=dev)
             target = wt[k]
             below = wt[(k - 1).clamp(min=0)]
             eighth = torch.tensor([8 * band.BandLayout.for_window(n, w, block).width <= n
