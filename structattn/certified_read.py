@@ -19,7 +19,9 @@ evidence certifies it, else the wider one is read. A head that no width below al
 past could certify, even at the best scores, reads all of it (bound 0). At most three
 readings, the first ``start`` wide: certifying costs little next to reading, where
 ``certify`` scored the band in float64 before the reading read it again. The prior is the
-one the kernel reads (h as given), as the block-sparse certificate's.
+one the kernel reads (h as given), as the block-sparse certificate's. The ceiling is the
+longest key's alone, not ``certify``'s per-block ceilings as well: where only those certify
+a width (keys clustered away from the queries), the band read here is wider than the CPU's.
 """
 
 from __future__ import annotations
@@ -37,13 +39,15 @@ def read_slack(lse: torch.Tensor, reach: torch.Tensor, width: int, computed: tor
     rounding (``score_ceiling``'s slack), ``lse``'s shape, float64. The kernel adds scale·s
     and h in ``computed`` (unit u; each logit off by ≤ 2u·``reach``, ``reach`` ≥ |s| + |h|
     on the row), takes e^{x} with |x| ≤ 2·reach (relative error u·|x| from its argument, and
-    2⁻²⁰ for a GPU's approximate exp), sums ≤ width + 2·block terms with a rescale per block
-    of ``block`` (relative γ each) and takes a log (u·|lse| and 2⁻²⁰). Charged generously:
-    4u·reach + 2(width + 3·block)·u + 2u·|lse| + 2⁻¹⁸."""
+    2⁻²² for a GPU's approximate exp), sums ≤ width + 2·block terms (γ) with a rescale per
+    block of at least 16 parents (the rescales' arguments add up to the rise of the running
+    maximum, ≤ 2·reach; each one's approximate exp 2⁻²² more), and takes a log (u·|lse| and
+    2⁻²²). Charged generously: 4u·reach + 2(width + 3·block)·u + 2u·|lse|, and in float32
+    (width + 3·block)·2⁻²⁰ + 2⁻¹⁸ for the approximations."""
     u = torch.finfo(computed).eps / 2
-    rounding = 2 ** -18 if computed != torch.float64 else 0.0
-    return (4 * u * reach + 2 * (width + 3 * block) * u + 2 * u * lse.abs().to(torch.float64)
-            + rounding)
+    terms = width + 3 * block
+    rounding = terms * 2 ** -20 + 2 ** -18 if computed != torch.float64 else 0.0
+    return 4 * u * reach + 2 * terms * u + 2 * u * lse.abs().to(torch.float64) + rounding
 
 
 class _Reader:
