@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from ._tiles import (
+    add_tile,
     dot,
     load_tile,
     online_softmax,
@@ -100,11 +101,13 @@ def _attend_forward(A, B, U, E, WIN, O, LSE, SCALE, N, P, K, D, offset,
 
 
 @triton.jit
-def _attend_backward(A, B, U, E, WIN, DO, LSE, DELTA, DA, DE, SCALE, N, P, K, D,
+def _attend_backward(A, B, U, E, WIN, DO, LSE, DELTA, DA, DE, DB, DU, SCALE, N, P, K, D,
                      offset, sag, san, sak, sbg, sbp, sbk, sug, sup, sud, sdg, sdn, sdd,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr,
-                     ACC: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """da and de per block of children."""
+                     ACC: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+                     ATOMIC: tl.constexpr):
+    """da and de per block of children; with ``ATOMIC``, db and du too, added atomically
+    into float buffers laid out as b and u (``BACKWARD``)."""
     scale = tl.load(SCALE)
     g = tl.program_id(1)
     rows, rmask, pos, ks, a, e, w, live = _children(A, E, WIN, g, tl.program_id(0), N, offset,
@@ -126,6 +129,11 @@ def _attend_backward(A, B, U, E, WIN, DO, LSE, DELTA, DA, DE, SCALE, N, P, K, D,
         dsc = p * (dot(do, tl.trans(u), PRECISION, UPCAST) - delta[:, None])
         da += dot(dsc.to(b.dtype), b, PRECISION, UPCAST)
         de += tl.sum(dsc * d, axis=1)
+        if ATOMIC:
+            add_tile(DB, dot(tl.trans(dsc.to(a.dtype)), a, PRECISION, UPCAST) * scale, g,
+                     P * K, cols, K, P, ks, 1, K)
+            add_tile(DU, dot(tl.trans(p.to(do.dtype)), do, PRECISION, UPCAST), g, P * D, cols,
+                     D, P, ds, 1, D)
     store_tile(DA, da * scale, g, N * K, rows, K, N, ks, 1, K)
     tl.store(DE + g * N + rows, de, mask=rmask)
 
@@ -189,6 +197,13 @@ def _reach(window: torch.Tensor, offset: int, block: int) -> tuple[torch.Tensor,
     return first.to(torch.int32).contiguous(), reach.to(torch.int32).contiguous()
 
 
+#: how the backward gives db and du: "parents" (default), a kernel per block of parents; or
+#: "atomic", added per tile by the children's kernel (``benchmarks/profile_expanding.py``
+#: times both: narrow windows touch each parent block from few tiles, where the atomics may
+#: cost less than the parents' kernel's second scoring)
+BACKWARD: dict = dict(db_du="parents")
+
+
 def _launch(dtype, K, D) -> dict:
     common = dict(settings(dtype, max(width(K), width(D)), 64, 64), BK=width(K), BD=width(D))
     return common
@@ -246,13 +261,15 @@ def attend_backward(dout: torch.Tensor, a: torch.Tensor, b: torch.Tensor, u: tor
             lse.contiguous()
         scale_t = scalar(scale, a)
         strides = (*a.stride(), *b.stride(), *u.stride(), *do.stride())
+        atomic = BACKWARD["db_du"] == "atomic"
         _attend_backward[(triton.cdiv(N, common["BM"]), G)](
-            a, b, u, e, win, do, lse, delta, da, de, scale_t, N, P, K, D, offset, *strides,
-            **common)
-        first, reach = _reach(window, offset, common["BM"])
-        _parents_backward[(triton.cdiv(P, common["BN"]), G)](
-            a, b, u, e, win, do, lse, delta, db, du, first, reach, scale_t, N, P, K, D, offset,
-            first.shape[1], *strides, **common)
+            a, b, u, e, win, do, lse, delta, da, de, db, du, scale_t, N, P, K, D, offset,
+            *strides, **common, ATOMIC=atomic)
+        if not atomic:
+            first, reach = _reach(window, offset, common["BM"])
+            _parents_backward[(triton.cdiv(P, common["BN"]), G)](
+                a, b, u, e, win, do, lse, delta, db, du, first, reach, scale_t, N, P, K, D,
+                offset, first.shape[1], *strides, **common)
     return da.to(a.dtype), db.to(b.dtype), du.to(u.dtype), de.to(e.dtype)
 
 
@@ -278,4 +295,4 @@ def _backward_rule(ctx, dout, _):
 attend_forward.register_autograd(_backward_rule, setup_context=_setup)
 
 
-__all__ = ["attend_backward", "attend_forward"]
+__all__ = ["BACKWARD", "attend_backward", "attend_forward"]

@@ -212,6 +212,37 @@ def test_triton_band_per_child_equals_the_cpu_kernel_and_softmax_written_out(N, 
         torch.testing.assert_close(x, y, atol=1e-11, rtol=0, msg=name)
 
 
+@pytest.mark.parametrize("windows", ["whole past", "narrow"])
+def test_the_band_per_childs_db_du_per_block_of_parents_equal_the_atomic_adds(windows,
+                                                                            monkeypatch):
+    """db and du from the kernel per block of parents (the default: no atomics, the blocks of
+    children that reach each block of parents) equal those the children's kernel adds per
+    tile (``BACKWARD["db_du"] = "atomic"``), with windows holding each child's whole past
+    (the parents' kernel reads every later block) and narrow ones with one far reach (it
+    skips the blocks between), children the last 70 of 90 tokens."""
+    from structattn.triton_kernels import band_per_child as bpc
+
+    a, b, u, window, alpha, beta = _band(2, 70, 90, 5, 7, 11)
+    if windows == "whole past":
+        window = torch.arange(20, 90, device=DEVICE).expand(2, 70).clone()
+    else:
+        window = window.clamp(max=6)
+        window[0, 60] = 75  # one child reaches back almost to the start
+    e = torch.digamma(alpha) - torch.digamma(alpha + beta)
+    out, lse = bpc.attend_forward(a, b, u, e, window, 20, 0.7)
+    dout = torch.randn_like(out)
+    got = bpc.attend_backward(dout, a, b, u, e, window, out, lse, 20, 0.7)
+    monkeypatch.setitem(bpc.BACKWARD, "db_du", "atomic")
+    want = bpc.attend_backward(dout, a, b, u, e, window, out, lse, 20, 0.7)
+    for name, x, y in zip("a b u e".split(), got, want, strict=True):
+        torch.testing.assert_close(x, y, atol=1e-12, rtol=0, msg=name)
+    leaves = [t.clone().requires_grad_() for t in (a, b, u, e)]
+    exact = band_per_child(*leaves, window, 20, 0.7)
+    for name, x, y in zip("a b u e".split(), got,
+                          torch.autograd.grad((exact * dout).sum(), leaves), strict=True):
+        torch.testing.assert_close(x, y, atol=1e-11, rtol=0, msg=name)
+
+
 def test_triton_band_per_child_gradcheck_and_opcheck():
     torch.manual_seed(5)
     a, b, u = (torch.randn(1, n, w, dtype=f64, device=DEVICE, requires_grad=True)
