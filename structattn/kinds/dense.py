@@ -229,13 +229,15 @@ class DenseOperator(Operator, dense_twin=True):
         a, b, scale = self.fused_factors()
         u_width = u.shape[-1]
         h = self._const("parent_terms", lambda: f.tables.parent_terms(xc.dtype))
-        shape = f.prior.distance_shape() if h is None else None
+        support = f.tables.support
+        shape = (f.prior.distance_shape() if h is None and (
+            support.is_causal() or isinstance(support, AllParents)) else None)
         if h is not None and key_bias.applies(a, b, u, h):  # log prior g_i + h_j: g drops out,
             out = key_bias.key_bias_attention(  # h is a mask over the parents (CPU; with grad
                 # through the compiled kernel's backward), or a term of each block's scores
                 # (Triton, any dtype, h in float32)
                 a, b, u, h, scale, f.tables.support.is_causal())
-        elif shape is not None and distance_kernel.applies(f.tables.support, a, b, u):
+        elif shape is not None and distance_kernel.applies(a, b, u):
             # −|(i − j − μ)·e^s|^β computed per block of scores (Triton): no C×P bias
             out = distance_kernel.distance_kernel_attention(a, b, u, shape, scale,
                                                             f.tables.support.is_causal())

@@ -19,12 +19,11 @@ from .. import kernels, triton_kernels
 from .._validation import is_exporting
 
 
-def applies(support, a: torch.Tensor, b: torch.Tensor, u: torch.Tensor) -> bool:
-    """Whether the kernel reads this family: its support is j ≤ i or every parent (what the
-    kernel masks), the Triton kernels serve these factors and the kernels are on (not in an
+def applies(a: torch.Tensor, b: torch.Tensor, u: torch.Tensor) -> bool:
+    """Whether the kernel reads these factors (over j ≤ i or every parent, what it masks: the
+    caller's to say): the Triton kernels serve them and the kernels are on (not in an
     exported program, which must run without structattn)."""
-    whole = support.is_causal() or support.dense(1, 1, a.device) is None
-    return (whole and b.shape[-2] > 0 and triton_kernels.serves(a, b, u) and kernels._enabled()
+    return (b.shape[-2] > 0 and triton_kernels.serves(a, b, u) and kernels._enabled()
             and not (is_exporting() or torch.compiler.is_exporting()))
 
 

@@ -34,7 +34,7 @@ import torch
 
 from .._validation import checks_on, passes
 from ..certified import certificate_option, window_options
-from ..kinds.dense import DenseOperator
+from ..kinds.dense import AllParents, DenseOperator
 from ..kinds.window import Window
 from .base import Prior
 from .tables import PriorTables, _check_log_weights
@@ -231,7 +231,7 @@ class DistanceTables(PriorTables):
         support = self.support
         return (self.prior.distance_shape() is not None
                 and 0 < self.num_children <= self.num_parents
-                and (support.is_causal() or support.dense(1, 1, self.device) is None))
+                and (support.is_causal() or isinstance(support, AllParents)))
 
     def validate(self, family: str, *, batch_shape=(), heads: int = 1) -> None:
         prior = self.prior
