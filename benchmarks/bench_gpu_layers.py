@@ -13,7 +13,7 @@ the same shapes (FLA's, the FoX and stick-breaking layers' own weights):
   why);
 - the layers: causal self-attention, RoPE, ALiBi, relative and learned absolute positions
   (causal), FoX, FoX certified (``tol=1e-4``), stick-breaking, BAM's generalised Gaussian
-  (certified at ``tol=1e-4``; without ``tol`` its (H, N, N) bias, up to N = 4,096), causal
+  (its Triton kernel; certified at ``tol=1e-4``), causal
   multihop (P + P²)VX (up to N = 4,096: P² is dense), expanding attention's
   mean field with ``grad="last"`` on the expanding benchmark's input (each head's tokens
   carry their true parent's key, Geometric(1/16) back, and W_Q, W_K read it, as
@@ -150,6 +150,8 @@ def layers(N, kw):
         "FoX, certified (tol 1e-4)": (models.forgetting_attention(d_model, tol=1e-4, **kw),
                                       "normal"),
         "stick-breaking": (models.stick_breaking_attention(d_model, **kw), "normal"),
+        "generalised Gaussian": (models.generalised_gaussian_attention(d_model, **kw),
+                                 "normal"),
         "generalised Gaussian, certified (tol 1e-4)": (
             models.generalised_gaussian_attention(d_model, tol=1e-4, **kw), "normal"),
         "expanding, grad='last' (expanding input)": (read_parents(models.expanding_attention(
@@ -158,9 +160,7 @@ def layers(N, kw):
         "expanding, grad='last' (standard normal)": (models.expanding_attention(
             d_model, inference=sa.MeanFieldWindows(grad="last"), **kw), "normal"),
     }
-    if N <= 4096:  # (H, N, N) tables: no fast path without tol; P² of the posterior
-        out["generalised Gaussian (dense bias)"] = (
-            models.generalised_gaussian_attention(d_model, **kw), "normal")
+    if N <= 4096:  # P² of the posterior
         out["multihop (P + P²)"] = (models.multihop_attention(d_model, causal=True, **kw),
                                     "normal")
     return out

@@ -126,6 +126,14 @@ def main(argv=None):
     dout = torch.randn_like(o)
     row("band per child, forward+backward",
         timed(lambda: torch.autograd.grad(attend(*leaves, *a_args[5:])[0], leaves[:4], dout)))
+    from structattn.triton_kernels.band_per_child import BACKWARD
+    BACKWARD["db_du"] = "atomic"  # db and du added per tile by the children's kernel
+    try:
+        row("band per child, forward+backward (db, du atomic)",
+            timed(lambda: torch.autograd.grad(attend(*leaves, *a_args[5:])[0], leaves[:4],
+                                              dout)))
+    finally:
+        BACKWARD["db_du"] = "parents"
     from torch.profiler import ProfilerActivity, profile
     kinds = [ProfilerActivity.CPU] + ([] if args.smoke else [ProfilerActivity.CUDA])
     with sa.validation(False), profile(activities=kinds) as prof:

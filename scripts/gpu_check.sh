@@ -13,8 +13,9 @@
 #      the key-bias kernel's launch settings (benchmarks/tune_key_bias.py), then the Triton
 #      kernels against FLA and FlashAttention with them (benchmarks/bench_gpu_kernels.py);
 #      checks on and off, per-call cost, the distance priors' and expanding attention's layers
-#      with --device cuda.
-# The default limits add up to 8 minutes (steps 1-4), which leaves a lent machine's 15 minutes
+#      with --device cuda, and where expanding attention's mean field spends its time
+#      (benchmarks/profile_expanding.py, PROFILE_S).
+# The default limits add up to 8 minutes 40 seconds (steps 1-4), which leaves a lent machine's 15 minutes
 # room to start and to rerun a step. Carry .gpu-wheels and gallery/corpus (the corpus, ~6 MB:
 # python gallery/train_lm.py --write-corpus, on Python 3.11.7, writes it).
 # The device tool brings back at most eight files: wrap $OUT in one archive afterwards.
@@ -58,8 +59,10 @@ step() {  # step NAME SECONDS COMMAND...: run with a limit (0: skip), log to $OU
   echo "== $name: exit ${PIPESTATUS[0]} $(date +%T)"
 }
 
-# the Triton kernels on CUDA tensors (elsewhere they run under the interpreter)
-step triton "${TRITON_S:-110}" "$PY" -m pytest -q -p no:cacheprovider -p no:benchmark "${XDIST[@]}" \
+# the Triton kernels on CUDA tensors (elsewhere they run under the interpreter): among them
+# the generalised Gaussian's kernel, the certificate read from the band's log-sums and the
+# float32 solve against the CPU kernel (a threshold tie compared at its own step)
+step triton "${TRITON_S:-150}" "$PY" -m pytest -q -p no:cacheprovider -p no:benchmark "${XDIST[@]}" \
   ${TRITON_TESTS:-tests/triton} --durations=5
 step tests "${TESTS_S:-90}" "$PY" -m pytest -q -p no:cacheprovider -p no:benchmark "${XDIST[@]}" \
   ${CUDA_TESTS:-tests/test_cuda.py tests/test_torch_compile.py tests/models/test_expanding_attention.py} \
@@ -99,3 +102,8 @@ step distance_priors "${DISTANCE_S:-0}" "$PY" benchmarks/bench_distance_priors.p
 step expanding "${EXPANDING_S:-0}" "$PY" benchmarks/bench_expanding.py --device cuda \
   --sizes ${EXPANDING_SIZES:-4096 16384} --repeats ${EXPANDING_REPEATS:-3} \
   --json "$OUT/expanding.json"
+# where expanding attention's mean field spends its time (the solve, the band per child's
+# forward and backward, its db and du per block of parents against the atomic adds), on the
+# benchmark's input at N = 16,384, the solve's default settings only
+step profile_expanding "${PROFILE_S:-0}" "$PY" benchmarks/profile_expanding.py --no-sweep \
+  --json "$OUT/profile_expanding.json"

@@ -6,6 +6,7 @@ to an attention layer; check the layer against Pyro; draw the structure.
 import importlib as _importlib
 from typing import TYPE_CHECKING as _TYPE_CHECKING
 
+from . import _links as _links  # first: a clone without its links says so, in one line
 from . import block_sparse as block_sparse
 from . import checks as checks
 from . import kernels as kernels

@@ -95,10 +95,20 @@ class CompiledModule(nn.Module):
         # needs that machinery — no hooks on this module or global ones, no
         # nn.Module.compile(), no TorchScript tracer, not inside torch.compile. Otherwise, and
         # when the call is not the last plan's, nn.Module's own call (hooks, then forward).
+        if "cache" in kwargs:  # a decoding step: its own fast path (structattn.decoding.step)
+            if self._compiled_call_impl is None \
+                    and not (self._forward_pre_hooks or self._forward_hooks
+                             or self._backward_hooks or self._backward_pre_hooks or _HOOKS[0]
+                             or _HOOKS[1] or _HOOKS[2] or _HOOKS[3]) \
+                    and not torch.compiler.is_compiling() and not tracing_state():
+                from .decoding.step import fast_step
+                out = fast_step(self, inputs, kwargs)
+                if out is not MISSED:
+                    return out
+            return super().__call__(*inputs, **kwargs)
         plans = self._plans
         last = plans._last
         if last is not None and plans.enabled and self._compiled_call_impl is None \
-                and "cache" not in kwargs \
                 and not (self._forward_pre_hooks or self._forward_hooks or self._backward_hooks
                          or self._backward_pre_hooks or _HOOKS[0] or _HOOKS[1] or _HOOKS[2]
                          or _HOOKS[3]) \
@@ -155,24 +165,31 @@ class CompiledModule(nn.Module):
             return plans(self, inputs, kwargs)
         return self.interpret(*inputs, **kwargs)
 
-    def new_cache(self, tol=None, *, query_norm=None, key_norm=None, input_norm=None,
-                  block=64):
+    def new_cache(self, capacity: int | None = None, *, tol=None, query_norm=None,
+                  key_norm=None, input_norm=None, block=64):
         """An empty ``structattn.decoding.DecodeCache`` for ``self(x_new, cache=c)``: each
         call reads x_new's tokens after everything ``c`` holds and appends them (a causal
         model only; ``lengths=`` for rows with different numbers of new tokens).
 
-        ``tol`` (in (0, 1)): certified eviction (``structattn.decoding.evict``): the oldest
-        blocks of ``block`` keys are dropped once their posterior mass is proved ≤ tol for
-        every later query, from ceilings on the future queries' and keys' norms —
-        ``query_norm`` and ``key_norm`` (a number, or one per head), or ``input_norm``, a
-        ceiling on ‖x‖ carried through the projections' spectral norms. ALiBi, FoX and the
-        generalised Gaussian with loc ≤ 0 only; ``c.trace`` reports each call."""
+        Args:
+            capacity (int | None): None: the cache grows as it fills; an int: room for that
+                many tokens per row, allocated by the first call and written in place, so
+                that every step has the same shapes and replays one recorded plan (and
+                ``torch.compile`` traces it once); a call beyond it is refused.
+            tol (float | None): certified eviction (``structattn.decoding.evict``), in
+                (0, 1), for a growing cache: the oldest blocks of ``block`` keys are dropped
+                once their posterior mass is proved ≤ tol for every later query, from
+                ceilings on the future queries' and keys' norms — ``query_norm`` and
+                ``key_norm`` (a number, or one per head), or ``input_norm``, a ceiling on ‖x‖
+                carried through the projections' spectral norms. ALiBi, FoX and the
+                generalised Gaussian with loc ≤ 0 only; ``c.trace`` reports each call.
+        """
         from .decoding import new_cache
         given = {k: v for k, v in (("query_norm", query_norm), ("key_norm", key_norm),
                                    ("input_norm", input_norm)) if v is not None}
         if block != 64:
             given["block"] = block
-        return new_cache(self, tol, **given)
+        return new_cache(self, capacity, tol, **given)
 
     def interpret(self, *inputs, return_posterior: bool = False, return_trace: bool = False,
                   trace_posteriors: bool = False, **kwargs):

@@ -47,7 +47,7 @@ def stage(dest: pathlib.Path, *parts: str) -> pathlib.Path:
             if _ignored(str(ROOT), [name]):
                 continue
             if source.is_dir():
-                shutil.copytree(source, dest / name, ignore=_ignored)
+                shutil.copytree(source, dest / name, ignore=_ignored, symlinks=True)
             elif source.exists():
                 shutil.copy2(source, dest / name)
         return dest
@@ -55,6 +55,10 @@ def stage(dest: pathlib.Path, *parts: str) -> pathlib.Path:
         if parts and name.split("/", 1)[0] not in parts:
             continue
         source = ROOT / name
+        if source.is_symlink():  # structattn/models -> ../models: the link, not a second copy
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            os.symlink(os.readlink(source), dest / name)
+            continue
         if not source.is_file():  # deleted in the working tree, not yet committed
             continue
         (dest / name).parent.mkdir(parents=True, exist_ok=True)

@@ -25,10 +25,10 @@ def test_every_model_module_is_registered():
     modules = {m.name for m in pkgutil.iter_modules(structattn.models.__path__)
                if not m.name.startswith("_")}
     assert modules == set(sa.models.REGISTRY), (
-        "each file in structattn/models/ must be listed in structattn/models/__init__.py "
+        "each file in models/ must be listed in models/__init__.py "
         "(one line; see the README's 'Adding a catalogue model')")
     assert {c.model for c in CASES.values()} == set(sa.models.REGISTRY), (
-        "each registered model needs a case (its ENTRY in structattn/models/NAME.py)")
+        "each registered model needs a case (its ENTRY in models/NAME.py)")
     assert set(sa.models.EXAMPLES) == set(sa.models.REGISTRY)
 
 
@@ -173,7 +173,7 @@ def _case():
 ENTRY = Entry(toy_attention, ToyAttention, case=_case, example=dict(d=3), sizes=dict(d=1))
 '''
 
-#: the plugin a test session loads to register the toy, as structattn/models/__init__.py's line would
+#: the plugin a test session loads to register the toy, as models/__init__.py's line would
 PLUGIN = '''import structattn.models
 
 structattn.models.__path__.append({folder!r})

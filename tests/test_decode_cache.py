@@ -51,13 +51,14 @@ def _full(layer, x):
     return y[0], post[0]
 
 
-def _decode(layer, x, total, rng, max_step):
+def _decode(layer, x, total, rng, max_step, capacity=None):
     """Read rows of ``x (B, N, d)`` holding ``total[b]`` tokens in random blocks: a prefill
-    then steps, each row taking a random share (0 allowed) of each call's k tokens. Returns
-    per row the outputs ``(total_b, d_out)``, the posterior rows ``(H, total_b, total_b)``
-    and the cache."""
+    then steps, each row taking a random share (0 allowed) of each call's k tokens, into a
+    cache that grows (``capacity`` None) or has that fixed capacity. Returns per row the
+    outputs ``(total_b, d_out)``, the posterior rows ``(H, total_b, total_b)`` and the
+    cache."""
     B, N, _ = x.shape
-    cache = layer.new_cache()
+    cache = layer.new_cache(capacity=capacity)
     assert len(cache) == 0
     done = [0] * B
     ys = [[] for _ in range(B)]
@@ -72,7 +73,8 @@ def _decode(layer, x, total, rng, max_step):
             x_new[b, :counts[b]] = x[b, done[b]:done[b] + counts[b]]
         y, post = layer(x_new, cache=cache, lengths=torch.tensor(counts),
                         return_posterior=True)
-        assert post.shape[-1] == len(cache) == max(d + c for d, c in zip(done, counts, strict=True))
+        assert len(cache) == max(d + c for d, c in zip(done, counts, strict=True))
+        assert post.shape[-1] == (len(cache) if capacity is None else capacity)
         for b in range(B):
             c = counts[b]
             assert torch.equal(y[b, c:], torch.zeros_like(y[b, c:]))  # padding reads nothing
@@ -94,8 +96,9 @@ def _decode(layer, x, total, rng, max_step):
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("kind", ["growing", "fixed"])
 @pytest.mark.parametrize("case", DECODED)
-def test_prefill_and_steps_equal_the_full_forward(case, seed):
+def test_prefill_and_steps_equal_the_full_forward(case, kind, seed):
     rng = random.Random(f"{case}-{seed}")
     torch.manual_seed(seed)
     model, x0 = _causal(CASES[case])
@@ -104,10 +107,17 @@ def test_prefill_and_steps_equal_the_full_forward(case, seed):
     longest = 9 if getattr(model, "positions", None) is None else min(9, model.max_len)
     total = [rng.randint(1, longest) for _ in range(B)]
     x = torch.randn(B, max(total), x0.shape[-1], dtype=torch.float64)
+    # a fixed capacity: from exactly the longest row's tokens to a few slots more
+    capacity = None if kind == "growing" else rng.randint(max(total), longest + 3)
+    if capacity is not None and getattr(model, "positions", None) is not None:
+        capacity = min(capacity, model.max_len)
     # odd seeds without gradients: the cache is then written in place
     with torch.no_grad() if seed % 2 else contextlib.nullcontext():
-        got, cache = _decode(layer, x, total, rng, max_step=rng.choice([1, 2, 4]))
+        got, cache = _decode(layer, x, total, rng, max_step=rng.choice([1, 2, 4]),
+                             capacity=capacity)
     assert len(cache) == max(total)
+    if capacity is not None:
+        assert cache.keys.shape[-2] == capacity
     for b in range(B):
         y, post = _full(layer, x[b:b + 1, :total[b]])
         torch.testing.assert_close(got[b][0], y, rtol=0, atol=1e-10)
@@ -223,15 +233,16 @@ def test_gradients_flow_through_a_cached_step():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["growing", "fixed"])
 @pytest.mark.parametrize("case", DECODED)
-def test_lower_precision_follows_the_full_forward(case, dtype):
+def test_lower_precision_follows_the_full_forward(case, kind, dtype):
     """In float32 and bfloat16 a prefill and a step agree with the full forward to the
     dtype's rounding, in the dtype of the parameters."""
     model, _ = _causal(CASES[case])
     model = model.to(dtype)
     layer = sa.compile(model)
     x = torch.randn(2, 5, model.d_model, dtype=dtype)
-    cache = layer.new_cache()
+    cache = layer.new_cache(capacity=None if kind == "growing" else 5)
     with torch.no_grad():
         y = torch.cat([layer(x[:, :3], cache=cache), layer(x[:, 3:4], cache=cache),
                        layer(x[:, 4:], cache=cache)], 1)

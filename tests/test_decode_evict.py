@@ -306,3 +306,9 @@ def test_eviction_with_gradients_on():
             y = layer(x[:, t:t + 1], cache=cache)
         y.sum().backward()
     assert cache.evicted > 0 and layer.declaration.W_q.grad is not None
+
+
+def test_tol_with_a_fixed_capacity_is_refused():
+    layer = _model("alibi", 2, [0.5, 0.5], None)
+    with pytest.raises(ValueError, match=r"capacity= or tol=.*not both; got capacity=64"):
+        layer.new_cache(64, tol=1e-3, input_norm=1.0)

@@ -23,6 +23,8 @@ import textwrap
 
 import pytest
 
+from .tree import files
+
 
 def _run(code, tmp_path):
     """Run ``code`` in a fresh interpreter (outside the repository, so the installed package is
@@ -69,7 +71,8 @@ def test_catalogue_modules_import_before_the_package_is_initialised(tmp_path):
 
 # -- the import graph ---------------------------------------------------------------------
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-#: dotted package → folder (the catalogue and the inference are subpackages of structattn/)
+#: dotted package → folder (the catalogue and the inference are subpackages of structattn/,
+#: reached through its links structattn/models and structattn/inference)
 PACKAGES = {"structattn": ROOT / "structattn"}
 
 
@@ -77,7 +80,7 @@ def discover(packages):
     """Dotted module name → path, for every ``.py`` file under the packages' folders."""
     modules = {}
     for package, folder in packages.items():
-        for path in sorted(folder.rglob("*.py")):
+        for path in files(folder):  # the linked catalogue and inference included
             parts = path.relative_to(folder).with_suffix("").parts
             if parts[-1] == "__init__":
                 parts = parts[:-1]

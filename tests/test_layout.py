@@ -7,8 +7,10 @@ import re
 
 import structattn
 
+from .tree import files
+
 PACKAGE = pathlib.Path(structattn.__file__).parent
-SOURCES = sorted(PACKAGE.rglob("*.py"))
+SOURCES = files(PACKAGE)  # the linked catalogue and inference included
 MAX_FILE_LINES, MAX_FUNCTION_LINES = 400, 80
 
 

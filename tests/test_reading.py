@@ -15,6 +15,8 @@ import structattn as sa
 from structattn import reading
 from structattn.readers import Marginalise, TraceStructure
 
+from .tree import files
+
 PACKAGE = pathlib.Path(sa.__file__).parent
 
 
@@ -124,7 +126,7 @@ def test_each_thread_starts_from_the_defaults():
 def test_no_other_thread_local_decides_what_a_reading_does():
     """The modes live on the one context; its per-thread slot is the only ``threading.local``."""
     found = [(p.relative_to(PACKAGE).as_posix(), n)
-             for p in sorted(PACKAGE.rglob("*.py"))
+             for p in files(PACKAGE)
              for n, line in enumerate(p.read_text().splitlines(), 1)
              if "threading.local(" in line]
     assert found == [("reading.py", next(n for n, line in enumerate(
@@ -133,7 +135,7 @@ def test_no_other_thread_local_decides_what_a_reading_does():
 
 def test_no_primitive_sends_a_pyro_message_of_its_own():
     """Pyro's reading emits Pyro's own sites; no ``effectful`` structattn message remains."""
-    used = [p.relative_to(PACKAGE).as_posix() for p in sorted(PACKAGE.rglob("*.py"))
+    used = [p.relative_to(PACKAGE).as_posix() for p in files(PACKAGE)
             if re.search(r"\beffectful\b", p.read_text())]
     assert used == []
 

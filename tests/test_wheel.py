@@ -1,4 +1,7 @@
-"""The release as a user gets it: ``python -m build`` makes a wheel and an sdist; the wheel,
+"""The release as a user gets it: ``python -m build`` makes a wheel and an sdist (the sdist
+first, the wheel from it), each holding every package of the source tree — the catalogue and
+the ground truth, which a checkout holds as links to ``models/`` and ``inference/``, as plain
+folders ``structattn/models`` and ``structattn/inference``; the wheel,
 installed into an empty virtual environment with torch, imports every subpackage, compiles
 and runs every catalogue model, builds a C++ kernel from its own sources and renders from the
 command line — all from a directory outside the repository, so nothing of the clone can be
@@ -10,6 +13,7 @@ Needs the package index (the build's own environment, the wheel's dependencies):
 
 import os
 import pathlib
+import stat
 import subprocess
 import sys
 import tarfile
@@ -19,6 +23,7 @@ import zipfile
 import pytest
 
 from .staging import once, stage
+from .tree import files, packages
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.network
@@ -73,8 +78,18 @@ def _run(cmd, **kw):
 
 
 def _source_packages() -> set:
-    return {".".join(p.parent.relative_to(ROOT).parts)
-            for p in (ROOT / "structattn").rglob("__init__.py")}
+    """Every folder with an ``__init__.py`` under structattn/, its links followed."""
+    return packages(ROOT)
+
+
+def _same_packages(names, where: str) -> None:
+    """The packages among ``names`` (paths in a wheel or an sdist) are the source tree's; a
+    package folder missing from ``where`` is named."""
+    found = {n.removesuffix("/__init__.py").replace("/", ".") for n in names
+             if n.startswith("structattn/") and n.endswith("/__init__.py")}
+    source = _source_packages()
+    assert found == source, (f"{where} lacks {sorted(source - found)} "
+                             f"and holds {sorted(found - source)} beyond the source tree")
 
 
 def _build(out: pathlib.Path) -> None:
@@ -96,18 +111,25 @@ def dist(tmp_path_factory):
 
 def test_the_wheel_and_the_sdist_hold_every_package_and_the_kernel_sources(dist):
     wheel, sdist = dist
-    names = zipfile.ZipFile(wheel).namelist()
-    packages = {"/".join(n.split("/")[:-1]).replace("/", ".") for n in names
-                if n.endswith("/__init__.py")}
-    assert packages == _source_packages()
+    with zipfile.ZipFile(wheel) as archive:
+        infos = archive.infolist()
+    names = [i.filename for i in infos]
+    _same_packages(names, "the wheel")
+    # the linked folders as files: no link in the archive
+    assert [i.filename for i in infos if stat.S_ISLNK(i.external_attr >> 16)] == []
+    modules = {p.relative_to(ROOT).as_posix() for p in files(ROOT / "structattn")}
+    assert modules - set(names) == set(), "modules missing from the wheel"
     sources = {p.name for p in (ROOT / "structattn" / "csrc").glob("*.cpp")}
     sources |= {p.name for p in (ROOT / "structattn" / "csrc").glob("*.h")}  # what they include
     assert sources and {n.split("/")[-1] for n in names if n.startswith("structattn/csrc/")} \
         == sources
     with tarfile.open(sdist) as tar:
-        members = {m.split("/", 1)[1] for m in tar.getnames() if "/" in m}
+        kinds = {m.name.split("/", 1)[1]: m for m in tar.getmembers() if "/" in m.name}
+    members = set(kinds)
+    _same_packages(members, "the sdist")
+    assert [name for name, m in kinds.items() if not (m.isfile() or m.isdir())] == []
+    assert modules - members == set(), "modules missing from the sdist"
     assert {f"structattn/csrc/{s}" for s in sources} <= members
-    assert {p.replace(".", "/") + "/__init__.py" for p in _source_packages()} <= members
 
 
 def test_the_wheel_installs_imports_runs_and_renders_outside_the_repository(dist, tmp_path):

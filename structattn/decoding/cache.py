@@ -30,6 +30,9 @@ class DecodeCache:
         self.values: torch.Tensor | None = None  # (B, H, capacity, d_v)
         self.state: torch.Tensor | None = None  # (B, H, capacity) where the prior carries one
         self._lengths: torch.Tensor | None = None  # (B,) long
+        #: how many cached tokens per row the last call's new tokens read (scored): every one
+        #: but where stick-breaking's stick was spent before (``structattn.decoding.stick``)
+        self.keys_read = 0
         self.offset = 0  # tokens evicted from the front of every row (slot s: position offset + s)
         self.eviction = None  # the ``Eviction`` policy of new_cache(tol=…), or None
 

@@ -14,22 +14,42 @@ from ..heads import merge_heads, split_heads
 from ..potentials import Bilinear, Rotary
 from .cache import DecodeCache
 from .evict import eviction
-from .rules import rule_for
+from .rules import Stick, rule_for
+from .static import FixedCache
+from .step import read_fixed
+from .stick import read_backwards
 
 
-def new_cache(layer, tol=None, **ceilings) -> DecodeCache:
+def new_cache(layer, capacity: int | None = None, tol=None, **ceilings) -> DecodeCache:
     """An empty cache for ``layer`` (refused, naming ``cache=``, for a model that is not
-    causal); with ``tol``, one that evicts its oldest key blocks once their posterior mass
-    is proved ≤ tol for every later query (``structattn.decoding.evict.eviction`` takes the
-    ``ceilings``: ``query_norm`` and ``key_norm``, or ``input_norm``, and ``block``)."""
-    rule_for(layer.declaration)
-    cache = DecodeCache(layer.declaration)
-    if tol is not None:
-        cache.eviction = eviction(layer.declaration, tol, **ceilings)
-    elif ceilings:
-        raise ValueError(f"{type(layer.declaration).__name__}: new_cache's {sorted(ceilings)} "
-                         f"are certified eviction's; they need tol=")
-    return cache
+    causal): one that grows as it fills (``capacity=None``), or a ``FixedCache`` with room for
+    ``capacity`` tokens per row, whose steps replay one recorded plan. With ``tol``, a growing
+    cache that evicts its oldest key blocks once their posterior mass is proved ≤ tol for
+    every later query (``structattn.decoding.evict.eviction`` takes the ``ceilings``:
+    ``query_norm`` and ``key_norm``, or ``input_norm``, and ``block``)."""
+    model = layer.declaration
+    rule_for(model)
+    owner = type(model).__name__
+    if tol is not None and capacity is not None:
+        raise ValueError(f"{owner}: new_cache takes capacity= or tol= (certified eviction "
+                         f"compacts a growing cache), not both; got capacity={capacity!r}, "
+                         f"tol={tol!r}")
+    if tol is None and ceilings:
+        raise ValueError(f"{owner}: new_cache's {sorted(ceilings)} are certified eviction's; "
+                         f"they need tol=")
+    if capacity is None:
+        cache = DecodeCache(model)
+        if tol is not None:
+            cache.eviction = eviction(model, tol, **ceilings)
+        return cache
+    if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+        raise ValueError(f"{owner}: capacity (the tokens a fixed-capacity cache holds per row) "
+                         f"must be an int ≥ 1 or None; got {capacity!r}")
+    max_len = getattr(model, "max_len", None)
+    if getattr(model, "positions", None) is not None and capacity > max_len:
+        raise ValueError(f"{owner}: capacity={capacity} exceeds max_len={max_len}, the "
+                         f"positions that have an encoding")
+    return FixedCache(model, capacity)
 
 
 def read(layer, *inputs, cache, lengths=None, return_posterior=False, **options):
@@ -43,8 +63,9 @@ def read(layer, *inputs, cache, lengths=None, return_posterior=False, **options)
         lengths (torch.Tensor | None): how many of each row's k tokens are real, an integer
             tensor of the batch shape with values in [0, k]; None: all k.
         return_posterior (bool): also return p(φ_i = j | x) ``(*batch, heads, k, P)`` of the
-            new rows over the P = ``len(cache)`` parents cached after the call (zero rows at
-            padding, zero columns beyond a row's tokens).
+            new rows over the P = ``len(cache)`` parents cached after the call — P = the
+            capacity for a fixed-capacity cache — (zero rows at padding, zero columns beyond
+            a row's tokens).
 
     Returns:
         (torch.Tensor | tuple): ``(*batch, k, d_out)`` (zero at padding), and the posterior
@@ -52,10 +73,14 @@ def read(layer, *inputs, cache, lengths=None, return_posterior=False, **options)
     """
     model = layer.declaration
     owner = type(model).__name__
-    rule = rule_for(model)
+    rule = _rule(model, cache)
     x_new = _check_call(model, owner, inputs, options, cache, return_posterior)
     batch_shape, k = x_new.shape[:-2], x_new.shape[-2]
     cache.check_call(owner, x_new, batch_shape)
+    if isinstance(cache, FixedCache) and not rule.tokens:  # x_new checked in the step
+        x = x_new.reshape(-1, k, model.d_model)  # (B, k, d)
+        counts = None if lengths is None else _counts(owner, lengths, batch_shape, k, x.device)
+        return read_fixed(layer, rule, x, counts, cache, batch_shape, return_posterior)
     if checks_on() and not passes(x_new.isfinite().all()):
         raise ValueError(f"{owner}: x_new must be finite; got a NaN or an infinity")
     x = x_new.reshape(-1, k, model.d_model)  # (B, k, d)
@@ -80,7 +105,8 @@ def read(layer, *inputs, cache, lengths=None, return_posterior=False, **options)
         raise ValueError(f"{owner}: the cache would hold {total} tokens but positional "
                          f"encodings exist for max_len={model.max_len}")
 
-    q, key, value = _project(model, x, pos + cache.offset)  # (B, H, k, d_k), (B, H, k, d_k), (B, H, k, d_v)
+    # (B, H, k, d_k), (B, H, k, d_k), (B, H, k, d_v)
+    q, key, value = _project(model, x, pos + cache.offset)
     state = _new_state(rule, model, cache, x, start, counts) if rule.state else None
     cache.append(key, torch.cat([value] + [torch.zeros_like(value)] * (hops - 1), -1), state,
                  counts, total)
@@ -89,11 +115,15 @@ def read(layer, *inputs, cache, lengths=None, return_posterior=False, **options)
     scale = Bilinear(model.W_q, model.W_k, heads=H, temperature=model.temperature).factor_scale()
     if isinstance(scale, torch.Tensor):
         scale = scale.to(dtype=q.dtype, device=q.device)
-    scores = (q @ keys.transpose(-1, -2)) * scale  # (B, H, k, P)
     parents = torch.arange(total, device=x.device)
     real = slot[None, :] < counts[:, None]  # (B, k)
     valid = (parents[None, None, :] < ends[:, None, None]) & real[:, :, None]  # (B, k, P)
-    post = rule.posterior(model, scores, pos, parents, valid, cache)  # (B, H, k, P)
+    if isinstance(rule, Stick):  # newest first, stopping where the stick is spent
+        post, cache.keys_read = read_backwards(q, keys, scale, pos, valid)  # (B, H, k, P)
+    else:
+        scores = (q @ keys.transpose(-1, -2)) * scale  # (B, H, k, P)
+        post = rule.posterior(model, scores, pos, parents, valid, cache)  # (B, H, k, P)
+        cache.keys_read = total
     expected = _expected(post, value, cache, weights, total)  # (B, H, k, d_v): E[v_i]
     expected = expected.masked_fill(~real[:, None, :, None], 0.0)
     if cache.eviction is not None:  # certified eviction: check, report, evict
@@ -107,6 +137,19 @@ def read(layer, *inputs, cache, lengths=None, return_posterior=False, **options)
     return y
 
 
+def _rule(model, cache):
+    """``rule_for(model)``, kept by the cache for the model's structure version (a cache
+    serves one model: ``_check_call`` refuses another's)."""
+    version = getattr(model, "structure_version", 0)
+    kept = getattr(cache, "_rule", None) if isinstance(cache, DecodeCache) else None
+    if kept is not None and kept[0] == version:
+        return kept[1]
+    rule = rule_for(model)
+    if isinstance(cache, DecodeCache):
+        cache._rule = (version, rule)
+    return rule
+
+
 def _reread(layer, x, counts, cache, batch_shape, return_posterior):
     """A model that reads its new tokens itself, as the last of their row (``Reread``):
     the cache keeps the tokens ``(B, 1, L, d_model)`` in its keys; each row with new tokens
@@ -117,6 +160,8 @@ def _reread(layer, x, counts, cache, batch_shape, return_posterior):
     ends = cache._lengths + counts
     total = int(ends.max())
     cache.append(x[:, None], x.new_zeros(B, 1, k, 0), None, counts, total)
+    cache.keys_read = total
+    width = cache.capacity if isinstance(cache, FixedCache) else total  # the posterior's
     ys, posts = [], []
     for b in range(B):
         c, end = int(counts[b]), int(ends[b])
@@ -126,10 +171,10 @@ def _reread(layer, x, counts, cache, batch_shape, return_posterior):
             continue
         y, post = layer.interpret(cache.keys[b:b + 1, 0, :end], last=c, return_posterior=True)
         ys.append(F.pad(y[0], (0, 0, 0, k - c)))  # (k, d_out)
-        posts.append(F.pad(post[0], (0, total - end, 0, k - c)))  # (H, k, total)
+        posts.append(F.pad(post[0], (0, width - end, 0, k - c)))  # (H, k, width)
     model = layer.declaration
-    width = model.W_o.shape[0] if model.W_o is not None else model.heads * model.d_v
-    zero_y, zero_p = x.new_zeros(k, width), x.new_zeros(model.heads, k, total)
+    d_out = model.W_o.shape[0] if model.W_o is not None else model.heads * model.d_v
+    zero_y, zero_p = x.new_zeros(k, d_out), x.new_zeros(model.heads, k, width)
     y = torch.stack([zero_y if t is None else t for t in ys]).reshape(*batch_shape, k, -1)
     if not return_posterior:
         return y
@@ -202,7 +247,7 @@ def _counts(owner, lengths, batch_shape, k, device) -> torch.Tensor:
         return torch.full((B,), k, dtype=torch.long, device=device)
     t = torch.as_tensor(lengths, device=device)
     if t.is_floating_point() or t.dtype == torch.bool or t.shape != batch_shape \
-            or not bool(((t >= 0) & (t <= k)).all()):
+            or not (torch.compiler.is_compiling() or bool(((t >= 0) & (t <= k)).all())):
         raise ValueError(f"{owner}: lengths (the real new tokens of each row) must be an "
                          f"integer tensor of the batch shape {shape_str(batch_shape)} with "
                          f"values in [0, {k}]; got {t.dtype} {shape_str(t.shape)} "
@@ -221,13 +266,21 @@ def _project(model, x, pos):
     q = split_heads(F.linear(xk, model.W_q), H)
     key = split_heads(F.linear(xk, model.W_k), H)
     value = split_heads(F.linear(x, model.W_v), H)
-    if model.rope_base is not None:
-        rot = Rotary(model.W_q, model.W_k, heads=H, base=model.rope_base, dims=model.rope_dims)
-        B, _, k, _ = q.shape
-        flat = pos.reshape(-1)  # (B·k,): rotate every token at its own position
-
-        def turn(t):
-            t = rot.rotate(t.transpose(0, 1).reshape(H, B * k, -1), flat)
-            return t.reshape(H, B, k, -1).transpose(0, 1)
-        q, key = turn(q), turn(key)
+    q, key = rotated(model, q, key, pos)
     return q, key, value
+
+
+def rotated(model, q, key, pos):
+    """Queries and keys ``(B, H, k, d_k)`` rotated at their positions ``pos (B, k)``, for
+    rotary positions (else as they are)."""
+    if model.rope_base is None:
+        return q, key
+    H = model.heads
+    rot = Rotary(model.W_q, model.W_k, heads=H, base=model.rope_base, dims=model.rope_dims)
+    B, _, k, _ = q.shape
+    flat = pos.reshape(-1)  # (B·k,): rotate every token at its own position
+
+    def turn(t):
+        t = rot.rotate(t.transpose(0, 1).reshape(H, B * k, -1), flat)
+        return t.reshape(H, B, k, -1).transpose(0, 1)
+    return turn(q), turn(key)

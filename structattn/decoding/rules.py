@@ -57,27 +57,39 @@ def _softmax_rows(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
     return w / torch.where(z > 0, z, torch.ones_like(z))
 
 
-class Positional(Rule):
+class Normalised(Rule):
+    """A prior whose rows are normalised over the allowed parents: p(φ_i = j) ∝
+    exp(ψ_ij + b_ij) over the allowed j, from ``bias(model, pos, parents, valid, cache,
+    dtype)`` → ``(b (B, H|1, k, P) | None, allowed (B, 1, k, P))`` — what an attention
+    kernel's additive mask states. ``valid`` None: every parent the prior's causal support
+    allows is a token of the row (a step without padding)."""
+
+    def posterior(self, model, scores, pos, parents, valid, cache):
+        b, allowed = self.bias(model, pos, parents, valid, cache, scores.dtype)
+        return _softmax_rows(scores if b is None else scores + b, allowed)
+
+
+class Positional(Normalised):
     """A prior stating log p(φ_i = j) from the positions: ``prior(model)`` builds it as the
     model's own ``model`` does."""
 
     def __init__(self, prior):
         self.prior = prior
 
-    def posterior(self, model, scores, pos, parents, valid, cache):
+    def bias(self, model, pos, parents, valid, cache, dtype):
         prior = self.prior(model)
         S = parents.shape[-1]  # the square problem over every token read so far
         child, parent = pos[:, :, None], parents[None, None, :]  # (B, k, 1), (1, 1, P)
-        allowed = prior.support(S, S).contains(child, parent) & valid  # (B, k, P)
+        allowed = prior.support(S, S).contains(child, parent)  # (B, k, P)
+        if valid is not None:
+            allowed = allowed & valid
         lw = prior.log_weight(child, parent, (S, S))
-        logits = scores
         if lw is not None:  # (H|1, B, k, P), or (B, k, P) for weights shared by every head
-            lw = lw.unsqueeze(1) if lw.dim() == 3 else lw.movedim(0, 1)
-            logits = scores + lw.to(scores.dtype)
-        return _softmax_rows(logits, allowed.unsqueeze(1))
+            lw = (lw.unsqueeze(1) if lw.dim() == 3 else lw.movedim(0, 1)).to(dtype)
+        return lw, allowed.unsqueeze(1)
 
 
-class Gate(Rule):
+class Gate(Normalised):
     """FoX: log p(φ_i = j) = c_i − c_j + const over j ≤ i, c_i = Σ_{l ≤ i} log f_l; the
     cache keeps c of every token read."""
 
@@ -85,20 +97,25 @@ class Gate(Rule):
 
     def new_state(self, model, x, counts, previous):
         """c of the new tokens ``(B, H, k)``: the row's last cached c plus the running sum of
-        the new log gates (padding adds nothing)."""
+        the new log gates (padding adds nothing; ``counts`` None: no padding)."""
         log_f = model.log_gates(x)  # (B, H, k)
-        slot = torch.arange(x.shape[-2], device=x.device)
-        log_f = log_f.masked_fill(~(slot < counts[:, None])[:, None, :], 0.0)
-        c = torch.cumsum(log_f, -1, dtype=torch.promote_types(log_f.dtype, torch.float32))
+        if counts is not None:
+            slot = torch.arange(x.shape[-2], device=x.device)
+            log_f = log_f.masked_fill(~(slot < counts[:, None])[:, None, :], 0.0)
+        wide = torch.promote_types(log_f.dtype, torch.float32)
+        c = log_f.to(wide) if x.shape[-2] == 1 else torch.cumsum(log_f, -1, dtype=wide)
         return (previous[:, :, None] + c).to(x.dtype)
 
-    def posterior(self, model, scores, pos, parents, valid, cache):
+    def bias(self, model, pos, parents, valid, cache, dtype):
         c = cache.state[..., : parents.shape[-1]]  # (B, H, P): now holds the new tokens too
-        at = pos.clamp(max=c.shape[-1] - 1)  # padding's positions may lie beyond its row
-        c_child = c.gather(-1, at[:, None, :].expand(-1, c.shape[1], -1))  # (B, H, k)
-        logits = scores + (c_child[..., None] - c[:, :, None, :]).to(scores.dtype)
-        allowed = (parents[None, None, :] <= pos[:, :, None]) & valid
-        return _softmax_rows(logits, allowed.unsqueeze(1))
+        c_child = getattr(cache, "new_state", None)  # (B, H, k), where the reading has it
+        if c_child is None:
+            at = pos.clamp(max=c.shape[-1] - 1)  # padding's positions may lie beyond its row
+            c_child = c.gather(-1, at[:, None, :].expand(-1, c.shape[1], -1))
+        allowed = parents[None, None, :] <= pos[:, :, None]
+        if valid is not None:
+            allowed = allowed & valid
+        return (c_child[..., None] - c[:, :, None, :]).to(dtype), allowed.unsqueeze(1)
 
 
 class Stick(Rule):
@@ -112,7 +129,10 @@ class Stick(Rule):
                 f"model with tol=None")
 
     def posterior(self, model, scores, pos, parents, valid, cache):
-        before = ((parents[None, None, :] < pos[:, :, None]) & valid).unsqueeze(1)  # (B,1,k,P)
+        before = parents[None, None, :] < pos[:, :, None]  # (B, k, P)
+        if valid is not None:
+            before = before & valid
+        before = before.unsqueeze(1)  # (B, 1, k, P)
         return stick_breaking_table(scores, before)[0]  # the full reading's scan, on the rows
 
 

@@ -2,7 +2,8 @@
 operator, which lowers any support through one ``scaled_dot_product_attention`` call
 (``is_causal``, a boolean mask or an additive log-prior bias; a log prior g_i + h_j as one
 more key dimension, or without gradients on the CPU as the fused kernel's mask over the
-parents, ``key_bias``; never the C×P posterior) or,
+parents, ``key_bias``; a generalised Gaussian over the distance computed per block of scores
+on CUDA, ``distance_kernel``; never the C×P posterior) or,
 when the posterior is asked for or a potential has no factorised form, through the dense
 posterior softmax(ψ + log prior) itself.
 
@@ -17,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from .._validation import checks_on
-from . import key_bias
+from . import distance_kernel, key_bias
 from .base import Intersection, Operator, Support, grid, keep_nonfinite_rows
 
 
@@ -228,11 +229,18 @@ class DenseOperator(Operator, dense_twin=True):
         a, b, scale = self.fused_factors()
         u_width = u.shape[-1]
         h = self._const("parent_terms", lambda: f.tables.parent_terms(xc.dtype))
+        support = f.tables.support
+        shape = (f.prior.distance_shape() if h is None and (
+            support.is_causal() or isinstance(support, AllParents)) else None)
         if h is not None and key_bias.applies(a, b, u, h):  # log prior g_i + h_j: g drops out,
             out = key_bias.key_bias_attention(  # h is a mask over the parents (CPU; with grad
                 # through the compiled kernel's backward), or a term of each block's scores
                 # (Triton, any dtype, h in float32)
                 a, b, u, h, scale, f.tables.support.is_causal())
+        elif shape is not None and distance_kernel.applies(a, b, u):
+            # −|(i − j − μ)·e^s|^β computed per block of scores (Triton): no C×P bias
+            out = distance_kernel.distance_kernel_attention(a, b, u, shape, scale,
+                                                            f.tables.support.is_causal())
         else:
             if h is not None and not key_bias.folds_terms(a, b, u):  # half precision: the
                 h = None  # table, not h rounded into the factors

@@ -8,7 +8,9 @@ as the geometric–Beta prior of expanding attention does, else its own, as a fo
 its ``block_size`` and its ``certificate``. A prior with a certified ``tol`` and no width
 of its own reads the window certified for the call (``structattn.certified``), or all of the
 past through the dense operator; one whose ``certificate`` is "blocks" reads the key blocks
-certified for each block of children, per head (``structattn.block_sparse``).
+certified for each block of children, per head (``structattn.block_sparse``). Where the
+Triton kernel reads a band per head, the band's certificate comes from its own log-sums
+(``structattn.certified_read``), never from a scoring of the band before it is read.
 
 The children may be the last C of the P parent tokens (a decoding step): child i sits at
 position P − C + i (``offset`` = P − C); the dense reading serves that case.
@@ -21,9 +23,11 @@ from __future__ import annotations
 
 import torch
 
-from .. import band, reading
+from .. import band, kernels, reading, triton_kernels
+from .._validation import is_exporting
 from ..block_sparse import block_sparse_attention, causal_posterior, certify_blocks
 from ..certified import certify, window_bound
+from ..certified_read import certified_band_attention
 from .base import Operator, Support
 from .dense import with_parent_terms
 from .key_bias import applies, band_applies, folds_terms, key_bias_attention
@@ -118,6 +122,33 @@ class WindowOperator(Operator):
         a, b, _ = self.fused_factors()
         return band_applies(a, b)
 
+    def _reads_to_certify(self) -> bool:
+        """Whether the band per head is certified by reading it (``structattn.
+        certified_read``: the key-bias kernel's own log-sums are the certificate's evidence,
+        no second scoring of the band): a ``tol`` over all of the past, no width chosen yet,
+        a band per head (``_per_head``) that the Triton kernel reads (a GPU, or its
+        interpreter inside ``triton_kernels.on_cpu()``), not an exported program."""
+        f = self.family
+        if (f.prior.tol is None or f.support.width is not None or self._width is not False
+                or reading.context().window is not None or not self._per_head()):
+            return False
+        a, b, _ = self.fused_factors()
+        return (triton_kernels.serves(a, b) and kernels._enabled()
+                and not (is_exporting() or torch.compiler.is_exporting()))
+
+    def _certified_read(self, u):
+        """Each head's certified band, read (``certified_read``): the output, with the choice
+        kept as ``certify``'s would be (``truncation``, the width, each head's window)."""
+        a, b, scale, h = self._block_terms()
+        n = self.family.children.size
+        out, self.truncation = certified_band_attention(
+            a, b, u, float(scale), h, self.family.prior.tol,
+            block=self.family.prior.block_size, widest=n // 2)
+        self._width = self.truncation.width
+        heads = self.truncation.heads
+        self._windows = None if bool((heads >= n - 1).all()) else heads
+        return out
+
     def _head_windows(self) -> torch.Tensor | None:
         """Each head's window ``(*batch, H)`` (the longest its children need: certified per
         head, or the support's), or None: every head reads all of its past."""
@@ -195,6 +226,9 @@ class WindowOperator(Operator):
         return s["p"]
 
     def dense_posterior(self):
+        if self._reads_to_certify():  # the certificate from a reading of zero values
+            a = self.fused_factors()[0]
+            self._certified_read(a.new_zeros(*a.shape[:-1], 1))
         if self._per_head() and self._head_windows() is not None:  # a band per head
             a, b, scale, h = self._block_terms()
             n = a.shape[-2]
@@ -220,6 +254,8 @@ class WindowOperator(Operator):
                 a, b, u, scale, h, self.family.prior.tol, block=self.family.prior.block_size,
                 whole_past=_whole_past)
             return out
+        if self._reads_to_certify():
+            return self._certified_read(u)
         if self._per_head() and self._head_windows() is not None:
             a, b, scale, h = self._block_terms()
             return key_bias_attention(a, b, u, h, float(scale), True, self._head_windows())

@@ -117,6 +117,13 @@ class Prior:
         against ``log_weight`` for every prior that states it."""
         return None
 
+    def distance_shape(self):
+        """``(μ, s, β)``, each a tensor ``()`` or ``(heads,)``, when the log weight is
+        −|(i − j − μ)·e^s|^β with child i at position i among the parents (the generalised
+        Gaussian): a kernel then computes it per block of scores from the pairs' distances
+        (``kinds.distance_kernel``), never a C×P table. Default None."""
+        return None
+
     def reading(self, support: Support) -> type:
         """The operator class that marginalises a family under this prior, called by the
         lowering: the support's (``Support.operator``; the dense operator when it names

@@ -24,7 +24,9 @@ class GeneralisedGaussian(DistancePrior):
     Laplace prior (ALiBi's $−m\lvert i − j\rvert$ with $μ = 0$, $e^s = m$), $β = 2$ a Gaussian, $β → ∞$ a
     window.
     Not a difference of per-token terms, so the dense reading adds it as a ``(heads, C, P)``
-    bias; a certified window (``tol``) never builds that bias.
+    bias, except on a GPU, where a Triton kernel computes it per block of scores
+    (``distance_shape``, ``kinds.distance_kernel``); a certified window (``tol``) never builds
+    that bias.
 
     Args:
         loc (float | torch.Tensor): μ, a float or a floating-point tensor ``()`` or
@@ -71,6 +73,11 @@ class GeneralisedGaussian(DistancePrior):
         # |z|^β with finite gradients at z = 0 (where β < 1 would give 0·∞)
         zero = z == 0
         return -torch.where(zero, torch.zeros_like(z), torch.where(zero, 1.0, z) ** beta)
+
+    def distance_shape(self):
+        """``(μ, s, β)``: the Triton kernel computes the weight per tile from them
+        (``kinds.distance_kernel``)."""
+        return self.loc, self.log_scale, self.shape
 
     @property
     def heads(self) -> int:

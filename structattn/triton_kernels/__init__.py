@@ -11,6 +11,8 @@ test suite does on machines without a GPU.
   from the diagonal back in log space; O(N·d) memory, never the C×P table.
 - ``key_bias``: attention under a log prior g_i + h_j (FoX, ALiBi) with h's gradient, on the
   whole past or a certified band per head.
+- ``generalised_gaussian``: attention under −|(i − j − μ)·e^s|^β per head, that prior
+  computed inside each block of scores, with the gradients of μ, s and β.
 - ``expanding``: expanding attention's mean field — each child's fixed point, and the
   output at it over a band per child, forward and backward.
 

@@ -6,10 +6,14 @@ fixed point (``structattn.triton_kernels.expanding``), with a slope per child.
 FlashAttention's scheme with Δ_i = dout_i·out_i and ds_ij = p_ij (dout_i·u_j − Δ_i):
 
     da_i = scale Σ_j ds_ij b_j,   de_i = Σ_j ds_ij (i − j),
-    db_j = scale Σ_i ds_ij a_i,   du_j = Σ_i p_ij dout_i   (added atomically per parent block).
+    db_j = scale Σ_i ds_ij a_i,   du_j = Σ_i p_ij dout_i.
 
 Never the N×W table: one program per block of children holds BM×BN scores at a time, over
-the parents from its first window start to its last child.
+the parents from its first window start to its last child; in the backward, one program per
+block of parents (db, du) reads the blocks of children after it while some child reaches
+back to it — per block of children, the earliest parent it reads and that minimum over every
+later block, found once per call — with no atomics: a window as wide as the whole past costs
+what causal attention's backward does, not an atomic add per block of children and parent.
 """
 
 from __future__ import annotations
@@ -97,12 +101,13 @@ def _attend_forward(A, B, U, E, WIN, O, LSE, SCALE, N, P, K, D, offset,
 
 
 @triton.jit
-def _attend_backward(A, B, U, E, WIN, DO, LSE, DELTA, DA, DB, DU, DE, SCALE, N, P, K, D,
+def _attend_backward(A, B, U, E, WIN, DO, LSE, DELTA, DA, DE, DB, DU, SCALE, N, P, K, D,
                      offset, sag, san, sak, sbg, sbp, sbk, sug, sup, sud, sdg, sdn, sdd,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr,
-                     ACC: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """da and de per block of children; db and du added atomically into float buffers laid
-    out as b and u (contiguous)."""
+                     ACC: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+                     ATOMIC: tl.constexpr):
+    """da and de per block of children; with ``ATOMIC``, db and du too, added atomically
+    into float buffers laid out as b and u (``BACKWARD``)."""
     scale = tl.load(SCALE)
     g = tl.program_id(1)
     rows, rmask, pos, ks, a, e, w, live = _children(A, E, WIN, g, tl.program_id(0), N, offset,
@@ -124,12 +129,79 @@ def _attend_backward(A, B, U, E, WIN, DO, LSE, DELTA, DA, DB, DU, DE, SCALE, N, 
         dsc = p * (dot(do, tl.trans(u), PRECISION, UPCAST) - delta[:, None])
         da += dot(dsc.to(b.dtype), b, PRECISION, UPCAST)
         de += tl.sum(dsc * d, axis=1)
-        add_tile(DB, dot(tl.trans(dsc.to(a.dtype)), a, PRECISION, UPCAST) * scale, g, P * K,
-                 cols, K, P, ks, 1, K)
-        add_tile(DU, dot(tl.trans(p.to(do.dtype)), do, PRECISION, UPCAST), g, P * D, cols, D,
-                 P, ds, 1, D)
+        if ATOMIC:
+            add_tile(DB, dot(tl.trans(dsc.to(a.dtype)), a, PRECISION, UPCAST) * scale, g,
+                     P * K, cols, K, P, ks, 1, K)
+            add_tile(DU, dot(tl.trans(p.to(do.dtype)), do, PRECISION, UPCAST), g, P * D, cols,
+                     D, P, ds, 1, D)
     store_tile(DA, da * scale, g, N * K, rows, K, N, ks, 1, K)
     tl.store(DE + g * N + rows, de, mask=rmask)
+
+
+@triton.jit
+def _parents_backward(A, B, U, E, WIN, DO, LSE, DELTA, DB, DU, FIRST, REACH, SCALE, N, P, K,
+                      D, offset, nbm, sag, san, sak, sbg, sbp, sbk, sug, sup, sud, sdg, sdn,
+                      sdd, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                      BD: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr,
+                      UPCAST: tl.constexpr):
+    """db and du per block of parents, no atomics: the blocks of children after it, while
+    some child of them or of a later block reaches back to it (``REACH`` (G, nbm): the
+    earliest parent any child of block m or later reads, non-decreasing in m), each block
+    read only where one of its own children does (``FIRST``: its own earliest parent)."""
+    scale = tl.load(SCALE)
+    n = tl.program_id(0)
+    g = tl.program_id(1)
+    cols = n * BN + tl.arange(0, BN)
+    ks = tl.arange(0, BK)
+    ds = tl.arange(0, BD)
+    b = load_tile(B, g, sbg, cols, sbp, P, ks, sbk, K)
+    u = load_tile(U, g, sug, cols, sup, P, ds, sud, D)
+    db = tl.zeros([BN, BK], dtype=ACC)
+    du = tl.zeros([BN, BD], dtype=ACC)
+    end = n * BN + BN - 1  # the block's last parent
+    m = tl.maximum(n * BN + 1 - offset, 0) // BM  # the first block with a child after it
+    go = (m < nbm) & (tl.load(REACH + g * nbm + tl.minimum(m, nbm - 1)) <= end)
+    while go:
+        if tl.load(FIRST + g * nbm + m) <= end:
+            rows, rmask, pos, _, a, e, w, live = _children(A, E, WIN, g, m, N, offset, sag,
+                                                           san, sak, K, BM, BK, ACC)
+            do = load_tile(DO, g, sdg, rows, sdn, N, ds, sdd, D)
+            lse = tl.load(LSE + g * N + rows, mask=rmask, other=0.0)
+            delta = tl.load(DELTA + g * N + rows, mask=rmask, other=0.0)
+            s = dot(a, tl.trans(b), PRECISION, UPCAST) * scale
+            dist = pos[:, None] - cols[None, :]
+            on = (dist >= 1) & (dist <= w[:, None]) & live[:, None] & (cols[None, :] < P)
+            p = tl.exp(tl.where(on, s + dist.to(ACC) * e[:, None] - lse[:, None],
+                                -float("inf")))
+            dsc = p * (dot(do, tl.trans(u), PRECISION, UPCAST) - delta[:, None])
+            du += dot(tl.trans(p.to(do.dtype)), do, PRECISION, UPCAST)
+            db += dot(tl.trans(dsc.to(a.dtype)), a, PRECISION, UPCAST)
+        m += 1
+        go = (m < nbm) & (tl.load(REACH + g * nbm + tl.minimum(m, nbm - 1)) <= end)
+    store_tile(DB, db * scale, g, P * K, cols, K, P, ks, 1, K)
+    store_tile(DU, du, g, P * D, cols, D, P, ds, 1, D)
+
+
+def _reach(window: torch.Tensor, offset: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per block of ``block`` children ``(G, nbm)`` int32: the earliest parent any of its
+    children reads (i − W_i over those with a past; past every parent where none has one),
+    and that minimum over it and every later block (non-decreasing)."""
+    G, N = window.shape
+    nbm = triton.cdiv(N, block)
+    pos = offset + torch.arange(N, device=window.device)
+    none = torch.iinfo(torch.int32).max
+    start = torch.where(window >= 1, pos - window, none)
+    start = torch.nn.functional.pad(start, (0, nbm * block - N), value=none)
+    first = start.view(G, nbm, block).amin(-1)
+    reach = first.flip(-1).cummin(-1).values.flip(-1)
+    return first.to(torch.int32).contiguous(), reach.to(torch.int32).contiguous()
+
+
+#: how the backward gives db and du: "parents" (default), a kernel per block of parents; or
+#: "atomic", added per tile by the children's kernel (``benchmarks/profile_expanding.py``
+#: times both: narrow windows touch each parent block from few tiles, where the atomics may
+#: cost less than the parents' kernel's second scoring)
+BACKWARD: dict = dict(db_du="parents")
 
 
 def _launch(dtype, K, D) -> dict:
@@ -185,10 +257,19 @@ def attend_backward(dout: torch.Tensor, a: torch.Tensor, b: torch.Tensor, u: tor
     if G and N and P:
         common = _launch(a.dtype, K, D)
         do = dout.to(u.dtype) if a.dtype in (torch.float16, torch.bfloat16) else dout
+        e, win, lse = e.to(stat).contiguous(), window.to(torch.int32).contiguous(), \
+            lse.contiguous()
+        scale_t = scalar(scale, a)
+        strides = (*a.stride(), *b.stride(), *u.stride(), *do.stride())
+        atomic = BACKWARD["db_du"] == "atomic"
         _attend_backward[(triton.cdiv(N, common["BM"]), G)](
-            a, b, u, e.to(stat).contiguous(), window.to(torch.int32).contiguous(), do,
-            lse.contiguous(), delta, da, db, du, de, scalar(scale, a), N, P, K, D, offset,
-            *a.stride(), *b.stride(), *u.stride(), *do.stride(), **common)
+            a, b, u, e, win, do, lse, delta, da, de, db, du, scale_t, N, P, K, D, offset,
+            *strides, **common, ATOMIC=atomic)
+        if not atomic:
+            first, reach = _reach(window, offset, common["BM"])
+            _parents_backward[(triton.cdiv(P, common["BN"]), G)](
+                a, b, u, e, win, do, lse, delta, db, du, first, reach, scale_t, N, P, K, D,
+                offset, first.shape[1], *strides, **common)
     return da.to(a.dtype), db.to(b.dtype), du.to(u.dtype), de.to(e.dtype)
 
 
@@ -214,4 +295,4 @@ def _backward_rule(ctx, dout, _):
 attend_forward.register_autograd(_backward_rule, setup_context=_setup)
 
 
-__all__ = ["attend_backward", "attend_forward"]
+__all__ = ["BACKWARD", "attend_backward", "attend_forward"]

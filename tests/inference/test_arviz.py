@@ -1,4 +1,4 @@
-"""One ArviZ convention for every result (``structattn/inference/_arviz.py``): ``to_arviz()`` on sample,
+"""One ArviZ convention for every result (``inference/_arviz.py``): ``to_arviz()`` on sample,
 exact, map_estimate, svi, mcmc and predictive; leading (chain, draw) dims, named dims
 ``<family>_batch_k / _head / _child (/ _parent / _feature)``, ``<z>_batch_k / _node /
 _feature``, ``output_dim_k``; point results as one chain of one draw."""

@@ -1,4 +1,4 @@
-"""Exact enumeration (structattn/inference/exact.py): MAP edges, size limits, raw Pyro sites, latents."""
+"""Exact enumeration (inference/exact.py): MAP edges, size limits, raw Pyro sites, latents."""
 
 
 import pyro

@@ -1,4 +1,4 @@
-"""What the dot-product catalogue models share (structattn/models/_projections.py): argument checks,
+"""What the dot-product catalogue models share (models/_projections.py): argument checks,
 heads that must divide the width, a learned temperature, named families that let two layers
 share one declaration."""
 

@@ -8,8 +8,10 @@ within the reported bound; gradients through the autograd rule."""
 
 import math
 
+import hypothesis.strategies as st
 import pytest
 import torch
+from hypothesis import given, settings
 
 import structattn as sa
 from structattn import triton_kernels
@@ -91,3 +93,92 @@ def test_without_a_band_kernel_the_shared_window_reads_as_before():
         _, trace = sa.compile(m)(x, return_trace=True)
     c = trace.truncation[m.family_name]
     assert c.width == 63 and c.skipped == 0.0 and c.heads is None
+
+
+# -- the certificate read from the kernel's own log-sums (structattn/certified_read.py) -------
+@pytest.mark.parametrize("factory", ["alibi_attention", "forgetting_attention"])
+@pytest.mark.parametrize("tol, n", [(0.05, 150), (1e-4, 300)])
+@torch.no_grad()
+def test_the_read_certificate_chooses_the_cpu_paths_widths_and_never_scores_the_band(
+        factory, tol, n, monkeypatch):
+    """Where the Triton kernel reads the band per head, its certificate's evidence is the
+    kernel's own log-sums: the band is never scored outside it (``band.scores`` and
+    ``certify``'s scoring refuse here), at most three readings run, each head's width is the
+    one the CPU path's ``certify`` (scoring the band in float64) chooses, the output equals
+    the CPU path's and every bound is at most the CPU's (its evidence is the width's own)."""
+    from structattn import band, certified
+    from structattn.triton_kernels import key_bias as kb
+
+    m, x = _layer(factory, tol, n, device="cpu")
+    y_cpu, trace_cpu = sa.compile(m)(x, return_trace=True)
+    calls = []
+    forward = kb.forward
+
+    def counted(*args):
+        calls.append(args[-1])
+        return forward(*args)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the band was scored outside the kernel")
+
+    monkeypatch.setattr(kb, "forward", counted)
+    monkeypatch.setattr(band, "scores", refuse)
+    monkeypatch.setattr(certified._Evidence, "log_inside", refuse)
+    with triton_kernels.on_cpu():
+        y, trace = sa.compile(m)(x, return_trace=True)
+    assert 1 <= len(calls) <= 3 and all(w is not None for w in calls)
+    c, c_cpu = trace.truncation[m.family_name], trace_cpu.truncation[m.family_name]
+    torch.testing.assert_close(c.heads, c_cpu.heads, rtol=0, atol=0)
+    assert c.width == c_cpu.width and c.skipped == c_cpu.skipped
+    assert c.certified and bool((c.bound <= tol).all())
+    assert bool((c.bound <= c_cpu.bound + 1e-12).all())
+    torch.testing.assert_close(y, y_cpu, rtol=0, atol=1e-10)
+
+
+def _causal_softmax(a, b, h, scale):
+    """p(φ_i = j) ∝ e^{scale·⟨a_i, b_j⟩ + h_j} over j ≤ i, float64, ``(G, N, N)``."""
+    n = a.shape[-2]
+    s = scale * a.double() @ b.double().transpose(-1, -2) + h.double()[..., None, :]
+    past = torch.ones(n, n, dtype=torch.bool, device=a.device).tril()
+    return torch.softmax(s.masked_fill(~past, float("-inf")), -1)
+
+
+@settings(max_examples=12, deadline=None)
+@given(n=st.integers(2, 90), heads=st.integers(1, 3), k=st.integers(1, 6),
+       sharp=st.floats(0.1, 3.0), slope=st.floats(0.0, 2.0), gated=st.booleans(),
+       scale=st.floats(-2.0, 2.0).filter(lambda s: abs(s) > 1e-3), eps_exp=st.integers(1, 6),
+       dtype=st.sampled_from([f64, torch.float32]), seed=st.integers(0, 2**31 - 1),
+       planted=st.booleans())
+def test_the_read_certificate_never_leaves_out_more_than_its_bound(
+        n, heads, k, sharp, slope, gated, scale, eps_exp, dtype, seed, planted):
+    """An attack on the certificate read from the kernel: random factors (a strong match
+    planted far back), ALiBi-like or gate-like h, float64 and float32; the true posterior
+    mass beyond each head's width — a dense float64 softmax of the same (rounded) inputs —
+    never exceeds the child's bound, every bound is ≤ eps, and the output is that softmax
+    restricted to the width and renormalised."""
+    from structattn.certified_read import certified_band_attention
+
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(heads, n, k, generator=g, dtype=f64) * sharp
+    b = torch.randn(heads, n, k, generator=g, dtype=f64)
+    if planted and n > 4:  # a strong match far back for the last token
+        b[:, 1] = a[:, -1] * 3 * math.copysign(1.0, scale)
+    u = torch.randn(heads, n, 3, generator=g, dtype=f64)
+    if gated:  # h_j = −Σ_{l ≤ j} log f_l: FoX's
+        h = -torch.nn.functional.logsigmoid(torch.randn(heads, n, generator=g, dtype=f64) * 2
+                                            + 4 / max(slope, 0.1)).cumsum(-1)
+    else:  # h_j = m·j: ALiBi's
+        h = slope * torch.rand(heads, 1, generator=g, dtype=f64) * torch.arange(n, dtype=f64)
+    a, b, u, h = (t.to(DEVICE, dtype) for t in (a, b, u, h))
+    eps = 10.0 ** -eps_exp
+    out, c = certified_band_attention(a, b, u, scale, h, eps, block=16, widest=n // 2)
+    assert c.certified and bool((c.bound <= eps).all())
+    p = _causal_softmax(a, b, h, scale)
+    d = torch.arange(n, device=DEVICE)[:, None] - torch.arange(n, device=DEVICE)
+    outside = d > c.heads[:, None, None]  # (H, N, N)
+    true = (p * outside).sum(-1)
+    assert bool((true <= c.bound * (1 + 1e-9) + 1e-300).all()), float((true - c.bound).max())
+    kept = p.masked_fill(outside, 0.0)
+    want = (kept / kept.sum(-1, keepdim=True)) @ u.double()
+    torch.testing.assert_close(out.double(), want, rtol=0,
+                               atol=1e-10 if dtype == f64 else 1e-5)

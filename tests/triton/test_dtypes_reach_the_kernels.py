@@ -1,10 +1,10 @@
 """Every distance prior with a Triton kernel reaches it in every dtype a GPU user trains in:
 float32, bfloat16 and float16 parameters, and float32 parameters under autocast to bfloat16
 (``torch.autocast`` on the inputs' device: CPU autocast under the interpreter, as CUDA's on a
-GPU). A compiled FoX, causal ALiBi or stick-breaking layer records the kernel's operator in its
-plan, and no tensor of the plan nor any saved for the backward is N×N; its output and the
-gradients of its input and of every parameter equal the float64 layer's at the same (rounded)
-parameters and input, within the dtype's rounding."""
+GPU). A compiled FoX, causal ALiBi, generalised-Gaussian or stick-breaking layer records the
+kernel's operator in its plan, and no tensor of the plan nor any saved for the backward is N×N;
+its output and the gradients of its input and of every parameter equal the float64 layer's at
+the same (rounded) parameters and input, within the dtype's rounding."""
 
 import contextlib
 
@@ -26,6 +26,8 @@ LAYERS = {
     "fox": ("forgetting_attention", {}, "key_bias_forward"),
     "alibi": ("alibi_attention", {"causal": True}, "key_bias_forward"),
     "stick_breaking": ("stick_breaking_attention", {}, "stick_breaking_forward"),
+    "generalised_gaussian": ("generalised_gaussian_attention", {},
+                             "generalised_gaussian_forward"),
 }
 
 #: (the parameters' dtype, autocast's dtype or None, the output's and the gradients' tolerance

@@ -55,21 +55,67 @@ def _solve_cases():
                                        id=f"{N}-{P}-{expectation}-{update}-{rule}-{dtype}")
 
 
+def _cpu_solve(a, b, N, P, a0, b0, win0, caps, rest, record=False):
+    """The C++ kernel's ``solve`` on the CPU (``rest``: tol, converge_tol, max_iters, cap,
+    expectation, update, rule)."""
+    return kernels.mean_field_windows().solve(
+        *(t.cpu() for t in (a, b)), P - N, 0.7, *(t.cpu() for t in (a0, b0, win0, caps)),
+        *rest, record)
+
+
+def _assert_float32_solve_agrees(got, want, history, ctol, on_gpu):
+    """float32: the Triton ``solve``'s fixed point ``got`` against the CPU kernel's ``want``.
+
+    The windows agree (on a GPU, 95% of them: float32 exp and log are the hardware's
+    approximations, a few ulps, and a child whose bound sits at tol may double where the
+    CPU's does not). A child whose |ΔE[φ]| sits at its convergence threshold (converge_tol
+    of E[φ]) may stop one step earlier or later than the CPU's, its sums taken in another
+    order: a tie, which ``history`` tells from a bug — the CPU kernel never settling
+    (converge_tol < 0), its state at every step ``(max_iters, G, N)`` (window, α, β, E[φ]):
+    at the earlier of the two stops the CPU's own |ΔE[φ]| is within half the threshold of
+    it, and the Triton child's α, β, E[φ] are the CPU's after the Triton child's own number
+    of steps. (Under the accumulating update α gains E[φ] − 1 at each step, ~1/steps of
+    itself: a child compared with the CPU's state one step away would be off by 5–8%.) Every
+    other child's α, β, E[φ] to 1e-3 of their size, its bound to 1e-5."""
+    window, alpha, beta, m, steps, _, bound = zip(got, want, strict=True)
+    h_win, h_alpha, h_beta, h_m = history
+    same = window[0] == window[1]
+    assert same.double().mean() >= (0.95 if on_gpu else 1.0)
+    assert int((steps[0] - steps[1])[same].abs().max()) <= 1
+    tie = same & (steps[0] != steps[1])
+    if bool(tie.any()):
+        first = torch.minimum(steps[0], steps[1])[tie]  # the earlier stop, ≥ 2 (ΔE[φ] at 1 is NaN)
+        at = h_m.flatten(1)[:, tie.flatten()]  # (max_iters, ties): E[φ] step by step
+        cols = torch.arange(at.shape[1])
+        moved = (at[first - 1, cols] - at[first - 2, cols]).abs()
+        threshold = ctol * at[first - 1, cols].abs().clamp(min=1.0)
+        assert ((moved - threshold).abs() <= 0.5 * threshold).all(), (moved, threshold)
+        # the CPU's state after the Triton child's own number of steps
+        mine = (steps[0][tie] - 1)[None]
+        for name, x, h in [("window", window[0], h_win), ("α", alpha[0], h_alpha),
+                           ("β", beta[0], h_beta), ("E[φ]", m[0], h_m)]:
+            y = h.flatten(1)[:, tie.flatten()].gather(0, mine)[0]
+            torch.testing.assert_close(x[tie], y.to(x.dtype), atol=0, rtol=1e-3,
+                                       msg=f"{name} of a tie")
+    agree = same & ~tie
+    for name, (x, y) in zip(["α", "β", "E[φ]"], [alpha, beta, m], strict=True):
+        torch.testing.assert_close(x[agree], y[agree], atol=0, rtol=1e-3, msg=name)
+    torch.testing.assert_close(bound[0][agree], bound[1][agree], atol=1e-5, rtol=0)
+    return int(tie.sum())
+
+
 @pytest.mark.parametrize("N, P, rule, expectation, update, dtype", list(_solve_cases()))
 def test_triton_solve_equals_the_cpu_kernel(N, P, rule, expectation, update, dtype):
     """float64: each child's window, steps and settledness exactly, α, β, E[φ] and the bound
     to 1e-12 — children crossing the blocks of 32, a prefix of non-children (P > N), the
-    certified and the edge rule, digamma/conjugate and plug-in/accumulate. float32: the
-    windows exactly (on a GPU, 95% of them); a child at its convergence threshold (|ΔE[φ]|
-    against converge_tol = 1e-4 of E[φ], summed in another order) may stop one step earlier
-    or later, so the steps agree to one and α, E[φ] to 10·converge_tol of their size."""
+    certified and the edge rule, digamma/conjugate and plug-in/accumulate. float32: as
+    ``_assert_float32_solve_agrees`` says (a child at its convergence threshold may stop a
+    step away from the CPU's: it is compared with the CPU's state at its own step)."""
     assert kernels.available(), kernels.build_error()
     a, b, a0, b0, win0, caps = _problem(2, N, P, 5, dtype, N + rule)
     rest = (0.05, 1e-4, 20, P - 10, expectation, update, rule)
     got = [t.cpu() for t in _ex().solve(a, b, P - N, 0.7, a0, b0, win0, *rest)]
-    want = kernels.mean_field_windows().solve(
-        *(t.cpu() for t in (a, b)), P - N, 0.7, *(t.cpu() for t in (a0, b0, win0, caps)),
-        *rest, False)[:7]
+    want = _cpu_solve(a, b, N, P, a0, b0, win0, caps, rest)[:7]
     window, alpha, beta, m, steps, settled, bound = zip(got, want, strict=True)
     if dtype == f64:
         assert torch.equal(*window) and torch.equal(*steps) and torch.equal(*settled)
@@ -77,16 +123,72 @@ def test_triton_solve_equals_the_cpu_kernel(N, P, rule, expectation, update, dty
                                 strict=True):
             torch.testing.assert_close(x, y, atol=1e-12, rtol=1e-12, msg=name)
     else:
-        # (on a GPU, float32 exp and log are the hardware's approximations, a few ulps: a
-        # child whose bound sits at tol may double where the CPU's does not)
-        same = window[0] == window[1]
-        assert same.double().mean() >= (1.0 if DEVICE.type == "cpu" else 0.95)
-        assert int((steps[0] - steps[1])[same].abs().max()) <= 1
-        for name, (x, y) in zip(["α", "β", "E[φ]"], [alpha, beta, m], strict=True):
-            torch.testing.assert_close(x[same], y[same], atol=0, rtol=1e-3, msg=name)
-        torch.testing.assert_close(bound[0][same], bound[1][same], atol=1e-5, rtol=0)
+        never = (rest[0], -1.0, *rest[2:])  # the CPU kernel never settling: every step
+        history = _cpu_solve(a, b, N, P, a0, b0, win0, caps, never, record=True)[7:]
+        _assert_float32_solve_agrees(got, want, history, rest[1], DEVICE.type == "cuda")
     if N > 1:
         assert int(got[0].max()) > 4 and int(got[4].max()) > 2  # windows grew, over steps
+
+
+#: float32 problems (N = 45, P = 70, the certified rule, plug-in and accumulating) and keys
+#: scaled by 1 ± k ulps (as a GPU's sums and exp may differ from the CPU's) among which to
+#: find a child at its convergence threshold: the seeds where the CPU kernel itself stops one
+#: child a step apart on the scaled keys come first (20, 32 here)
+_TIE = dict(N=45, P=70, rule=3, expectation=False, update=False,
+            seeds=(20, 32, 27, 5, 11, 17, 40, 3), scales=(-1, 1, -2, 2, -4, 4))
+
+
+def _tie_case():
+    """``(got, want, history)``: the Triton ``solve`` on scaled keys, the CPU kernel's on the
+    keys as they are, and its history never settling — the first problem of ``_TIE`` where
+    the CPU kernel's own steps on the scaled keys tie (a step apart, same window) and the
+    Triton ``solve``'s do too; None if none does."""
+    N, P = _TIE["N"], _TIE["P"]
+    rest = (0.05, 1e-4, 20, P - 10, _TIE["expectation"], _TIE["update"], _TIE["rule"])
+    for seed in _TIE["seeds"]:
+        a, b, a0, b0, win0, caps = _problem(2, N, P, 5, torch.float32, seed)
+        want = _cpu_solve(a, b, N, P, a0, b0, win0, caps, rest)[:7]
+        for k in _TIE["scales"]:
+            scaled = a * (1 + k * 2 ** -23)
+            cpu = _cpu_solve(scaled, b, N, P, a0, b0, win0, caps, rest)
+            if not bool(((cpu[4] != want[4]) & (cpu[0] == want[0])).any()):
+                continue
+            got = [t.cpu() for t in _ex().solve(scaled, b, P - N, 0.7, a0, b0, win0, *rest)]
+            if bool(((got[4] != want[4]) & (got[0] == want[0])).any()):
+                never = (rest[0], -1.0, *rest[2:])
+                history = _cpu_solve(a, b, N, P, a0, b0, win0, caps, never, record=True)[7:]
+                return got, want, history
+    return None
+
+
+def test_float32_solve_comparison_tells_a_threshold_tie_from_a_bug():
+    """An ulp's change in the keys (GPU-like rounding) moves one child's stop by a step: the
+    comparison accepts it as a tie (its α then ~6% from the CPU's α at the CPU's step), and
+    still refuses a child whose steps agree but whose α took one more update, or a tie child
+    whose α is not the CPU's at its own step."""
+    case = _tie_case()
+    assert case is not None, "no tie among _TIE's problems: the emulation shows nothing"
+    got, want, history = case
+    on_gpu = DEVICE.type == "cuda"
+    assert _assert_float32_solve_agrees(got, want, history, 1e-4, on_gpu) >= 1
+    steps = got[4]
+    tie = (steps != want[4]) & (got[0] == want[0])
+    c = tie.flatten().nonzero()[0, 0]
+    off = (want[1].flatten()[c] - got[1].flatten()[c]).abs() / want[1].flatten()[c]
+    assert off > 1e-2  # what the former comparison (α to 1e-3 wherever windows agree) refused
+    # a child that agrees, settled before the last step, whose update E[φ] − 1 is ≥ 1
+    agree = ((steps == want[4]) & (steps > 2) & (steps < 20) & (got[3] > 2)).flatten() \
+        .nonzero()[0, 0]
+    for child, extra in [(agree, got[3].flatten()[agree] - 1.0),  # one update too many
+                         (c, 0.5)]:  # a tie child's α off its own step's
+        bad = [t.clone() for t in got]
+        bad[1].view(-1)[child] += extra
+        with pytest.raises(AssertionError):
+            _assert_float32_solve_agrees(bad, want, history, 1e-4, on_gpu)
+    late = [t.clone() for t in got]  # a child stopping where the CPU's ΔE[φ] is no tie
+    late[4].view(-1)[agree] += 1
+    with pytest.raises(AssertionError):
+        _assert_float32_solve_agrees(late, want, history, 1e-4, on_gpu)
 
 
 def test_triton_solve_refuses_a_rule_it_does_not_run():
@@ -124,6 +226,37 @@ def test_triton_band_per_child_equals_the_cpu_kernel_and_softmax_written_out(N, 
     got = torch.autograd.grad((_ex().attend_forward(*mine, window, P - N, 0.7)[0]
                                * dout).sum(), mine)
     for name, x, y in zip("a b u e".split(), got, grads, strict=True):
+        torch.testing.assert_close(x, y, atol=1e-11, rtol=0, msg=name)
+
+
+@pytest.mark.parametrize("windows", ["whole past", "narrow"])
+def test_the_band_per_childs_db_du_per_block_of_parents_equal_the_atomic_adds(windows,
+                                                                            monkeypatch):
+    """db and du from the kernel per block of parents (the default: no atomics, the blocks of
+    children that reach each block of parents) equal those the children's kernel adds per
+    tile (``BACKWARD["db_du"] = "atomic"``), with windows holding each child's whole past
+    (the parents' kernel reads every later block) and narrow ones with one far reach (it
+    skips the blocks between), children the last 70 of 90 tokens."""
+    from structattn.triton_kernels import band_per_child as bpc
+
+    a, b, u, window, alpha, beta = _band(2, 70, 90, 5, 7, 11)
+    if windows == "whole past":
+        window = torch.arange(20, 90, device=DEVICE).expand(2, 70).clone()
+    else:
+        window = window.clamp(max=6)
+        window[0, 60] = 75  # one child reaches back almost to the start
+    e = torch.digamma(alpha) - torch.digamma(alpha + beta)
+    out, lse = bpc.attend_forward(a, b, u, e, window, 20, 0.7)
+    dout = torch.randn_like(out)
+    got = bpc.attend_backward(dout, a, b, u, e, window, out, lse, 20, 0.7)
+    monkeypatch.setitem(bpc.BACKWARD, "db_du", "atomic")
+    want = bpc.attend_backward(dout, a, b, u, e, window, out, lse, 20, 0.7)
+    for name, x, y in zip("a b u e".split(), got, want, strict=True):
+        torch.testing.assert_close(x, y, atol=1e-12, rtol=0, msg=name)
+    leaves = [t.clone().requires_grad_() for t in (a, b, u, e)]
+    exact = band_per_child(*leaves, window, 20, 0.7)
+    for name, x, y in zip("a b u e".split(), got,
+                          torch.autograd.grad((exact * dout).sum(), leaves), strict=True):
         torch.testing.assert_close(x, y, atol=1e-11, rtol=0, msg=name)
 
 

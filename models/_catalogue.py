@@ -1,8 +1,8 @@
 """What a catalogue model states about itself, next to its factory: ``Entry``.
 
-Each ``structattn/models/NAME.py`` ends with ``ENTRY = Entry(...)``: its factory, the declaration class,
+Each ``models/NAME.py`` ends with ``ENTRY = Entry(...)``: its factory, the declaration class,
 a small readable configuration (``example``) and a small float64 test case (``case``).
-``structattn/models/__init__.py`` names the file once in its list; ``REGISTRY``, ``EXAMPLES``, the public
+``models/__init__.py`` names the file once in its list; ``REGISTRY``, ``EXAMPLES``, the public
 names ``structattn.models.NAME`` and the test suite's generic cases (tests/registry.py) are
 derived from that list. Imports nothing from the package's ``__init__``, so a model file can
 import it before the package is initialised.
@@ -22,7 +22,7 @@ class Entry:
     """One catalogue model.
 
     - ``factory``: the public factory; its ``__name__`` is the model's catalogue name and the
-      name of its file in ``structattn/models/``;
+      name of its file in ``models/``;
     - ``declaration``: the class the factory returns (exported as ``structattn.models.<Class>``);
     - ``example``: keyword arguments of a small, readable instance — what ``structattn render
       NAME`` and the gallery's catalogue draw (the factories' defaults are layer-sized);

@@ -1,8 +1,9 @@
 """The catalogue: one small declaration per mechanism (SPEC.md, Table 1).
 
-A model is one file and one line: ``structattn/models/NAME.py`` holds the declaration, its factory
-``NAME`` and, at its end, ``ENTRY = Entry(...)`` — the factory, the declaration class, a small
-readable configuration and a small float64 test case (``structattn/models/_catalogue.py``); the line is
+A model is one file and one line: ``models/NAME.py`` (in a checkout; the package reaches the
+folder through its link ``structattn/models``) holds the declaration, its factory ``NAME`` and, at
+its end, ``ENTRY = Entry(...)`` — the factory, the declaration class, a small readable
+configuration and a small float64 test case (``models/_catalogue.py``); the line is
 ``"NAME",`` in the list below. From that list come ``CATALOGUE`` (name → Entry), ``REGISTRY``
 (name → factory), ``EXAMPLES`` (name → small configuration), the public names
 ``structattn.models.NAME`` and ``structattn.models.<Class>``, and the test suite's cases
