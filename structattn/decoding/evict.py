@@ -48,6 +48,8 @@ class EvictionStep:
             call, at every query of the call (the largest over rows and heads), ≤ tol.
         certified (bool): the bound is proved: nothing was evicted yet, or every query and
             key read so far was within its ceiling.
+        bounds (torch.Tensor | None): the bound per row and head, ``(B, H)`` float64 (rows
+            flattened; 0 for a row without a new token); None while nothing is evicted.
     """
 
     position: int
@@ -55,6 +57,7 @@ class EvictionStep:
     evicted: int
     bound: float
     certified: bool
+    bounds: torch.Tensor | None = None
 
 
 def _positive(owner, name, value, heads, dtype, device):
@@ -204,12 +207,13 @@ class Eviction:
             self._check(q, key, real, start, cache)
         up, down = self._factors(q.dtype, d_k)
         evicted = cache.offset
-        bound = 0.0
+        bound, bounds = 0.0, None
         if evicted:  # the evicted tokens' bound, at the first new query and at the newest
             first, every = self.decay.steps(cache, start, counts)  # (B, H|1) each
             at_first = self.spent * torch.exp(-down * first)
             at_first = torch.where((counts > 0)[:, None], at_first, torch.zeros_like(at_first))
-            bound = float((at_first / (1 + at_first)).max())
+            bounds = at_first / (1 + at_first)  # (B, H)
+            bound = float(bounds.max())
             self.spent = self.spent * torch.exp(-down * every)
         position = int((start + evicted).max()) if B else evicted
         self._since += k
@@ -217,7 +221,7 @@ class Eviction:
             self._since = 0
             self._evict(cache, scale, up, down)
         self.trace.append(EvictionStep(position, len(cache), cache.offset, bound,
-                                       not self.breached or evicted == 0))
+                                       not self.breached or evicted == 0, bounds))
 
     def _check(self, q, key, real, start, cache):
         """Stop evicting, with an ``EvictionWarning``, at a real new token whose query or key
