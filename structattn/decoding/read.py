@@ -10,10 +10,11 @@ import torch
 import torch.nn.functional as F
 
 from .._validation import checks_on, passes, shape_str
-from ..heads import merge_heads, split_heads
-from ..potentials import Bilinear, Rotary
+from ..heads import merge_heads
+from ..potentials import Bilinear
 from .cache import DecodeCache
 from .evict import eviction
+from .project import project as _project
 from .rules import Stick, rule_for
 from .static import FixedCache
 from .step import read_fixed
@@ -253,34 +254,3 @@ def _counts(owner, lengths, batch_shape, k, device) -> torch.Tensor:
                          f"values in [0, {k}]; got {t.dtype} {shape_str(t.shape)} "
                          f"{t.reshape(-1).tolist()[:8]}")
     return t.reshape(B).to(torch.long)
-
-
-def _project(model, x, pos):
-    """Queries and keys (on x + e at the tokens' positions, for absolute positions; rotated
-    at their positions, for rotary ones) and values, per head."""
-    H = model.heads
-    xk = x
-    e = getattr(model, "positions", None)
-    if e is not None:
-        xk = x + e[pos.clamp(max=e.shape[0] - 1)]
-    q = split_heads(F.linear(xk, model.W_q), H)
-    key = split_heads(F.linear(xk, model.W_k), H)
-    value = split_heads(F.linear(x, model.W_v), H)
-    q, key = rotated(model, q, key, pos)
-    return q, key, value
-
-
-def rotated(model, q, key, pos):
-    """Queries and keys ``(B, H, k, d_k)`` rotated at their positions ``pos (B, k)``, for
-    rotary positions (else as they are)."""
-    if model.rope_base is None:
-        return q, key
-    H = model.heads
-    rot = Rotary(model.W_q, model.W_k, heads=H, base=model.rope_base, dims=model.rope_dims)
-    B, _, k, _ = q.shape
-    flat = pos.reshape(-1)  # (B·k,): rotate every token at its own position
-
-    def turn(t):
-        t = rot.rotate(t.transpose(0, 1).reshape(H, B * k, -1), flat)
-        return t.reshape(H, B, k, -1).transpose(0, 1)
-    return turn(q), turn(key)

@@ -18,6 +18,8 @@ from .. import _validation
 from ..heads import merge_heads, split_heads
 from ..potentials import Bilinear
 from ..replay import MISSED
+from .project import project as _project
+from .project import rotated
 from .rules import Normalised
 from .static import FixedCache, write
 
@@ -111,11 +113,9 @@ def step(model, rule, x, keys, values, state, lengths, counts=None, *, capacity:
 
 
 def _project_step(model, x, pos):
-    """``read._project``; where the keys are x's alone (no absolute positions), one
+    """``project.project``; where the keys are x's alone (no absolute positions), one
     projection by W_q, W_k and W_v stacked — in a recorded plan without gradients the stack
     is a constant, made once per change of the weights."""
-    from .read import _project, rotated  # read imports this module
-
     if getattr(model, "positions", None) is not None or torch.compiler.is_compiling():
         return _project(model, x, pos)
     H, d_q, d_v = model.heads, model.W_q.shape[0], model.W_v.shape[0]
