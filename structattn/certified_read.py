@@ -138,11 +138,7 @@ def certified_band_attention(a, b, u, scale: float, h, eps: float, *, start: int
     r = _Reader(*flat, hh, float(scale), products)
     G, dev = r.G, a.device
     last = n - 1
-    widths = [max(1, min(start, last))]
-    while widths[-1] < last:
-        widths.append(min(2 * widths[-1], last))
-    if widest is not None:
-        widths = [w for w in widths[:-1] if w <= widest] + [last]
+    widths = _widths(last, start, widest)
     every = torch.arange(G, device=dev)
     wt = torch.tensor(widths, device=dev)
     with torch.no_grad():
@@ -160,41 +156,11 @@ def certified_band_attention(a, b, u, scale: float, h, eps: float, *, start: int
     bounds = bd
     rest = (~done).nonzero()[:, 0]
     if rest.numel():
-        with torch.no_grad():  # the first width the start's evidence certifies, per row
-            log_in = r.evidence(rest, own[rest], lse[rest])
-            ok = r.certifies(rest, wt, log_in, eps)
-            ok[-1] = True  # (len(widths), R); all of the past: bound 0
-            k = ok.int().argmax(0)  # (R,)
-            target = wt[k]
-            below = wt[(k - 1).clamp(min=0)]
-            eighth = torch.tensor([8 * band.BandLayout.for_window(n, w, block).width <= n
-                                   for w in widths], device=dev)
-            tries = (k > 1) & possible[(k - 1).clamp(min=0), rest] & eighth[(k - 1).clamp(
-                min=0)]
-            first = torch.where(tries, below, target)
-        out2, lse2 = r.read(rest, first)
-        with torch.no_grad():  # (the start's evidence bounds every wider window's too)
-            bd2 = torch.minimum(r.bound(rest, first, r.evidence(rest, first, lse2)),
-                                r.bound(rest, first, log_in))
-            good = (bd2 <= eps).all(-1) | ~tries  # a target read is certified
-            window[rest] = torch.where((window[rest] < 0) & (bd2 <= eps), first[:, None],
-                                       window[rest])
-            bounds[rest] = bd2
-        pieces.append((rest[good], out2[good]))
-        again = (~good).nonzero()[:, 0]
-        if again.numel():
-            rows = rest[again]
-            out3, lse3 = r.read(rows, target[again])
-            with torch.no_grad():
-                bd3 = torch.minimum(
-                    r.bound(rows, target[again], r.evidence(rows, target[again], lse3)),
-                    r.bound(rows, target[again], log_in[again]))
-                window[rows] = torch.where(window[rows] < 0, target[again][:, None],
-                                           window[rows])
-                bounds[rows] = bd3
-            pieces.append((rows, out3))
+        eighth = torch.tensor([8 * band.BandLayout.for_window(n, w, block).width <= n
+                               for w in widths], device=dev)
         own = own.clone()
-        own[rest] = torch.where(good, first, target)
+        own[rest] = _read_again(r, rest, own, lse, wt, possible, eighth, eps, window, bounds,
+                                pieces)
     idx = torch.cat([p[0] for p in pieces])
     out = torch.cat([p[1] for p in pieces])[idx.argsort()]
     window = torch.where(window < 0, own[:, None], window)
@@ -204,6 +170,55 @@ def certified_band_attention(a, b, u, scale: float, h, eps: float, *, start: int
         sum(skipped_pairs(n, w) for w in own.tolist()) / own.numel(),
         bool((bounds <= eps).all()), heads)
     return out.reshape(*lead, n, d_v).to(u.dtype), choice
+
+
+def _widths(last: int, start: int, widest: int | None) -> list[int]:
+    """The doubling sequence of widths from ``start`` to ``last`` (all of the past), those
+    beyond ``widest`` left out."""
+    widths = [max(1, min(start, last))]
+    while widths[-1] < last:
+        widths.append(min(2 * widths[-1], last))
+    if widest is not None:
+        widths = [w for w in widths[:-1] if w <= widest] + [last]
+    return widths
+
+
+def _read_again(r, rest, own, lse, wt, possible, eighth, eps, window, bounds, pieces):
+    """The rows ``rest`` the first reading did not certify, read at the first width the
+    start's evidence certifies (the width below it first, where ``certify``'s rules would try
+    it: it could certify and its band is at most an eighth of the sequence), then at that
+    width where the one below fails. Writes their ``window`` and ``bounds`` rows, appends
+    ``(rows, out)`` to ``pieces``, and returns the width each row was read at ``(R,)``."""
+    with torch.no_grad():  # the first width the start's evidence certifies, per row
+        log_in = r.evidence(rest, own[rest], lse[rest])
+        ok = r.certifies(rest, wt, log_in, eps)
+        ok[-1] = True  # (len(widths), R); all of the past: bound 0
+        k = ok.int().argmax(0)  # (R,)
+        target = wt[k]
+        below = wt[(k - 1).clamp(min=0)]
+        tries = (k > 1) & possible[(k - 1).clamp(min=0), rest] & eighth[(k - 1).clamp(min=0)]
+        first = torch.where(tries, below, target)
+    out2, lse2 = r.read(rest, first)
+    with torch.no_grad():  # (the start's evidence bounds every wider window's too)
+        bd2 = torch.minimum(r.bound(rest, first, r.evidence(rest, first, lse2)),
+                            r.bound(rest, first, log_in))
+        good = (bd2 <= eps).all(-1) | ~tries  # a target read is certified
+        window[rest] = torch.where((window[rest] < 0) & (bd2 <= eps), first[:, None],
+                                   window[rest])
+        bounds[rest] = bd2
+    pieces.append((rest[good], out2[good]))
+    again = (~good).nonzero()[:, 0]
+    if again.numel():
+        rows = rest[again]
+        out3, lse3 = r.read(rows, target[again])
+        with torch.no_grad():
+            bd3 = torch.minimum(
+                r.bound(rows, target[again], r.evidence(rows, target[again], lse3)),
+                r.bound(rows, target[again], log_in[again]))
+            window[rows] = torch.where(window[rows] < 0, target[again][:, None], window[rows])
+            bounds[rows] = bd3
+        pieces.append((rows, out3))
+    return torch.where(good, first, target)
 
 
 def _products(dtype: torch.dtype, k: int) -> torch.dtype:

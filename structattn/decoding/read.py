@@ -112,19 +112,11 @@ def read(layer, *inputs, cache, lengths=None, return_posterior=False, **options)
     cache.append(key, torch.cat([value] + [torch.zeros_like(value)] * (hops - 1), -1), state,
                  counts, total)
 
-    keys = cache.keys[..., :total, :]
-    scale = Bilinear(model.W_q, model.W_k, heads=H, temperature=model.temperature).factor_scale()
-    if isinstance(scale, torch.Tensor):
-        scale = scale.to(dtype=q.dtype, device=q.device)
+    scale = _scale(model, q)
     parents = torch.arange(total, device=x.device)
     real = slot[None, :] < counts[:, None]  # (B, k)
     valid = (parents[None, None, :] < ends[:, None, None]) & real[:, :, None]  # (B, k, P)
-    if isinstance(rule, Stick):  # newest first, stopping where the stick is spent
-        post, cache.keys_read = read_backwards(q, keys, scale, pos, valid)  # (B, H, k, P)
-    else:
-        scores = (q @ keys.transpose(-1, -2)) * scale  # (B, H, k, P)
-        post = rule.posterior(model, scores, pos, parents, valid, cache)  # (B, H, k, P)
-        cache.keys_read = total
+    post = _posterior(rule, model, q, scale, pos, parents, valid, cache)  # (B, H, k, P)
     expected = _expected(post, value, cache, weights, total)  # (B, H, k, d_v): E[v_i]
     expected = expected.masked_fill(~real[:, None, :, None], 0.0)
     if cache.eviction is not None:  # certified eviction: check, report, evict
@@ -240,6 +232,26 @@ def _expected(post, value, cache, weights, total):
             expected = term if expected is None else expected + term
     return torch.zeros_like(value) if expected is None else expected
 
+
+def _scale(model, q):
+    """The scores' factor (a float, or a tensor on q's dtype and device)."""
+    scale = Bilinear(model.W_q, model.W_k, heads=model.heads,
+                     temperature=model.temperature).factor_scale()
+    if isinstance(scale, torch.Tensor):
+        scale = scale.to(dtype=q.dtype, device=q.device)
+    return scale
+
+
+def _posterior(rule, model, q, scale, pos, parents, valid, cache):
+    """p(φ_i = j | x) ``(B, H, k, P)`` of the new rows over the P cached parents (stick-breaking
+    newest first, stopping where the stick is spent); records ``cache.keys_read``."""
+    keys = cache.keys[..., :parents.numel(), :]
+    if isinstance(rule, Stick):
+        post, cache.keys_read = read_backwards(q, keys, scale, pos, valid)
+        return post
+    scores = (q @ keys.transpose(-1, -2)) * scale  # (B, H, k, P)
+    cache.keys_read = parents.numel()
+    return rule.posterior(model, scores, pos, parents, valid, cache)
 
 def _counts(owner, lengths, batch_shape, k, device) -> torch.Tensor:
     """Each row's real new tokens ``(B,)``: ``lengths`` checked, or k everywhere."""
