@@ -36,7 +36,9 @@ of forward+backward over interleaved rounds, the median per-round ratio to causa
 allocation events) relative to causal SDPA; then the forward alone without gradients
 (inference), timed the same way. Targets (issue 22): FoX and ALiBi ≤ 1.1× causal
 SDPA in time and peak memory; stick-breaking ≤ 2× causal SDPA in time. Run:
-``python benchmarks/bench_distance_priors.py [--quick] [--long] [--json PATH]``.
+``python benchmarks/bench_distance_priors.py [--quick] [--long] [--json PATH] [--isa avx2]``
+(``--isa avx2``: an AVX2 machine on an AVX-512 one — structattn's kernels built for AVX2 and
+PyTorch's held to AVX2, ``_results.AVX2``).
 """
 
 from __future__ import annotations
@@ -275,7 +277,11 @@ def main(argv=None):
     p.add_argument("--variants", nargs="+", metavar="NAME",
                    help="only the variants whose names contain one of these (and causal SDPA)")
     p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--isa", choices=["native", "avx2"],
+                   help="the instruction set: native (as the machine is) or avx2 (structattn's "
+                        "kernels built for AVX2 and PyTorch's held to AVX2: an AVX2 machine)")
     args = p.parse_args(argv)
+    _results.run_as(args.isa)
     cfg = dict(d_model=256, heads=4, sizes=[1024, 4096], rounds=args.rounds, dense_up_to=4096,
                device=torch.device(args.device), tol=args.tol, variants=args.variants)
     if args.long:
@@ -292,7 +298,10 @@ def main(argv=None):
 
     dev = cfg["device"]
     where = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU"
-    log(f"torch {torch.__version__}, {torch.get_num_threads()} threads, float32, {where}")
+    isa = _results.cpu()
+    log(f"torch {torch.__version__}, {torch.get_num_threads()} threads, float32, {where} "
+        f"({isa['cpu_isa']}; kernels built for {isa['kernel_isa']}, PyTorch's dispatch "
+        f"{isa['torch_cpu_capability']})")
     results = {"config": cfg, "runs": {n: run(n, cfg, log) for n in cfg["sizes"]}}
     _results.save("distance_priors", results, args.json, quick=args.quick, device=args.device)
     return results
