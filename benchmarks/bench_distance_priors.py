@@ -34,7 +34,8 @@ without the dense-bias and eager variants, whose bias alone would take 4 GiB). R
 of forward+backward over interleaved rounds, the median per-round ratio to causal SDPA
 (``paired``), and the peak of live tensor bytes during one forward+backward (the profiler's
 allocation events) relative to causal SDPA; then the forward alone without gradients
-(inference), timed the same way. Targets (issue 22): FoX and ALiBi ≤ 1.1× causal
+(inference), timed the same way; beside each paired median, the quartiles of the per-round
+ratios (the records keep those and their extremes). Targets (issue 22): FoX and ALiBi ≤ 1.1× causal
 SDPA in time and peak memory; stick-breaking ≤ 2× causal SDPA in time. Run:
 ``python benchmarks/bench_distance_priors.py [--quick] [--long] [--json PATH] [--isa avx2]``
 (``--isa avx2``: an AVX2 machine on an AVX-512 one — structattn's kernels built for AVX2 and
@@ -163,9 +164,14 @@ def time_fwd_bwd(fns: dict, x, rounds: int, backward: bool = True) -> dict:
             sync(x.device)
             times[name].append(time.perf_counter() - t)
     base = times["causal SDPA"]
-    return {k: {"median_s": statistics.median(v),
-                "paired": statistics.median(a / b for a, b in zip(v, base, strict=True))}
-            for k, v in times.items()}
+    out = {}
+    for k, v in times.items():
+        ratios = sorted(a / b for a, b in zip(v, base, strict=True))
+        # the spread of the per-round ratios: their quartiles, and the extremes
+        q1, _, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+        out[k] = {"median_s": statistics.median(v), "paired": statistics.median(ratios),
+                  "paired_quartiles": [q1, q3], "paired_range": [ratios[0], ratios[-1]]}
+    return out
 
 
 def same_weights(source, *models) -> None:
@@ -246,8 +252,10 @@ def run(n: int, cfg: dict, log) -> dict:
     for k in fns:
         target = (" (target ≤ 2 in time)" if k.startswith("stick") and "eager" not in k
                   else " (target ≤ 1.1)" if "structattn" in k else "")
-        log(f"    {k:<27} {res[k]['median_s'] * 1e3:9.1f} ms  paired {res[k]['paired']:.3f}×  "
-            f"peak {mem[k] / 2**20:8.1f} MiB {mem[k] / mem['causal SDPA']:.3f}×{target}")
+        q1, q3 = res[k]["paired_quartiles"]
+        log(f"    {k:<27} {res[k]['median_s'] * 1e3:9.1f} ms  paired {res[k]['paired']:.3f}× "
+            f"({q1:.2f}–{q3:.2f})  peak {mem[k] / 2**20:8.1f} MiB "
+            f"{mem[k] / mem['causal SDPA']:.3f}×{target}")
         res[k]["peak_bytes"] = mem[k]
     for k, (width, frac, worst, heads) in skipped.items():
         log(f"    {k} (tol {cfg['tol']:g}): window {width} (per head {heads}), {frac:.1%} of "
@@ -260,7 +268,9 @@ def run(n: int, cfg: dict, log) -> dict:
     fwd = time_fwd_bwd({k: fns[k] for k in inference}, x, cfg["rounds"], backward=False)
     log(f"    forward alone, no gradients (causal SDPA {fwd['causal SDPA']['median_s'] * 1e3:.1f} ms):")
     for k in inference[1:]:
-        log(f"    {k:<27} {fwd[k]['median_s'] * 1e3:9.1f} ms  paired {fwd[k]['paired']:.3f}×")
+        q1, q3 = fwd[k]["paired_quartiles"]
+        log(f"    {k:<27} {fwd[k]['median_s'] * 1e3:9.1f} ms  paired {fwd[k]['paired']:.3f}× "
+            f"({q1:.2f}–{q3:.2f})")
     res["forward"] = fwd
     return res
 
