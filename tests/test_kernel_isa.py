@@ -27,7 +27,6 @@ AGAINST_REFERENCES = [
     "tests/kinds/test_key_bias.py::test_gradcheck",
     "tests/kinds/test_key_bias.py::test_a_band_per_head_equals_softmax_written_out",
     "tests/kinds/test_key_bias.py::test_a_band_per_head_gradcheck_and_opcheck",
-    "tests/kinds/test_key_bias.py::test_fox_infers_and_trains_through_it",
     "tests/test_kernels.py::test_kernel_equals_the_loop",
     "tests/test_kernels.py::test_grad_last_gradients_equal_the_loop",
     "tests/test_kernels.py::test_float32_and_bfloat16_agree_with_the_loop",
