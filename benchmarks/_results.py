@@ -17,8 +17,10 @@ RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 def cpu() -> dict:
     """The CPU a figure came from: its model, the widest vector instruction set it has
-    ("AVX-512", "AVX2" or "other": what the C++ kernels, built with ``-march=native``, were
-    compiled for) and the one PyTorch's kernels dispatch to (``get_cpu_capability``)."""
+    ("AVX-512", "AVX2" or "other"), the one structattn's C++ kernels were compiled for
+    (``kernel_isa``: the machine's with ``-march=native``, "AVX2" with
+    ``STRUCTATTN_KERNEL_ISA=avx2``), the one PyTorch's kernels dispatch to
+    (``get_cpu_capability``) and the variables that held PyTorch to AVX2 (``isa_caps``)."""
     flags, model = set(), None
     try:
         with open("/proc/cpuinfo") as fh:
@@ -31,8 +33,37 @@ def cpu() -> dict:
     except OSError:  # not Linux: the flags are not read
         pass
     isa = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "other"
+    chosen = os.environ.get("STRUCTATTN_KERNEL_ISA", "native").strip().lower() or "native"
     return {"cpu_model": model or platform.processor() or None, "cpu_isa": isa,
-            "torch_cpu_capability": torch.backends.cpu.get_cpu_capability()}
+            "kernel_isa": {"native": isa, "avx2": "AVX2"}.get(chosen, chosen),
+            "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            **({"isa_caps": caps} if (caps := {k: os.environ[k] for k in AVX2 if k in os.environ
+                                               and k != "STRUCTATTN_KERNEL_ISA"}) else {})}
+
+
+#: the environment of an AVX2 machine on an AVX-512 one: structattn's kernels built for AVX2
+#: (x86-64-v3) and PyTorch's own — ATen's dispatch, MKL, oneDNN — held to AVX2
+AVX2 = {"STRUCTATTN_KERNEL_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2",
+        "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+
+
+def run_as(isa: str | None) -> None:
+    """Run this script on the instruction set ``isa`` ("avx2": ``AVX2`` above; "native" or
+    None: as the machine is): where the environment differs, the script starts again in one
+    that matches (ATen, MKL and oneDNN read theirs when torch is imported). The record's
+    provenance names it (``kernel_isa``, ``torch_cpu_capability``, ``isa_caps``)."""
+    import sys
+
+    if isa is None:
+        return
+    if isa not in ("native", "avx2"):
+        raise ValueError(f"isa: expected 'native' or 'avx2', got {isa!r}")
+    env = {k: v for k, v in os.environ.items() if k not in AVX2}  # native: the machine's
+    if isa == "avx2":
+        env.update(AVX2)
+    if all(os.environ.get(k) == env.get(k) for k in AVX2):
+        return  # already so
+    os.execve(sys.executable, [sys.executable, *sys.argv], env)
 
 
 def provenance(device=None) -> dict:

@@ -34,9 +34,12 @@ without the dense-bias and eager variants, whose bias alone would take 4 GiB). R
 of forward+backward over interleaved rounds, the median per-round ratio to causal SDPA
 (``paired``), and the peak of live tensor bytes during one forward+backward (the profiler's
 allocation events) relative to causal SDPA; then the forward alone without gradients
-(inference), timed the same way. Targets (issue 22): FoX and ALiBi ≤ 1.1× causal
+(inference), timed the same way; beside each paired median, the quartiles of the per-round
+ratios (the records keep those and their extremes). Targets (issue 22): FoX and ALiBi ≤ 1.1× causal
 SDPA in time and peak memory; stick-breaking ≤ 2× causal SDPA in time. Run:
-``python benchmarks/bench_distance_priors.py [--quick] [--long] [--json PATH]``.
+``python benchmarks/bench_distance_priors.py [--quick] [--long] [--json PATH] [--isa avx2]``
+(``--isa avx2``: an AVX2 machine on an AVX-512 one — structattn's kernels built for AVX2 and
+PyTorch's held to AVX2, ``_results.AVX2``).
 """
 
 from __future__ import annotations
@@ -161,9 +164,14 @@ def time_fwd_bwd(fns: dict, x, rounds: int, backward: bool = True) -> dict:
             sync(x.device)
             times[name].append(time.perf_counter() - t)
     base = times["causal SDPA"]
-    return {k: {"median_s": statistics.median(v),
-                "paired": statistics.median(a / b for a, b in zip(v, base, strict=True))}
-            for k, v in times.items()}
+    out = {}
+    for k, v in times.items():
+        ratios = sorted(a / b for a, b in zip(v, base, strict=True))
+        # the spread of the per-round ratios: their quartiles, and the extremes
+        q1, _, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+        out[k] = {"median_s": statistics.median(v), "paired": statistics.median(ratios),
+                  "paired_quartiles": [q1, q3], "paired_range": [ratios[0], ratios[-1]]}
+    return out
 
 
 def same_weights(source, *models) -> None:
@@ -244,8 +252,10 @@ def run(n: int, cfg: dict, log) -> dict:
     for k in fns:
         target = (" (target ≤ 2 in time)" if k.startswith("stick") and "eager" not in k
                   else " (target ≤ 1.1)" if "structattn" in k else "")
-        log(f"    {k:<27} {res[k]['median_s'] * 1e3:9.1f} ms  paired {res[k]['paired']:.3f}×  "
-            f"peak {mem[k] / 2**20:8.1f} MiB {mem[k] / mem['causal SDPA']:.3f}×{target}")
+        q1, q3 = res[k]["paired_quartiles"]
+        log(f"    {k:<27} {res[k]['median_s'] * 1e3:9.1f} ms  paired {res[k]['paired']:.3f}× "
+            f"({q1:.2f}–{q3:.2f})  peak {mem[k] / 2**20:8.1f} MiB "
+            f"{mem[k] / mem['causal SDPA']:.3f}×{target}")
         res[k]["peak_bytes"] = mem[k]
     for k, (width, frac, worst, heads) in skipped.items():
         log(f"    {k} (tol {cfg['tol']:g}): window {width} (per head {heads}), {frac:.1%} of "
@@ -258,7 +268,9 @@ def run(n: int, cfg: dict, log) -> dict:
     fwd = time_fwd_bwd({k: fns[k] for k in inference}, x, cfg["rounds"], backward=False)
     log(f"    forward alone, no gradients (causal SDPA {fwd['causal SDPA']['median_s'] * 1e3:.1f} ms):")
     for k in inference[1:]:
-        log(f"    {k:<27} {fwd[k]['median_s'] * 1e3:9.1f} ms  paired {fwd[k]['paired']:.3f}×")
+        q1, q3 = fwd[k]["paired_quartiles"]
+        log(f"    {k:<27} {fwd[k]['median_s'] * 1e3:9.1f} ms  paired {fwd[k]['paired']:.3f}× "
+            f"({q1:.2f}–{q3:.2f})")
     res["forward"] = fwd
     return res
 
@@ -275,7 +287,11 @@ def main(argv=None):
     p.add_argument("--variants", nargs="+", metavar="NAME",
                    help="only the variants whose names contain one of these (and causal SDPA)")
     p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--isa", choices=["native", "avx2"],
+                   help="the instruction set: native (as the machine is) or avx2 (structattn's "
+                        "kernels built for AVX2 and PyTorch's held to AVX2: an AVX2 machine)")
     args = p.parse_args(argv)
+    _results.run_as(args.isa)
     cfg = dict(d_model=256, heads=4, sizes=[1024, 4096], rounds=args.rounds, dense_up_to=4096,
                device=torch.device(args.device), tol=args.tol, variants=args.variants)
     if args.long:
@@ -292,7 +308,10 @@ def main(argv=None):
 
     dev = cfg["device"]
     where = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU"
-    log(f"torch {torch.__version__}, {torch.get_num_threads()} threads, float32, {where}")
+    isa = _results.cpu()
+    log(f"torch {torch.__version__}, {torch.get_num_threads()} threads, float32, {where} "
+        f"({isa['cpu_isa']}; kernels built for {isa['kernel_isa']}, PyTorch's dispatch "
+        f"{isa['torch_cpu_capability']})")
     results = {"config": cfg, "runs": {n: run(n, cfg, log) for n in cfg["sizes"]}}
     _results.save("distance_priors", results, args.json, quick=args.quick, device=args.device)
     return results

@@ -22,7 +22,8 @@ The same W_Q, W_K, W_V, W_O serve every variant:
 Measured: forward+backward wall time (median of repeats, interleaved), the ratio to full
 causal SDPA, peak RSS growth of one forward+backward (``_memory.py``), how often the MAP
 parent is the true one, the mean and largest inferred window, iterations, and the authors'
-counted-operations metric. Run: ``python benchmarks/bench_expanding.py [--quick] [--json P]``.
+counted-operations metric. Run: ``python benchmarks/bench_expanding.py [--quick] [--json P]
+[--isa avx2]`` (``--isa avx2``: an AVX2 machine on an AVX-512 one, ``_results.AVX2``).
 
 ``--vs-banded``: the comparison issue 22 asks for instead — parents planted uniformly 1–32
 back, and a hand-written banded SDPA *told* the window w = 64 (blocks of 64 queries, keys
@@ -281,7 +282,11 @@ def main():
                     help="parents 1–32 back, against banded SDPA told w = 64")
     ap.add_argument("--json")
     ap.add_argument("--device", default="cpu", help="cpu (default) or cuda (not --vs-banded)")
+    ap.add_argument("--isa", choices=["native", "avx2"],
+                    help="native (as the machine is) or avx2 (structattn's kernels built for "
+                         "AVX2 and PyTorch's held to AVX2: an AVX2 machine)")
     args = ap.parse_args()
+    _results.run_as(args.isa)
     if args.quick:
         args.sizes, args.repeats = [512], 1
     run(args)

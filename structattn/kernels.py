@@ -20,7 +20,10 @@ as ``scripts/setup.sh`` does), and is kept under ``TORCH_EXTENSIONS_DIR`` (defau
 the library warns once per kernel and uses its Python reading, which computes the same thing
 (to rounding: in bfloat16 the kernels score in float32, the Python loop in bfloat16).
 ``STRUCTATTN_KERNELS=0`` in the environment, or ``with structattn.kernels.disabled():``,
-turns the kernels off (e.g. to compare against the Python loop).
+turns the kernels off (e.g. to compare against the Python loop). ``STRUCTATTN_KERNEL_ISA``
+chooses the instruction set they are compiled for (``isa``): ``native`` (the default,
+``-march=native``) or ``avx2`` (x86-64-v3: AVX2 and FMA, what an AVX2-only machine builds),
+each in its own cache directory.
 """
 
 from __future__ import annotations
@@ -37,8 +40,8 @@ import torch
 
 from . import reading
 
-__all__ = ["available", "build", "build_error", "cache_directory", "disabled", "key_bias",
-           "mean_field_windows", "stick_breaking", "with_rules"]
+__all__ = ["available", "build", "build_error", "cache_directory", "disabled", "isa",
+           "key_bias", "mean_field_windows", "stick_breaking", "with_rules"]
 
 #: kernel → (its source in csrc/, the name of its extension and op namespace, what falls back)
 _KERNELS = {
@@ -49,12 +52,23 @@ _KERNELS = {
     "key_bias": ("key_bias.cpp", "structattn_key_bias",
                  "FoX and ALiBi train through one more key dimension (~12% slower)"),
 }
-#: kernel → compiler flags beyond -O3 -fopenmp. -march=native gives the kernels' own
-#: vectorised exp (``csrc/tiles.h``: the C library's exp is never vectorised there) and their
-#: loops the machine's widest vectors — each machine builds its own copy. The mean field's
-#: iteration keeps its products and sums unfused (-ffp-contract=off), as PyTorch's loop
-#: computes them
-_FLAGS = {"key_bias": ["-march=native"], "mean_field": ["-march=native", "-ffp-contract=off"]}
+#: kernel → compiler flags beyond -O3 -fopenmp. ``-march=<isa>`` (see ``_ISAS``) gives the
+#: kernels' own vectorised exp (``csrc/tiles.h``: the C library's exp is never vectorised
+#: there) and their loops the chosen instruction set's vectors — by default the machine's
+#: widest, each machine building its own copy. -fno-trapping-math (as PyTorch's own build):
+#: vexp's range checks are thread-jumped into a branch around its polynomial, which only
+#: AVX-512's masked instructions vectorise while floating-point traps must be kept — without
+#: the flag an AVX2 build scores its tiles one entry at a time (7× slower; the results are the
+#: same, IEEE arithmetic is unchanged). The mean field's iteration keeps its products and sums
+#: unfused (-ffp-contract=off), as PyTorch's loop computes them
+_FLAGS = {"key_bias": ["-march=native", "-fno-trapping-math"],
+          "mean_field": ["-march=native", "-fno-trapping-math", "-ffp-contract=off"]}
+#: ``STRUCTATTN_KERNEL_ISA`` → (what replaces -march=native, the CPU flags it needs).
+#: "avx2": x86-64-v3 (AVX2, FMA, BMI1/2, F16C, LZCNT, MOVBE: every AVX2 CPU of Intel since
+#: Haswell and of AMD since Zen), the code an AVX2-only machine builds, built side by side
+#: with the native one on an AVX-512 machine (its own cache directory)
+_ISAS = {"native": (None, ()),
+         "avx2": ("-march=x86-64-v3", ("avx2", "fma", "bmi1", "bmi2", "f16c", "abm", "movbe"))}
 _lock = threading.Lock()
 #: kernel → its ops, why its build failed, whether it was tried
 _states: dict = {k: {"ops": None, "error": None, "tried": False, "rules": False} for k in _KERNELS}
@@ -75,6 +89,36 @@ def disabled():
     """
     with reading.entered(kernels=False):
         yield
+
+
+def isa() -> str:
+    """The instruction set the kernels are built for: ``STRUCTATTN_KERNEL_ISA``, "native"
+    (the default: ``-march=native``, the machine's widest vectors) or "avx2" (x86-64-v3: AVX2
+    and FMA, what an AVX2-only machine builds; refused on a CPU without them).
+
+    Returns:
+        str: "native" or "avx2".
+
+    Raises:
+        ValueError: an unknown ``STRUCTATTN_KERNEL_ISA``, or "avx2" on a CPU that lacks it.
+    """
+    chosen = os.environ.get("STRUCTATTN_KERNEL_ISA", "native").strip().lower() or "native"
+    if chosen not in _ISAS:
+        raise ValueError(f"STRUCTATTN_KERNEL_ISA: expected one of {sorted(_ISAS)}, got "
+                         f"{chosen!r}")
+    missing = [f for f in _ISAS[chosen][1] if f not in _machine().split()]
+    if missing:
+        raise ValueError(f"STRUCTATTN_KERNEL_ISA={chosen}: this CPU lacks {', '.join(missing)} "
+                         f"(its flags: /proc/cpuinfo); expected a CPU with "
+                         f"{', '.join(_ISAS[chosen][1])}, or STRUCTATTN_KERNEL_ISA=native")
+    return chosen
+
+
+def _flags(kernel: str) -> list:
+    """``kernel``'s compiler flags beyond -O3 -fopenmp, for the chosen instruction set."""
+    march = _ISAS[isa()][0]
+    flags = _FLAGS.get(kernel, [])
+    return [march if march and f == "-march=native" else f for f in flags]
 
 
 def _machine() -> str:
@@ -108,7 +152,7 @@ def cache_directory(kernel: str) -> str:
     for header in sorted(n for n in os.listdir(csrc) if n.endswith(".h")):  # what it includes
         with open(os.path.join(csrc, header), "rb") as f:
             digest.update(f.read())
-    for part in (*_FLAGS.get(kernel, []), torch.__version__, str(torch._C._GLIBCXX_USE_CXX11_ABI),
+    for part in (*_flags(kernel), torch.__version__, str(torch._C._GLIBCXX_USE_CXX11_ABI),
                  sys.version, _machine()):
         digest.update(part.encode())
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(
@@ -156,7 +200,7 @@ def _build(kernel: str = "mean_field"):
             warnings.simplefilter("ignore")
             # -fopenmp: at::parallel_for spreads the work over torch's intra-op threads
             load(name=name, sources=[os.path.join(os.path.dirname(__file__), "csrc", source)],
-                 extra_cflags=["-O3", "-fopenmp", *_FLAGS.get(kernel, [])],
+                 extra_cflags=["-O3", "-fopenmp", *_flags(kernel)],
                  extra_ldflags=["-fopenmp"], build_directory=where,
                  is_python_module=False, verbose=False)
     return getattr(torch.ops, name)

@@ -46,13 +46,18 @@ def test_results_carry_their_provenance(tmp_path, monkeypatch):
     data = json.loads(pathlib.Path(path).read_text())
     assert data["results"] == {"ratio": 1.0}
     assert {"date", "commit", "torch", "python", "machine", "cores", "threads", "device",
-            "cpu_model", "cpu_isa", "torch_cpu_capability"} <= set(data["provenance"])
+            "cpu_model", "cpu_isa", "kernel_isa", "torch_cpu_capability"} <= set(
+                data["provenance"])
     assert data["provenance"]["cpu_isa"] in ("AVX-512", "AVX2", "other")
     flags = pathlib.Path("/proc/cpuinfo").read_text() if pathlib.Path("/proc/cpuinfo").exists() else ""
     if " avx512f" in flags:
         assert data["provenance"]["cpu_isa"] == "AVX-512"
     elif " avx2" in flags:
         assert data["provenance"]["cpu_isa"] == "AVX2"
+    monkeypatch.delenv("STRUCTATTN_KERNEL_ISA", raising=False)  # the kernels' own ISA
+    assert _results.cpu()["kernel_isa"] == data["provenance"]["cpu_isa"]
+    monkeypatch.setenv("STRUCTATTN_KERNEL_ISA", "avx2")
+    assert _results.cpu()["kernel_isa"] == "AVX2"
     monkeypatch.setattr(_results, "RESULTS", str(tmp_path / "results"))
     assert _results.save("toy", {}, quick=True) is None
     assert not (tmp_path / "results").exists()
