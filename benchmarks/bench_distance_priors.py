@@ -22,7 +22,7 @@ term. Compared, per N, with the same weights:
 
 ``FoX, certified`` / ``ALiBi, certified``: the same layers with ``tol`` (default 1e-4): only
 the window whose posterior mass beyond it is certified ≤ tol for every token is read
-(``structattn/certified.py``; the fraction of pairs skipped is printed) — FoX's adaptive
+(``structattn/certificates/certified.py``; the fraction of pairs skipped is printed) — FoX's adaptive
 computation pruning with a proof. ALiBi's slopes are the paper's, 2^(−8h/H): its slowest
 head (1/256 for H = 4) rarely certifies a window shorter than the sequence. ``Gaussian, dense
 bias`` / ``Gaussian, certified``: BAM's generalised Gaussian (``generalised_gaussian_attention``,

@@ -45,7 +45,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import structattn as sa  # noqa: E402
-from structattn import band  # noqa: E402
+from structattn.operators import band  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _results  # noqa: E402  (this script's own folder)
@@ -94,7 +94,7 @@ def full_causal(m, x):
 
 
 def sliding_window(m, x, window):
-    """Blocked SDPA over distances 1..window (structattn.band), uniform prior: the oracle."""
+    """Blocked SDPA over distances 1..window (structattn.operators.band), uniform prior: the oracle."""
     q, k, v = x @ m.W_q.T, x @ m.W_k.T, x @ m.W_v.T
     n = x.shape[-2]
     layout = band.BandLayout.for_window(n, window, 64)

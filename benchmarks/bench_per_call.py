@@ -1,7 +1,7 @@
 """What one call costs: compiled-once layers vs hand-written modules at small sizes, in one run.
 
 A compiled module reads its declaration on a signature's first call, records a plan on the
-second and replays only the plan's tensor work after that (``structattn/replay.py``). At small
+second and replays only the plan's tensor work after that (``structattn/compiling/replay.py``). At small
 sizes the fixed cost per call is what shows, so that is what this measures:
 
 1. self-attention per call vs a hand-written module (``nn.Linear`` projections without bias +

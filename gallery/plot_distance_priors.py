@@ -18,7 +18,7 @@ stick-breaking has no prior apart from its scores, so its panel shows the geomet
 becomes at three constant β. Row 2: the posterior p(φ_i = i − d | x) of the same token from
 each compiled layer, with the planted match marked and each prior's window: the distance
 holding 95% of the posterior mass; the certified window at tol = 1e-2 (``tol``: the
-posterior mass beyond it is proved ≤ 1e-2, ``structattn.certified``) — this token's own and
+posterior mass beyond it is proved ≤ 1e-2, ``structattn.certificates.certified``) — this token's own and
 the band the layer read, for every model but stick-breaking; for the geometric–Beta prior
 also the 80% credible interval of the context length 1/(1 − q)
 (``sa.windows.credible_context``); for stick-breaking the leftover mass ("no parent").

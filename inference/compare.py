@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from structattn import lowering
 from structattn.compiler import CompiledModule
 from structattn.compiler import compile as compile_model
+from structattn.compiling import lowering
 from structattn.readers import Marginalise, trace_structure
 
 from .exact import exact

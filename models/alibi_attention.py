@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from structattn.certified import certificate_option, window_options
+from structattn.certificates.certified import certificate_option, window_options
 from structattn.priors import ALiBi
 from structattn.priors.alibi import alibi_slopes
 
@@ -16,7 +16,8 @@ class ALiBiAttention(TokenAttention):
     r"""$φ_i ∼ \mathrm{Categorical}(\mathrm{softmax}_j\, {−m_h \lvert i − j\rvert})$ per head $h$ (slopes
     $m_h = 2^{−8h/H}$, fixed); $ψ = x_iᵀW_QᵀW_K x_j / τ$; $v = W_V x_j$. Causal by default, as in Press et al.
     (2022). ``tol`` (causal): read only a window whose posterior mass beyond it is certified ≤ tol per token
-    (``structattn.certified``); ``block_size``: that band's block of tokens; ``certificate="blocks"``: read
+    (``structattn.certificates.certified``); ``block_size``: that band's block of tokens;
+    ``certificate="blocks"``: read
     instead the key blocks each block of tokens needs, wherever they lie, per head
     (``structattn.block_sparse``: the slow heads no longer hold the fast ones).
 

@@ -10,10 +10,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from structattn.checking.renamed import refuses_renamed
 from structattn.checks import check_positive, check_size
 from structattn.nodes import nodes
 from structattn.priors import BetaGeometric
-from structattn.renamed import refuses_renamed
 from structattn.windows import MeanFieldWindows
 
 from ._catalogue import TOKEN_SIZES, Entry, randn64

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from structattn.certified import certificate_option, window_options
+from structattn.certificates.certified import certificate_option, window_options
 from structattn.priors.forgetting import ForgettingGate
 
 from ._catalogue import TOKEN_SIZES, Entry, randn64
@@ -26,7 +26,7 @@ class ForgettingAttention(TokenAttention):
     x: ``(*batch, n, d_model)`` → ``(*batch, n, d_model or heads·d_v)``.
     ``gate_bias``: b_h's initial value (σ(3) ≈ 0.95: the gates start mostly open).
     ``tol``: read only a window whose posterior mass beyond it is certified ≤ tol per token
-    (``structattn.certified``: FoX's adaptive pruning, with a proof); ``block_size``: that
+    (``structattn.certificates.certified``: FoX's adaptive pruning, with a proof); ``block_size``: that
     band's block of tokens; ``certificate="blocks"``: read instead the key blocks each block
     of tokens needs, wherever they lie, per head (``structattn.block_sparse``).
 

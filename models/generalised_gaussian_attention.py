@@ -7,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-from structattn.certified import window_options
+from structattn.certificates.certified import window_options
 from structattn.priors.generalised_gaussian import GeneralisedGaussian
 
 from ._catalogue import TOKEN_SIZES, Entry, randn64
@@ -22,7 +22,7 @@ class GeneralisedGaussianAttention(TokenAttention):
     x: ``(*batch, n, d_model)`` → ``(*batch, n, d_model or heads·d_v)``.
     Initial prior: μ = 0, scale e^s = 1/``width`` (``width`` = 16: distances are read in units
     of 16 tokens), β = ``shape`` (1: Laplace). ``tol`` (causal): read only a window whose
-    posterior mass beyond it is certified ≤ tol per token (``structattn.certified``), never the
+    posterior mass beyond it is certified ≤ tol per token (``structattn.certificates.certified``), never the
     dense bias; ``block_size``: that band's block of tokens.
 
     Args:

@@ -10,9 +10,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import structattn as sa
+from structattn.checking.renamed import refuses_renamed
 from structattn.checks import check_size
 from structattn.latent import IterationOptions
-from structattn.renamed import refuses_renamed
 
 from ._catalogue import Entry, randn64
 

@@ -9,7 +9,7 @@ from torch import nn
 
 import structattn as sa
 from structattn.checks import check_layer_sizes, check_size
-from structattn.lowering import operator_for
+from structattn.compiling.lowering import operator_for
 
 from ._catalogue import Entry, randn64
 

@@ -18,13 +18,14 @@ from . import reading as reading
 from . import triton_kernels as triton_kernels
 from . import values as values
 from . import windows as windows
-from ._validation import is_validating as is_validating
-from ._validation import set_validation as set_validation
-from ._validation import validation as validation
+from .checking._validation import is_validating as is_validating
+from .checking._validation import set_validation as set_validation
+from .checking._validation import validation as validation
+from .checking.verdicts import raise_pending as raise_pending
 from .compiler import CompiledModule as CompiledModule
 from .compiler import compile as compile
+from .compiling.trace import Trace as Trace
 from .declaration import Declaration as Declaration
-from .divergence import DivergenceWarning as DivergenceWarning
 from .energy import energy as energy
 from .export import export as export
 from .family import EdgeFamily as EdgeFamily
@@ -33,7 +34,9 @@ from .family import potential as potential
 from .family import value as value
 from .heads import merge_heads as merge_heads
 from .heads import split_heads as split_heads
-from .iterate import Step as Step
+from .iterative.divergence import DivergenceWarning as DivergenceWarning
+from .iterative.iterate import Step as Step
+from .iterative.scheme import InferenceScheme as InferenceScheme
 from .latent import IterationOptions as IterationOptions
 from .latent import LatentNodeSet as LatentNodeSet
 from .latent import infer as infer
@@ -45,9 +48,6 @@ from .nodes import deterministic as deterministic
 from .nodes import nodes as nodes
 from .readers import Structure as Structure
 from .readers import trace_structure as trace_structure
-from .scheme import InferenceScheme as InferenceScheme
-from .trace import Trace as Trace
-from .verdicts import raise_pending as raise_pending
 from .windows import MeanFieldHistory as MeanFieldHistory
 from .windows import MeanFieldWindows as MeanFieldWindows
 

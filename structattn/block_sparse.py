@@ -6,13 +6,13 @@ The prior's log weight separates as g_i + h_j (``Prior.terms``: ALiBi, a forget 
 the uniform causal prior), so a child's posterior is softmax_j(h_j + s_ij), s_ij = scale·⟨a_i,
 b_j⟩. For child i in block c and an earlier key block β, U_iβ ≥ log Σ_{j∈β} e^{h_j + s_ij}: the
 block's ceiling, or, where it is scored, its computed log mass with the rounding charged
-(``structattn.block_choice``). Reading a set R of key blocks (always the diagonal c), with I_i
+(``structattn.certificates.block_choice``). Reading a set R of key blocks (always the diagonal c), with I_i
 a lower bound on the mass read (the blocks scored in R and the diagonal, computed, less their
 rounding), the mass skipped is
 
     M_i ≤ B_i = σ(log Σ_{β∉R} e^{U_iβ} − log I_i),
 
-the window's certificate (``structattn.certified``) with one bound per key block: a far block
+the window's certificate (``structattn.certificates.certified``) with one bound per key block: a far block
 that may matter is read, those between skipped; no prior is needed (causal attention too).
 
 Choice (``block_choice.choose_blocks``): per child block, its earlier key blocks are ranked by
@@ -32,10 +32,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ._validation import check_size
-from .block_choice import choose_blocks, skipped_pairs
-from .block_choice import in_blocks as _blocks
-from .ceilings import RUN_ENTRIES, score_ceiling
+from .certificates.block_choice import choose_blocks, skipped_pairs
+from .certificates.block_choice import in_blocks as _blocks
+from .certificates.ceilings import RUN_ENTRIES, score_ceiling
+from .checking._validation import check_size
 
 __all__ = ["BlockSparse", "block_sparse_attention", "causal_posterior", "certify_blocks"]
 

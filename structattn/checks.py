@@ -9,12 +9,12 @@ argument, what it must be and what it got.
 - ``check_positive(owner, name, value)``: a float, or a tensor () or (heads,), finite and
   > 0 (a Beta parameter, a rate).
 - ``raise_pending()``: on a GPU, wait for the queued verdicts of the checks of replayed calls
-  and raise the first failure (``structattn.verdicts``).
+  and raise the first failure (``structattn.checking.verdicts``).
 """
 
 from __future__ import annotations
 
-from ._validation import check_finite, check_layer_sizes, check_positive, check_size
-from .verdicts import raise_pending
+from .checking._validation import check_finite, check_layer_sizes, check_positive, check_size
+from .checking.verdicts import raise_pending
 
 __all__ = ["check_finite", "check_layer_sizes", "check_positive", "check_size", "raise_pending"]

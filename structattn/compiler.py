@@ -7,13 +7,13 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from .checking.output_batch import check_output_batch
+from .compiling.replay import MAX_PLANS, MISSED, Plans
 from .declaration import Declaration, as_declaration
-from .iterate import Engine
-from .output_batch import check_output_batch
+from .iterative.iterate import Engine
 from .plans.internals import GLOBAL_HOOKS as _HOOKS
 from .plans.internals import tracing_state
 from .readers.marginalise import Marginalise
-from .replay import MAX_PLANS, MISSED, Plans
 
 
 class CompiledModule(nn.Module):
@@ -29,14 +29,14 @@ class CompiledModule(nn.Module):
     values (true of every catalogue model); ``structattn.inference.compare``
     checks it against Pyro.
 
-    Compiled once per input signature (``structattn.replay``): the first call with given
+    Compiled once per input signature (``structattn.compiling.replay``): the first call with given
     shapes, dtypes, devices and options reads the declaration; the second records what that
     reading does to tensors as a graph; later calls replay only the graph (``plans``: the
     ``Plan`` per signature; ``reset()`` drops them; ``replay=False`` reads every call).
 
     Models with latent node sets (``structattn.latent``) iterate: the latents move to the
     (approximate) fixed point of their collapsed free energy before any value is read.
-    Families declared with an inference scheme (``structattn.scheme``, e.g. expanding
+    Families declared with an inference scheme (``structattn.iterative.scheme``, e.g. expanding
     attention's mean-field windows) iterate too. ``return_trace=True`` also returns the
     ``Trace``: states and free energy per step (with ``trace_posteriors=True`` the edge
     posteriors per step too), and one field per scheme (``trace.mean_field[family]``:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ._validation import check_finite, check_like
+from .checking._validation import check_finite, check_like
 
 
 class Declaration(nn.Module):
@@ -30,7 +30,7 @@ class Declaration(nn.Module):
     """
 
     #: bumped by every attribute assignment: compiled modules re-read the declaration then
-    #: (their plans, ``structattn.replay``, are recorded at one structure)
+    #: (their plans, ``structattn.compiling.replay``, are recorded at one structure)
     structure_version: int = 0
 
     def __setattr__(self, name, value):

@@ -3,7 +3,7 @@
 The program holds only PyTorch operators: it is saved with ``torch.export.save`` and runs
 where ``torch`` is installed and neither structattn nor Pyro is. ``torch.export`` reads the
 declaration once, non-strictly (as Python, on fake tensors), the way a plan is recorded
-(``structattn.replay``); the value checks the reading makes become one fused
+(``structattn.compiling.replay``); the value checks the reading makes become one fused
 ``torch._assert_async`` per kind in the program (off when exported under
 ``structattn.validation(False)``), so a NaN input still fails where the program runs —
 with the message "structattn value check failed", not the reading's own (run the model
@@ -11,7 +11,7 @@ under structattn for that).
 
 A prior with a certified ``tol`` chooses its window's width from the data on every call;
 exported with ``window=W``, the program takes that width as its last input and asserts the
-window's certificate at it (``structattn.certified.window_bound`` ≤ tol for every token) on
+window's certificate at it (``structattn.certificates.certified.window_bound`` ≤ tol for every token) on
 every call. What cannot be exported is refused in one line, before torch traces anything,
 with the reason: a family read by an inference scheme (expanding attention's mean-field
 windows, whose sizes depend on the data), certified key blocks, a Beta-geometric
@@ -29,7 +29,8 @@ import sys
 import torch
 from torch import nn
 
-from . import _validation, reading
+from . import reading
+from .checking import _validation
 from .compiler import CompiledModule, compile
 from .kinds.window import Window
 from .priors.beta_geometric import BetaGeometric

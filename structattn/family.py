@@ -24,14 +24,14 @@ from typing import Any
 import torch
 
 from . import reading
-from ._validation import same_device, shape_str
+from .checking._validation import same_device, shape_str
+from .iterative.scheme import InferenceScheme
 from .kinds.base import Support
 from .nodes import NodeSet
 from .potentials.base import Potential
 from .priors.base import Prior
 from .priors.declared import declared_log_prior
 from .priors.tables import PriorTables
-from .scheme import InferenceScheme
 from .values.base import Value
 
 
@@ -54,7 +54,7 @@ class EdgeFamily:
             (``structattn.potential``); empty until one is declared.
         value: the ``structattn.values.Value`` declared by ``structattn.value``; None until
             then.
-        inference: how the compiled reader marginalises the family (``structattn.scheme``);
+        inference: how the compiled reader marginalises the family (``structattn.iterative.scheme``);
             None: exactly.
         tables: the prior's ``PriorTables`` for these node sets in this pass, built from
             ``prior`` when the family is made.
@@ -67,7 +67,7 @@ class EdgeFamily:
     heads: int = 1
     potentials: list = field(default_factory=list)
     value: Value | None = None
-    #: how the compiled reader marginalises it (``structattn.scheme``); None: exactly
+    #: how the compiled reader marginalises it (``structattn.iterative.scheme``); None: exactly
     inference: InferenceScheme | None = None
     _heads_plate: object = field(default=None, repr=False)
     #: the prior's tables for this family, this pass (built on demand, each at most once)
@@ -277,7 +277,7 @@ def edges(name: str, children: NodeSet, parents: NodeSet, prior: Prior, *, heads
         prior: p(φ_i = j), a ``structattn.priors.Prior`` (its support and log weights).
         heads: independent edge variables per child, one per head.
         inference: how the compiled module marginalises the family when not exactly
-            (``structattn.scheme``, e.g. ``structattn.windows.MeanFieldWindows()``); Pyro's
+            (``structattn.iterative.scheme``, e.g. ``structattn.windows.MeanFieldWindows()``); Pyro's
             reading is exact whatever it says. None: exactly.
 
     Returns:

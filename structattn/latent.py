@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from . import reading
-from ._validation import is_recording, passes, shape_str
+from .checking._validation import is_recording, passes, shape_str
 from .nodes import NodeSet, _make_node_set
 
 UPDATES = ("cccp", "gradient")

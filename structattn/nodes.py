@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import reading
-from ._validation import check_finite, shape_str
+from .checking._validation import check_finite, shape_str
 
 
 @dataclass(eq=False)

@@ -37,7 +37,7 @@ class ReadingContext:
         validate: the value checks: True or False inside ``structattn.validation(...)``;
             None: the process-wide default (``structattn.set_validation``).
         flags: while a plan is recorded or a program exported, the list the value checks note
-            their verdicts in instead of reading them (``structattn._validation.passes``);
+            their verdicts in instead of reading them (``structattn.checking._validation.passes``);
             None otherwise.
         exporting: ``structattn.export`` is reading the declaration.
         as_guards: with the checks off, record them all the same, as the plan's guards.

@@ -1,5 +1,5 @@
 """Shared by the tests that start a process group (tests/test_module_contract.py,
-tests/iterate/test_engine.py)."""
+tests/iterative/test_engine.py)."""
 
 
 def release_process_group():

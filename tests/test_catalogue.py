@@ -131,7 +131,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from structattn._validation import check_size
+from structattn.checking._validation import check_size
 from structattn.declaration import Declaration
 from structattn.family import edges, potential, value
 from structattn.nodes import nodes

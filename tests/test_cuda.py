@@ -156,7 +156,7 @@ def test_a_cpu_input_to_a_cuda_layer_is_refused_by_name():
 
 def test_nan_on_cuda_is_refused():
     """Read and recorded calls check in the call; a replayed one queues its verdict
-    (``structattn.verdicts``): the error comes at the next call or at ``raise_pending()``."""
+    (``structattn.checking.verdicts``): the error comes at the next call or at ``raise_pending()``."""
     m = sa.models.self_attention(7, d_k=3, heads=2, device="cuda")
     x = torch.randn(2, 5, 7, device="cuda")
     bad = x.clone()

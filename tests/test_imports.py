@@ -238,7 +238,7 @@ def test_no_import_cycles():
 
 def test_import_loads_no_dynamo_nor_pyro_inference():
     """``import structattn`` stays light: torch._dynamo (over a second to import) loads only
-    when torch.compile or a disabled function first runs (structattn._eager)."""
+    when torch.compile or a disabled function first runs (structattn.operators._eager)."""
     import subprocess
     import sys
 

@@ -224,7 +224,7 @@ def test_the_kernel_computes_the_score_ceiling_as_certified_does(dtype):
     checks its values against a brute force). It is never looser than the call given Python's
     ceiling of the longest key of all: no window longer, and where the windows and steps
     agree, no bound larger — and tighter somewhere."""
-    from structattn.ceilings import score_ceiling
+    from structattn.certificates.ceilings import score_ceiling
 
     g = torch.Generator().manual_seed(11)
     G, N, P, k = 3, 7, 19, 5

@@ -7,7 +7,7 @@ import weakref
 
 import torch
 
-from .._validation import shape_str
+from ..checking._validation import shape_str
 
 
 class DecodeCache:

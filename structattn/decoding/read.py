@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .._validation import checks_on, passes, shape_str
+from ..checking._validation import checks_on, passes, shape_str
 from ..heads import merge_heads
 from ..potentials import Bilinear
 from .cache import DecodeCache

@@ -14,10 +14,10 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from .. import _validation
+from ..checking import _validation
+from ..compiling.replay import MISSED
 from ..heads import merge_heads, split_heads
 from ..potentials import Bilinear
-from ..replay import MISSED
 from .project import project as _project
 from .project import rotated
 from .rules import Normalised
@@ -161,11 +161,11 @@ def _write_block(values, at, new, block: slice):
 class StepReading:
     """A layer's steps against a ``FixedCache`` as the plan compiler sees a module: its
     ``declaration`` and ``interpret(x, keys, values, [state], lengths, [counts], …)``, a pure
-    tensor function (``step``) that ``structattn.replay.Plans`` records once per signature and
+    tensor function (``step``) that ``structattn.compiling.replay.Plans`` records once per signature and
     replays. Kept by the compiled layer (``steps``)."""
 
     def __init__(self, layer, rule, capacity):
-        from ..replay import Plans
+        from ..compiling.replay import Plans
 
         self.declaration = layer.declaration
         self._modules = {"declaration": layer.declaration}  # what a fast path checks

@@ -21,7 +21,7 @@ import graphviz
 import torch
 
 from ..declaration import as_declaration, example_inputs
-from ..iterate import touches
+from ..iterative.iterate import touches
 from ..latent import LatentNodeSet
 from ..nodes import DeterministicNodeSet, depends_on
 from ..readers import trace_structure

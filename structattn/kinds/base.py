@@ -60,7 +60,7 @@ def keep_nonfinite_rows(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> 
     scores into zeros. The CPU's fused SDPA kernels read a row whose scores are all NaN as a row
     without parents and return 0 there, a plausible number; with the value checks off
     (``structattn.validation(False)``) a NaN must come out as NaN. (With them on, the inputs
-    were checked and so were the parameters, once per change: ``structattn.replay``.) Such a
+    were checked and so were the parameters, once per change: ``structattn.compiling.replay``.) Such a
     row has a non-finite
     child factor ``a`` ``(…, C, d_k)`` — that row becomes NaN — or reads only parents with a
     non-finite factor ``b`` ``(…, P, d_k)`` — then every row of that batch element and head
@@ -215,7 +215,7 @@ class Operator:
 
     Attributes:
         history: what an inference scheme iterated to build this operator
-            (``structattn.scheme``); None for a support kind's closed-form operator.
+            (``structattn.iterative.scheme``); None for a support kind's closed-form operator.
         kind_name (str): how error messages name this operator's support (e.g.
             ``"an edge-list"``). Default ``"this"``.
     """

@@ -17,7 +17,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .._validation import checks_on
+from ..checking._validation import checks_on
 from . import distance_kernel, key_bias
 from .base import Intersection, Operator, Support, grid, keep_nonfinite_rows
 

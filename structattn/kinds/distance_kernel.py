@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from .. import kernels, triton_kernels
-from .._validation import is_exporting
+from ..checking._validation import is_exporting
 
 
 def applies(a: torch.Tensor, b: torch.Tensor, u: torch.Tensor) -> bool:

@@ -1,5 +1,5 @@
 """Edge-list supports — a graph given as ``edge_index`` ``(2, E)`` — and their operator, a
-softmax over each child's incoming edges (``structattn.segment``): O(E) memory, never C×P.
+softmax over each child's incoming edges (``structattn.operators.segment``): O(E) memory, never C×P.
 
 Cost: attend, adjoint, mass O(E·(k + d)) time, O(E + (C + P)·d) memory; the posterior per
 edge ``(*batch, H, E)``.
@@ -32,7 +32,7 @@ class EdgeListOperator(Operator):
     def _run(self, u):
         """``P u``, keeping the per-edge posterior (the kernel stores it for its backward
         anyway: O(E))."""
-        from ..segment import segment_attention
+        from ..operators.segment import segment_attention
 
         f = self.family
         src, dst = f.tables.edges()

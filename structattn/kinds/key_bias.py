@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 
 from .. import kernels, triton_kernels
-from .._validation import is_exporting
+from ..checking._validation import is_exporting
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import kernels, triton_kernels
-from .._validation import checks_on
+from ..checking._validation import checks_on
 from .base import Operator, keep_nonfinite_rows
 
 

@@ -1,16 +1,16 @@
 """Window supports — each child reads the parents first ≤ d ≤ W positions back, d = i − j,
 first = 1 (j < i) or 0 (j ≤ i) — and their operator: one banded
-``scaled_dot_product_attention`` call (``structattn.band``), O(N·W), or FlexAttention with a
+``scaled_dot_product_attention`` call (``structattn.operators.band``), O(N·W), or FlexAttention with a
 block mask on CUDA. The prior is a ``structattn.priors.DistancePrior`` (``Prior.reading``
 gives any other the dense operator): it gives its log weights on the band
 (``log_weights_on_band``: from its distance table ``log_by_distance`` where it states one,
 as the geometric–Beta prior of expanding attention does, else its own, as a forget gate's),
 its ``block_size`` and its ``certificate``. A prior with a certified ``tol`` and no width
-of its own reads the window certified for the call (``structattn.certified``), or all of the
+of its own reads the window certified for the call (``structattn.certificates.certified``), or all of the
 past through the dense operator; one whose ``certificate`` is "blocks" reads the key blocks
 certified for each block of children, per head (``structattn.block_sparse``). Where the
 Triton kernel reads a band per head, the band's certificate comes from its own log-sums
-(``structattn.certified_read``), never from a scoring of the band before it is read.
+(``structattn.certificates.certified_read``), never from a scoring of the band before it is read.
 
 The children may be the last C of the P parent tokens (a decoding step): child i sits at
 position P − C + i (``offset`` = P − C); the dense reading serves that case.
@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import torch
 
-from .. import band, kernels, reading, triton_kernels
-from .._validation import is_exporting
+from .. import kernels, reading, triton_kernels
 from ..block_sparse import block_sparse_attention, causal_posterior, certify_blocks
-from ..certified import certify, window_bound
-from ..certified_read import certified_band_attention
+from ..certificates.certified import certify, window_bound
+from ..certificates.certified_read import certified_band_attention
+from ..checking._validation import is_exporting
+from ..operators import band
 from .base import Operator, Support
 from .dense import with_parent_terms
 from .key_bias import applies, band_applies, folds_terms, key_bias_attention
@@ -54,7 +55,7 @@ class WindowOperator(Operator):
         super().__init__(family, cache)
         self._band = None
         self._width = False  # not chosen yet
-        #: certified truncation's choice (``structattn.certified.CertifiedWindow``) when the
+        #: certified truncation's choice (``structattn.certificates.certified.CertifiedWindow``) when the
         #: prior asks for one (``tol``) and the band applies; the trace reports it
         self.truncation = None
         self._windows = False  # each head's window (``_head_windows``), not chosen yet

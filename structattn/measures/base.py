@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .._validation import shape_str
+from ..checking._validation import shape_str
 
 
 class Measure:

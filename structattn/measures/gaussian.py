@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .._validation import shape_str
+from ..checking._validation import shape_str
 from .base import Measure, check_covariance, check_tensor, weighted_covariance
 
 

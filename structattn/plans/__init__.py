@@ -1,4 +1,4 @@
-"""The plan compiler's parts (``structattn.replay`` decides per call which runs):
+"""The plan compiler's parts (``structattn.compiling.replay`` decides per call which runs):
 
 - ``plan``: a ``Plan``, how a tensor's values are named between calls (``stamp``, ``hold``),
   and ``replay``, which runs a plan's graph and reads (or, on a GPU, queues) its checks;

@@ -1,6 +1,6 @@
 """The fast path: for the plan a module replayed last, one function generated as source
 (``_fast_path``) that checks the call is that plan's — modes, parameters, guards — and runs its
-graph inlined, in straight-line code. Part of the plan compiler (``structattn.replay``)."""
+graph inlined, in straight-line code. Part of the plan compiler (``structattn.compiling.replay``)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ from math import isfinite
 
 import torch
 
-from .. import _validation, reading
-from ..verdicts import DEVICES, call_failed
+from .. import reading
+from ..checking import _validation
+from ..checking.verdicts import DEVICES, call_failed
 from .internals import STORAGE, VERSION, any_autocast, autocast_modes, tensor_guards
 from .plan import _MISSED, _constant_flags, _constants, _flags_pass, _output, _read, hold, stamp
 
@@ -65,7 +66,7 @@ def _fast_path(last, plans, n_inputs: int, kwargs: dict, state: list, queueable:
     check fails, or ``MISSED`` when the call is not this plan's. The plan's graph is inlined
     (``_inlined``); every name of the prologue and epilogue starts with ``_sa_``, which no
     node of an fx graph is called, so the graph's locals cannot shadow them. ``queueable``:
-    the plan runs on a GPU, where its checks' verdicts are queued (``structattn.verdicts``)."""
+    the plan runs on a GPU, where its checks' verdicts are queued (``structattn.checking.verdicts``)."""
     declaration, plan = last.declaration, last.plan
     env = {"_sa_D": declaration, "_sa_MISSED": _MISSED, "_sa_guard": last.guard,
            "_sa_M": _modes(declaration), "_sa_modes": _modes, "_sa_plan": plan,

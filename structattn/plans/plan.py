@@ -2,7 +2,7 @@
 values are named between calls (``stamp``, ``hold``), and ``replay``, which runs a plan's graph
 and reads — or, on a GPU, queues — its checks' verdicts. One reading or recording runs at a
 time in the process (``_RECORDING``, ``_read``). Part of the plan compiler
-(``structattn.replay``)."""
+(``structattn.compiling.replay``)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from functools import partial
 import torch
 from torch.utils import _pytree as pytree
 
-from .. import _validation
-from ..verdicts import call_failed, queued_on
+from ..checking import _validation
+from ..checking.verdicts import call_failed, queued_on
 from .internals import storage_id, storage_ref, version
 
 #: one recording or reading at a time in the process: ``make_fx`` keeps its tracing state
@@ -176,7 +176,7 @@ def replay(plan: Plan, state: list, inputs: tuple, split: bool = True, queue=Non
     """Run the plan's graph on the current parameters and these inputs (``split=False``:
     known to be tensors); ``_FAILED`` when a value check failed (the caller re-reads the call,
     which raises its message). ``queue``: ``(verdicts, layer, inputs, kwargs)``, where the
-    verdicts go on a GPU (``structattn.verdicts``) instead of being read here."""
+    verdicts go on a GPU (``structattn.checking.verdicts``) instead of being read here."""
     tensors = _split(inputs)[0] if split else inputs
     if plan.constants_graph is not None:
         result = plan.graph.forward(*state, *tensors, *_constants(plan, state))

@@ -1,14 +1,14 @@
 """Recording a plan: one reading of a compiled module at one signature traced by ``make_fx``
 (pre-dispatch: composite operators stay whole), its checks made graph outputs, simplified
 (``simplify``), its parameter-only part split off, and its nodes bound to public torch
-calls. Part of the plan compiler (``structattn.replay``)."""
+calls. Part of the plan compiler (``structattn.compiling.replay``)."""
 
 from __future__ import annotations
 
 import torch
 from torch.utils import _pytree as pytree
 
-from .. import _validation
+from ..checking import _validation
 from .internals import OpOverload, reparametrized, size_guard, trace, trace_symbolic
 from .plan import Plan, _split
 from .simplify import _drop_implied_checks, _impure, _simplify, _split_constants

@@ -1,7 +1,7 @@
 """Simplifying a recorded graph, each rewrite keeping every value bit for bit: view chains
 that end where they began (``_simplify``), checks implied by others (``_drop_implied_checks``),
 and what depends on the parameters alone split into a constants graph (``_split_constants``).
-Part of the plan compiler (``structattn.replay``)."""
+Part of the plan compiler (``structattn.compiling.replay``)."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .._validation import check_like, shape_str
+from ..checking._validation import check_like, shape_str
 from ..heads import gather_parents, merge_heads, split_heads
 from .base import Potential
 from .temperature import (

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .._validation import check_like, shape_str
+from ..checking._validation import check_like, shape_str
 from ..heads import gather_parents
 from .base import Potential
 from .temperature import check_temperature, check_temperature_value

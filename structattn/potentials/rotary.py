@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from .._validation import check_size
+from ..checking._validation import check_size
 from ..heads import gather_parents, merge_heads
 from .bilinear import Bilinear
 from .temperature import per_head, weighted

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from .._validation import shape_str
+from ..checking._validation import shape_str
 from ..heads import gather_parents, merge_heads, split_heads
 from .base import Potential
 from .temperature import (

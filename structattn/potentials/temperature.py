@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from .._validation import checks_on, passes, shape_str
+from ..checking._validation import checks_on, passes, shape_str
 
 
 def check_temperature(temperature, where: str, heads: int | None = None):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .._validation import checks_on, passes
+from ..checking._validation import checks_on, passes
 from ._registry import PriorEntry
 from .distance import DistancePrior
 
@@ -31,7 +31,7 @@ class ALiBi(DistancePrior):
         causal (bool): the support j ≤ i; False (default): every parent.
         tol (float | None): causal only: the compiled reading reads the shortest window whose
             posterior mass beyond it is certified ≤ tol for every child, in (0, 1)
-            (``structattn.certified``; the trace's ``truncation[family]`` reports it); the
+            (``structattn.certificates.certified``; the trace's ``truncation[family]`` reports it); the
             model, and so Pyro's reading, is still all of the past. None (default): all of
             the past.
         block_size (int): the band's block of children, an int ≥ 1. Default 64.

@@ -16,7 +16,7 @@ child i sits at position P − C + i.
 
 Read exactly, one softmax with the beta-geometric log prior over all of the past. With
 ``tol=ε`` the compiled reading reads a window outside which the *posterior* mass is
-certified ≤ ε for every child (``structattn.certified``: the prior's tail, the
+certified ≤ ε for every child (``structattn.certificates.certified``: the prior's tail, the
 largest possible score and the scores inside), through a banded kernel
 (``structattn.kinds.window``); the model stays the whole past, which Pyro reads. With
 ``prior_tol=ε`` (the rule before certification) the support itself is cut where the
@@ -30,9 +30,9 @@ from __future__ import annotations
 
 import torch
 
-from .._validation import check_positive, checks_on, passes
-from ..beta import beta_quantile, log_beta
-from ..renamed import refuses_renamed
+from ..certificates.beta import beta_quantile, log_beta
+from ..checking._validation import check_positive, checks_on, passes
+from ..checking.renamed import refuses_renamed
 from ._registry import PriorEntry
 from .distance import DistancePrior
 

@@ -8,7 +8,7 @@ Everything else derives from it:
   the window operator reads on its band and certified truncation sums for its tail);
 - the support: j ≤ i (``causal``) or every parent, from the distance ``first`` (0: the child
   itself, 1: strictly the past), up to the prior's own ``window`` if it has one; with
-  ``tol`` all of the past, read through a certified window (``structattn.certified``) in
+  ``tol`` all of the past, read through a certified window (``structattn.certificates.certified``) in
   blocks of ``block_size`` children — the model, and so Pyro's reading, is still the whole
   past;
 - the tables: declaring a family whose support is a window checks the distance table
@@ -32,8 +32,8 @@ from __future__ import annotations
 
 import torch
 
-from .._validation import checks_on, passes
-from ..certified import certificate_option, window_options
+from ..certificates.certified import certificate_option, window_options
+from ..checking._validation import checks_on, passes
 from ..kinds.dense import AllParents, DenseOperator
 from ..kinds.window import Window
 from .base import Prior
@@ -52,7 +52,7 @@ class DistancePrior(Prior):
         owner (str): how error messages name the prior, e.g. ``"ALiBi prior"``.
         causal (bool): the support j ≤ i; False: every parent. Default True.
         tol (float | None): causal only: the posterior mass per child a certified window may
-            leave out, in (0, 1) (``structattn.certified``); the model, and so Pyro's
+            leave out, in (0, 1) (``structattn.certificates.certified``); the model, and so Pyro's
             reading, is still all of the past. None (default): read all of the past.
         block_size (int): the band's block of children (the window operator's
             ``band.BandLayout``, certified truncation's and the mean-field windows' bands),
@@ -168,7 +168,7 @@ class DistancePrior(Prior):
 
     def log_weights_on_band(self, layout, width: int, first: int, device, dtype,
                             blocks: slice = slice(None)):
-        """The log weights at a band's (child i, parent i − d) pairs (``structattn.band``
+        """The log weights at a band's (child i, parent i − d) pairs (``structattn.operators.band``
         layout over N = ``layout.n`` tokens, children and parents alike) for ``first`` ≤ d ≤
         min(``width``, i), −∞ at every other slot: ``(…, nb, B, L)`` in ``dtype`` (``blocks``:
         those blocks only). Read by the window operator (its band's bias) and certified
@@ -189,7 +189,7 @@ class DistancePrior(Prior):
         """log of an upper bound on Σ_{j < i − width} w_ij — the prior's unnormalised weight
         (the units of ``log_weight``) of child i's parents farther back than ``width`` —
         broadcastable to ``(*batch, heads, N)``; −∞ where there are none. Read by certified
-        truncation (``structattn.certified``). Default: the distance table summed from
+        truncation (``structattn.certificates.certified``). Default: the distance table summed from
         width + 1 to the longest distance N − 1 (a child's own past ends sooner: an upper
         bound); a non-stationary prior overrides it."""
         table = self.log_by_distance(num_tokens - 1, device, dtype)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .._validation import checks_on, passes, shape_str
+from ..checking._validation import checks_on, passes, shape_str
 from ._registry import PriorEntry
 from .distance import DistancePrior
 
@@ -33,7 +33,7 @@ class ForgettingGate(DistancePrior):
             dims (batch, heads) broadcast against ``(*batch, heads)``.
         tol (float | None): the compiled reading reads the shortest window whose posterior
             mass beyond it is certified ≤ tol for every child, in (0, 1)
-            (``structattn.certified``, from the gates' own tail: FoX's pruning, with a
+            (``structattn.certificates.certified``, from the gates' own tail: FoX's pruning, with a
             proof); the model, and so Pyro's reading, is still all of the past. None
             (default): all of the past.
         block_size (int): the band's block of children, an int ≥ 1. Default 64.

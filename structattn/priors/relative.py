@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .._validation import shape_str
+from ..checking._validation import shape_str
 from ._registry import PriorEntry
 from .base import Prior
 from .uniform import dense_support

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from .._validation import (
+from ..checking._validation import (
     blame_parameters,
     checks_on,
     first_true,

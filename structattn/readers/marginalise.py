@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from .. import lowering
+from ..compiling import lowering
+from ..compiling.trace import Trace
 from ..family import EdgeFamily
-from ..iterate import Engine, touches
+from ..iterative.iterate import Engine, touches
 from ..latent import LatentNodeSet, place_latent
 from ..reading import Reading
-from ..trace import Trace
 
 
 class MarginalEdge:
@@ -35,7 +35,7 @@ class Marginalise(Reading):
     path, or the dense twin when the posterior is recorded). Latent node sets
     (``structattn.latent``) start at their initial state; ``infer`` (called by
     ``structattn.infer`` or by the first value of a family touching a latent) iterates every
-    pending latent against the families declared so far (``structattn.iterate``). Declaring
+    pending latent against the families declared so far (``structattn.iterative.iterate``). Declaring
     a family, latent or energy twice is a ValueError.
 
     Args:
@@ -93,7 +93,7 @@ class Marginalise(Reading):
 
     def infer(self, node_sets=()) -> None:
         """Iterate the pending latents — every latent declared so far, whichever
-        ``node_sets`` asks for — to their fixed point (see ``structattn.iterate``)."""
+        ``node_sets`` asks for — to their fixed point (see ``structattn.iterative.iterate``)."""
         pending = [z for z in self.latents.values() if not z.inferred]
         if not pending:  # e.g. every layer clamped: the posteriors at the observed states
             if self.record_posterior:

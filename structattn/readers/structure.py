@@ -6,11 +6,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import lowering
+from ..checking.output_batch import check_output_batch
+from ..compiling import lowering
 from ..family import EdgeFamily
 from ..latent import LatentNodeSet, place_latent
 from ..nodes import NodeSet
-from ..output_batch import check_output_batch
 from ..priors.declared import declared_log_prior
 from ..reading import Reading
 

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..ceilings import running_ceilings
+from ..certificates.ceilings import running_ceilings
 from . import interpreted
 from ._tiles import load_tile, online_softmax, scalar, settings, statistics, width
 from .band_per_child import _scores, _span, attend_backward, attend_forward

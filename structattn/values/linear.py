@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .._validation import check_like, shape_str
+from ..checking._validation import check_like, shape_str
 from ..heads import split_heads
 from .base import Value
 

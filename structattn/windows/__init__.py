@@ -1,11 +1,11 @@
 """Mean-field windows: expanding attention's inference scheme (``scheme.py``), its window
 rules (``rules.py``), the band's scores (``scores.py``), the Python loop (``loop.py``) and
 the compiled kernel's typed interface (``kernel.py``); certified truncation
-(``structattn/certified.py``: ``certify``, its result ``CertifiedWindow``); credible context
-lengths from the posterior over q (``structattn/credible.py``: ``credible_context``)."""
+(``structattn/certificates/certified.py``: ``certify``, its result ``CertifiedWindow``); credible context
+lengths from the posterior over q (``structattn/certificates/credible.py``: ``credible_context``)."""
 
-from ..certified import CertifiedWindow, certify
-from ..credible import CredibleContext, credible_context
+from ..certificates.certified import CertifiedWindow, certify
+from ..certificates.credible import CredibleContext, credible_context
 from .history import MeanFieldHistory
 from .rules import RULES, CertifiedRule, EdgeRule, EvidenceRule, PredictiveRule, Round, WindowRule
 from .scheme import MeanFieldOperator, MeanFieldWindows, ScoreFactors

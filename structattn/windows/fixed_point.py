@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from ..beta import log_q_expectations
+from ..certificates.beta import log_q_expectations
 from .scores import BandScores
 
 

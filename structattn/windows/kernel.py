@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .._eager import eager
-from .._validation import checks_on, is_exporting, is_recording
+from ..checking._validation import checks_on, is_exporting, is_recording
+from ..operators._eager import eager
 from . import fixed_point, on_triton
 from .history import MeanFieldHistory
 from .scores import tail

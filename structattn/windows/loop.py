@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .._eager import eager
-from ..beta import log_q_expectations
+from ..certificates.beta import log_q_expectations
+from ..operators._eager import eager
 from .history import MeanFieldHistory
 from .rules import Round
 from .scores import BandScores, tail

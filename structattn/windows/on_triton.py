@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from .. import triton_kernels
-from ..beta import log_q_expectations
+from ..certificates.beta import log_q_expectations
 from . import fixed_point
 
 

@@ -26,7 +26,7 @@ from typing import ClassVar
 
 import torch
 
-from ..beta import beta_quantile, plug_in_quantile
+from ..certificates.beta import beta_quantile, plug_in_quantile
 from .scores import BandScores, tail
 
 

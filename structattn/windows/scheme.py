@@ -32,13 +32,13 @@ from typing import NamedTuple
 
 import torch
 
-from .. import band
-from ..beta import log_beta, plug_in_quantile
+from ..certificates.beta import log_beta, plug_in_quantile
+from ..iterative.scheme import InferenceScheme
 from ..kinds.base import Operator
 from ..kinds.window import keep_from_position
 from ..latent import iteration_overrides
+from ..operators import band
 from ..priors.beta_geometric import BetaGeometric
-from ..scheme import InferenceScheme
 from . import kernel, loop
 from .rules import WindowRule, as_rule
 

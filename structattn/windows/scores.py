@@ -1,6 +1,6 @@
 """The scores of a band of parents, and what every mean-field round computes from them.
 
-``BandScores`` holds ψ on the band of one family at one width (``structattn.band``): each
+``BandScores`` holds ψ on the band of one family at one width (``structattn.operators.band``): each
 child's parents at distances 1 … reach, in blocks ``(G, B, L)``; a round reads its
 posterior over a window, the mass beyond the window, and the evidence on the window's
 outer half from it. The scores are computed once per band width (the band widens by
@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from .. import band
-from ..beta import log_beta
-from ..ceilings import running_ceilings
+from ..certificates.beta import log_beta
+from ..certificates.ceilings import running_ceilings
+from ..operators import band
 
 
 class BandScores:

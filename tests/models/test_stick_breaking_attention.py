@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 
 import structattn as sa
 from structattn import kernels
+from structattn.compiling.lowering import operator_for
 from structattn.kinds.stick_breaking import _ops, stick_breaking_table, stop_mass
-from structattn.lowering import operator_for
 
 from ..square import assert_no_square_tensor
 

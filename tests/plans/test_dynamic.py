@@ -12,7 +12,7 @@ import structattn as sa
 
 from ..registry import CASES
 
-#: readings whose window sizes are read from the data: no plan at all (tests/test_replay.py)
+#: readings whose window sizes are read from the data: no plan at all (tests/compiling/test_replay.py)
 NOT_REPLAYED = {"expanding_attention"}
 
 
@@ -147,7 +147,7 @@ def test_a_reading_that_fixes_every_size_keeps_plans_per_size():
 
 def test_many_lengths_with_few_plans_are_served_without_a_warning():
     """Fifty lengths through a module of two plans: the plan with symbolic sizes serves all
-    but the first two, and the full cache's warning (tests/test_replay.py) is not given."""
+    but the first two, and the full cache's warning (tests/compiling/test_replay.py) is not given."""
     m = sa.models.self_attention(8, heads=2, dtype=torch.float64)
     layer = sa.compile(m, max_plans=2)
     with warnings.catch_warnings():

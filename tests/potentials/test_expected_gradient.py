@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import structattn as sa
-from structattn.iterate import Step
+from structattn.iterative.iterate import Step
 from structattn.kinds import DenseOperator as FamilyOperator
 
 f64 = torch.float64
@@ -59,7 +59,7 @@ def test_closed_form_expected_gradient_is_the_log_partition_gradient(side, make)
     with reader:
         program(z, x)
     fam, lat = reader.families["f"], reader.latents["z"]
-    step = Step(sa.iterate.Engine([lat], dict(reader.families), {}), lat)
+    step = Step(sa.iterative.iterate.Engine([lat], dict(reader.families), {}), lat)
     closed = psi.expected_gradient(side, step.operator("f"))
     (auto,) = torch.autograd.grad(FamilyOperator(fam).log_partition().sum(), lat.states)
     assert closed is not None and (closed - auto).abs().max() < 1e-12
@@ -79,7 +79,7 @@ def test_squared_distance_curvature_per_head(side):
         with reader:
             prog(z, x)
         lat = reader.latents["z"]
-        step = Step(sa.iterate.Engine([lat], dict(reader.families), {}), lat)
+        step = Step(sa.iterative.iterate.Engine([lat], dict(reader.families), {}), lat)
         c = psi.expected_curvature(side, step.operator("f"))
         return torch.as_tensor(c, dtype=f64).expand(*z.shape[:-1], z.shape[-1])
 

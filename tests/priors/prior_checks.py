@@ -42,7 +42,7 @@ def check_tables(prior, C, P, g):
     assert torch.equal(support, mask & has_parent[..., None].expand_as(mask)), prior.describe()
     torch.testing.assert_close(pyro_lp[support], compiled[support], atol=1e-12, rtol=0,
                                msg=prior.describe())
-    post = sa.lowering.posterior(fam)  # the operator's dense posterior: zero off the support
+    post = sa.compiling.lowering.posterior(fam)  # the operator's dense posterior: zero off the support
     post, support = torch.broadcast_tensors(post, support)
     assert bool((post[~support] == 0).all()), prior.describe()
 

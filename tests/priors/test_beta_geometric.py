@@ -148,7 +148,7 @@ def test_bad_prior_arguments(kwargs, match):
 
 @pytest.mark.parametrize("kwargs,match", [
     # the mean-field options are the family's inference scheme's (MeanFieldWindows), not the
-    # prior's: a TypeError names the first one and where it lives now (structattn.renamed)
+    # prior's: a TypeError names the first one and where it lives now (structattn.checking.renamed)
     (dict(inference="mean_field"), r"inference= is no longer an argument; use "
                                    r"sa\.edges\(\.\.\., inference=sa\.MeanFieldWindows"),
     (dict(window_rule="edge", grad="last"),

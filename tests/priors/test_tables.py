@@ -7,10 +7,10 @@ import pytest
 import torch
 
 import structattn as sa
+import structattn.operators.segment
+import structattn.operators.segment_checks
 import structattn.priors.tables
-import structattn.segment
-import structattn.segment_checks
-from structattn.segment import segment_attention
+from structattn.operators.segment import segment_attention
 
 from ..reference import heads_of, softmax_attention
 
@@ -246,7 +246,8 @@ def test_edge_list_log_table_empty_children():
 
 def test_edge_list_is_checked_once_per_forward(monkeypatch):
     counts = {"prior": 0, "kernel": 0}
-    check, kernel_check = structattn.priors.tables.check_edge_index, structattn.segment_checks._check_values
+    check = structattn.priors.tables.check_edge_index
+    kernel_check = structattn.operators.segment_checks._check_values
 
     def counting(name, fn):
         def wrapped(*args, **kwargs):
@@ -255,7 +256,8 @@ def test_edge_list_is_checked_once_per_forward(monkeypatch):
         return wrapped
 
     monkeypatch.setattr(structattn.priors.tables, "check_edge_index", counting("prior", check))
-    monkeypatch.setattr(structattn.segment_checks, "_check_values", counting("kernel", kernel_check))
+    monkeypatch.setattr(structattn.operators.segment_checks, "_check_values",
+                        counting("kernel", kernel_check))
     _, edge_index = _graph(6, torch.Generator().manual_seed(1))
     m = sa.models.graph_attention(4, d_k=2, heads=2, dtype=F64)
     sa.compile(m)(_x(2, 6, 4), edge_index)

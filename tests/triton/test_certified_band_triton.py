@@ -1,7 +1,7 @@
 """A certified band per head where the Triton kernel serves (the GPU; here its interpreter):
 ALiBi and FoX layers with ``tol`` read each head's own certified width through the key-bias
 kernel's ``window`` — a head that needs all of its past (ALiBi's slow head) no longer holds the
-others. Oracle: the dense float64 softmax of tests/priors/test_certified_distance_priors.py
+others. Oracle: the dense float64 softmax of tests/certificates/test_certified_distance_priors.py
 (the priors' weights from their formulas, nothing of the band or of ``certify`` reused),
 restricted to each head's window and renormalised; the total variation from the whole past
 within the reported bound; gradients through the autograd rule."""
@@ -16,7 +16,7 @@ from hypothesis import given, settings
 import structattn as sa
 from structattn import triton_kernels
 
-from ..priors.test_certified_distance_priors import alibi_weights, dense_posterior, gate_weights
+from ..certificates.test_certified_distance_priors import alibi_weights, dense_posterior, gate_weights
 
 f64 = torch.float64
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -95,7 +95,7 @@ def test_without_a_band_kernel_the_shared_window_reads_as_before():
     assert c.width == 63 and c.skipped == 0.0 and c.heads is None
 
 
-# -- the certificate read from the kernel's own log-sums (structattn/certified_read.py) -------
+# -- the certificate read from the kernel's own log-sums (structattn/certificates/certified_read.py) -------
 @pytest.mark.parametrize("factory", ["alibi_attention", "forgetting_attention"])
 @pytest.mark.parametrize("tol, n", [(0.05, 150), (1e-4, 300)])
 @torch.no_grad()
@@ -106,7 +106,8 @@ def test_the_read_certificate_chooses_the_cpu_paths_widths_and_never_scores_the_
     ``certify``'s scoring refuse here), at most three readings run, each head's width is the
     one the CPU path's ``certify`` (scoring the band in float64) chooses, the output equals
     the CPU path's and every bound is at most the CPU's (its evidence is the width's own)."""
-    from structattn import band, certified
+    from structattn.certificates import certified
+    from structattn.operators import band
     from structattn.triton_kernels import key_bias as kb
 
     m, x = _layer(factory, tol, n, device="cpu")
@@ -156,7 +157,7 @@ def test_the_read_certificate_never_leaves_out_more_than_its_bound(
     mass beyond each head's width — a dense float64 softmax of the same (rounded) inputs —
     never exceeds the child's bound, every bound is ≤ eps, and the output is that softmax
     restricted to the width and renormalised."""
-    from structattn.certified_read import certified_band_attention
+    from structattn.certificates.certified_read import certified_band_attention
 
     g = torch.Generator().manual_seed(seed)
     a = torch.randn(heads, n, k, generator=g, dtype=f64) * sharp

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import structattn as sa
-import structattn.lowering
+import structattn.compiling.lowering
 from structattn.kinds import DenseOperator as FamilyOperator
 from structattn.potentials.base import Potential
 
@@ -83,7 +83,7 @@ def test_pyro_hops_never_read_the_compiler_tables(monkeypatch, prior_kind):
     for name in ("log_weights", "log_prob_table", "sdpa_inputs"):  # the compiled tables
         monkeypatch.setattr(structattn.priors.tables.PriorTables, name, refuse)
     for name in ("expectation", "posterior", "operator_for"):
-        monkeypatch.setattr(structattn.lowering, name, refuse)
+        monkeypatch.setattr(structattn.compiling.lowering, name, refuse)
     truth = sa.inference.exact(_program(W, weights, prior), x)
     torch.testing.assert_close(truth.expectations["walk"], ref, atol=TOL, rtol=0)
 

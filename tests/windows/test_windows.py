@@ -385,7 +385,7 @@ def test_first_windows_are_the_bisections(expectation, a0, b0, initial, rule):
     equal to ``beta_quantile``'s bisection (or the plug-in geometric's closed form) at the
     rule's start. Beta(1, 1) at the median puts P(φ > 1) = ½ exactly on the threshold, where
     the same function must give the same W."""
-    from structattn.beta import beta_quantile, plug_in_quantile
+    from structattn.certificates.beta import beta_quantile, plug_in_quantile
 
     scheme = sa.MeanFieldWindows(tol=0.05, expectation=expectation, window_rule=rule,
                                  initial_window=initial)

@@ -1,0 +1,232 @@
+"""Certified truncation read from the band kernel's own log-sums: a band per head certified
+without scoring the band a second time.
+
+Under a log prior g_i + h_j over j ≤ i (FoX, ALiBi) the posterior mass of child i beyond a
+window W is M_i(W) = O/(I + O) with I = e^{g_i} Σ_{i−W ≤ j ≤ i} e^{s_ij + h_j} and O the same
+sum over j < i − W; g_i cancels, and with S_i(W) ≥ every score beyond W (Cauchy–Schwarz with
+the longest key farther back, ``structattn.certificates.certified``),
+
+    M_i(W) ≤ B_i(W) = σ(log Σ_{j < i−W} e^{h_j} + S_i(W) − log Σ_{i−W ≤ j ≤ i} e^{s_ij + h_j}).
+
+The last term is the key-bias kernel's ``lse`` at width W: reading a head's band gives its
+certificate's evidence, less the rounding of the kernel's sums (``read_slack``). So the
+window is chosen by reading: every head reads ``start`` tokens back; a head whose children
+are all certified keeps that reading. The others take, from that evidence (I grows with W,
+so it bounds every wider window's), the first width of the doubling sequence it certifies,
+and read the width below it first where the best scores could certify it (and, as
+``certify``'s, where that band is no wider than an eighth of the sequence): kept if its own
+evidence certifies it, else the wider one is read. A head that no width below all of its
+past could certify, even at the best scores, reads all of it (bound 0). At most three
+readings, the first ``start`` wide: certifying costs little next to reading, where
+``certify`` scored the band in float64 before the reading read it again. The prior is the
+one the kernel reads (h as given), as the block-sparse certificate's. The ceiling is the
+longest key's alone, not ``certify``'s per-block ceilings as well: where only those certify
+a width (keys clustered away from the queries), the band read here is wider than the CPU's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..operators import band
+from .ceilings import RUN_ENTRIES, score_ceiling
+from .certified import CertifiedWindow, skipped_pairs, tail_bound
+
+
+def read_slack(lse: torch.Tensor, reach: torch.Tensor, width: int, computed: torch.dtype,
+               block: int = 128) -> torch.Tensor:
+    """How far below the exact log-sum the kernel's ``lse`` may be, besides the scores' own
+    rounding (``score_ceiling``'s slack), ``lse``'s shape, float64. The kernel adds scale·s
+    and h in ``computed`` (unit u; each logit off by ≤ 2u·``reach``, ``reach`` ≥ |s| + |h|
+    on the row), takes e^{x} with |x| ≤ 2·reach (relative error u·|x| from its argument, and
+    2⁻²² for a GPU's approximate exp), sums ≤ width + 2·block terms (γ) with a rescale per
+    block of at least 16 parents (the rescales' arguments add up to the rise of the running
+    maximum, ≤ 2·reach; each one's approximate exp 2⁻²² more), and takes a log (u·|lse| and
+    2⁻²²). Charged generously: 4u·reach + 2(width + 3·block)·u + 2u·|lse|, and in float32
+    (width + 3·block)·2⁻²⁰ + 2⁻¹⁸ for the approximations."""
+    u = torch.finfo(computed).eps / 2
+    terms = width + 3 * block
+    rounding = terms * 2 ** -20 + 2 ** -18 if computed != torch.float64 else 0.0
+    return 4 * u * reach + 2 * terms * u + 2 * u * lse.abs().to(torch.float64) + rounding
+
+
+class _Reader:
+    """One family's rows ``G`` as the key-bias kernel reads them, and what their certificate
+    needs per child (float64): the score ceiling's parts, the prior's tail beyond each
+    width and each child's |s| + |h| reach."""
+
+    def __init__(self, a, b, u, h, scale, products):
+        from ..triton_kernels.key_bias import forward
+
+        self.forward = forward
+        G, n = a.shape[0], a.shape[1]
+        self.a, self.b, self.u, self.h, self.scale, self.n, self.G = a, b, u, h, scale, n, G
+        wide = torch.float64
+        with torch.no_grad():
+            self.high, self.slack = score_ceiling(a, b, scale, products)  # (G, n)
+            self.a_norm = a.detach().to(wide).norm(dim=-1) * abs(scale)
+            self.b_run = b.detach().to(wide).norm(dim=-1).cummax(-1).values
+            hh = h.detach().to(wide)
+            self.behind = torch.logcumsumexp(hh, -1)  # [k]: log Σ_{j ≤ k} e^{h_j}
+            self.reach = self.high + hh.abs().cummax(-1).values  # ≥ |s_ij| + |h_j|, j ≤ i
+            self.pos = torch.arange(n, device=a.device)
+        self.computed = torch.float64 if a.dtype == torch.float64 else torch.float32
+
+    def read(self, rows: torch.Tensor, width: torch.Tensor):
+        """The band reading of ``rows`` ``(R,)``, each ``width`` ``(R,)`` back: ``(out (R, n,
+        d_v), lse (R, n))``."""
+        whole = rows.numel() == self.G and bool((rows == torch.arange(
+            self.G, device=rows.device)).all())
+        a, b, u, h = ((self.a, self.b, self.u, self.h) if whole else
+                      (t[rows] for t in (self.a, self.b, self.u, self.h)))
+        return self.forward(a, b, u, h, self.scale, True, width.to(torch.int32))
+
+    def bound(self, rows, width, log_in):
+        """B_i(width) ``(…, R, n)`` for ``rows`` ``(R,)`` at ``width`` ``(…, R)`` (several
+        widths at once along the leading dims) from the evidence ``log_in`` ``(R, n)`` (a
+        lower bound of log Σ_{window} e^{s + h}); 0 where the width holds the child's whole
+        past."""
+        w = width[..., None]
+        far = self.pos - w - 1  # the nearest parent beyond the window, (…, R, n)
+        at = far.clamp(min=0)
+        behind, run = (t[rows].expand(*at.shape) for t in (self.behind, self.b_run))
+        tail = behind.gather(-1, at).masked_fill(far < 0, float("-inf"))
+        ceiling = self.a_norm[rows] * run.gather(-1, at) + self.slack[rows]
+        out = tail_bound(log_in, tail, ceiling)
+        return torch.where(self.pos <= w, torch.zeros_like(out), out)
+
+    def certifies(self, rows, widths, log_in, eps):
+        """``(len(widths), R)`` bool: whether the evidence ``log_in`` ``(R, n)`` certifies
+        every child of each row at each of ``widths`` ``(W,)``; several widths per pass, at
+        most ``RUN_ENTRIES`` entries at once."""
+        step = max(1, RUN_ENTRIES // max(1, rows.numel() * self.n))
+        return torch.cat([(self.bound(rows, w[:, None].expand(-1, rows.numel()), log_in)
+                           <= eps).all(-1) for w in widths.split(step)])
+
+    def evidence(self, rows, width, lse):
+        """log I at ``width`` from the kernel's ``lse``, less its rounding: a lower bound."""
+        lse = lse.detach().to(torch.float64)
+        slack = read_slack(lse, self.reach[rows], int(width.max()), self.computed)
+        return lse - self.slack[rows] - slack
+
+
+def certified_band_attention(a, b, u, scale: float, h, eps: float, *, start: int = 16,
+                             block: int = 64, widest: int | None = None):
+    """``(out, CertifiedWindow)``: each head's band certified ≤ ``eps`` and read through the
+    key-bias kernel, its certificate from the readings' own log-sums (module docstring).
+
+    Args:
+        a, b: ``(*lead, N, k)`` the children's and parents' factors (the same N tokens);
+            u: ``(*lead, N, d_v)`` values (the leading dims broadcast; the last is the heads).
+        scale: a float, the scores' factor.
+        h: ``(*lead, N)`` the prior's per-parent term, float32 at least (broadcasts).
+        eps: the posterior mass each child may leave out, in (0, 1).
+        start: the doubling sequence's first width. Default 16.
+        block: the band's block of children (``certify``'s: the eighth-of-the-sequence rule
+            measures its band). Default 64.
+        widest: the widest band; beyond it, all of the past. None (default): N − 1.
+
+    Returns ``out`` ``(*lead, N, d_v)`` in u's dtype, differentiable in a, b, u, h, and the
+    choice (``heads``: each head's width; ``bound``: each child's at it)."""
+    lead = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2], u.shape[:-2], h.shape[:-1])
+    n, d_v = a.shape[-2], u.shape[-1]
+    dtype = torch.promote_types(torch.promote_types(a.dtype, b.dtype), u.dtype)
+    flat = [x.expand(*lead, *x.shape[-2:]).reshape(-1, *x.shape[-2:]).to(dtype)
+            for x in (a, b, u)]  # (G, n, width)
+    hh = h.to(torch.promote_types(dtype, torch.float32)).expand(*lead, n).reshape(-1, n)
+    products = _products(dtype, a.shape[-1])
+    r = _Reader(*flat, hh, float(scale), products)
+    G, dev = r.G, a.device
+    last = n - 1
+    widths = _widths(last, start, widest)
+    every = torch.arange(G, device=dev)
+    wt = torch.tensor(widths, device=dev)
+    with torch.no_grad():
+        best = torch.logcumsumexp(hh.detach().to(torch.float64), -1) + r.high  # I ≤ e^{best}
+        possible = r.certifies(every, wt, best, eps)  # (len(widths), G): whether the best
+        # scores inside could certify each width
+    hopeless = ~possible[:-1].any(0) if len(widths) > 1 else torch.ones_like(possible[0])
+    own = torch.where(hopeless, last, widths[0])  # (G,): each row's first reading
+    out, lse = r.read(every, own)
+    with torch.no_grad():
+        bd = r.bound(every, own, r.evidence(every, own, lse))
+        window = torch.where(bd <= eps, own[:, None], -1)
+        done = (bd <= eps).all(-1)
+    pieces = [(every[done], out[done])]
+    bounds = bd
+    rest = (~done).nonzero()[:, 0]
+    if rest.numel():
+        eighth = torch.tensor([8 * band.BandLayout.for_window(n, w, block).width <= n
+                               for w in widths], device=dev)
+        own = own.clone()
+        own[rest] = _read_again(r, rest, own, lse, wt, possible, eighth, eps, window, bounds,
+                                pieces)
+    idx = torch.cat([p[0] for p in pieces])
+    out = torch.cat([p[1] for p in pieces])[idx.argsort()]
+    window = torch.where(window < 0, own[:, None], window)
+    heads = own.reshape(lead)
+    choice = CertifiedWindow(
+        int(own.max()), bounds.reshape(*lead, n), window.reshape(*lead, n), float(eps),
+        sum(skipped_pairs(n, w) for w in own.tolist()) / own.numel(),
+        bool((bounds <= eps).all()), heads)
+    return out.reshape(*lead, n, d_v).to(u.dtype), choice
+
+
+def _widths(last: int, start: int, widest: int | None) -> list[int]:
+    """The doubling sequence of widths from ``start`` to ``last`` (all of the past), those
+    beyond ``widest`` left out."""
+    widths = [max(1, min(start, last))]
+    while widths[-1] < last:
+        widths.append(min(2 * widths[-1], last))
+    if widest is not None:
+        widths = [w for w in widths[:-1] if w <= widest] + [last]
+    return widths
+
+
+def _read_again(r, rest, own, lse, wt, possible, eighth, eps, window, bounds, pieces):
+    """The rows ``rest`` the first reading did not certify, read at the first width the
+    start's evidence certifies (the width below it first, where ``certify``'s rules would try
+    it: it could certify and its band is at most an eighth of the sequence), then at that
+    width where the one below fails. Writes their ``window`` and ``bounds`` rows, appends
+    ``(rows, out)`` to ``pieces``, and returns the width each row was read at ``(R,)``."""
+    with torch.no_grad():  # the first width the start's evidence certifies, per row
+        log_in = r.evidence(rest, own[rest], lse[rest])
+        ok = r.certifies(rest, wt, log_in, eps)
+        ok[-1] = True  # (len(widths), R); all of the past: bound 0
+        k = ok.int().argmax(0)  # (R,)
+        target = wt[k]
+        below = wt[(k - 1).clamp(min=0)]
+        tries = (k > 1) & possible[(k - 1).clamp(min=0), rest] & eighth[(k - 1).clamp(min=0)]
+        first = torch.where(tries, below, target)
+    out2, lse2 = r.read(rest, first)
+    with torch.no_grad():  # (the start's evidence bounds every wider window's too)
+        bd2 = torch.minimum(r.bound(rest, first, r.evidence(rest, first, lse2)),
+                            r.bound(rest, first, log_in))
+        good = (bd2 <= eps).all(-1) | ~tries  # a target read is certified
+        window[rest] = torch.where((window[rest] < 0) & (bd2 <= eps), first[:, None],
+                                   window[rest])
+        bounds[rest] = bd2
+    pieces.append((rest[good], out2[good]))
+    again = (~good).nonzero()[:, 0]
+    if again.numel():
+        rows = rest[again]
+        out3, lse3 = r.read(rows, target[again])
+        with torch.no_grad():
+            bd3 = torch.minimum(
+                r.bound(rows, target[again], r.evidence(rows, target[again], lse3)),
+                r.bound(rows, target[again], log_in[again]))
+            window[rows] = torch.where(window[rows] < 0, target[again][:, None], window[rows])
+            bounds[rows] = bd3
+        pieces.append((rows, out3))
+    return torch.where(good, first, target)
+
+
+def _products(dtype: torch.dtype, k: int) -> torch.dtype:
+    """The dtype whose unit bounds the kernel's products' rounding (``score_ceiling``'s γ_k):
+    the factors' own; float32 products on TF32 (``_tiles.settings``) round each factor to 10
+    bits, float16's unit u, a product off by 2u: γ_k(u) ≥ 2u from k = 3 (below, bfloat16's)."""
+    from ..triton_kernels._tiles import settings
+
+    if dtype == torch.float32 and settings(dtype, 16)["PRECISION"] == "tf32":
+        return torch.float16 if k >= 3 else torch.bfloat16
+    return dtype
