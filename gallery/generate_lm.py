@@ -44,6 +44,7 @@ import argparse
 import itertools
 import json
 import math
+import os
 import pathlib
 import statistics
 import sys
@@ -214,6 +215,17 @@ def summary(run: dict, window: int) -> dict:
     return out
 
 
+def series(run: dict) -> dict:
+    """What the picture draws, per cache: the tokens held and the median ms per step over
+    log-spaced runs of steps, at each run's last position."""
+    out = {}
+    for kind in CACHES:
+        xs, ms = _smooth([1e3 * v for v in run["seconds"][kind]])
+        out[kind] = {"position": xs, "held": [run["held"][kind][x - 1] for x in xs],
+                     "ms_per_byte": ms}
+    return out
+
+
 # -- the passkey through the certified cache ---------------------------------------------
 
 
@@ -354,6 +366,7 @@ def main(argv=None):
         p.error(f"--length {args.length}: the validation text holds {len(val):,} bytes")
     text = val[:args.length + 1]
     results, args.layers_read = {}, {}
+    load = os.getloadavg()[0]  # the machine's 1-minute load average, before and after
     for variant in args.variants:
         model = model_for(variant, args)
         args.layers_read[variant] = len(model.blocks)
@@ -386,7 +399,8 @@ def main(argv=None):
         v: {k: r[k] for k in ("greedy", "sampled", "summary", "passkey")}
         | {"bound_max": r["decode"]["bound_max"], "certified": r["decode"]["certified"],
            "evicted": r["decode"]["evicted"], "full_to": r["decode"]["full_to"],
-           "held": r["decode"]["held"]} for v, r in results.items()}}, indent=1))
+           "series": series(r["decode"])} for v, r in results.items()},
+        "load_average": [load, os.getloadavg()[0]]}, indent=1))
     written[1].write_text(table(results, args))
     plot(results, args, written[2])
     print("wrote", *map(str, written))
