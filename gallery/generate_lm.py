@@ -20,7 +20,7 @@ the next byte's logits.
     evicted once their posterior mass is proved ≤ tol at every later query. The ceiling on
     the layer's input is proved too: the input is LayerNorm's, ‖γ ⊙ n + β‖ ≤ √d·max|γ| + ‖β‖
     for the normalised ‖n‖ ≤ √d;
-  - *sink + window* (StreamingLLM's recipe, Xiao et al. 2023): the first ``--sinks`` bytes and
+  - *sink + window* (StreamingLLM's recipe, Xiao et al.): the first ``--sinks`` bytes and
     the last ``--window`` ones, the rest dropped — uncertified: nothing bounds the posterior
     mass it drops. The kept slots are contiguous, so ALiBi's distances are counted within the
     cache, as StreamingLLM counts positions (FoX's gate sums are the bytes' own).
