@@ -91,3 +91,23 @@ def test_a_tiny_run_writes_its_records_and_the_certified_cache_keeps_the_bits(tm
     # FoX's certified cache evicts within the tiny text: the bits above agree with eviction
     fox = record["results"]["fox"]
     assert min(fox["evicted"]) > 0 and fox["summary"]["certified"]["held_last"] < length
+
+
+def test_sinks_and_window_keep_foxs_gate_sums():
+    """On one FoX layer (float64) the kept tokens keep their own gate sums: the posterior a
+    step reads over them is the full forward's row restricted to them and renormalised."""
+    gen = _load()
+    torch.manual_seed(2)
+    layer = sa.compile(sa.models.forgetting_attention(8, heads=2, dtype=torch.float64))
+    x = torch.randn(1, 30, 8, dtype=torch.float64)
+    sinks, window = 3, 7
+    with torch.no_grad():
+        _, full = layer(x, return_posterior=True)  # (1, H, 30, 30)
+        cache = layer.new_cache()
+        for t in range(30):
+            _, post = layer(x[:, t:t + 1], cache=cache, return_posterior=True)
+            kept = list(range(min(sinks, t + 1))) + list(range(max(sinks, t - window), t + 1))
+            row = full[0, :, t, kept]
+            assert torch.allclose(post[0, :, 0, :len(kept)], row / row.sum(-1, keepdim=True),
+                                  rtol=0, atol=1e-12), t
+            gen.keep_sinks_and_window(cache, sinks, window)
