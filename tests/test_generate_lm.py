@@ -1,7 +1,7 @@
 """gallery/generate_lm.py: greedy generation through the caches is the full forward's on the
-growing prefix, the sink-plus-window cache reads what a forward over its kept tokens reads,
-and a tiny run writes its records and figure, with the certified cache's bits per byte the
-full cache's."""
+growing prefix, the sink-plus-window cache reads what a forward over its kept tokens reads
+(ALiBi) and keeps their gate sums (FoX), and a tiny run writes its records and figure, with
+the certified cache's bits per byte the full cache's."""
 
 import importlib.util
 import json
