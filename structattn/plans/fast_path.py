@@ -142,6 +142,10 @@ def _call_lines(n_inputs: int, kwargs: dict, ins: list, env: dict) -> list:
                            f" or _sa_kw[{k!r}] != {v!r}" for k, v in kwargs.items()
                            ) if all(v is not None for v in kwargs.values()) else None
     env["_sa_K"] = dict(kwargs)
+    env.update(_sa_grad=torch.is_grad_enabled, _sa_inference=torch.is_inference_mode_enabled,
+               _sa_any_autocast=any_autocast, _sa_autocast_modes=autocast_modes,
+               _sa_slot=_slot, _sa_DEFAULT_CONTEXT=_DEFAULT_CONTEXT, _sa_environ=_environ,
+               _sa_KERNELS_KEY=_KERNELS_KEY)
     if same_options is None:  # a None among them: compared as the dict it is
         same_options = " or _sa_kw != _sa_K or any(_sa_type(v) is not _sa_type(_sa_K[k]) " \
                        "for k, v in _sa_kw.items())"
@@ -156,7 +160,10 @@ def _call_lines(n_inputs: int, kwargs: dict, ins: list, env: dict) -> list:
             f"or _sa_len(_sa_inputs) != {n_inputs} or {options}:",
             "        return _sa_MISSED",
             f"    {', '.join(ins)}, = _sa_inputs" if ins else "    pass",
-            "    if _sa_modes(_sa_D) != _sa_M:",
+            "    if (_sa_D.__dict__.get('structure_version', 0), _sa_grad(), _sa_inference(), "
+            "_sa_any_autocast() and _sa_autocast_modes(), "
+            "_sa_slot.__dict__.get('context', _sa_DEFAULT_CONTEXT), _sa_VAL._DEFAULT, "
+            "_sa_environ.get(_sa_KERNELS_KEY)) != _sa_M:  # ``_modes`` inlined: one frame less",
             "        return _sa_MISSED"]
 
 
