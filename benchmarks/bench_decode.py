@@ -192,6 +192,7 @@ def main(argv=None):
     # steps per variant: warm-up (3) + timing + the memory block must fit in L − prefill
     assert 3 + rounds * block + block <= L - prefill
     rows = []
+    load = [os.getloadavg()[0]]  # the machine's 1-minute load, before and after
     for name, model in _layers(d, heads, torch.float32, device).items():
         x = torch.randn(B, L, d, device=device)
         x_new = torch.randn(B, 1, d, device=device)
@@ -205,8 +206,9 @@ def main(argv=None):
                   f"{row['structattn_us']:8.1f} µs  paired {row['paired_ratio']:.3f}× "
                   f"(≤ {TARGET}: {verdict})  peak MiB {row['peak_mib_hand']:.2f} / "
                   f"{row['peak_mib_structattn']:.2f}", flush=True)
+    load.append(os.getloadavg()[0])
     path = _results.save("decode", {"rows": rows, "rounds": rounds, "block": block,
-                                    "clock": args.clock},
+                                    "clock": args.clock, "load_average": load},
                          args.json, quick=args.quick, device=device)
     if path:
         print(f"wrote {path}")

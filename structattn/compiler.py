@@ -15,6 +15,9 @@ from .plans.internals import GLOBAL_HOOKS as _HOOKS
 from .plans.internals import tracing_state
 from .readers.marginalise import Marginalise
 
+#: ``structattn.decoding.step.fast_step``, once imported (``CompiledModule.__call__``)
+_FAST_STEP: list = [None]
+
 
 class CompiledModule(nn.Module):
     """The marginalised layer of a declaration; shares its parameters.
@@ -101,8 +104,11 @@ class CompiledModule(nn.Module):
                              or self._backward_hooks or self._backward_pre_hooks or _HOOKS[0]
                              or _HOOKS[1] or _HOOKS[2] or _HOOKS[3]) \
                     and not torch.compiler.is_compiling() and not tracing_state():
-                from .decoding.step import fast_step
-                out = fast_step(self, inputs, kwargs)
+                step = _FAST_STEP[0]
+                if step is None:  # imported once, on the first step (not at import: a cycle)
+                    from .decoding.step import fast_step as step
+                    _FAST_STEP[0] = step
+                out = step(self, inputs, kwargs)
                 if out is not MISSED:
                     return out
             return super().__call__(*inputs, **kwargs)

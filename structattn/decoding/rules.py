@@ -103,8 +103,8 @@ class Gate(Normalised):
             slot = torch.arange(x.shape[-2], device=x.device)
             log_f = log_f.masked_fill(~(slot < counts[:, None])[:, None, :], 0.0)
         wide = torch.promote_types(log_f.dtype, torch.float32)
-        c = log_f.to(wide) if x.shape[-2] == 1 else torch.cumsum(log_f, -1, dtype=wide)
-        return (previous[:, :, None] + c).to(x.dtype)
+        c = _as(log_f, wide) if x.shape[-2] == 1 else torch.cumsum(log_f, -1, dtype=wide)
+        return _as(previous[:, :, None] + c, x.dtype)
 
     def bias(self, model, pos, parents, valid, cache, dtype):
         c = cache.state[..., : parents.shape[-1]]  # (B, H, P): now holds the new tokens too
@@ -115,7 +115,12 @@ class Gate(Normalised):
         allowed = parents[None, None, :] <= pos[:, :, None]
         if valid is not None:
             allowed = allowed & valid
-        return (c_child[..., None] - c[:, :, None, :]).to(dtype), allowed.unsqueeze(1)
+        return _as(c_child[..., None] - c[:, :, None, :], dtype), allowed.unsqueeze(1)
+
+
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t.to(dtype)`` without the call where t has it (in a recorded step, one op less)."""
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 class Stick(Rule):

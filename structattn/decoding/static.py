@@ -108,10 +108,13 @@ def slots(lengths: torch.Tensor, counts: torch.Tensor, k: int, capacity: int) ->
     return torch.where(slot < counts[:, None], lengths[:, None] + slot, capacity)
 
 
-def write(store: torch.Tensor, at: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+def write(store: torch.Tensor, at: torch.Tensor, new: torch.Tensor, index=None
+          ) -> torch.Tensor:
     """``store[b, :, at[b, s]] = new[b, :, s]`` (``store (B, H, L, …)``, ``new (B, H, k, …)``):
     in place when no gradient flows through either, else into a copy. Several writes to the
-    spare slot in one call leave any one of them there: it is never read."""
+    spare slot in one call leave any one of them there: it is never read. ``index``: ``at``
+    as ``scatter``'s index for ``new``'s shape (``scatter_index``), where a caller writing
+    several tensors of one shape made it once."""
     copy = torch.is_grad_enabled() and (store.requires_grad or new.requires_grad)
     if torch.compiler.is_compiling():  # inductor writes an index_put_ in place (a scatter_
         # into an input it copies whole)
@@ -122,6 +125,12 @@ def write(store: torch.Tensor, at: torch.Tensor, new: torch.Tensor) -> torch.Ten
         torch.ops.aten.index_put_(store, where, new.transpose(1, 2))
         return store
     # eagerly, one scatter (an index_put_ wraps its indices first: two kernels more)
-    B, H, k = new.shape[:3]
-    index = at.view(B, 1, k, *(1,) * (new.dim() - 3)).expand(new.shape)  # (B, H, k, …)
+    if index is None:
+        index = scatter_index(at, new)
     return store.scatter(2, index, new) if copy else store.scatter_(2, index, new)
+
+
+def scatter_index(at: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """``at (B, k)`` expanded to ``new``'s shape ``(B, H, k, …)``: ``write``'s scatter index."""
+    B, H, k = new.shape[:3]
+    return at.view(B, 1, k, *(1,) * (new.dim() - 3)).expand(new.shape)

@@ -10,6 +10,7 @@ row's tokens given no mass.
 from __future__ import annotations
 
 import weakref
+from types import MappingProxyType
 
 import torch
 import torch.nn.functional as F
@@ -21,7 +22,7 @@ from ..potentials import Bilinear
 from .project import project as _project
 from .project import rotated
 from .rules import Normalised
-from .static import FixedCache, write
+from .static import FixedCache, scatter_index, write
 
 
 class Held:
@@ -69,11 +70,15 @@ def step(model, rule, x, keys, values, state, lengths, counts=None, *, capacity:
     q, key, value = _project_step(model, x, pos)  # (B, H, k, d_k), (…, d_k), (…, d_v)
     v_new = value if hops == 1 else torch.cat([value, value.new_zeros(
         *value.shape[:-1], d_v * (hops - 1))], -1)
-    keys, values = write(keys, at, key), write(values, at, v_new)
+    if key.shape == v_new.shape and not torch.compiler.is_compiling():  # one index for both
+        index = scatter_index(at, key)
+        keys, values = write(keys, at, key, index), write(values, at, v_new, index)
+    else:
+        keys, values = write(keys, at, key), write(values, at, v_new)
     if rule.state:
         last = (lengths - 1).clamp(min=0)  # each row's last cached token
         held = state.gather(-1, last[:, None, None].expand(-1, H, 1))[..., 0]  # (B, H)
-        held = torch.where((lengths > 0)[:, None], held, torch.zeros_like(held))
+        held = torch.where((lengths > 0)[:, None], held, 0.0)
         new_state = rule.new_state(model, x, counts if counts_given else None, held)
         state = _write_state(state, at, new_state)  # (B, H, k) at the new tokens
 
@@ -85,7 +90,7 @@ def step(model, rule, x, keys, values, state, lengths, counts=None, *, capacity:
             and not return_posterior and not isinstance(scale, torch.Tensor):
         # every row real (each allows itself): one attention kernel, the prior an additive mask
         bias, allowed = rule.bias(model, pos, parents, valid, held, q.dtype)
-        mask = allowed if bias is None else bias.masked_fill(~allowed, float("-inf"))
+        mask = allowed if bias is None else torch.where(allowed, bias, float("-inf"))
         expected = F.scaled_dot_product_attention(q, keys[..., :L, :], values[..., :L, :],
                                                   attn_mask=mask, scale=scale)
         y = merge_heads(expected)  # (B, k, H·d_v)
@@ -144,6 +149,8 @@ def _parts(out: tuple, state: bool, posterior: bool) -> tuple:
 def _write_state(state, at, new):
     """``write`` for a state ``(B, H, L)`` of one number per token, ``new (B, H, k)``: the
     same tensor where written in place."""
+    if not torch.compiler.is_compiling():  # eagerly one scatter along the tokens: (B, H, L)
+        return write(state, at, new)
     out = write(state.unsqueeze(-1), at, new.unsqueeze(-1))
     return out[..., 0] if out.requires_grad else state
 
@@ -215,8 +222,7 @@ def read_fixed(layer, rule, x, counts, cache: FixedCache, batch_shape, return_po
     keys, values, state = cache.stores
     tensors = [x, keys, values] + ([state] if state is not None else []) + [cache._lengths] \
         + ([counts] if counts is not None else [])
-    options = {"state": state is not None, "counts": counts is not None,
-               "return_posterior": return_posterior}
+    options = _options(state is not None, counts is not None, return_posterior)
     if torch.compiler.is_compiling():  # traced by dynamo: the step itself, no plan
         cache._bound = None  # kept on the host: read by the next eager call
         out = step(model, rule, x, keys, values, state, cache._lengths, counts,
@@ -245,9 +251,17 @@ def read_fixed(layer, rule, x, counts, cache: FixedCache, batch_shape, return_po
     return y
 
 
+#: every step's options, read-only (``(state, counts, return_posterior)`` → its mapping): a
+#: plan recorded with one of them knows a later call's options by their identity alone
+_OPTIONS = {(s, c, p): MappingProxyType({"state": s, "counts": c, "return_posterior": p})
+            for s in (False, True) for c in (False, True) for p in (False, True)}
 #: the options of a step with every new token real and no posterior, without and with a state
-_STEP = ({"state": False, "counts": False, "return_posterior": False},
-         {"state": True, "counts": False, "return_posterior": False})
+_STEP = (_OPTIONS[False, False, False], _OPTIONS[True, False, False])
+
+
+def _options(state: bool, counts: bool, return_posterior: bool) -> MappingProxyType:
+    """The step's options as one of ``_OPTIONS``."""
+    return _OPTIONS[bool(state), bool(counts), bool(return_posterior)]
 
 
 def fast_step(layer, inputs: tuple, kwargs: dict):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 from functools import partial
 from math import isfinite
+from types import MappingProxyType
 
 import torch
 
@@ -111,11 +112,26 @@ def _fast_path(last, plans, n_inputs: int, kwargs: dict, state: list, queueable:
     lines += [f"        {line}" for line in _inlined(plan.graph, args, env)]
     lines += _flag_lines(plan, constant_flags, queueable, env)
     lines.append("    _sa_plan.calls += 1")
-    lines.append("    return _sa_result[0]" if plan.single
-                 else "    return _sa_output(_sa_plan, _sa_result)")
+    lines.append("    return " + _return(plan))
     code = "\n".join(lines)
     exec(compile(code, f"<structattn replay of {type(declaration).__name__}>", "exec"), env)
     return env["run"]
+
+
+def _return(plan) -> str:
+    """What the function returns of ``_sa_result``: the single tensor; a flat tuple or list
+    of tensors (no literals) built in place, without ``_output``'s walk of the output's tree
+    (a step's output: measured in place, the walk costs as much as a small kernel); else the
+    tree rebuilt by ``_output``."""
+    if plan.single:
+        return "_sa_result[0]"
+    spec = plan.spec
+    if not plan.literals and spec.type in (tuple, list) and plan.n_tensors \
+            and spec.num_children == plan.n_tensors \
+            and all(spec.child(i).is_leaf() for i in range(plan.n_tensors)):
+        items = ", ".join(f"_sa_result[{i}]" for i in range(plan.n_tensors))
+        return f"({items},)" if spec.type is tuple else f"[{items}]"
+    return "_sa_output(_sa_plan, _sa_result)"
 
 
 def _call_lines(n_inputs: int, kwargs: dict, ins: list, env: dict) -> list:
@@ -126,18 +142,28 @@ def _call_lines(n_inputs: int, kwargs: dict, ins: list, env: dict) -> list:
                            f" or _sa_kw[{k!r}] != {v!r}" for k, v in kwargs.items()
                            ) if all(v is not None for v in kwargs.values()) else None
     env["_sa_K"] = dict(kwargs)
+    env.update(_sa_grad=torch.is_grad_enabled, _sa_inference=torch.is_inference_mode_enabled,
+               _sa_any_autocast=any_autocast, _sa_autocast_modes=autocast_modes,
+               _sa_slot=_slot, _sa_DEFAULT_CONTEXT=_DEFAULT_CONTEXT, _sa_environ=_environ,
+               _sa_KERNELS_KEY=_KERNELS_KEY)
     if same_options is None:  # a None among them: compared as the dict it is
         same_options = " or _sa_kw != _sa_K or any(_sa_type(v) is not _sa_type(_sa_K[k]) " \
                        "for k, v in _sa_kw.items())"
+    options = f"_sa_len(_sa_kw) != {len(kwargs)}{same_options}"
+    if type(kwargs) is MappingProxyType:  # read-only: the same object, the same options
+        env["_sa_KI"] = kwargs  # (a caller's constant, e.g. a decoding step's ``_STEP``)
+        options = f"_sa_kw is not _sa_KI and ({options})"
     return ["def run(_sa_layer, _sa_inputs, _sa_kw):",  # (``layer.declaration``: __getattr__'s)
             "    if _sa_Q.queue:  # an earlier call's failed check raises first",
             "        _sa_Q.settle()",
             f"    if _sa_layer._modules.get('declaration') is not _sa_D "
-            f"or _sa_len(_sa_inputs) != {n_inputs} or _sa_len(_sa_kw) != {len(kwargs)}"
-            f"{same_options}:",
+            f"or _sa_len(_sa_inputs) != {n_inputs} or {options}:",
             "        return _sa_MISSED",
             f"    {', '.join(ins)}, = _sa_inputs" if ins else "    pass",
-            "    if _sa_modes(_sa_D) != _sa_M:",
+            "    if (_sa_D.__dict__.get('structure_version', 0), _sa_grad(), _sa_inference(), "
+            "_sa_any_autocast() and _sa_autocast_modes(), "
+            "_sa_slot.__dict__.get('context', _sa_DEFAULT_CONTEXT), _sa_VAL._DEFAULT, "
+            "_sa_environ.get(_sa_KERNELS_KEY)) != _sa_M:  # ``_modes`` inlined: one frame less",
             "        return _sa_MISSED"]
 
 
