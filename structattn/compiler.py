@@ -15,9 +15,6 @@ from .plans.internals import GLOBAL_HOOKS as _HOOKS
 from .plans.internals import tracing_state
 from .readers.marginalise import Marginalise
 
-#: ``structattn.decoding.step.fast_step``, once imported (``CompiledModule.__call__``)
-_FAST_STEP: list = [None]
-
 
 class CompiledModule(nn.Module):
     """The marginalised layer of a declaration; shares its parameters.
@@ -98,16 +95,13 @@ class CompiledModule(nn.Module):
         # needs that machinery — no hooks on this module or global ones, no
         # nn.Module.compile(), no TorchScript tracer, not inside torch.compile. Otherwise, and
         # when the call is not the last plan's, nn.Module's own call (hooks, then forward).
-        if "cache" in kwargs:  # a decoding step: its own fast path (structattn.decoding.step)
-            if self._compiled_call_impl is None \
+        if "cache" in kwargs:  # a decoding step: the generated call of the cache's last plan
+            step = getattr(kwargs["cache"], "_step", None)  # (a FixedCache's: CacheStep)
+            if step is not None and self._compiled_call_impl is None \
                     and not (self._forward_pre_hooks or self._forward_hooks
                              or self._backward_hooks or self._backward_pre_hooks or _HOOKS[0]
                              or _HOOKS[1] or _HOOKS[2] or _HOOKS[3]) \
                     and not torch.compiler.is_compiling() and not tracing_state():
-                step = _FAST_STEP[0]
-                if step is None:  # imported once, on the first step (not at import: a cycle)
-                    from .decoding.step import fast_step as step
-                    _FAST_STEP[0] = step
                 out = step(self, inputs, kwargs)
                 if out is not MISSED:
                     return out

@@ -23,6 +23,9 @@ class DecodeCache:
     the rows differ (``lengths`` holds each row's, shaped like the batch).
     """
 
+    #: a fixed-capacity cache's generated step (``FixedCache``); a growing one has none
+    _step = None
+
     def __init__(self, owner):
         self._owner = weakref.ref(owner)  # the declaration whose parameters made the keys
         self.batch_shape: torch.Size | None = None

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from ..checking import _validation
 from ..compiling.replay import MISSED
 from ..heads import merge_heads, split_heads
+from ..plans.fast_path import CacheStep
 from ..potentials import Bilinear
 from .project import project as _project
 from .project import rotated
@@ -181,6 +182,17 @@ class StepReading:
                            dynamic=layer._plans.dynamic)
         self.capacity = capacity
 
+    def cache_step(self, plan, options) -> CacheStep | None:
+        """What the plan's ``_Last`` generates the layer's whole decoding call for: a step's
+        plan whose new tokens are all real and that returns no posterior (``_STEP``), whose
+        output is ``_out``'s flat tuple; None for other steps (read by ``read_fixed``)."""
+        state = options is _STEP[1]
+        if options is not _STEP[0] and not state or plan.literals \
+                or plan.spec is None or plan.spec.type is not tuple \
+                or plan.n_tensors != 4 + state:
+            return None
+        return CacheStep(FixedCache, self, self.capacity, state)
+
     def interpret(self, *tensors, state: bool, counts: bool, return_posterior: bool):
         x, keys, values, *rest = tensors
         st = rest.pop(0) if state else None
@@ -223,6 +235,7 @@ def read_fixed(layer, rule, x, counts, cache: FixedCache, batch_shape, return_po
     tensors = [x, keys, values] + ([state] if state is not None else []) + [cache._lengths] \
         + ([counts] if counts is not None else [])
     options = _options(state is not None, counts is not None, return_posterior)
+    plans = None
     if torch.compiler.is_compiling():  # traced by dynamo: the step itself, no plan
         cache._bound = None  # kept on the host: read by the next eager call
         out = step(model, rule, x, keys, values, state, cache._lengths, counts,
@@ -242,6 +255,8 @@ def read_fixed(layer, rule, x, counts, cache: FixedCache, batch_shape, return_po
         if out is MISSED:
             out = plans(reading, tuple(tensors), options)
     y, post, keys, values, state, ends = _parts(out, state is not None, return_posterior)
+    # the next step's call in one function: that of the plan that served this one (if any)
+    cache._step = None if plans is None or plans._last is None else plans._last.step
     cache.stores = [keys, values, state]
     cache._lengths = ends
     cache.keys_read = cache.capacity  # a fixed shape: every slot, masked
@@ -262,38 +277,3 @@ _STEP = (_OPTIONS[False, False, False], _OPTIONS[True, False, False])
 def _options(state: bool, counts: bool, return_posterior: bool) -> MappingProxyType:
     """The step's options as one of ``_OPTIONS``."""
     return _OPTIONS[bool(state), bool(counts), bool(return_posterior)]
-
-
-def fast_step(layer, inputs: tuple, kwargs: dict):
-    """``layer(x_new, cache=c)`` for a ``FixedCache`` whose last step's plan serves this call
-    too — the same layer, options and x_new's shape, dtype and device (its guard), rows
-    sure to fit (the bound on the lengths) — replayed without ``read``'s checks, which that
-    plan's first call passed; ``MISSED`` otherwise (``read`` then reads the call)."""
-    cache = kwargs["cache"]
-    if type(cache) is not FixedCache or len(kwargs) != 1 or len(inputs) != 1:
-        return MISSED
-    reading = cache._steps
-    last = None if reading is None else reading.plans._last
-    x = inputs[0]
-    if last is None or reading.declaration is not layer._modules.get("declaration") \
-            or type(x) is not torch.Tensor or x.dim() != 3 \
-            or x.shape[:1] != cache.batch_shape:
-        return MISSED
-    k, bound = x.shape[1], cache._bound
-    if bound is None or bound + k > cache.capacity:
-        return MISSED
-    keys, values, state = stores = cache._stores
-    if state is None:
-        out = last.run(reading, (x, keys, values, cache._lengths), _STEP[0])
-    else:
-        out = last.run(reading, (x, keys, values, state, cache._lengths), _STEP[1])
-    if out is MISSED:
-        return MISSED
-    cache._bound = bound + k
-    y, keys, values, ends = out[:4]
-    if keys is not stores[0] or values is not stores[1] or (
-            state is not None and out[4] is not state):
-        cache.stores = [keys, values, None if state is None else out[4]]
-    cache._lengths = ends
-    cache.keys_read = cache.capacity
-    return y

@@ -5,6 +5,7 @@ graph inlined, in straight-line code. Part of the plan compiler (``structattn.co
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from functools import partial
 from math import isfinite
 from types import MappingProxyType
@@ -14,7 +15,7 @@ import torch
 from .. import reading
 from ..checking import _validation
 from ..checking.verdicts import DEVICES, call_failed
-from .internals import STORAGE, VERSION, any_autocast, autocast_modes, tensor_guards
+from .internals import STORAGE, VERSION, any_autocast, autocast_modes, storage_address, tensor_guards
 from .plan import _MISSED, _constant_flags, _constants, _flags_pass, _output, _read, hold, stamp
 
 #: the environment as ``os.environ`` keeps it (its ``_data`` dict, which its assignments
@@ -49,7 +50,7 @@ class _Last:
     place, after the tensor work of a call, each Python frame and loop costs several times what
     it costs in a loop of its own: at B=1, N=16 one frame less is a percent."""
 
-    __slots__ = ("declaration", "plan", "run", "guard")
+    __slots__ = ("declaration", "plan", "run", "guard", "step")
 
     def __init__(self, layer, plans, plan, inputs, kwargs, state):
         tensors = (*inputs, *state)
@@ -57,17 +58,42 @@ class _Last:
         self.plan = plan
         # a plan with symbolic sizes: any sizes of the inputs, then its own size guard
         self.guard = tensor_guards(tensors, free=len(inputs) if plan.guard is not None else 0)
-        self.run = _fast_path(self, plans, len(inputs), kwargs, state,
-                              queueable=any(t.device.type in DEVICES for t in tensors))
+        queueable = any(t.device.type in DEVICES for t in tensors)
+        self.run = _fast_path(self, plans, len(inputs), kwargs, state, queueable=queueable)
+        # a decoding step's plan (``layer``: a ``StepReading``): also the layer's whole call
+        # ``layer(x_new, cache=c)`` in one function (``CacheStep``), or None
+        head = getattr(layer, "cache_step", None)
+        head = None if head is None else head(plan, kwargs)
+        self.step = None if head is None else _fast_path(
+            self, plans, len(inputs), kwargs, state, queueable=queueable, step=head)
 
 
-def _fast_path(last, plans, n_inputs: int, kwargs: dict, state: list, queueable: bool = False):
+@dataclass(frozen=True)
+class CacheStep:
+    """What a decoding step's function is made for: the compiled layer's whole call
+    ``layer(x_new, cache=c)`` with a ``cache_type`` cache read by ``reading`` (a
+    ``structattn.decoding.step.StepReading``) of this ``capacity`` — the plan's tensors taken
+    from the cache (``[x_new, keys, values, (state,) lengths]``, the cache's ``_stores`` and
+    ``_lengths``), its outputs ``(y, keys, values, ends[, state])`` written back to it, and
+    ``y`` returned: one Python frame from the layer's call to the graph."""
+
+    cache_type: type
+    reading: object
+    capacity: int
+    state: bool
+
+
+def _fast_path(last, plans, n_inputs: int, kwargs: dict, state: list, queueable: bool = False,
+               step: CacheStep | None = None):
     """Generate ``run(layer, inputs, kwargs)`` for ``last`` (``kwargs``: the options of its
     calls, plain values compared by type and value): its plan replayed, a re-reading when a
     check fails, or ``MISSED`` when the call is not this plan's. The plan's graph is inlined
     (``_inlined``); every name of the prologue and epilogue starts with ``_sa_``, which no
     node of an fx graph is called, so the graph's locals cannot shadow them. ``queueable``:
-    the plan runs on a GPU, where its checks' verdicts are queued (``structattn.checking.verdicts``)."""
+    the plan runs on a GPU, where its checks' verdicts are queued (``structattn.checking.verdicts``).
+    ``step``: instead, the compiled layer's decoding call ``run(layer, (x_new,), {"cache": c})``
+    (``CacheStep``), ``MISSED`` where a check fails too (the layer's own call then reads it,
+    raising the check's message)."""
     declaration, plan = last.declaration, last.plan
     env = {"_sa_D": declaration, "_sa_MISSED": _MISSED, "_sa_guard": last.guard,
            "_sa_M": _modes(declaration), "_sa_modes": _modes, "_sa_plan": plan,
@@ -77,7 +103,7 @@ def _fast_path(last, plans, n_inputs: int, kwargs: dict, state: list, queueable:
            "_sa_KeyError": KeyError, "_sa_id": id, "_sa_Q": plans.verdicts,
            "_sa_VAL": _validation, "_sa_partial": partial, "_sa_call_failed": call_failed,
            "_sa_read": _read, "_sa_type": type, "_sa_bool": bool, "_sa_int": int,
-           "_sa_str": str}
+           "_sa_str": str, "_sa_storage_address": storage_address}
     ins = [f"_sa_i{i}" for i in range(n_inputs)]
     st = [f"_sa_s{i}" for i in range(len(state))]
     # what the plan computes from the parameters alone (its constants graph) and the checks
@@ -92,8 +118,9 @@ def _fast_path(last, plans, n_inputs: int, kwargs: dict, state: list, queueable:
                    _sa_VC=[stamp(t) for t in plan.captured], _sa_WC=hold(plan.captured))
         for i, t in enumerate(plan.captured):
             env[f"_sa_C{i}"] = t
-    lines = (_call_lines(n_inputs, kwargs, ins, env) + _state_lines(plans, state, st, env)
-             + _stamp_lines(plan, state, st, held, env))
+    head = _call_lines(n_inputs, kwargs, ins, env) if step is None \
+        else _step_lines(step, kwargs, ins, env)
+    lines = head + _state_lines(plans, state, st, env) + _stamp_lines(plan, state, st, held, env)
     sizes = []
     if plan.guard is not None:  # the sizes a plan with symbolic sizes serves
         env["_sa_sizes"] = plan.guard
@@ -102,17 +129,23 @@ def _fast_path(last, plans, n_inputs: int, kwargs: dict, state: list, queueable:
               f"        if not _sa_guard({', '.join(ins + st)}):",
               "            return _sa_MISSED", *sizes,
               "    except _sa_Exception:  # an input that is not a tensor",
-              "        return _sa_MISSED",
-              "    try:"]
+              "        return _sa_MISSED"]
+    if step is not None:  # the new tokens fit: the bound on the rows' lengths, then a step
+        lines += ["    _sa_bound = _sa_c._bound + _sa_i0.shape[1] if _sa_c._bound is not None "
+                  "else None",
+                  f"    if _sa_bound is None or _sa_bound > {step.capacity}:",
+                  "        return _sa_MISSED"]
+    lines += ["    try:"]
     args = ", ".join(st + ins)
     if held:
         args += ", *_sa_CV"
     elif plan.constants_graph is not None:
         args += ", *_sa_constants(_sa_plan, [" + ", ".join(st) + "])"
     lines += [f"        {line}" for line in _inlined(plan.graph, args, env)]
-    lines += _flag_lines(plan, constant_flags, queueable, env)
+    lines += _flag_lines(plan, constant_flags, queueable, env,
+                         None if step is None else f"_sa_R, ({', '.join(ins)},), _sa_KI")
     lines.append("    _sa_plan.calls += 1")
-    lines.append("    return " + _return(plan))
+    lines += ["    return " + _return(plan)] if step is None else _step_return(step)
     code = "\n".join(lines)
     exec(compile(code, f"<structattn replay of {type(declaration).__name__}>", "exec"), env)
     return env["run"]
@@ -165,6 +198,53 @@ def _call_lines(n_inputs: int, kwargs: dict, ins: list, env: dict) -> list:
             "_sa_slot.__dict__.get('context', _sa_DEFAULT_CONTEXT), _sa_VAL._DEFAULT, "
             "_sa_environ.get(_sa_KERNELS_KEY)) != _sa_M:  # ``_modes`` inlined: one frame less",
             "        return _sa_MISSED"]
+
+
+def _step_lines(step: CacheStep, kwargs, ins: list, env: dict) -> list:
+    """A decoding step's head: an earlier call's failed check raised first; then the call
+    found to be ``layer(x_new, cache=c)`` with a cache of the step's type, read by its
+    reading (which fixes the layer's declaration and the capacity) and of a one-dimensional
+    batch (as the recorded call's, whose x_new the guard then compares); the plan's tensors
+    taken from x_new and the cache; the global modes compared."""
+    env.update(_sa_FC=step.cache_type, _sa_R=step.reading, _sa_KI=kwargs,
+               _sa_grad=torch.is_grad_enabled, _sa_inference=torch.is_inference_mode_enabled,
+               _sa_any_autocast=any_autocast, _sa_autocast_modes=autocast_modes,
+               _sa_slot=_slot, _sa_DEFAULT_CONTEXT=_DEFAULT_CONTEXT, _sa_environ=_environ,
+               _sa_KERNELS_KEY=_KERNELS_KEY)
+    stores = ", ".join(ins[1:4]) if step.state else f"{ins[1]}, {ins[2]}, _"
+    return ["def run(_sa_layer, _sa_inputs, _sa_kw):",
+            "    if _sa_Q.queue:  # an earlier call's failed check raises first",
+            "        _sa_Q.settle()",
+            "    if _sa_len(_sa_kw) != 1 or _sa_len(_sa_inputs) != 1:",
+            "        return _sa_MISSED",
+            "    _sa_c = _sa_kw.get('cache')",
+            "    if _sa_type(_sa_c) is not _sa_FC or _sa_c._steps is not _sa_R "
+            "or _sa_layer._modules.get('declaration') is not _sa_D "
+            "or _sa_len(_sa_c.batch_shape) != 1:",
+            "        return _sa_MISSED",
+            f"    {ins[0]}, = _sa_inputs",
+            f"    {stores} = _sa_c._stores",
+            f"    {ins[-1]} = _sa_c._lengths",
+            "    if (_sa_D.__dict__.get('structure_version', 0), _sa_grad(), _sa_inference(), "
+            "_sa_any_autocast() and _sa_autocast_modes(), "
+            "_sa_slot.__dict__.get('context', _sa_DEFAULT_CONTEXT), _sa_VAL._DEFAULT, "
+            "_sa_environ.get(_sa_KERNELS_KEY)) != _sa_M:  # ``_modes`` inlined",
+            "        return _sa_MISSED"]
+
+
+def _step_return(step: CacheStep) -> list:
+    """A decoding step's tail: the plan's outputs ``(y, keys, values, ends[, state])`` written
+    to the cache — its storage replaced only where a write was out of place (gradients
+    flow) — and ``y`` returned."""
+    same = "_sa_result[1] is not _sa_i1 or _sa_result[2] is not _sa_i2" + (
+        " or _sa_result[4] is not _sa_i3" if step.state else "")
+    state = "_sa_result[4]" if step.state else "None"
+    return [f"    if {same}:",
+            f"        _sa_c.stores = [_sa_result[1], _sa_result[2], {state}]",
+            "    _sa_c._bound = _sa_bound",
+            "    _sa_c._lengths = _sa_result[3]",
+            f"    _sa_c.keys_read = {step.capacity}",
+            "    return _sa_result[0]"]
 
 
 def _state_lines(plans, state: list, st: list, env: dict) -> list:
@@ -234,10 +314,13 @@ def _stamp_lines(plan, state: list, st: list, held: bool, env: dict) -> list:
     return lines
 
 
-def _flag_lines(plan, constant_flags: dict, queueable: bool, env: dict) -> list:
+def _flag_lines(plan, constant_flags: dict, queueable: bool, env: dict,
+                step: str | None = None) -> list:
     """After the graph: its checks' verdicts read (on a GPU, ``queueable``, queued while
     ``set_validation(queued=True)``), and a call that fails one — or raises inside the
-    graph — read again from the declaration, which raises the check's own message."""
+    graph — read again from the declaration, which raises the check's own message.
+    ``step``: a decoding step's (``CacheStep``) reading and arguments, which a queued verdict
+    re-reads; its failed call returns ``MISSED`` (the layer's own call reads it)."""
     n = plan.n_tensors
     checks = [f"not _sa_isfinite(_sa_float(_sa_result[{n + k}]))" if kind == "finite"
               else f"not _sa_result[{n + k}]" for k, kind in enumerate(plan.flags)
@@ -247,15 +330,17 @@ def _flag_lines(plan, constant_flags: dict, queueable: bool, env: dict) -> list:
         checks.insert(0, "not _sa_CF[0]")
     lines = []
     if queueable and queued:  # on a GPU: the verdicts go to the host without waiting
+        target = step or "_sa_layer, _sa_inputs, _sa_kw"
         lines += ["        if _sa_VAL._QUEUED:",
                   f"            _sa_Q.put(({', '.join(queued)},), _sa_partial("
-                  f"_sa_call_failed, _sa_read, _sa_layer, _sa_inputs, _sa_kw))",
+                  f"_sa_call_failed, _sa_read, {target}))",
                   f"            _sa_failed = {'not _sa_CF[0]' if constant_flags else 'False'}",
                   "        else:",
                   f"            _sa_failed = {' or '.join(checks)}"]
     elif checks:
         lines += [f"        _sa_failed = {' or '.join(checks)}"]
-    reread = "        return _sa_layer.interpret(*_sa_inputs, **_sa_kw)"
+    reread = "        return _sa_layer.interpret(*_sa_inputs, **_sa_kw)" if step is None \
+        else "        return _sa_MISSED"
     lines += ["    except _sa_Exception:  # inside the graph: the reading raises the check's message",
               "        _sa_failed = True" if checks else reread]
     if checks:

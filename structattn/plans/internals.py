@@ -60,7 +60,11 @@ def autocast_modes():
 #: ``t``'s version counter and its storage's address as source expressions of ``{}`` (the
 #: tensor's name), for the generated fast path, where a function call per tensor costs
 VERSION = "{}._version"
-STORAGE = "{}.untyped_storage()._cdata"
+STORAGE = "_sa_storage_address({})"
+#: the address of a tensor's StorageImpl: one C call (``untyped_storage()._cdata`` makes a
+#: storage object first, which older torch releases without the call do)
+storage_address = getattr(torch._C, "_storage_address", None) \
+    or (lambda t: t.untyped_storage()._cdata)
 
 tracing_state = torch._C._get_tracing_state
 
@@ -129,7 +133,7 @@ def version(t: torch.Tensor) -> int:
 
 def storage_id(t: torch.Tensor) -> int:
     """The address of ``t``'s storage (unique while a ``storage_ref`` to it is held)."""
-    return t.untyped_storage()._cdata
+    return storage_address(t)
 
 
 def storage_ref(t: torch.Tensor) -> StorageWeakRef:

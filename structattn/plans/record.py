@@ -143,14 +143,25 @@ def _bind_to_torch(graph: torch.fx.GraphModule, args: tuple) -> None:
     """Call each aten overload of ``graph`` through its torch binding where that binding,
     given the node's own arguments at this signature, returns the same thing (checked here,
     node by node, on the recording's inputs: the graph is straight-line, so every node runs).
-    Overloads that mutate or draw at random keep their overload object."""
+    Overloads that draw at random keep their overload object, and so do those that mutate,
+    but for those writing into their first argument alone whose binding writes the same into
+    a copy of it (``scatter_``); ``aten.alias`` becomes ``Tensor.view_as``."""
     bound = {}
 
     narrowed = {}
 
     class Check(torch.fx.Interpreter):
         def run_node(self, n):
+            if n.op == "call_function" and isinstance(n.target, OpOverload) \
+                    and n.target._schema.is_mutable:
+                return self.mutating(n)
             out = super().run_node(n)
+            if n.op == "call_function" and n.target is torch.ops.aten.alias.default:
+                # an alias has no public binding; ``Tensor.view_as`` itself is the same view
+                (x,) = self.fetch_args_kwargs_from_env(n)[0]
+                if _same(out, torch.Tensor.view_as(x, x)):
+                    aliased.append(n)
+                return out
             if n.op == "call_function" and n.target is torch.ops.aten.slice.Tensor:
                 # a unit-step slice has no public binding; ``torch.narrow`` is the same view
                 # (the signature fixes the size, so the length is known)
@@ -166,7 +177,7 @@ def _bind_to_torch(graph: torch.fx.GraphModule, args: tuple) -> None:
                         narrowed[n] = (n.args[0], dim, lo, hi - lo)
                 return out
             fn = _binding(n.target) if n.op == "call_function" else None
-            if fn is None or n.target._schema.is_mutable:
+            if fn is None:
                 return out
             a, kw = self.fetch_args_kwargs_from_env(n)
             if torch.Tag.nondeterministic_seeded in n.target.tags and not _draws_nothing(n, a, kw):
@@ -179,7 +190,33 @@ def _bind_to_torch(graph: torch.fx.GraphModule, args: tuple) -> None:
                 bound[n] = fn
             return out
 
+        def mutating(self, n):
+            """An overload that writes into its first argument alone (``scatter_``) is
+            bound where its binding writes the same into a copy of that argument."""
+            fn = _binding(n.target)
+            a, kw = self.fetch_args_kwargs_from_env(n)
+            written = [arg.alias_info is not None and arg.alias_info.is_write
+                       for arg in n.target._schema.arguments]
+            copy = None
+            if fn is not None and written and written[0] and not any(written[1:]) \
+                    and a and isinstance(a[0], torch.Tensor) \
+                    and torch.Tag.nondeterministic_seeded not in n.target.tags:
+                copy = a[0].detach().clone()
+            out = super().run_node(n)
+            if copy is not None and out is a[0]:
+                try:
+                    alt = fn(copy, *a[1:], **kw)
+                except Exception:  # the binding parses these arguments differently
+                    return out
+                if alt is copy and copy.dtype == out.dtype and copy.shape == out.shape \
+                        and copy.stride() == out.stride() and torch.equal(copy, out):
+                    bound[n] = fn
+            return out
+
+    aliased = []
     Check(graph).run(*args)
+    for node in aliased:
+        node.target, node.args, node.kwargs = torch.Tensor.view_as, (node.args[0],) * 2, {}
     for node, fn in bound.items():
         node.target = fn
     for node, narrow in narrowed.items():
