@@ -15,7 +15,9 @@ class FixedCache(DecodeCache):
     ``(B, H, capacity)`` are views of storage with one slot more, the *spare* slot, where a
     step writes its padding (a row's new tokens beyond its ``lengths``), so that every step
     writes k slots per row whatever its lengths. Row b's tokens are slots ``< lengths[b]``;
-    a step reads every slot and masks the rest out (``structattn.decoding.step``).
+    a step reads every slot and masks the rest out (``structattn.decoding.step``). The
+    state's storage has one slot more in front, slot 0, which holds 0: token j's state is
+    at slot j + 1, so that the state a row continues from is at its length, 0 when empty.
 
     Without gradients every write is in place (the tensors keep their storage); where
     gradients flow through a cached tensor, a write copies it (an earlier call's graph may
@@ -50,17 +52,19 @@ class FixedCache(DecodeCache):
     # -- storage --------------------------------------------------------------------------
     def start(self, batch_shape: torch.Size, heads: int, d_k: int, d_v: int, like: torch.Tensor,
               state: bool) -> None:
-        """Allocate the storage of ``capacity`` + 1 slots (the spare last) for the first call."""
+        """Allocate the storage of ``capacity`` + 1 slots (the spare last; the state's
+        + 2, the first 0) for the first call."""
         B, L = batch_shape.numel(), self.capacity + 1
         kw = {"dtype": like.dtype, "device": like.device}
         self.batch_shape = batch_shape
         self.stores = [torch.zeros(B, heads, L, d_k, **kw), torch.zeros(B, heads, L, d_v, **kw),
-                       torch.zeros(B, heads, L, **kw) if state else None]
+                       torch.zeros(B, heads, L + 1, **kw) if state else None]
         self._lengths = torch.zeros(B, dtype=torch.long, device=like.device)
 
     @property
     def stores(self) -> list:
-        """The storage ``[keys, values, state | None]``, each with the spare slot."""
+        """The storage ``[keys, values, state | None]``, each with the spare slot (the state
+        with slot 0 too)."""
         return self._stores
 
     @stores.setter
@@ -72,7 +76,7 @@ class FixedCache(DecodeCache):
         self._stores = [keys, values, state]
         self.keys = keys[..., :self.capacity, :]
         self.values = values[..., :self.capacity, :]
-        self.state = None if state is None else state[..., :self.capacity]
+        self.state = None if state is None else state[..., 1:self.capacity + 1]
 
     # -- the capacity ---------------------------------------------------------------------
     def make_room(self, owner: str, k: int, counts: torch.Tensor | None) -> None:
@@ -96,6 +100,8 @@ class FixedCache(DecodeCache):
         if total > self.capacity:
             raise ValueError(f"the cache would hold {total} tokens in a row, beyond its "
                              f"capacity={self.capacity} (layer.new_cache(capacity=…))")
+        if state is not None:  # (no model that reads its tokens itself carries a state)
+            raise NotImplementedError("FixedCache.append keeps no per-token state")
         at = slots(self._lengths, counts, keys.shape[-2], self.capacity)
         new = (keys, values, state)
         self.stores = [None if s is None else write(s, at, n)

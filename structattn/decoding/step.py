@@ -76,17 +76,16 @@ def step(model, rule, x, keys, values, state, lengths, counts=None, *, capacity:
         keys, values = write(keys, at, key, index), write(values, at, v_new, index)
     else:
         keys, values = write(keys, at, key), write(values, at, v_new)
-    if rule.state:
-        last = (lengths - 1).clamp(min=0)  # each row's last cached token
-        held = state.gather(-1, last[:, None, None].expand(-1, H, 1))[..., 0]  # (B, H)
-        held = torch.where((lengths > 0)[:, None], held, 0.0)
+    if rule.state:  # (token j's state at slot j + 1; slot 0 holds 0: FixedCache.start)
+        held = state.gather(-1, lengths.view(B, 1, 1).expand(B, H, 1))[..., 0]  # (B, H):
+        # each row's last token's state, 0 for an empty row
         new_state = rule.new_state(model, x, counts if counts_given else None, held)
-        state = _write_state(state, at, new_state)  # (B, H, k) at the new tokens
+        state = _write_state(state, at + 1, new_state)  # (B, H, k) at the new tokens
 
     scale = Bilinear(model.W_q, model.W_k, heads=H, temperature=model.temperature).factor_scale()
     if isinstance(scale, torch.Tensor):
         scale = scale.to(dtype=q.dtype, device=q.device)
-    held = Held(None, None) if state is None else Held(state[..., :L], new_state)
+    held = Held(None, None) if state is None else Held(state[..., 1:L + 1], new_state)
     if isinstance(rule, Normalised) and counts_given is False and hops == 1 \
             and not return_posterior and not isinstance(scale, torch.Tensor):
         # every row real (each allows itself): one attention kernel, the prior an additive mask
@@ -256,10 +255,13 @@ def read_fixed(layer, rule, x, counts, cache: FixedCache, batch_shape, return_po
             out = plans(reading, tuple(tensors), options)
     y, post, keys, values, state, ends = _parts(out, state is not None, return_posterior)
     # the next step's call in one function: that of the plan that served this one (if any)
-    cache._step = None if plans is None or plans._last is None else plans._last.step
+    step_call = None if plans is None or plans._last is None else plans._last.step
+    if cache._step is not step_call:
+        cache._step = step_call
     cache.stores = [keys, values, state]
     cache._lengths = ends
-    cache.keys_read = cache.capacity  # a fixed shape: every slot, masked
+    if cache.keys_read != cache.capacity:  # a fixed shape: every slot, masked
+        cache.keys_read = cache.capacity
     y = y.reshape(*batch_shape, k, y.shape[-1])
     if return_posterior:
         return y, post.reshape(*batch_shape, *post.shape[1:])
