@@ -12,7 +12,9 @@ neither reads a length on the host.
 
 Each is timed eagerly (the layer: its recorded plan replayed, with structattn's value checks
 on — the default — and off) and under ``torch.compile`` (a function doing one step, compiled
-once; the layer's and the hand-written step alike), the outputs checked equal first.
+once; the layer's and the hand-written step alike), with dynamo's guards checked on every
+call (the default) and skipped (``torch.compiler.set_stance(skip_guard_eval_unsafe=True)``),
+the outputs checked equal first.
 Timing: the two run interleaved (order reversed each round), each round a block of steps;
 medians over rounds and the median of the per-round ratios (``paired``; target ≤ 1.2×);
 ``--clock cpu`` times the process's CPU time (on a shared machine the time spent waiting for
@@ -24,6 +26,7 @@ allocator's peak over a block of steps. Run: ``python benchmarks/bench_decode.py
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import math
 import os
@@ -44,8 +47,12 @@ import structattn as sa  # noqa: E402
 TARGET = 1.2
 #: how the layer's step runs: its plan replayed with structattn's value checks (the
 #: default: x_new found finite, a sum per step), without them (``sa.validation(False)``),
-#: and compiled by torch.compile (where structattn's checks are not traced)
-MODES = ("eager", "eager_unchecked", "compiled")
+#: compiled by torch.compile (where structattn's checks are not traced), and compiled with
+#: dynamo's guards skipped while timed (``torch.compiler.set_stance(
+#: skip_guard_eval_unsafe=True)``, PyTorch's setting for a decoding loop whose calls all
+#: match the compiled one: what remains of the compiled step without the cost of checking
+#: that each call is still the compiled one)
+MODES = ("eager", "eager_unchecked", "compiled", "compiled_skip_guards")
 
 
 class HandStep:
@@ -146,10 +153,17 @@ def peak(fn, x_new, steps: int, device) -> float:
     return measure_peak_mib(run)
 
 
+def _stance(mode: str):
+    """Where the mode skips dynamo's guards, PyTorch's stance that does; else nothing."""
+    if mode == "compiled_skip_guards":
+        return torch.compiler.set_stance(skip_guard_eval_unsafe=True)
+    return contextlib.nullcontext()
+
+
 def measure(model, name, mode, B, L, prefill, x, x_new, rounds, block, device, clock) -> dict:
     """One row: the layer's step and the hand-written one after the same prefill, checked
     equal, warmed up, timed in pairs and their peak memory measured."""
-    ours, hand, cache = _pair(model, B, L, prefill, x, mode == "compiled")
+    ours, hand, cache = _pair(model, B, L, prefill, x, mode.startswith("compiled"))
     with torch.no_grad():  # the same step from the same cache: the same output
         a, b = ours(x[:, prefill:prefill + 1]), hand(x[:, prefill:prefill + 1])
         error = float((a - b).abs().max())
@@ -158,8 +172,11 @@ def measure(model, name, mode, B, L, prefill, x, x_new, rounds, block, device, c
             ours(x_new)
             hand(x_new)
     plans = len(cache.plans)
-    res = time_pair({"hand": hand, "structattn": ours}, x_new, rounds, block, device, clock)
-    mem = {k: peak(fn, x_new, block, device) for k, fn in (("hand", hand), ("structattn", ours))}
+    with _stance(mode):
+        res = time_pair({"hand": hand, "structattn": ours}, x_new, rounds, block, device,
+                        clock)
+        mem = {k: peak(fn, x_new, block, device)
+               for k, fn in (("hand", hand), ("structattn", ours))}
     return {"layer": name, "mode": mode, "d_model": model.d_model, "heads": model.heads,
             "batch": B, "capacity": L, "prefill": prefill, "dtype": str(x.dtype),
             "hand_us": res["hand"]["median_us"], "structattn_us": res["structattn"]["median_us"],
@@ -202,7 +219,7 @@ def main(argv=None):
                               time.process_time if args.clock == "cpu" else time.perf_counter)
             rows.append(row)
             verdict = "OK" if row["paired_ratio"] <= TARGET else "MISS"
-            print(f"{name:22s} {mode:15s} hand {row['hand_us']:8.1f} µs  structattn "
+            print(f"{name:22s} {mode:20s} hand {row['hand_us']:8.1f} µs  structattn "
                   f"{row['structattn_us']:8.1f} µs  paired {row['paired_ratio']:.3f}× "
                   f"(≤ {TARGET}: {verdict})  peak MiB {row['peak_mib_hand']:.2f} / "
                   f"{row['peak_mib_structattn']:.2f}", flush=True)
