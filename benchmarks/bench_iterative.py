@@ -14,7 +14,7 @@
 
 Each variant's peak memory is the growth of the RSS high-water mark during one
 forward+backward, measured in a fresh subprocess after a warm-up (``_memory.py``; ``--quick``
-measures a section's two variants in one subprocess, one after the other).
+measures the four variants in one subprocess, one after the other).
 Run: ``python benchmarks/bench_iterative.py [--quick] [--json PATH]``.
 """
 
@@ -131,7 +131,9 @@ def time_pair(fns: dict, warmup: int, repeats: int, backward: bool = True) -> di
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def section(title, ours, theirs, label, cfg, log, target, fresh=True):
+def section(title, ours, theirs, label, cfg, log, target, measured=None):
+    """``measured``: variant → peak MiB measured already (the smoke test's, all in one
+    subprocess); else each variant's is measured here in its own."""
     fns = {"structattn": build(ours, cfg), "baseline": build(theirs, cfg)}
     with torch.no_grad():
         torch.manual_seed(1)
@@ -143,7 +145,8 @@ def section(title, ours, theirs, label, cfg, log, target, fresh=True):
         raise AssertionError(f"{title}: structattn and {label} disagree by {err:.2e}")
     t = time_pair(fns, cfg["warmup"], cfg["repeats"])
     tf = time_pair(fns, cfg["warmup"], cfg["repeats"], backward=False)
-    peaks = peaks_in_subprocesses({"structattn": ours, "baseline": theirs}, cfg, fresh)
+    peaks = ({"structattn": measured[ours], "baseline": measured[theirs]} if measured else
+             peaks_in_subprocesses({"structattn": ours, "baseline": theirs}, cfg))
     ratio, ratio_f = t["structattn"] / t["baseline"], tf["structattn"] / tf["baseline"]
     log(f"{title}: fwd+bwd structattn {t['structattn'] * 1e3:.1f} ms, {label} "
         f"{t['baseline'] * 1e3:.1f} ms, ratio {ratio:.3f} (target ≤ {target}) "
@@ -284,16 +287,19 @@ def main(argv=None):
 
     log(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} cores, "
         f"float32, CPU")
+    variants = ("slots-structattn", "slots-peer", "hopfield-structattn", "hopfield-hand")
+    measured = peaks_in_subprocesses({v: v for v in variants}, cfg, fresh=False) \
+        if args.quick else None
     results = {
         "config": cfg,
         "slots": section(f"slot attention (B={cfg['slot_B']}, N={cfg['slot_N']}, "
                          f"dim={cfg['slot_dim']}, S={cfg['slots']}, {cfg['iters']} iters)",
                          "slots-structattn", "slots-peer", "slot-attention 1.5.2", cfg, log, 1.0,
-                         fresh=not args.quick),
+                         measured),
         "hopfield": section(f"Hopfield (B={cfg['hop_B']}, M={cfg['hop_M']}, N={cfg['hop_N']}, "
                             f"H={cfg['hop_H']}, d_k={cfg['hop_d']}, T={cfg['steps']})",
                             "hopfield-structattn", "hopfield-hand", "hand-written SDPA loop",
-                            cfg, log, 1.05, fresh=not args.quick),
+                            cfg, log, 1.05, measured),
         "predictive_coding": section_pcn(cfg, log),
         "ground_truth": section_ground_truth(cfg, log),
     }
