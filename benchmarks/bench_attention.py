@@ -9,8 +9,8 @@ One run prints one report with three sections:
 2. time of the compiled forward vs ``structattn.inference.exact`` (Pyro enumeration)
    under ``torch.no_grad()``; speed-up Pyro/compiled;
 3. peak memory of forward + backward: compiled vs hand-written SDPA vs a materialised
-   ``softmax(QK^T/sqrt(d)) V``, each variant in a fresh subprocess; ratio
-   compiled/SDPA (target <= 1.1).
+   ``softmax(QK^T/sqrt(d)) V``, each variant in a fresh subprocess (``--quick``: the
+   three in one, in turn); ratio compiled/SDPA (target <= 1.1).
 
 Usage::
 
@@ -23,7 +23,8 @@ C, B, A, ...) so that machine drift hits all of them alike; the table shows the 
 (and min/max) of the repeats, and the ratio of medians as well as the median of the
 per-round ratios.
 
-Memory: ``--child VARIANT`` (internal) runs one variant in a fresh interpreter: it builds
+Memory: ``--child VARIANT`` (internal) runs one variant in a fresh interpreter (several
+variants, for the smoke test: each in turn, as follows): it builds
 weights and inputs, warms the variant up on a small input (so code pages and thread-pool
 stacks are not counted), returns freed heap to the OS (``malloc_trim``), resets the RSS
 high-water mark to the current RSS (``/proc/self/clear_refs``), runs forward + backward once
@@ -88,7 +89,8 @@ QUICK = {
     "pyro": {"batch": 1, "heads": 1, "n": 32, "d_model": 16, "warmup": 1, "repeats": 2,
              "compiled_repeats": 20},
     "memory": {"batch": 1, "heads": 2, "n": 2048, "d_k": 16, "causal": [False], "repeats": 1,
-               "static_malloc": False, "variants": ["sdpa", "compiled", "materialised"]},
+               "static_malloc": False, "variants": ["sdpa", "compiled", "materialised"],
+               "one_process": True},
     "overhead": {"batch": 1, "heads": 1, "n": 16, "d_k": 16, "min_run_time": 0.2},
 }
 
@@ -356,10 +358,16 @@ def _profiler_peak_bytes(fn, m, x):
 
 
 def run_child(args) -> None:
-    """Internal: one variant, one process; prints one JSON line."""
+    """Internal: the variants of ``--child`` in turn in this process (one, but for the smoke
+    test's); prints one JSON line for each."""
     torch.set_num_threads(args.threads)
+    for variant in args.child:
+        _measure_child(args, variant)
+
+
+def _measure_child(args, variant) -> None:
     m, layer, x = build(args.batch, args.heads, args.n, args.d_k, args.causal, args.seed)
-    fn = make_variants(m, layer)[args.child]
+    fn = make_variants(m, layer)[variant]
     # warm-up on a small input: pages in the kernels' code and starts the thread pool
     small = torch.randn(args.batch, min(64, args.n), x.shape[-1], requires_grad=True)
     fwd_bwd(fn, m, small)
@@ -380,14 +388,14 @@ def run_child(args) -> None:
         except Exception as e:  # private profiler API: report, do not fail the benchmark
             prof_err = f"{type(e).__name__}: {e}"
     print(json.dumps({
-        "variant": args.child, "causal": args.causal, "hwm_reset": hwm_reset,
+        "variant": variant, "causal": args.causal, "hwm_reset": hwm_reset,
         "peak_source": source, "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_"),
         "peak_before_kib": before, "peak_after_kib": after, "rss_before_kib": rss_before,
         "peak_delta_mib": (after - before) / 1024,
         "slack_mib": (before - rss_before) / 1024,
         "profiler_peak_mib": None if prof_peak is None else prof_peak / MiB,
         "profiler_error": prof_err, "seconds": elapsed,
-    }))
+    }), flush=True)
 
 
 def _ratio(a, b):
@@ -402,7 +410,13 @@ STATIC_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072"}
 
 
 def _run_child(variant, causal, c, seed, threads, static_malloc, profile):
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", variant,
+    """The record of ``variant`` measured in a fresh process."""
+    return _run_children([variant], causal, c, seed, threads, static_malloc, profile)[0]
+
+
+def _run_children(variants, causal, c, seed, threads, static_malloc, profile):
+    """The records of ``variants``, measured in turn in one fresh process."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", *variants,
            "--batch", str(c["batch"]), "--heads", str(c["heads"]), "--n", str(c["n"]),
            "--d-k", str(c["d_k"]), "--seed", str(seed), "--threads", str(threads)]
     if causal:
@@ -416,8 +430,10 @@ def _run_child(variant, causal, c, seed, threads, static_malloc, profile):
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         tail = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else ""
-        raise RuntimeError(f"child {variant} (causal={causal}) exit {proc.returncode}: {tail}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+        raise RuntimeError(f"child {' '.join(variants)} (causal={causal}) exit "
+                           f"{proc.returncode}: {tail}")
+    lines = [line for line in proc.stdout.strip().splitlines() if line.startswith("{")]
+    return [json.loads(line) for line in lines[-len(variants):]]
 
 
 def section_memory(cfg, seed, threads, log):
@@ -436,6 +452,8 @@ def section_memory(cfg, seed, threads, log):
            "adaptive threshold off;\n    see benchmarks/README.md);\n" if static else "")
         + "    'tensors' = peak live tensor bytes from torch.profiler(profile_memory=True) "
           "alloc/free events\n    (allocator level, no fragmentation; a cross-check)")
+    if c.get("one_process"):
+        log("    (smoke test: the variants in one subprocess, in turn)")
     cols = [("peak RSS MiB, default malloc", 30), ("/ SDPA", 8)]
     if static:
         cols += [("static mmap thr.", 17), ("/ SDPA", 8)]
@@ -446,10 +464,20 @@ def section_memory(cfg, seed, threads, log):
     rows = []
     for causal in c["causal"]:
         res = {}
+        # the smoke test (one process each, no static run): the variants in one process
+        shared = c.get("one_process") and reps == 1 and not static
+        try:
+            done = dict(zip(c["variants"], _run_children(
+                c["variants"], causal, c, seed, threads, False, profile=True), strict=True)) \
+                if shared else {}
+        except RuntimeError as e:
+            log(f"    {str(causal):<7}{', '.join(c['variants']):<29} FAILED: {e}")
+            continue
         for variant in c["variants"]:
             n_default = reps if variant != "materialised" else 1
             try:
-                runs = [_run_child(variant, causal, c, seed, threads, False,
+                runs = [done[variant] if variant in done else
+                        _run_child(variant, causal, c, seed, threads, False,
                                    profile=(not static and i == 0)) for i in range(n_default)]
                 static_run = (_run_child(variant, causal, c, seed, threads, True, profile=True)
                               if static else None)
@@ -617,7 +645,8 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cpu",
                    help="cpu (default) or cuda: sections time and overhead on that device "
                         "(memory is the CPU's RSS and pyro is CPU-only: skipped on cuda)")
-    p.add_argument("--child", choices=["sdpa", "compiled", "compiled_noval", "materialised"],
+    p.add_argument("--child", nargs="+",
+                   choices=["sdpa", "compiled", "compiled_noval", "materialised"],
                    help=argparse.SUPPRESS)
     p.add_argument("--batch", type=int, help=argparse.SUPPRESS)
     p.add_argument("--heads", type=int, help=argparse.SUPPRESS)

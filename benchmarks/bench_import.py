@@ -71,13 +71,10 @@ def measure(rounds: int, bytecode_cache: bool = True, log=print) -> dict:
     env = environment(bytecode_cache)
     wall("import structattn", env)  # the file cache warm, the bytecode cache written
     torch_s, sa_s = [], []
+    pair = (("import torch", torch_s), ("import structattn", sa_s))
     for r in range(rounds):
-        if r % 2 == 0:
-            torch_s.append(wall("import torch", env))
-            sa_s.append(wall("import structattn", env))
-        else:
-            sa_s.append(wall("import structattn", env))
-            torch_s.append(wall("import torch", env))
+        for code, times in (pair if r % 2 == 0 else pair[::-1]):
+            times.append(wall(code, env))
     ratios = [s[0] / t[0] for s, t in zip(sa_s, torch_s, strict=True)]
     cpu_ratios = [s[1] / t[1] for s, t in zip(sa_s, torch_s, strict=True)]
     res = {"rounds": rounds, "bytecode_cache": bytecode_cache,
@@ -105,13 +102,13 @@ def measure(rounds: int, bytecode_cache: bool = True, log=print) -> dict:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="two pairs (smoke test)")
+    p.add_argument("--quick", action="store_true", help="one pair (smoke test)")
     p.add_argument("--rounds", type=int, default=20, help="pairs of fresh processes (20)")
     p.add_argument("--no-bytecode-cache", action="store_true",
                    help="keep PYTHONDONTWRITEBYTECODE as the environment sets it")
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args(argv)
-    res = measure(2 if args.quick else args.rounds, bytecode_cache=not args.no_bytecode_cache)
+    res = measure(1 if args.quick else args.rounds, bytecode_cache=not args.no_bytecode_cache)
     _results.save("import", res, args.json, quick=args.quick)
     return res
 

@@ -13,7 +13,8 @@
    L-BFGS): wall time of each and the distance between them.
 
 Each variant's peak memory is the growth of the RSS high-water mark during one
-forward+backward, measured in a fresh subprocess after a warm-up (``_memory.py``).
+forward+backward, measured in a fresh subprocess after a warm-up (``_memory.py``; ``--quick``
+measures the four variants in one subprocess, one after the other).
 Run: ``python benchmarks/bench_iterative.py [--quick] [--json PATH]``.
 """
 
@@ -82,18 +83,30 @@ def fwd_bwd(fn, params):
     fn().sum().backward()
 
 
-def child(variant, cfg):
-    """Peak memory of one forward+backward in this fresh process (after a warm-up)."""
-    fn, params = build(variant, cfg)
-    for _ in range(3):  # a compiled module reads, records its plan, then replays: measure a replay
-        fwd_bwd(fn, params)
-    print(json.dumps({"peak_mib": measure_peak_mib(lambda: fwd_bwd(fn, params))}))
+def child(cfg, variants):
+    """Peak memory of one forward+backward of each variant in turn, in this fresh process
+    (each after a warm-up): one JSON line per variant."""
+    for variant in variants:
+        fn, params = build(variant, cfg)
+        for _ in range(3):  # a compiled module reads, records its plan, then replays: measure a replay
+            fwd_bwd(fn, params)
+        print(json.dumps({"variant": variant,
+                          "peak_mib": measure_peak_mib(lambda fn=fn, p=params: fwd_bwd(fn, p))}))
 
 
-def peak_in_subprocess(variant, cfg):
-    out = subprocess.run([sys.executable, __file__, "--child", variant, json.dumps(cfg)],
-                         capture_output=True, text=True, check=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])["peak_mib"]
+def peaks_in_subprocesses(variants: dict, cfg, fresh: bool = True) -> dict:
+    """name → peak MiB of the variant ``variants[name]``, each in a fresh subprocess, or, where
+    not ``fresh`` (the smoke test), all in one subprocess."""
+    groups = [[v] for v in variants.values()] if fresh else [list(variants.values())]
+    peaks = {}
+    for group in groups:
+        out = subprocess.run([sys.executable, __file__, "--child", json.dumps(cfg), *group],
+                             capture_output=True, text=True, check=True)
+        for line in out.stdout.strip().splitlines():
+            if line.startswith("{"):
+                row = json.loads(line)
+                peaks[row["variant"]] = row["peak_mib"]
+    return {name: peaks[v] for name, v in variants.items()}
 
 
 def time_pair(fns: dict, warmup: int, repeats: int, backward: bool = True) -> dict:
@@ -118,7 +131,9 @@ def time_pair(fns: dict, warmup: int, repeats: int, backward: bool = True) -> di
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def section(title, ours, theirs, label, cfg, log, target):
+def section(title, ours, theirs, label, cfg, log, target, measured=None):
+    """``measured``: variant → peak MiB measured already (the smoke test's, all in one
+    subprocess); else each variant's is measured here in its own."""
     fns = {"structattn": build(ours, cfg), "baseline": build(theirs, cfg)}
     with torch.no_grad():
         torch.manual_seed(1)
@@ -130,7 +145,8 @@ def section(title, ours, theirs, label, cfg, log, target):
         raise AssertionError(f"{title}: structattn and {label} disagree by {err:.2e}")
     t = time_pair(fns, cfg["warmup"], cfg["repeats"])
     tf = time_pair(fns, cfg["warmup"], cfg["repeats"], backward=False)
-    peaks = {k: peak_in_subprocess(v, cfg) for k, v in (("structattn", ours), ("baseline", theirs))}
+    peaks = ({"structattn": measured[ours], "baseline": measured[theirs]} if measured else
+             peaks_in_subprocesses({"structattn": ours, "baseline": theirs}, cfg))
     ratio, ratio_f = t["structattn"] / t["baseline"], tf["structattn"] / tf["baseline"]
     log(f"{title}: fwd+bwd structattn {t['structattn'] * 1e3:.1f} ms, {label} "
         f"{t['baseline'] * 1e3:.1f} ms, ratio {ratio:.3f} (target ≤ {target}) "
@@ -250,10 +266,10 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="tiny sizes (smoke test)")
     p.add_argument("--json", metavar="PATH")
-    p.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    p.add_argument("--child", nargs="+", help=argparse.SUPPRESS)  # CFG VARIANT …
     args = p.parse_args(argv)
     if args.child:
-        return child(args.child[0], json.loads(args.child[1]))
+        return child(json.loads(args.child[0]), args.child[1:])
     cfg = dict(slot_B=16, slot_N=1024, slot_dim=64, slots=7, iters=3, hop_B=8, hop_M=128,
                hop_N=1024, hop_H=4, hop_d=64, steps=3, gt_B=4, gt_M=16, gt_N=64, gt_d=16,
                pcn_sizes=[64, 128, 10], pcn_blocks=[1, 8, 1], pcn_B=256, pcn_steps=20,
@@ -271,15 +287,19 @@ def main(argv=None):
 
     log(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} cores, "
         f"float32, CPU")
+    variants = ("slots-structattn", "slots-peer", "hopfield-structattn", "hopfield-hand")
+    measured = peaks_in_subprocesses({v: v for v in variants}, cfg, fresh=False) \
+        if args.quick else None
     results = {
         "config": cfg,
         "slots": section(f"slot attention (B={cfg['slot_B']}, N={cfg['slot_N']}, "
                          f"dim={cfg['slot_dim']}, S={cfg['slots']}, {cfg['iters']} iters)",
-                         "slots-structattn", "slots-peer", "slot-attention 1.5.2", cfg, log, 1.0),
+                         "slots-structattn", "slots-peer", "slot-attention 1.5.2", cfg, log, 1.0,
+                         measured),
         "hopfield": section(f"Hopfield (B={cfg['hop_B']}, M={cfg['hop_M']}, N={cfg['hop_N']}, "
                             f"H={cfg['hop_H']}, d_k={cfg['hop_d']}, T={cfg['steps']})",
                             "hopfield-structattn", "hopfield-hand", "hand-written SDPA loop",
-                            cfg, log, 1.05),
+                            cfg, log, 1.05, measured),
         "predictive_coding": section_pcn(cfg, log),
         "ground_truth": section_ground_truth(cfg, log),
     }

@@ -343,8 +343,9 @@ def main(argv=None):
                rounds=15, block=100, startup_repeats=5, device=torch.device(args.device),
                clock=args.clock)
     if args.quick:
-        cfg.update(attention_sizes=[(1, 16, 64, 1), (2, 32, 64, 4)], peer_sizes=[(1, 64, 32, 4)],
-                   rounds=3, block=5, startup_repeats=1)
+        # a small size (every mode) and one above 4,096 elements (the large sizes' path)
+        cfg.update(attention_sizes=[(1, 16, 64, 1), (2, 40, 64, 4)], peer_sizes=[(1, 64, 32, 4)],
+                   rounds=2, block=2, startup_repeats=1)
     lines = []
 
     def log(s):

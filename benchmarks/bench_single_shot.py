@@ -8,7 +8,8 @@
    boolean mask) at a size where the dense mask fits, with the same average degree.
 
 Peak memory: each graph variant runs in a fresh subprocess, warmed up once; the peak is
-the growth of the RSS high-water mark during one forward+backward (``_memory.py``). Run:
+the growth of the RSS high-water mark during one forward+backward (``_memory.py``;
+``--quick`` runs the three in one subprocess, one after the other). Run:
 ``python benchmarks/bench_single_shot.py [--quick] [--json PATH]``.
 """
 
@@ -129,6 +130,7 @@ def random_graph(n, degree, seed):
 
 
 def graph_child(variant, n, degree, d, repeats):
+    """One variant at one size in this process: a JSON line of its time and peak."""
     torch.manual_seed(0)
     edge_index = random_graph(n, degree, 0)
     m = sa.models.graph_attention(d, d_k=d, heads=1)
@@ -149,18 +151,29 @@ def graph_child(variant, n, degree, d, repeats):
         fwd_bwd(lambda: layer(x, adjacency), params)
         times.append(time.perf_counter() - t)
     print(json.dumps({"seconds": min(times), "median_s": statistics.median(times),
-                      "peak_mib": peak, "edges": int(edge_index.shape[1])}))
+                      "peak_mib": peak, "edges": int(edge_index.shape[1])}), flush=True)
 
 
-def run_graph_child(variant, n, degree, d, repeats):
-    out = subprocess.run([sys.executable, __file__, "--graph-child", variant, str(n), str(degree),
-                          str(d), str(repeats)], capture_output=True, text=True, check=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+def run_graph_children(runs, degree, d, repeats):
+    """``[(variant, n), …]`` → their records, run in turn in one fresh subprocess."""
+    out = subprocess.run([sys.executable, __file__, "--graph-child", str(degree), str(d),
+                          str(repeats), *(f"{v}:{n}" for v, n in runs)],
+                         capture_output=True, text=True, check=True)
+    lines = [ln for ln in out.stdout.strip().splitlines() if ln.startswith("{")]
+    return [json.loads(ln) for ln in lines[-len(runs):]]
 
 
-def section_graph(cfg, log):
-    d, degree = cfg["graph_d"], cfg["degree"]
-    big = run_graph_child("edges", cfg["graph_N"], degree, d, cfg["graph_repeats"])
+def section_graph(cfg, log, fresh=True):
+    """``fresh``: each run in its own subprocess; else (the smoke test) all in one, up front."""
+    d, degree, repeats = cfg["graph_d"], cfg["degree"], cfg["graph_repeats"]
+    runs = [("edges", cfg["graph_N"]), ("edges", cfg["small_N"]), ("dense", cfg["small_N"])]
+    done = {} if fresh else dict(zip(runs, run_graph_children(runs, degree, d, repeats),
+                                     strict=True))
+
+    def result(run):
+        return done[run] if run in done else run_graph_children([run], degree, d, repeats)[0]
+
+    big = result(runs[0])
     log(f"graph attention, edge list, N={cfg['graph_N']:,} nodes, E={big['edges']:,} edges, d={d}: "
         f"fwd+bwd {big['seconds']:.2f} s (median {big['median_s']:.2f} s), peak +{big['peak_mib']:.0f} MiB")
     dense_gib = cfg["graph_N"] ** 2 / 2**30
@@ -168,8 +181,7 @@ def section_graph(cfg, log):
         f"and a materialised posterior {4 * dense_gib:.2f} GiB"
         + (" — does not fit in 24 GiB" if 5 * dense_gib > 24 else "")
         + f"; both paths compared at N={cfg['small_N']:,}, same degree:")
-    small = {v: run_graph_child(v, cfg["small_N"], degree, d, cfg["graph_repeats"])
-             for v in ("edges", "dense")}
+    small = {v: result((v, cfg["small_N"])) for v in ("edges", "dense")}
     for v, r in small.items():
         log(f"  N={cfg['small_N']:,}, E={r['edges']:,}: {v:5s} fwd+bwd {r['seconds'] * 1e3:.0f} ms, "
             f"peak +{r['peak_mib']:.0f} MiB")
@@ -182,11 +194,15 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="tiny sizes (smoke test)")
     p.add_argument("--json", metavar="PATH")
-    p.add_argument("--graph-child", nargs=5, help=argparse.SUPPRESS)
+    p.add_argument("--graph-child", nargs="+",  # DEGREE D REPEATS VARIANT:N …
+                   help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.graph_child:
-        v, n, degree, d, repeats = args.graph_child
-        return graph_child(v, int(n), int(degree), int(d), int(repeats))
+        degree, d, repeats = (int(a) for a in args.graph_child[:3])
+        for run in args.graph_child[3:]:
+            v, n = run.split(":")
+            graph_child(v, int(n), degree, d, repeats)
+        return None
     cfg = dict(B=8, H=8, N=1024, d=64, K=128, warmup=2, repeats=10, graph_N=100_000, degree=16,
                graph_d=64, small_N=8192, graph_repeats=3)
     if args.quick:
@@ -201,7 +217,8 @@ def main(argv=None):
     log(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} cores, "
         f"float32, CPU")
     results = {"config": cfg, "relative": section_relative(cfg, log),
-               "multihop": section_multihop(cfg, log), "graph": section_graph(cfg, log)}
+               "multihop": section_multihop(cfg, log),
+               "graph": section_graph(cfg, log, fresh=not args.quick)}
     _results.save("single_shot", results, args.json, quick=args.quick)
     return results
 

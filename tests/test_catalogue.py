@@ -225,6 +225,7 @@ def test_a_new_model_is_one_file_and_one_line(tmp_path, monkeypatch):
         [str(plugins), *filter(None, [os.environ.get("PYTHONPATH")])])}
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "toy_plugin", "-p", "no:cacheprovider", "-q",
+         "-n", "0",  # one process: 21 tests do not pay for two workers' start-up
          "tests/test_catalogue.py", "tests/test_edge_matrix.py", "tests/drawing/test_networkx.py",
          "tests/drawing/test_model.py", "-k", "toy_attention or every_model_module_is_registered"],
         cwd=root, env=env, capture_output=True, text=True, timeout=600)

@@ -43,6 +43,17 @@ def _replayed(case, grad: bool):
     return leaves, grads, layer._plans._last.plan if layer._plans._last else None
 
 
+#: (case, grad) → ``_replayed`` with every pass: the same in each pass's test, so a worker that
+#: runs several of them reads, records and replays each case once
+_WITH_EVERY_PASS: dict = {}
+
+
+def _with_every_pass(case, grad: bool):
+    if (case, grad) not in _WITH_EVERY_PASS:
+        _WITH_EVERY_PASS[case, grad] = _replayed(case, grad)
+    return _WITH_EVERY_PASS[case, grad]
+
+
 def _shape_of(plan):
     if plan is None or plan.graph is None:
         return None
@@ -80,7 +91,7 @@ def _sweep(name, cases, grad_modes, monkeypatch):
     changed = []
     for case in cases:
         for grad in grad_modes:
-            with_pass = _replayed(case, grad)
+            with_pass = _with_every_pass(case, grad)
             with monkeypatch.context() as patch:
                 patch.setattr(record, name, PASSES[name])
                 without = _replayed(case, grad)
