@@ -120,6 +120,21 @@ def _binding(op):
     return method if type(method).__name__ == "method_descriptor" else None
 
 
+def _as_narrow(out, args: tuple, kwargs: dict) -> tuple | None:
+    """A unit-step ``aten.slice`` has no public binding; ``torch.narrow`` is the same view
+    (the signature fixes the size, so the length is known): its ``(dim, start, length)``
+    where it gives ``out`` from these arguments, else None."""
+    x, dim, start, end, step = (*args, *[None] * (5 - len(args)))[:5] if not kwargs \
+        else (None,) * 5
+    if not (isinstance(x, torch.Tensor) and step in (None, 1) and isinstance(dim, int)
+            and isinstance(start, int) and isinstance(end, int)):
+        return None
+    size = x.shape[dim]
+    lo = max(0, min(size, start + size if start < 0 else start))
+    hi = max(lo, min(size, end + size if end < 0 else end))
+    return (dim, lo, hi - lo) if _same(out, torch.narrow(x, dim, lo, hi - lo)) else None
+
+
 def _same(a, b) -> bool:
     if isinstance(a, torch.Tensor):
         return (isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
@@ -163,18 +178,9 @@ def _bind_to_torch(graph: torch.fx.GraphModule, args: tuple) -> None:
                     aliased.append(n)
                 return out
             if n.op == "call_function" and n.target is torch.ops.aten.slice.Tensor:
-                # a unit-step slice has no public binding; ``torch.narrow`` is the same view
-                # (the signature fixes the size, so the length is known)
-                a, kw = self.fetch_args_kwargs_from_env(n)
-                x, dim, start, end, step = (*a, *[None] * (5 - len(a)))[:5] if not kw \
-                    else (None,) * 5
-                if isinstance(x, torch.Tensor) and step in (None, 1) and isinstance(dim, int) \
-                        and isinstance(start, int) and isinstance(end, int):
-                    size = x.shape[dim]
-                    lo = max(0, min(size, start + size if start < 0 else start))
-                    hi = max(lo, min(size, end + size if end < 0 else end))
-                    if _same(out, torch.narrow(x, dim, lo, hi - lo)):
-                        narrowed[n] = (n.args[0], dim, lo, hi - lo)
+                narrow = _as_narrow(out, *self.fetch_args_kwargs_from_env(n))
+                if narrow is not None:
+                    narrowed[n] = (n.args[0], *narrow)
                 return out
             fn = _binding(n.target) if n.op == "call_function" else None
             if fn is None:
