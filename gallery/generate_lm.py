@@ -79,9 +79,7 @@ def model_for(variant: str, args) -> train_lm.ByteLM:
                        "--eval-every", str(args.steps), "--final-eval", "windows",
                        "--out", str(folder.parent)]
                       + (["--minutes", str(args.minutes)] if args.minutes else [])
-                      # the first N files are another corpus than the LM table's, by choice
-                      + (["--max-files", str(args.max_files), "--any-corpus"]
-                         if args.max_files else []))
+                      + train_lm.lm_corpus.corpus_arguments(args))
     sizes = dict(d_model=args.d_model, layers=args.layers, heads=args.heads, window=64)
     if (folder / "result.json").exists():
         trained = json.loads((folder / "result.json").read_text())["args"]
@@ -337,6 +335,7 @@ def main(argv=None):
     p.add_argument("--minutes", type=float, default=2.0,
                    help="training budget where --lm holds no checkpoint")
     p.add_argument("--max-files", type=int, default=None, help="the first N files only")
+    train_lm.lm_corpus.add_corpus_argument(p)
     p.add_argument("--prompt", default="def main(argv=None):\n    ")
     p.add_argument("--generate", type=int, default=200, help="bytes generated")
     p.add_argument("--temperature", type=float, default=0.8)
@@ -354,14 +353,15 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.quick:
         args.steps, args.minutes, args.d_model, args.layers, args.heads = 3, None, 16, 1, 2
-        args.context, args.max_files, args.generate = 32, 40, 12
+        args.context, args.generate = 32, 12
+        args.max_files = None if args.corpus else 40
         args.length, args.window, args.block, args.distances = 1024, 60, 16, [64]
     torch.set_num_threads(args.threads)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.quick and args.lm == p.get_default("lm"):
         args.lm = str(out / "lm")
-    _, val, _ = train_lm.stdlib_corpus(max_files=args.max_files)
+    _, val, _ = train_lm.lm_corpus.corpus_of(args, "generate_lm")
     if len(val) < args.length + 1:
         p.error(f"--length {args.length}: the validation text holds {len(val):,} bytes")
     text = val[:args.length + 1]

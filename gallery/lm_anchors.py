@@ -104,10 +104,11 @@ def main(argv=None) -> dict:
                    help="n-gram orders n (a context of n − 1 bytes)")
     p.add_argument("--max-files", type=int, default=None, help="the first N files only")
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "output", "lm"))
-    args = p.parse_args(argv)
     import train_lm
 
-    train, val, manifest = train_lm.stdlib_corpus(max_files=args.max_files)
+    train_lm.lm_corpus.add_corpus_argument(p)
+    args = p.parse_args(argv)
+    train, val, manifest = train_lm.lm_corpus.corpus_of(args, "lm_anchors")
     train_np, val_np = train.numpy(), val.numpy()
     result = {"manifest_sha256": manifest["sha256"], "validation_bytes": len(val_np),
               "compressors": train_lm.compression_anchors(val), "kneser_ney": {}}

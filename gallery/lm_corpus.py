@@ -15,8 +15,10 @@ hash, ``CORPUS_SHA256``: Python 3.11.7's standard library, 1,790 files.
 **Carried** (``write_corpus`` / ``read_corpus``): one gzip file, a JSON header line (the
 format, the hash, both parts' lengths, the manifest) then the train and validation bytes;
 ``train_lm.py --write-corpus [PATH]`` writes the corpus built here (default ``CORPUS_FILE``,
-a path git ignores, ~6 MB), ``train_lm.py --corpus [PATH]`` trains on it. Reading checks the
-bytes against the header's hash.
+a path git ignores, ~6 MB), ``train_lm.py --corpus [PATH]`` trains on it, and the scripts
+that read a trained model (``lm_probes``, ``lm_anchors``, ``passkey_probe``, ``generate_lm``)
+read it with the same ``--corpus [PATH]`` (``add_corpus_argument``, ``corpus_of``). Reading
+checks the bytes against the header's hash.
 """
 
 from __future__ import annotations
@@ -134,3 +136,33 @@ def read_corpus(path):
         raise ValueError(f"--corpus: {path}'s bytes hash to {digest[:16]}…, not the "
                          f"{header['corpus_sha256'][:16]}… its header states (a damaged file)")
     return train, val, dict(header["manifest"], corpus_file=str(path))
+
+
+def add_corpus_argument(parser) -> None:
+    """``--corpus [PATH]`` on a script's ``parser``: the corpus file instead of this Python's
+    standard library (``corpus_of``)."""
+    parser.add_argument("--corpus", nargs="?", const=str(CORPUS_FILE), metavar="PATH",
+                        help="read the corpus file train_lm.py --write-corpus wrote (default "
+                             "path: gallery/corpus/stdlib.corpus.gz) instead of building it "
+                             "from this Python's standard library")
+
+
+def corpus_of(args, who: str):
+    """``(train, validation, manifest)`` a script reads: ``args.corpus``'s file where given,
+    else this Python's standard library (its first ``args.max_files`` files where given);
+    both at once refused in one line naming ``who``."""
+    path, max_files = getattr(args, "corpus", None), getattr(args, "max_files", None)
+    if path and max_files:
+        raise SystemExit(f"{who}: --corpus reads a whole corpus file and --max-files builds a "
+                         f"smaller one from this Python's library; give one of them")
+    return read_corpus(path) if path else stdlib_corpus(max_files=max_files)
+
+
+def corpus_arguments(args) -> list:
+    """The ``train_lm.py`` arguments that train on the corpus a script reads: ``--corpus``'s
+    file, or the first N files (another corpus than the LM table's, by choice)."""
+    if getattr(args, "corpus", None):
+        return ["--corpus", str(args.corpus)]
+    if getattr(args, "max_files", None):
+        return ["--max-files", str(args.max_files), "--any-corpus"]
+    return []

@@ -125,6 +125,7 @@ def main(argv=None):
     p.add_argument("--trials", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-files", type=int, default=None, help="the first N files only")
+    train_lm.lm_corpus.add_corpus_argument(p)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--json", default=None, help="where to write (default: RUN/probes.json)")
     args = p.parse_args(argv)
@@ -133,11 +134,13 @@ def main(argv=None):
     run = pathlib.Path(args.run)
     model, result = load(run)
     variant = result["variant"]
-    _, val, manifest = train_lm.stdlib_corpus(max_files=args.max_files)
+    _, val, manifest = train_lm.lm_corpus.corpus_of(args, "lm_probes")
     if manifest["sha256"] != result["manifest_sha256"]:
         here, there = manifest["sha256"][:16], result["manifest_sha256"][:16]
-        raise SystemExit(f"lm_probes: this Python's standard library (corpus {here}) is not "
-                         f"the one {run} trained on ({there})")
+        read = f"the corpus file {args.corpus}" if args.corpus \
+            else "this Python's standard library"
+        raise SystemExit(f"lm_probes: {read} (corpus {here}) is not the one {run} trained on "
+                         f"({there}); --corpus PATH reads a corpus file")
     out = {"variant": variant, "seed": result["args"]["seed"], "args": vars(args),
            "passkey": passkey_probe.passkey_rows(model, val, args.distances, args.trials,
                                                  args.seed)}

@@ -41,9 +41,7 @@ def model_for(variant: str, args) -> train_lm.ByteLM:
                        str(args.context), "--d-model", str(args.d_model), "--layers",
                        str(args.layers), "--heads", str(args.heads), "--final-eval", "windows",
                        "--eval-every", str(args.steps), "--out", str(folder.parent)]
-                      # the first N files are another corpus than the LM table's, by choice
-                      + (["--max-files", str(args.max_files), "--any-corpus"]
-                         if args.max_files else []))
+                      + train_lm.lm_corpus.corpus_arguments(args))
     model = train_lm.ByteLM(args.d_model, args.layers, args.heads, variant)
     model.load_state_dict(torch.load(ckpt, weights_only=True)["model"])
     return model.eval()
@@ -113,17 +111,19 @@ def main(argv=None):
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--max-files", type=int, default=None, help="the first N files only")
+    train_lm.lm_corpus.add_corpus_argument(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(HERE / "output" / "passkey"))
     p.add_argument("--quick", action="store_true", help="tiny models and distances (smoke test)")
     args = p.parse_args(argv)
     if args.quick:
         args.steps, args.d_model, args.layers, args.heads = 3, 16, 1, 2
-        args.distances, args.trials, args.max_files = [16, 64], 1, 20
+        args.distances, args.trials = [16, 64], 1
+        args.max_files = None if args.corpus else 20
         args.variants = args.variants[:2]
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    _, val, _ = train_lm.stdlib_corpus(max_files=args.max_files)
+    _, val, _ = train_lm.lm_corpus.corpus_of(args, "passkey_probe")
     rows = []
     for variant in args.variants:
         for r in passkey_rows(model_for(variant, args), val, args.distances, args.trials,

@@ -83,6 +83,29 @@ def probed(runs):
         for variant, seed in [("fox", 0), ("fox", 1), ("expanding_mf", 0)]}
 
 
+def test_the_probes_read_a_corpus_file_as_the_library_and_refuse_another(runs, probed,
+                                                                        tmp_path):
+    """``--corpus FILE`` (the 40 files written by ``write_corpus``) gives the probes' records
+    of the library read directly; a file of 41 files is refused naming the run, and
+    ``--corpus`` with ``--max-files`` in one line naming both."""
+    probes, corpus = _load("lm_probes"), _load("lm_corpus")
+    root, _ = runs
+    run = str(root / "seed0" / "fox_T24")
+    for files in (40, 41):
+        corpus.write_corpus(tmp_path / f"c{files}.gz", *corpus.stdlib_corpus(max_files=files))
+    common = ["--lengths", "24", "48", "--windows", "2", "--distances", "16", "32",
+              "--trials", "2"]
+    out = probes.main([run, *common, "--corpus", str(tmp_path / "c40.gz"),
+                       "--json", str(tmp_path / "probes.json")])
+    expected = probed[("fox", 0)]
+    assert out["passkey"] == expected["passkey"] and out["certified"] == expected["certified"]
+    with pytest.raises(SystemExit, match=r"the corpus file .*c41\.gz .* is not the one .*"
+                                         r"fox_T24 trained on"):
+        probes.main([run, *common, "--corpus", str(tmp_path / "c41.gz")])
+    with pytest.raises(SystemExit, match=r"lm_probes: --corpus .* --max-files"):
+        probes.main([run, *common, "--corpus", str(tmp_path / "c40.gz"), "--max-files", "40"])
+
+
 def test_the_probes_write_passkey_and_credible_windows(probed):
     for (variant, seed), out in probed.items():
         assert out["variant"] == variant and out["seed"] == seed

@@ -231,6 +231,33 @@ def test_the_corpus_travels_as_a_file_named_by_its_hash(lm, tmp_path):
         lm.lm_corpus.read_corpus(bad)
 
 
+def test_the_scripts_that_read_a_model_read_the_corpus_it_trained_on(lm, tmp_path):
+    """``corpus_of`` (what lm_probes, lm_anchors, passkey_probe and generate_lm read): the
+    ``--corpus`` file byte for byte, else the library's first ``--max-files`` files, never both;
+    ``corpus_arguments``: the train_lm arguments that train on the same corpus."""
+    from argparse import Namespace
+
+    corpus = lm.lm_corpus
+    path = tmp_path / "c.gz"
+    corpus.write_corpus(path, *lm.stdlib_corpus(max_files=40))
+    train, val, manifest = corpus.corpus_of(Namespace(corpus=str(path), max_files=None), "x")
+    train2, val2, manifest2 = corpus.corpus_of(Namespace(corpus=None, max_files=40), "x")
+    assert torch.equal(train, train2) and torch.equal(val, val2)
+    assert manifest["sha256"] == manifest2["sha256"]
+    with pytest.raises(SystemExit, match=r"^x: --corpus reads a whole corpus file and "
+                                         r"--max-files builds a smaller one"):
+        corpus.corpus_of(Namespace(corpus=str(path), max_files=40), "x")
+    assert corpus.corpus_arguments(Namespace(corpus=str(path), max_files=None)) == [
+        "--corpus", str(path)]
+    assert corpus.corpus_arguments(Namespace(corpus=None, max_files=40)) == [
+        "--max-files", "40", "--any-corpus"]
+    assert corpus.corpus_arguments(Namespace(corpus=None, max_files=None)) == []
+    p = __import__("argparse").ArgumentParser()
+    corpus.add_corpus_argument(p)
+    assert p.parse_args(["--corpus"]).corpus == str(corpus.CORPUS_FILE)
+    assert p.parse_args([]).corpus is None
+
+
 def test_a_corpus_that_is_not_the_tables_is_refused_in_one_line(lm, tmp_path, capsys):
     """The LM table's corpus is named by its hash: another one (here 40 files of this
     library) trains only with --any-corpus; the refusal names both hashes and the way out."""
