@@ -394,7 +394,8 @@ def main(argv=None):
         results[variant] = {"greedy": printable(greedy), "sampled": printable(sampled),
                             "decode": run, "summary": summ, "passkey": keys}
     written = [out / "generate_lm.json", out / "generate_lm.md", out / "generate_lm.png"]
-    settings = {k: v for k, v in vars(args).items()}
+    settings = {k: shown(v) if k in ("lm", "out", "corpus") else v
+                for k, v in vars(args).items()}
     written[0].write_text(json.dumps({"args": settings, "results": {
         v: {k: r[k] for k in ("greedy", "sampled", "summary", "passkey")}
         | {"bound_max": r["decode"]["bound_max"], "certified": r["decode"]["certified"],
@@ -405,6 +406,18 @@ def main(argv=None):
     plot(results, args, written[2])
     print("wrote", *map(str, written))
     return [str(w) for w in written]
+
+
+def shown(path):
+    """A path as the record keeps it: relative to the repository where it lies inside it,
+    else its last two parts (a local folder says nothing on another machine)."""
+    if path is None:
+        return None
+    path = pathlib.Path(path).resolve()
+    try:
+        return str(path.relative_to(HERE.parent))
+    except ValueError:
+        return str(pathlib.Path("…", *path.parts[-2:]))
 
 
 def table(results: dict, args) -> str:

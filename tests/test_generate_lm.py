@@ -80,6 +80,9 @@ def test_a_tiny_run_writes_its_records_and_the_certified_cache_keeps_the_bits(tm
     assert (tmp_path / "generate_lm.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     record = json.loads((tmp_path / "generate_lm.json").read_text())
     length = record["args"]["length"]
+    # the record names no local folder: tmp_path is outside the repository
+    assert record["args"]["out"] == str(pathlib.Path("…", *tmp_path.parts[-2:]))
+    assert str(tmp_path) not in (tmp_path / "generate_lm.json").read_text()
     for variant, r in record["results"].items():
         s = r["summary"]
         assert s["full"]["bytes"] == s["certified"]["bytes"] == length
