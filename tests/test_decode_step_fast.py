@@ -11,20 +11,12 @@ import torch
 import structattn as sa
 from structattn.decoding.step import _STEP
 
+from .test_decode_fixed import _steps as _decode
+
 MODELS = {"self_attention": lambda: sa.models.self_attention(8, causal=True, heads=2,
                                                             dtype=torch.float64),
           "forgetting_attention": lambda: sa.models.forgetting_attention(
               8, heads=2, dtype=torch.float64)}
-
-
-def _decode(layer, x, capacity, prefill=3):
-    """A prefill and one-token steps over ``x (B, N, d)`` without gradients: the outputs
-    ``(B, N, d_out)`` and the cache."""
-    cache = layer.new_cache(capacity=capacity)
-    with torch.no_grad():
-        ys = [layer(x[:, :prefill], cache=cache)]
-        ys += [layer(x[:, t:t + 1], cache=cache) for t in range(prefill, x.shape[1])]
-    return torch.cat(ys, 1), cache
 
 
 @pytest.mark.parametrize("name", MODELS)

@@ -23,7 +23,9 @@ class DecodeCache:
     the rows differ (``lengths`` holds each row's, shaped like the batch).
     """
 
-    #: a fixed-capacity cache's generated step (``FixedCache``); a growing one has none
+    #: a ``FixedCache``'s generated call ``layer(x_new, cache=self)``: that of the plan that
+    #: served its last step (``structattn.plans.fast_path.CacheStep``), which the layer tries
+    #: first; a growing cache has none
     _step = None
 
     def __init__(self, owner):

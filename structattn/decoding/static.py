@@ -33,9 +33,6 @@ class FixedCache(DecodeCache):
         #: of the calls' k); None where a call under torch.compile did not keep it
         self._bound: int | None = 0
         self._steps = None  # the layer's ``StepReading`` that read this cache's steps
-        #: the generated call ``layer(x_new, cache=self)`` of the plan that served the last
-        #: step (``structattn.plans.fast_path.CacheStep``), which the layer tries first
-        self._step = None
 
     @property
     def plans(self) -> dict:

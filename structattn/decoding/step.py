@@ -186,7 +186,7 @@ class StepReading:
         plan whose new tokens are all real and that returns no posterior (``_STEP``), whose
         output is ``_out``'s flat tuple; None for other steps (read by ``read_fixed``)."""
         state = options is _STEP[1]
-        if options is not _STEP[0] and not state or plan.literals \
+        if (options is not _STEP[0] and not state) or plan.literals \
                 or plan.spec is None or plan.spec.type is not tuple \
                 or plan.n_tensors != 4 + state:
             return None
@@ -255,13 +255,10 @@ def read_fixed(layer, rule, x, counts, cache: FixedCache, batch_shape, return_po
             out = plans(reading, tuple(tensors), options)
     y, post, keys, values, state, ends = _parts(out, state is not None, return_posterior)
     # the next step's call in one function: that of the plan that served this one (if any)
-    step_call = None if plans is None or plans._last is None else plans._last.step
-    if cache._step is not step_call:
-        cache._step = step_call
+    cache._step = None if plans is None or plans._last is None else plans._last.step
     cache.stores = [keys, values, state]
     cache._lengths = ends
-    if cache.keys_read != cache.capacity:  # a fixed shape: every slot, masked
-        cache.keys_read = cache.capacity
+    cache.keys_read = cache.capacity  # a fixed shape: every slot, masked
     y = y.reshape(*batch_shape, k, y.shape[-1])
     if return_posterior:
         return y, post.reshape(*batch_shape, *post.shape[1:])

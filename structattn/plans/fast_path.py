@@ -175,10 +175,6 @@ def _call_lines(n_inputs: int, kwargs: dict, ins: list, env: dict) -> list:
                            f" or _sa_kw[{k!r}] != {v!r}" for k, v in kwargs.items()
                            ) if all(v is not None for v in kwargs.values()) else None
     env["_sa_K"] = dict(kwargs)
-    env.update(_sa_grad=torch.is_grad_enabled, _sa_inference=torch.is_inference_mode_enabled,
-               _sa_any_autocast=any_autocast, _sa_autocast_modes=autocast_modes,
-               _sa_slot=_slot, _sa_DEFAULT_CONTEXT=_DEFAULT_CONTEXT, _sa_environ=_environ,
-               _sa_KERNELS_KEY=_KERNELS_KEY)
     if same_options is None:  # a None among them: compared as the dict it is
         same_options = " or _sa_kw != _sa_K or any(_sa_type(v) is not _sa_type(_sa_K[k]) " \
                        "for k, v in _sa_kw.items())"
@@ -193,7 +189,17 @@ def _call_lines(n_inputs: int, kwargs: dict, ins: list, env: dict) -> list:
             f"or _sa_len(_sa_inputs) != {n_inputs} or {options}:",
             "        return _sa_MISSED",
             f"    {', '.join(ins)}, = _sa_inputs" if ins else "    pass",
-            "    if (_sa_D.__dict__.get('structure_version', 0), _sa_grad(), _sa_inference(), "
+            *_modes_lines(env)]
+
+
+def _modes_lines(env: dict) -> list:
+    """The global modes compared with the plan's: ``_modes`` inlined (one frame less), its
+    callables bound in ``env``."""
+    env.update(_sa_grad=torch.is_grad_enabled, _sa_inference=torch.is_inference_mode_enabled,
+               _sa_any_autocast=any_autocast, _sa_autocast_modes=autocast_modes,
+               _sa_slot=_slot, _sa_DEFAULT_CONTEXT=_DEFAULT_CONTEXT, _sa_environ=_environ,
+               _sa_KERNELS_KEY=_KERNELS_KEY)
+    return ["    if (_sa_D.__dict__.get('structure_version', 0), _sa_grad(), _sa_inference(), "
             "_sa_any_autocast() and _sa_autocast_modes(), "
             "_sa_slot.__dict__.get('context', _sa_DEFAULT_CONTEXT), _sa_VAL._DEFAULT, "
             "_sa_environ.get(_sa_KERNELS_KEY)) != _sa_M:  # ``_modes`` inlined: one frame less",
@@ -206,11 +212,7 @@ def _step_lines(step: CacheStep, kwargs, ins: list, env: dict) -> list:
     reading (which fixes the layer's declaration and the capacity) and of a one-dimensional
     batch (as the recorded call's, whose x_new the guard then compares); the plan's tensors
     taken from x_new and the cache; the global modes compared."""
-    env.update(_sa_FC=step.cache_type, _sa_R=step.reading, _sa_KI=kwargs,
-               _sa_grad=torch.is_grad_enabled, _sa_inference=torch.is_inference_mode_enabled,
-               _sa_any_autocast=any_autocast, _sa_autocast_modes=autocast_modes,
-               _sa_slot=_slot, _sa_DEFAULT_CONTEXT=_DEFAULT_CONTEXT, _sa_environ=_environ,
-               _sa_KERNELS_KEY=_KERNELS_KEY)
+    env.update(_sa_FC=step.cache_type, _sa_R=step.reading, _sa_KI=kwargs)
     stores = ", ".join(ins[1:4]) if step.state else f"{ins[1]}, {ins[2]}, _"
     return ["def run(_sa_layer, _sa_inputs, _sa_kw):",
             "    if _sa_Q.queue:  # an earlier call's failed check raises first",
@@ -225,11 +227,7 @@ def _step_lines(step: CacheStep, kwargs, ins: list, env: dict) -> list:
             f"    {ins[0]}, = _sa_inputs",
             f"    {stores} = _sa_c._stores",
             f"    {ins[-1]} = _sa_c._lengths",
-            "    if (_sa_D.__dict__.get('structure_version', 0), _sa_grad(), _sa_inference(), "
-            "_sa_any_autocast() and _sa_autocast_modes(), "
-            "_sa_slot.__dict__.get('context', _sa_DEFAULT_CONTEXT), _sa_VAL._DEFAULT, "
-            "_sa_environ.get(_sa_KERNELS_KEY)) != _sa_M:  # ``_modes`` inlined",
-            "        return _sa_MISSED"]
+            *_modes_lines(env)]
 
 
 def _step_return(step: CacheStep) -> list:
