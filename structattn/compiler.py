@@ -216,8 +216,27 @@ class CompiledModule(nn.Module):
                                  f"(structattn.edges(..., inference=…)), no certified "
                                  f"truncation (a prior's tol=…) and no stick-breaking prior: "
                                  f"there is nothing to trace")
+            reader.trace.lowering.update(reader.lowering)
             result += (reader.trace,)
         return result[0] if len(result) == 1 else result
+
+    def explain(self, *inputs, **kwargs) -> dict:
+        """How each edge family is read for these inputs, in the caller's grad mode (a
+        gradient can change the reading: the CPU's key-bias path needs its compiled kernel
+        for one): one reading of the declaration, its output dropped.
+
+        Args:
+            *inputs (torch.Tensor): the model's inputs, as ``forward`` takes them.
+            **kwargs (Any): the model's keyword inputs.
+
+        Returns:
+            dict: family name → ``structattn.kinds.lowered.Lowering``: the reading (e.g.
+                ``"distance table"``, ``"key-bias terms"``, ``"sdpa"``, ``"window"``,
+                ``"dense"``), its size and, for a dense one, why; ``str()`` of one is a line.
+        """
+        with Marginalise(declaration=self.declaration) as reader:
+            self.declaration.model(*inputs, **kwargs)
+        return dict(reader.lowering)
 
     def free_energy(self, *inputs, latents: dict | None = None, **kwargs):
         """F = −log p(x, z) with the edges summed out, ``(*batch,)``, at given latent states

@@ -31,6 +31,8 @@ AGAINST_REFERENCES = [
     "tests/test_kernels.py::test_grad_last_gradients_equal_the_loop",
     "tests/test_kernels.py::test_float32_and_bfloat16_agree_with_the_loop",
     "tests/test_kernels.py::test_band_per_child_equals_softmax_written_out",
+    "tests/kinds/test_distance_table.py::test_op_equals_softmax_written_out_with_every_gradient",
+    "tests/kinds/test_distance_table.py::test_gradcheck_through_the_op",
 ]
 
 #: run in the subprocess: the AVX2 build loaded (built if absent), then the tests above in
@@ -41,7 +43,7 @@ import pytest
 from structattn import kernels
 assert kernels.isa() == "avx2", kernels.isa()
 assert kernels.available(), kernels.build_error()
-for kernel in ("key_bias", "mean_field"):
+for kernel in ("key_bias", "mean_field", "distance_table"):
     print(f"{kernel}: {kernels.cache_directory(kernel)}", flush=True)
 sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", "-n", "0", *sys.argv[1:]]))
 """
@@ -66,6 +68,7 @@ def test_each_instruction_set_builds_in_its_own_directory(monkeypatch):
     # the ISA enters the key of the kernels it compiles (stick-breaking has no -march)
     assert kernels.cache_directory("key_bias") != native["key_bias"]
     assert kernels.cache_directory("mean_field") != native["mean_field"]
+    assert kernels.cache_directory("distance_table") != native["distance_table"]
     assert kernels.cache_directory("stick_breaking") == native["stick_breaking"]
 
 
@@ -92,5 +95,5 @@ def test_the_avx2_build_passes_the_kernels_tests_against_their_references(monkey
     last = proc.stdout.strip().splitlines()[-1]
     assert " passed" in last and "failed" not in last and "skipped" not in last, last
     monkeypatch.setenv("STRUCTATTN_KERNEL_ISA", "avx2")  # the AVX2 build's directories
-    for kernel in ("key_bias", "mean_field"):
+    for kernel in ("key_bias", "mean_field", "distance_table"):
         assert f"{kernel}: {kernels.cache_directory(kernel)}\n" in proc.stdout

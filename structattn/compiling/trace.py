@@ -38,6 +38,10 @@ class Trace:
         leftover: stick-breaking (``structattn.priors.StickBreaking``), by family name:
             p(no parent | x) per child ``(*batch, H, C)``, the stick left after the scan
             (its value is zero).
+        lowering: how each family was read in the call, by family name: a
+            ``structattn.kinds.lowered.Lowering`` (the reading — key-bias terms, distance
+            table, SDPA, a kind's own, dense — and why a dense one was dense); also what
+            ``layer.explain(*inputs)`` returns.
     """
 
     states: dict = field(default_factory=dict)
@@ -48,3 +52,4 @@ class Trace:
     mean_field: dict = field(default_factory=dict)
     truncation: dict = field(default_factory=dict)
     leftover: dict = field(default_factory=dict)
+    lowering: dict = field(default_factory=dict)

@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import torch
 
+from .lowered import Lowering
+
 
 def grid(num_children: int, num_parents: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """Every (child, parent) index pair, as two long tensors that broadcast to ``(C, P)``.
@@ -225,6 +227,8 @@ class Operator:
     _dense_twin: type | None = None
     history = None
     kind_name = "this"
+    #: how ``lowering`` names this operator's reading
+    reading_name = "dense"
 
     def __init__(self, family, cache: dict | None = None):
         self.family = family
@@ -307,6 +311,13 @@ class Operator:
 
     def log_partition(self) -> torch.Tensor:
         return self.dense_twin().log_partition()
+
+    def lowering(self):
+        """How this operator read its family in this call: a ``kinds.lowered.Lowering``
+        naming ``reading_name`` and the family's size (the dense operator names the path it
+        took, and why a dense one was dense)."""
+        f = self.family
+        return Lowering(self.reading_name, None, (f.children.size, f.parents.size))
 
     def reports(self) -> dict:
         """What this operator reports in the trace (``Trace`` field → this family's entry),

@@ -18,8 +18,9 @@ import torch
 import torch.nn.functional as F
 
 from ..checking._validation import checks_on
-from . import distance_kernel, key_bias
+from . import distance_kernel, distance_table, key_bias
 from .base import Intersection, Operator, Support, grid, keep_nonfinite_rows
+from .lowered import Lowering
 
 
 def with_parent_terms(a, b, u, h, scale: float):
@@ -146,6 +147,7 @@ class DenseOperator(Operator, dense_twin=True):
         super().__init__(family, cache)
         self._post = None
         self._scores = None
+        self._lowering = None  # (reading, reason) of the last attend
 
     # -- pieces that do not change while the latents move ------------------------------
     def log_weights(self) -> torch.Tensor:
@@ -221,8 +223,8 @@ class DenseOperator(Operator, dense_twin=True):
         return self._post
 
     def attend(self, u: torch.Tensor) -> torch.Tensor:
-        """``P u`` through one SDPA call, unless the dense posterior already exists or a
-        potential has no factorised form."""
+        """``P u`` through one SDPA call or a kernel, unless the dense posterior already exists
+        or a potential has no factorised form; the reading taken is ``lowering()``'s."""
         if self._post is not None or not self.is_fused():
             return self.dense_posterior() @ u
         f, xc = self.family, self.family.children.states
@@ -232,15 +234,23 @@ class DenseOperator(Operator, dense_twin=True):
         support = f.tables.support
         shape = (f.prior.distance_shape() if h is None and (
             support.is_causal() or isinstance(support, AllParents)) else None)
+        offsets = f.tables.offsets() if h is None else None
         if h is not None and key_bias.applies(a, b, u, h):  # log prior g_i + h_j: g drops out,
             out = key_bias.key_bias_attention(  # h is a mask over the parents (CPU; with grad
                 # through the compiled kernel's backward), or a term of each block's scores
                 # (Triton, any dtype, h in float32)
                 a, b, u, h, scale, f.tables.support.is_causal())
+            self._lowering = "key-bias terms", None
         elif shape is not None and distance_kernel.applies(a, b, u):
             # −|(i − j − μ)·e^s|^β computed per block of scores (Triton): no C×P bias
             out = distance_kernel.distance_kernel_attention(a, b, u, shape, scale,
                                                             f.tables.support.is_causal())
+            self._lowering = "distance kernel", None
+        elif offsets is not None and distance_table.applies(a, b, u):
+            # a function of i − j alone, looked up per tile of scores (CPU): no C×P bias
+            out = distance_table.distance_table_attention(a, b, u, *offsets, scale,
+                                                          support.is_causal())
+            self._lowering = "distance table", None
         else:
             if h is not None and not key_bias.folds_terms(a, b, u):  # half precision: the
                 h = None  # table, not h rounded into the factors
@@ -257,10 +267,41 @@ class DenseOperator(Operator, dense_twin=True):
                                                  scale=scale)
             if h is not None:
                 out = out[..., :u_width]
+            self._lowering = (("key-bias terms", None) if h is not None else ("sdpa", None)
+                              if mask is None else ("dense", self._why_dense(a, offsets)))
         if not checks_on():  # nothing was checked: a NaN must stay a NaN
             out = keep_nonfinite_rows(out, a, b)
         keep = self.keep()
         return out if keep is None else out * keep
+
+    def _why_dense(self, a: torch.Tensor, offsets) -> str:
+        """Why this family's prior or support was read as a ``(…, C, P)`` table or mask."""
+        f = self.family
+        support, prior = f.tables.support, f.prior
+        if offsets is not None:  # a distance table no kernel took here
+            if a.device.type != "cpu":
+                return (f"no {a.device.type.upper()} kernel reads a distance table "
+                        f"({prior.describe()}); the CPU's compiled kernel does")
+            if a.dtype not in (torch.float32, torch.float64):
+                return (f"the distance-table kernel reads float32 and float64, not "
+                        f"{str(a.dtype).removeprefix('torch.')}")
+            return "the compiled distance-table kernel is off, not built, or exporting"
+        if not isinstance(support, (AllParents, Causal)):
+            return (f"its support ({support.describe()}) is read as a (C, P) mask: only every "
+                    f"parent, j ≤ i, windows and edge lists have readings of their own")
+        if prior.empty != "error":
+            return f"a child may have no parent (empty={prior.empty!r})"
+        return (f"its prior ({prior.describe()}) states neither per-token terms nor a log "
+                f"weight of i − j alone: log_weight is evaluated on the (C, P) grid")
+
+    def lowering(self) -> Lowering:
+        f = self.family
+        size = (f.children.size, f.parents.size)
+        if self._lowering is None:  # the posterior was built (asked for, or no factors)
+            why = ("the posterior was asked for" if self.is_fused()
+                   else "a potential has no factorised form (its pairwise table)")
+            return Lowering("dense posterior", why, size)
+        return Lowering(*self._lowering, size)
 
     def adjoint(self, u: torch.Tensor) -> torch.Tensor:
         return self.dense_posterior().transpose(-1, -2) @ u

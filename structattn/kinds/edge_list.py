@@ -23,6 +23,8 @@ class EdgeListOperator(Operator):
             None (default): a new, empty one.
     """
 
+    reading_name = "edge list"
+
     kind_name = "an edge-list"
 
     def __init__(self, family, cache=None):

@@ -126,6 +126,8 @@ class StickBreakingOperator(Operator):
             None (default): a new, empty one.
     """
 
+    reading_name = "stick-breaking"
+
     kind_name = "a stick-breaking"
 
     def __init__(self, family, cache=None):

@@ -51,6 +51,8 @@ class WindowOperator(Operator):
             None (default): a new, empty one.
     """
 
+    reading_name = "window"
+
     def __init__(self, family, cache=None):
         super().__init__(family, cache)
         self._band = None

@@ -117,6 +117,17 @@ class Prior:
         against ``log_weight`` for every prior that states it."""
         return None
 
+    def log_at_offsets(self, num_children: int, num_parents: int, device, causal: bool):
+        """``(table, lowest)`` when the log weight depends on the offset d = i − j alone, child
+        i at position i among the parents: ``log_weight(i, j) = table[…, i − j − lowest]``,
+        ``table (heads or 1, n)`` over d = ``lowest`` … C − 1, with ``lowest`` 0 (``causal``:
+        the support j ≤ i) or −(P − 1) (every parent). Read by the tables
+        (``PriorTables.offsets``) for a support of every parent or j ≤ i: a kernel then looks
+        the bias up per tile of scores (``kinds.distance_table``), never a C×P table, and
+        checks the table in O(C + P). Default None (the weight is not stationary). The prior
+        tests check the table against ``log_weight`` for every prior that states it."""
+        return None
+
     def distance_shape(self):
         """``(μ, s, β)``, each a tensor ``()`` or ``(heads,)``, when the log weight is
         −|(i − j − μ)·e^s|^β with child i at position i among the parents (the generalised

@@ -34,7 +34,7 @@ import torch
 
 from ..certificates.certified import certificate_option, window_options
 from ..checking._validation import checks_on, passes
-from ..kinds.dense import AllParents, DenseOperator
+from ..kinds.dense import DenseOperator
 from ..kinds.window import Window
 from .base import Prior
 from .tables import PriorTables, _check_log_weights
@@ -156,6 +156,16 @@ class DistancePrior(Prior):
         w = h.unfold(-1, num_parents, 1).flip(-2)  # (H|1, C, P)
         return w if dtype is None else w.to(dtype)
 
+    def log_at_offsets(self, num_children, num_parents, device, causal):
+        """``log_at_distance`` at d = ``lowest`` … C − 1 (``Prior.log_at_offsets``) for a
+        stationary prior whose children are the first C tokens (``child_offset`` 0); None
+        otherwise."""
+        if not self.stationary or self.child_offset(num_children, num_parents) != 0:
+            return None
+        lowest = 0 if causal else 1 - num_parents
+        d = torch.arange(lowest, num_children, device=device)
+        return self.log_at_distance(d).reshape(-1, d.numel()), lowest  # (H|1, n)
+
     def log_by_distance(self, window: int, device, dtype) -> torch.Tensor | None:
         """``(heads or 1, window + 1)``: the log weight at each distance d = 0..window, in
         ``dtype``; None for a non-stationary prior. Read by the window operator (its band's
@@ -215,47 +225,33 @@ class DistancePrior(Prior):
 
 
 class DistanceTables(PriorTables):
-    """The generic tables, except that declaring a family whose support is a window, under a
-    stationary prior, checks each parameter's heads and the prior's distance table ``(heads,
-    N)`` instead of the dense C×P one, which a window never builds: every log weight is one
-    of its entries (d = (offset + i) − j ≤ N − 1), and every child reads its nearest
-    distance. So does a prior a kernel computes per block of scores (``distance_shape``) over
-    j ≤ i or every parent, C ≤ P: its table at the grid's distances, −(P − 1) (0 if causal)
-    to C − 1, every child reading d = 0. Any other support is the dense operator's, whose
-    table is read anyway: the generic check."""
-
-    def _whole_by_distance(self) -> bool:
-        """Whether the prior is one a kernel computes per block of scores
-        (``Prior.distance_shape``) over j ≤ i or every parent, with C ≤ P (child i at position
-        i among the parents: every child reads its own position, d = 0)."""
-        support = self.support
-        return (self.prior.distance_shape() is not None
-                and 0 < self.num_children <= self.num_parents
-                and (support.is_causal() or isinstance(support, AllParents)))
+    """The generic tables, except that declaring a family under a stationary prior on a window,
+    or one a kernel computes per block of scores (``distance_shape``), checks each parameter's
+    heads first, and, on a window, the prior's distance table ``(heads, N)``
+    instead of the dense C×P one, which a window never builds: every log weight is one of its
+    entries (d = (offset + i) − j ≤ N − 1), and every child reads its nearest distance. On
+    every parent or j ≤ i the generic check reads the table over the offsets
+    (``PriorTables.offsets``); any other support is the dense operator's, whose table is read
+    anyway."""
 
     def validate(self, family: str, *, batch_shape=(), heads: int = 1) -> None:
         prior = self.prior
-        whole = self._whole_by_distance()
-        if not (prior.stationary and (isinstance(self.support, Window) or whole)):
+        window = isinstance(self.support, Window)
+        if not (prior.stationary and (window or prior.distance_shape() is not None)):
             return super().validate(family, batch_shape=batch_shape, heads=heads)
         for name, h in prior.head_counts().items():
             if h not in (1, heads):
                 raise ValueError(f"edge family {family!r}: {type(prior).__name__} {name} has {h} "
                                  f"entries (one per head) but the family has heads={heads}; "
                                  f"give a scalar or a tensor of shape ({heads},)")
+        if not window:
+            return super().validate(family, batch_shape=batch_shape, heads=heads)
         if not checks_on():
             return
-        if whole:  # every distance of the grid, −(P − 1) (or 0, causal) … C − 1
-            lo = 0 if self.support.is_causal() else 1 - self.num_parents
-            d = torch.arange(lo, self.num_children, device=self.device)
-            table = prior.log_at_distance(d).reshape(-1, d.numel())  # (H, C − lo)
-            _check_log_weights(family, table, "at distance index")
-            nearest = table[:, -lo]  # d = 0: every child's own position (C ≤ P)
-        else:
-            n = max(self.num_children, self.num_parents)
-            table = prior.log_by_distance(max(n - 1, 0), self.device, None)  # (H, N)
-            _check_log_weights(family, table, "at distance index")
-            nearest = table[:, prior.first] if table.shape[-1] > prior.first else table[:, :0]
+        n = max(self.num_children, self.num_parents)
+        table = prior.log_by_distance(max(n - 1, 0), self.device, None)  # (H, N)
+        _check_log_weights(family, table, "at distance index")
+        nearest = table[:, prior.first] if table.shape[-1] > prior.first else table[:, :0]
         if not passes(~torch.isneginf(nearest).any()):
             raise ValueError(f"edge family {family!r}: {type(prior).__name__}'s log weight at "
                              f"distance {prior.first} is −inf, so the child nearest the start "

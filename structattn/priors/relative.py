@@ -52,6 +52,12 @@ class RelativePosition(Prior):
         d = (child - parent).to(self.logits.device)
         return self.logits[..., d.clamp(-K, K) + K]  # (…, *index)
 
+    def log_at_offsets(self, num_children, num_parents, device, causal):
+        """The logits at the clipped offsets d = ``lowest`` … C − 1 (``Prior.log_at_offsets``)."""
+        K, lowest = self.max_distance, 0 if causal else 1 - num_parents
+        d = torch.arange(lowest, num_children, device=self.logits.device)
+        return self.logits[..., d.clamp(-K, K) + K].reshape(-1, d.numel()).to(device), lowest
+
     def describe(self) -> str:
         return f"RelativePosition(K={self.max_distance}, {self.short_support()})"
 

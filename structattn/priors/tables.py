@@ -29,6 +29,7 @@ from ..checking._validation import (
     same_device,
     shape_str,
 )
+from ..kinds.dense import AllParents, Causal
 
 
 class PriorTables:
@@ -127,6 +128,18 @@ class PriorTables:
             return self.prior.terms(self.num_children, self.num_parents, self.device)
         return self._once("separable", build)
 
+    def offsets(self):
+        """The prior's ``(table (heads or 1, n), lowest)`` (``Prior.log_at_offsets``) when its
+        support is every parent or exactly j ≤ i and a row without parents is an error; else
+        None. The distance-table kernel reads it, and ``validate`` checks it in O(C + P)
+        instead of the C×P table."""
+        def build():
+            if self.prior.empty != "error" or type(self.support) not in (AllParents, Causal):
+                return None
+            return self.prior.log_at_offsets(self.num_children, self.num_parents, self.device,
+                                             self.support.is_causal())
+        return self._once("offsets", build)
+
     def sdpa_inputs(self, dtype):
         """``(attn_mask, is_causal)`` for ``scaled_dot_product_attention``.
 
@@ -203,6 +216,8 @@ class PriorTables:
         if terms is not None:  # checked as they are lowered: O(C + P), never the C×P table
             _check_terms(family, terms, batch_shape, heads, C, P)
             return
+        if self.offsets() is not None:  # O(C + P), never the C×P table
+            return _check_offsets(family, self, heads)
         table, explicit = self.table(), self.support_dense()
         for what, t in (("support mask", explicit), ("log weights", table)):
             if t is not None:
@@ -218,16 +233,42 @@ class PriorTables:
             return  # j ≤ i alone: column 0 is always allowed, no row is empty
         if explicit is None and (table is None or not may_hold(torch.isneginf(table).any())):
             return  # every parent
-        empty = ~self.full_mask().any(-1)
-        where = first_true(empty)
-        if where is not None:
-            raise ValueError(
-                f"edge family {family!r}: child {where[-1]} (index {where}) has an empty "
-                f"support — no parent is allowed, so p(φ_i | x) does not exist. "
-                f"{int(empty.sum())} of {empty.numel()} children are affected. Allow at "
-                f"least one parent per child (e.g. a self-loop), or ask for a zero output "
-                f"with empty='zero'."
-            )
+        _check_no_empty_child(family, ~self.full_mask().any(-1))
+
+
+def _check_no_empty_child(family, empty: torch.Tensor) -> None:
+    """Raise naming the first child whose support is empty (``empty (…, C)`` bool)."""
+    where = first_true(empty)
+    if where is not None:
+        raise ValueError(
+            f"edge family {family!r}: child {where[-1]} (index {where}) has an empty "
+            f"support — no parent is allowed, so p(φ_i | x) does not exist. "
+            f"{int(empty.sum())} of {empty.numel()} children are affected. Allow at "
+            f"least one parent per child (e.g. a self-loop), or ask for a zero output "
+            f"with empty='zero'."
+        )
+
+
+def _check_offsets(family, tables: PriorTables, heads: int) -> None:
+    """The checks of ``validate`` on the prior's table over the offsets (``offsets``): one row
+    or one per head; no NaN or +∞; and no child whose every offset i − j, j < P, is −∞ —
+    counted from the table's running count of finite entries, O(C + P)."""
+    table, lowest = tables.offsets()
+    C, P = tables.num_children, tables.num_parents
+    if table.dim() != 2 or table.shape[1] != C - lowest:
+        raise ValueError(f"edge family {family!r}: {type(tables.prior).__name__}'s log weight "
+                         f"over the offsets must be (1 or heads={heads}, {C - lowest}); got "
+                         f"{shape_str(table.shape)}")
+    # the dense table it stands for is (rows, C, P): its shape checked as the generic one is
+    _check_shape(family, "log weights", (table.shape[0], C, P), (heads, C, P))
+    _check_table(family, "log weights", table, table.shape, tables.device)
+    if not checks_on():
+        return
+    _check_log_weights(family, table, "at offset index")
+    seen = torch.nn.functional.pad((~torch.isneginf(table)).cumsum(-1), (1, 0))  # (R, n + 1)
+    i = torch.arange(C, device=table.device)
+    first = (i - (P - 1)).clamp(min=lowest) - lowest  # child i's nearest-first offset index
+    _check_no_empty_child(family, (seen[:, i - lowest + 1] - seen[:, first] == 0).any(0))
 
 
 def _edge_counts(tables: PriorTables) -> torch.Tensor:
@@ -250,18 +291,22 @@ def _broadcasts_to(shape, target: tuple) -> bool:
 
 
 def _check_table(family, what, t, target, device) -> None:
-    if not _broadcasts_to(t.shape, target):
-        raise ValueError(
-            f"edge family {family!r}: prior {what} must broadcast to (*batch, heads, "
-            f"children, parents)={shape_str(target)}; got {shape_str(t.shape)}. A table with "
-            f"batch dims needs the heads dim too: (*batch, 1 or heads, children, parents); a "
-            f"model with several heads declares them on the family, "
-            f"structattn.edges(..., heads=H), as on its potential and value"
-        )
+    _check_shape(family, what, t.shape, target)
     if what == "log weights" and not same_device(t.device, device):
         raise ValueError(
             f"edge family {family!r}: prior {what} are on {t.device} but the node states "
             f"are on {device}; move the declaration with .to({str(device)!r})"
+        )
+
+
+def _check_shape(family, what, shape, target) -> None:
+    if not _broadcasts_to(shape, target):
+        raise ValueError(
+            f"edge family {family!r}: prior {what} must broadcast to (*batch, heads, "
+            f"children, parents)={shape_str(target)}; got {shape_str(shape)}. A table with "
+            f"batch dims needs the heads dim too: (*batch, 1 or heads, children, parents); a "
+            f"model with several heads declares them on the family, "
+            f"structattn.edges(..., heads=H), as on its potential and value"
         )
 
 

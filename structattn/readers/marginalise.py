@@ -6,6 +6,7 @@ from ..compiling import lowering
 from ..compiling.trace import Trace
 from ..family import EdgeFamily
 from ..iterative.iterate import Engine, touches
+from ..kinds.lowered import warn_if_large
 from ..latent import LatentNodeSet, place_latent
 from ..reading import Reading
 
@@ -58,6 +59,8 @@ class Marginalise(Reading):
         posteriors (dict): recorded posteriors by family, ``(*batch, H, C, P)``.
         expectations (dict): each family's E[v], ``(*batch, H, C, d_v)``.
         trace (Trace | None): what was iterated (latents and schemes alike), or None.
+        lowering (dict): how each family was read, by name (``kinds.lowered.Lowering``); a
+            dense reading of N ≥ 4,096 tokens warns once (``DenseReadingWarning``).
     """
 
     def __init__(self, *, record_posterior: bool = False, record_trace: bool = False,
@@ -75,6 +78,7 @@ class Marginalise(Reading):
         self.posteriors: dict = {}
         self.expectations: dict = {}
         self.trace: Trace | None = None  # what was iterated: latents and schemes alike
+        self.lowering: dict = {}
         self._caches: dict = {}
         self._final_ops: dict = {}
 
@@ -140,6 +144,8 @@ class Marginalise(Reading):
             self.posteriors[family.name] = post
         if op.history is not None:  # an inference scheme iterated: its field of the trace
             self._scheme_history(family, op.history)
+        read = self.lowering[family.name] = op.lowering()
+        warn_if_large(family.name, read)
         reports = op.reports() if self.record_trace else {}
         if reports:  # e.g. a certified window chosen, a stick-breaking leftover
             if self.trace is None:

@@ -215,6 +215,8 @@ class MeanFieldOperator(Operator):
         ValueError: when the family has not exactly one factorised potential.
     """
 
+    reading_name = "mean-field windows"
+
     def __init__(self, family, scheme: MeanFieldWindows, *, record: bool = False):
         super().__init__(family)
         if not self.is_fused():

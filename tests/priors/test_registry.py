@@ -75,6 +75,36 @@ def test_a_stationary_distance_prior_lays_its_distances_along_the_diagonals(C, P
     assert seen >= (3 if C <= P else 1)  # ALiBi, the beta-geometric, the Gaussian (C ≤ P)
 
 
+@pytest.mark.parametrize("C, P", [(1, 1), (5, 5), (3, 7), (7, 3)])
+def test_a_table_over_the_offsets_is_the_log_weight_at_every_pair(C, P):
+    """Every registered prior that states ``log_at_offsets`` (a function of i − j alone): its
+    table at d − lowest is bit for bit ``log_weight`` at every pair (i, j) of the grid the
+    support reads (j ≤ i, or every parent), −∞ included; a prior that is not stationary, or
+    whose children are not the first C tokens, states none."""
+    g = torch.Generator().manual_seed(10 * C + P)
+    seen = set()
+    for name, entry in ENTRIES.items():
+        for prior in entry.cases(C, P, g):
+            for causal in (True, False):
+                got = prior.log_at_offsets(C, P, "cpu", causal)
+                if got is None:
+                    assert not (isinstance(prior, sa.priors.DistancePrior) and prior.stationary
+                                and prior.child_offset(C, P) == 0), prior.describe()
+                    continue
+                table, lowest = got
+                assert lowest == (0 if causal else 1 - P) and table.dim() == 2
+                assert table.shape[-1] == C - lowest, prior.describe()
+                i, j = sa.kinds.base.grid(C, P, "cpu")
+                want = prior.log_weight(i, j, (C, P))  # (H|1, C, P)
+                d = (i - j).expand(C, P)
+                read = d >= lowest  # j ≤ i, or every parent
+                looked = table[:, (d - lowest).clamp(0, table.shape[-1] - 1)]  # (H|1, C, P)
+                want, looked = torch.broadcast_tensors(want, looked)
+                assert torch.equal(looked[..., read], want[..., read]), prior.describe()
+                seen.add(name)
+    assert {"ALiBi", "RelativePosition"} | ({"GeneralisedGaussian"} if C <= P else set()) <= seen
+
+
 @pytest.mark.parametrize("name", sorted(ENTRIES))
 def test_bad_parameters_are_refused_by_name(name):
     check_bad(ENTRIES[name])

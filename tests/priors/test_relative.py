@@ -1,6 +1,8 @@
 """Relative-position priors (RelativePosition, ALiBi): empty supports and NaN refused, −∞
 offsets excluded like a mask, the log table built once per forward and fresh each forward."""
 
+import contextlib
+
 import pytest
 import torch
 
@@ -42,13 +44,20 @@ def test_relative_prior_neg_inf_excludes_offsets_like_a_mask():
     assert sa.inference.compare(program, x).max_abs_diff < TOL
 
 
-def test_prior_table_is_built_once_per_forward_and_fresh_each_forward():
+@pytest.mark.parametrize("hook", ["log_table", "log_at_offsets"])
+def test_prior_table_is_built_once_per_forward_and_fresh_each_forward(hook):
+    """The dense reading's table (kernels off), and the table over the offsets the CPU kernel
+    reads (kernels on): each built once per forward, from the current logits."""
     calls = []
 
     class CountingRelative(sa.priors.RelativePosition):
         def log_table(self, *args):
-            calls.append(1)
+            calls.append("log_table")
             return super().log_table(*args)
+
+        def log_at_offsets(self, *args):
+            calls.append("log_at_offsets")
+            return super().log_at_offsets(*args)
 
     logits = torch.nn.Parameter(torch.randn(2, 5, dtype=torch.float64))
     prior = CountingRelative(logits, causal=True)  # one object reused across steps
@@ -59,8 +68,9 @@ def test_prior_table_is_built_once_per_forward_and_fresh_each_forward():
     outs = []
     for _ in range(2):
         calls.clear()
-        out = layer(x)
-        assert len(calls) == 1
+        with sa.kernels.disabled() if hook == "log_table" else contextlib.nullcontext():
+            out = layer(x)
+        assert calls.count(hook) == 1
         out.square().sum().backward()  # a second step must not reuse the freed graph
         opt.step()
         opt.zero_grad()
