@@ -22,8 +22,9 @@ class GeneralisedGaussianAttention(TokenAttention):
     x: ``(*batch, n, d_model)`` → ``(*batch, n, d_model or heads·d_v)``.
     Initial prior: μ = 0, scale e^s = 1/``width`` (``width`` = 16: distances are read in units
     of 16 tokens), β = ``shape`` (1: Laplace). ``tol`` (causal): read only a window whose
-    posterior mass beyond it is certified ≤ tol per token (``structattn.certificates.certified``), never the
-    dense bias; ``block_size``: that band's block of tokens.
+    posterior mass beyond it is certified ≤ tol per token (``structattn.certificates.certified``); without
+    it, the prior's table over the offsets is read per tile (the CPU's distance-table kernel;
+    a Triton kernel on CUDA); ``block_size``: that band's block of tokens.
 
     Args:
         d_model (int): the tokens' width, x's last dimension ``d_model``; a positive int.

@@ -14,8 +14,9 @@ from ._projections import TokenAttention
 
 class RelativePositionAttention(TokenAttention):
     r"""$φ_i ∼ \mathrm{Categorical}(\mathrm{softmax}_j\, b_{\mathrm{clip}(i−j, −K, K)})$ per head ($b$
-    learned, ``(heads, 2K+1)``); $ψ = x_iᵀW_QᵀW_K x_j / τ$; $v = W_V x_j$. The log prior is an additive SDPA
-    bias.
+    learned, ``(heads, 2K+1)``); $ψ = x_iᵀW_QᵀW_K x_j / τ$; $v = W_V x_j$. The log prior is read from its
+    table over the offsets per tile (the CPU's distance-table kernel), elsewhere an additive
+    SDPA bias.
 
     x: ``(*batch, n, d_model)`` → ``(*batch, n, d_model or heads·d_v)``.
 

@@ -314,8 +314,11 @@ class Operator:
 
     def lowering(self):
         """How this operator read its family in this call: a ``kinds.lowered.Lowering``
-        naming ``reading_name`` and the family's size (the dense operator names the path it
-        took, and why a dense one was dense)."""
+        naming ``reading_name`` and the family's size, or its dense twin's where it read
+        through it (the dense operator names the path it took, and why a dense one was
+        dense)."""
+        if self._twin is not None and self._twin is not self:  # it read through its twin
+            return self._twin.lowering()
         f = self.family
         return Lowering(self.reading_name, None, (f.children.size, f.parents.size))
 

@@ -248,8 +248,7 @@ class DenseOperator(Operator, dense_twin=True):
             self._lowering = "distance kernel", None
         elif offsets is not None and distance_table.applies(a, b, u):
             # a function of i − j alone, looked up per tile of scores (CPU): no C×P bias
-            out = distance_table.distance_table_attention(a, b, u, *offsets, scale,
-                                                          support.is_causal())
+            out = distance_table.distance_table_attention(a, b, u, offsets, scale)
             self._lowering = "distance table", None
         else:
             if h is not None and not key_bias.folds_terms(a, b, u):  # half precision: the

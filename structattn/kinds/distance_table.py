@@ -72,29 +72,26 @@ def applies(a: torch.Tensor, b: torch.Tensor, u: torch.Tensor) -> bool:
         and _ops() is not None
 
 
-def distance_table_attention(a, b, u, table: torch.Tensor, lowest: int, scale: float,
-                             causal: bool) -> torch.Tensor:
-    """``softmax_j(scale·⟨a_i, b_j⟩ + table[…, i − j − lowest])`` over j ≤ i (``causal``)
-    or every j, times u, child i at position i among the parents.
+def distance_table_attention(a, b, u, offsets, scale: float) -> torch.Tensor:
+    """``softmax_j(scale·⟨a_i, b_j⟩ + table[…, i − j − lowest])`` over the parents j with
+    lo ≤ i − j ≤ hi, times u, child i at position i among the parents.
 
     Args:
         a: ``(*lead, C, d_k)`` children's factors; b: ``(*lead, P, d_k)`` parents' factors;
             u: ``(*lead, P, d_v)`` values (the leading dims broadcast, the last one the heads).
-        table: ``(heads or 1, n)`` the log weight at d = ``lowest`` … ``lowest`` + n − 1,
-            covering every distance the support reads: 0 … C − 1 (``causal``) or
-            −(P − 1) … C − 1; −∞ excludes a distance.
-        lowest: the distance of the table's first entry.
+        offsets: a ``structattn.priors.tables.Offsets``: ``table (heads or 1, n)``, the log
+            weight at d = ``lowest`` … ``lowest`` + n − 1 (−∞ excludes a distance), covering
+            every distance of the band ``lo`` … ``hi`` that the grid holds.
         scale: a float (``Operator.fused_factors`` folds a learned one into ``a``).
-        causal: j ≤ i; False: every parent.
 
     Returns ``(*lead, C, d_v)`` in u's dtype; differentiable in a, b, u and the table. A
-    child whose every weight is −∞ gets a zero row."""
-    rows = table.shape[0]
-    lead = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2], u.shape[:-2], (rows,))
-    C, P, d_v = a.shape[-2], b.shape[-2], u.shape[-1]
+    child with no parent in the band, or whose every weight is −∞, gets a zero row."""
+    table = offsets.table
+    lead = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2], u.shape[:-2], table.shape[:1])
+    C, d_v = a.shape[-2], u.shape[-1]
     heads = lead[-1]
     q, k, v = (x.expand(*lead, *x.shape[-2:]).reshape(-1, heads, *x.shape[-2:])
                for x in (a, b, u))  # (B, H, n, width): views where the batch dims merge
-    lo = 0 if causal else -(P - 1)
-    out = _ops().forward(q, k, v, table.to(a.dtype), -lowest, lo, C - 1, float(scale))[0]
+    out = _ops().forward(q, k, v, table.to(a.dtype), -offsets.lowest, offsets.lo, offsets.hi,
+                         float(scale))[0]
     return out.reshape(*lead, C, d_v)

@@ -23,10 +23,11 @@ class GeneralisedGaussian(DistancePrior):
     A learned location $μ$ (the preferred distance), log scale $s$ and shape $β > 0$: $β = 1$ is a
     Laplace prior (ALiBi's $−m\lvert i − j\rvert$ with $μ = 0$, $e^s = m$), $β = 2$ a Gaussian, $β → ∞$ a
     window.
-    Not a difference of per-token terms, so the dense reading adds it as a ``(heads, C, P)``
-    bias, except on a GPU, where a Triton kernel computes it per block of scores
-    (``distance_shape``, ``kinds.distance_kernel``); a certified window (``tol``) never builds
-    that bias.
+    Not a difference of per-token terms: the CPU's distance-table kernel reads it from its
+    table over the offsets per tile of scores (``log_at_offsets``, ``kinds.distance_table``),
+    a GPU's Triton kernel computes it per block of scores (``distance_shape``,
+    ``kinds.distance_kernel``), and elsewhere (half precision on the CPU) the dense reading
+    adds it as a ``(heads, C, P)`` bias; a certified window (``tol``) never builds that bias.
 
     Args:
         loc (float | torch.Tensor): μ, a float or a floating-point tensor ``()`` or

@@ -19,8 +19,10 @@ def offsets(num_children: int, num_parents: int, device) -> torch.Tensor:
 class RelativePosition(Prior):
     r"""$p(φ_i = j) ∝ \exp(b_{\mathrm{clip}(i−j, −K, K)})$: logits $b$ indexed by the clipped offset.
 
-    Learned or fixed; offsets beyond ±K share the outermost logit. Lowered as an additive
-    bias ``(heads, C, P)``. Paper Table 1 (relative positional encodings).
+    Learned or fixed; offsets beyond ±K share the outermost logit. Its table over the offsets
+    (``log_at_offsets``) is read per tile of scores by the CPU's distance-table kernel;
+    elsewhere it is an additive bias ``(heads, C, P)``. Paper Table 1 (relative positional
+    encodings).
 
     Args:
         logits (torch.Tensor): b, a floating-point tensor ``(2K+1,)`` (shared by every head)

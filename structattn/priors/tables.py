@@ -18,6 +18,8 @@ Shapes: every table broadcasts against ``(*batch, heads, C, P)`` (dense) or
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ..checking._validation import (
@@ -30,6 +32,31 @@ from ..checking._validation import (
     shape_str,
 )
 from ..kinds.dense import AllParents, Causal
+from ..kinds.window import Window
+
+
+@dataclass(frozen=True)
+class Offsets:
+    """A prior's log weight as a function of the offset d = i − j and the band a support
+    reads: ``table[…, d − lowest]`` for ``lo`` ≤ d ≤ ``hi`` (and 0 ≤ j < P), the table
+    ``(heads or 1, n)`` over d = ``lowest`` … ``lowest`` + n − 1."""
+
+    table: torch.Tensor
+    lowest: int
+    lo: int
+    hi: int
+
+    def empty(self, num_children: int, num_parents: int) -> torch.Tensor:
+        """``(C,)`` bool: the children whose every offset read, max(lo, i − (P − 1)) … min(hi,
+        i), weighs −∞ (or that read none), in any head: from the running count of finite
+        entries, O(C + n)."""
+        seen = torch.nn.functional.pad((~torch.isneginf(self.table)).cumsum(-1), (1, 0))
+        i = torch.arange(num_children, device=self.table.device)
+        first = (i - (num_parents - 1)).clamp(min=self.lo) - self.lowest
+        last = i.clamp(max=self.hi) - self.lowest + 1
+        n = seen.shape[-1] - 1
+        count = seen[:, last.clamp(0, n)] - seen[:, first.clamp(0, n)]
+        return ((count <= 0) | (last <= first)).any(0)
 
 
 class PriorTables:
@@ -129,15 +156,26 @@ class PriorTables:
         return self._once("separable", build)
 
     def offsets(self):
-        """The prior's ``(table (heads or 1, n), lowest)`` (``Prior.log_at_offsets``) when its
-        support is every parent or exactly j ≤ i and a row without parents is an error; else
-        None. The distance-table kernel reads it, and ``validate`` checks it in O(C + P)
-        instead of the C×P table."""
+        """The prior's table over the offsets d = i − j (``Prior.log_at_offsets``) and the
+        band the support reads, an ``Offsets``, when the support is every parent, exactly
+        j ≤ i, or a window of its children's own positions (``first`` ≤ d ≤ ``width``); else
+        None. The distance-table kernel reads it, and ``validate`` and ``empty_children``
+        check it in O(C + P) instead of the C×P table."""
         def build():
-            if self.prior.empty != "error" or type(self.support) not in (AllParents, Causal):
+            support = self.support
+            if type(support) is AllParents:
+                lo, hi = 1 - self.num_parents, self.num_children - 1
+            elif type(support) is Causal:
+                lo, hi = 0, self.num_children - 1
+            elif type(support) is Window and support.offset == 0 and (
+                    support.width is None or type(support.width) is int):
+                lo = support.first
+                hi = self.num_children - 1 if support.width is None else support.width
+            else:
                 return None
-            return self.prior.log_at_offsets(self.num_children, self.num_parents, self.device,
-                                             self.support.is_causal())
+            stated = self.prior.log_at_offsets(self.num_children, self.num_parents, self.device,
+                                               lo >= 0)
+            return None if stated is None else Offsets(*stated, lo, hi)
         return self._once("offsets", build)
 
     def sdpa_inputs(self, dtype):
@@ -186,6 +224,9 @@ class PriorTables:
             return None
         if self.is_edge_list:  # O(E): count incoming edges of finite weight
             return self._once("empty", lambda: _edge_counts(self) == 0)
+        if self.offsets() is not None:  # O(C + P): the table over the offsets
+            return self._once("empty", lambda: self.offsets().empty(self.num_children,
+                                                                    self.num_parents))
         if self.full_mask() is None:
             return None
         return self._once("empty", lambda: ~self.full_mask().any(-1))
@@ -251,13 +292,13 @@ def _check_no_empty_child(family, empty: torch.Tensor) -> None:
 
 def _check_offsets(family, tables: PriorTables, heads: int) -> None:
     """The checks of ``validate`` on the prior's table over the offsets (``offsets``): one row
-    or one per head; no NaN or +∞; and no child whose every offset i − j, j < P, is −∞ —
-    counted from the table's running count of finite entries, O(C + P)."""
-    table, lowest = tables.offsets()
-    C, P = tables.num_children, tables.num_parents
-    if table.dim() != 2 or table.shape[1] != C - lowest:
+    or one per head; no NaN or +∞; and, where that is an error, no child whose every offset
+    weighs −∞ — O(C + P)."""
+    off = tables.offsets()
+    table, C, P = off.table, tables.num_children, tables.num_parents
+    if table.dim() != 2 or table.shape[1] < C - off.lowest:
         raise ValueError(f"edge family {family!r}: {type(tables.prior).__name__}'s log weight "
-                         f"over the offsets must be (1 or heads={heads}, {C - lowest}); got "
+                         f"over the offsets must be (1 or heads={heads}, {C - off.lowest}); got "
                          f"{shape_str(table.shape)}")
     # the dense table it stands for is (rows, C, P): its shape checked as the generic one is
     _check_shape(family, "log weights", (table.shape[0], C, P), (heads, C, P))
@@ -265,10 +306,8 @@ def _check_offsets(family, tables: PriorTables, heads: int) -> None:
     if not checks_on():
         return
     _check_log_weights(family, table, "at offset index")
-    seen = torch.nn.functional.pad((~torch.isneginf(table)).cumsum(-1), (1, 0))  # (R, n + 1)
-    i = torch.arange(C, device=table.device)
-    first = (i - (P - 1)).clamp(min=lowest) - lowest  # child i's nearest-first offset index
-    _check_no_empty_child(family, (seen[:, i - lowest + 1] - seen[:, first] == 0).any(0))
+    if tables.prior.empty == "error":
+        _check_no_empty_child(family, off.empty(C, P))
 
 
 def _edge_counts(tables: PriorTables) -> torch.Tensor:

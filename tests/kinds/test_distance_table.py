@@ -127,6 +127,19 @@ class PowerLaw(sa.priors.DistancePrior):
         return -a.reshape(-1, *([1] * d.dim())) * torch.log1p(d.abs().to(a.dtype))
 
 
+class StrictPowerLaw(PowerLaw):
+    """The declaring guide's power law over the strict past (``first = 1``: a window of every
+    earlier token; the first token reads nothing, a zero row), −∞ below distance 1."""
+
+    first = 1
+
+    def __init__(self, a, causal=True):
+        super().__init__(a, causal=True)
+
+    def log_at_distance(self, d, dtype=None):
+        return super().log_at_distance(d, dtype).masked_fill(d < 1, float("-inf"))
+
+
 def _priors(heads, causal, g):
     """name → (prior factory, its learned parameters)."""
     a = torch.rand(heads, generator=g, dtype=f64).add(0.2).requires_grad_()
@@ -137,6 +150,7 @@ def _priors(heads, causal, g):
     return {
         "user_alibi": (lambda: UserALiBi(m, causal), [m]),
         "power_law": (lambda: PowerLaw(a, causal), [a]),
+        "strict_power_law": (lambda: StrictPowerLaw(a), [a]),
         "alibi": (lambda: sa.priors.ALiBi(heads, slopes=m, causal=causal), [m]),
         "relative": (lambda: sa.priors.RelativePosition(logits, causal=causal), [logits]),
         "generalised_gaussian": (lambda: sa.priors.GeneralisedGaussian(mu, s, beta.add(1.0),
@@ -167,7 +181,8 @@ def _spy():
         yield calls
 
 
-NAMES = ["user_alibi", "power_law", "alibi", "relative", "generalised_gaussian"]
+NAMES = ["user_alibi", "power_law", "strict_power_law", "alibi", "relative",
+         "generalised_gaussian"]
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -177,8 +192,8 @@ NAMES = ["user_alibi", "power_law", "alibi", "relative", "generalised_gaussian"]
 def test_declared_priors_equal_pyro_and_the_dense_reading(name, causal, n, heads, seed):
     """Outputs, posteriors and every parameter's gradient: the kernel's reading equals Pyro's
     exact enumeration and the dense reading (kernels off), float64."""
-    if name == "alibi" and causal:  # causal ALiBi separates: the key-bias kernel's (tested there)
-        return
+    if (name == "alibi" and causal) or (name == "strict_power_law" and not causal):
+        return  # causal ALiBi separates: the key-bias kernel's (tested there)
     g = torch.Generator().manual_seed(seed)
     W = [torch.randn(heads * 2, 3, generator=g, dtype=f64).requires_grad_() for _ in range(3)]
     prior_fn, params = _priors(heads, causal, g)[name]
@@ -226,6 +241,7 @@ def test_no_n_by_n_tensor_forward_or_backward(name):
     params = [p.detach().float().requires_grad_() for p in params]
     factory = {"user_alibi": lambda: UserALiBi(params[0], False),
                "power_law": lambda: PowerLaw(params[0], False),
+               "strict_power_law": lambda: StrictPowerLaw(params[0]),
                "alibi": lambda: sa.priors.ALiBi(heads, slopes=params[0], causal=False),
                "relative": lambda: sa.priors.RelativePosition(params[0], causal=False),
                "generalised_gaussian": lambda: sa.priors.GeneralisedGaussian(
