@@ -1,0 +1,193 @@
+"""A support's block structure: which (BQ children × BK parents) tiles of the (C, P) grid hold
+a pair of the support, and of those which hold every pair (full) or some (partial, with the
+tile's own mask) — what the block-support reading (``structattn.kinds.block_support``) visits.
+
+    tile (r, c) = children [r·BQ, (r + 1)·BQ) × parents [c·BK, (c + 1)·BK), clipped to C and P;
+    listed ⇔ ∃ (i, j) in the tile with contains(i, j);  full ⇔ ∀ (i, j) in the tile, contains(i, j).
+
+``classify`` evaluates ``support.contains`` on a few block rows of the grid at a time (``chunk``
+of them: O(chunk·BQ·P) memory), never the whole (C, P) mask, so a support of s pairs costs
+O(C·P) time once but O(nnz·BQ·BK + C) memory to keep — a band or a Longformer pattern,
+O(N·w), where the dense mask is O(N²).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..checking._validation import check_size, shape_str
+from .base import Support
+
+__all__ = ["SupportBlocks", "classify"]
+
+#: the (child, parent) pairs one chunk's grid holds at most by default (``classify``'s
+#: ``chunk=None``): 4 Mi pairs, 4 MiB as a boolean and 32 MiB as a support's long
+#: intermediates (``child - parent``)
+PAIRS = 1 << 22
+
+
+@dataclass(frozen=True)
+class SupportBlocks:
+    """A support's non-empty tiles as CSR over blocks of children (``classify``).
+
+    Attributes:
+        num_children (int): C; num_parents (int): P.
+        block_q (int): BQ, children per block; block_k (int): BK, parents per block.
+        offsets (torch.Tensor): ``(nq + 1,)`` int64, nq = ⌈C / BQ⌉: child block r lists
+            ``blocks[offsets[r]:offsets[r + 1]]``.
+        blocks (torch.Tensor): ``(nnz,)`` int64, each child block's non-empty key blocks, in
+            ascending order.
+        mask_index (torch.Tensor): ``(nnz,)`` int64, per listed tile −1 (full: every pair in
+            the support) or the index of its mask in ``masks``.
+        masks (torch.Tensor): ``(n_partial, BQ, BK)`` bool, each partial tile's ``contains``
+            (pairs beyond C or P False).
+        counts (torch.Tensor): ``(C,)`` int64, each child's number of parents (0: a child
+            with no parent, ``empty``).
+    """
+
+    num_children: int
+    num_parents: int
+    block_q: int
+    block_k: int
+    offsets: torch.Tensor
+    blocks: torch.Tensor
+    mask_index: torch.Tensor
+    masks: torch.Tensor
+    counts: torch.Tensor
+
+    @property
+    def num_child_blocks(self) -> int:
+        """nq = ⌈C / BQ⌉."""
+        return -(-self.num_children // self.block_q)
+
+    @property
+    def num_parent_blocks(self) -> int:
+        """nk = ⌈P / BK⌉."""
+        return -(-self.num_parents // self.block_k)
+
+    @property
+    def nnz(self) -> int:
+        """How many tiles are listed (full or partial)."""
+        return int(self.blocks.numel())
+
+    @property
+    def fraction(self) -> float:
+        """Listed tiles / all nq·nk tiles (0 for an empty grid): the share of the dense work
+        the block reading does."""
+        total = self.num_child_blocks * self.num_parent_blocks
+        return self.nnz / total if total else 0.0
+
+    @property
+    def empty(self) -> torch.Tensor:
+        """``(C,)`` bool: children with no parent at all."""
+        return self.counts == 0
+
+    def to(self, device) -> SupportBlocks:
+        """The same structure with its tensors on ``device``."""
+        move = {k: getattr(self, k).to(device)
+                for k in ("offsets", "blocks", "mask_index", "masks", "counts")}
+        return SupportBlocks(self.num_children, self.num_parents, self.block_q, self.block_k,
+                             **move)
+
+
+def _contains(support: Support, child: torch.Tensor, parent: torch.Tensor) -> torch.Tensor:
+    """``support.contains`` on children ``(n, 1)`` × parents ``(1, P)``, as a ``(n, P)`` bool;
+    a support with leading dims of its own (a mask per batch or head) is refused."""
+    n, P = child.shape[0], parent.shape[1]
+    inside = support.contains(child, parent)
+    if not isinstance(inside, torch.Tensor) or inside.dtype != torch.bool:
+        what = inside.dtype if isinstance(inside, torch.Tensor) else type(inside).__name__
+        raise ValueError(f"classify: support {support.describe()}: contains(child, parent) must "
+                         f"return a bool tensor; got {what}")
+    lead = inside.shape[:-2]
+    if any(s != 1 for s in lead):
+        raise ValueError(f"classify: support {support.describe()}: one block structure serves one "
+                         f"(C, P) support; its contains has leading dims {shape_str(lead)} (a mask "
+                         f"per batch or head): classify each separately")
+    try:
+        return inside.reshape(inside.shape[-2:] if inside.dim() >= 2 else inside.shape
+                              ).broadcast_to(n, P)
+    except RuntimeError:
+        raise ValueError(f"classify: support {support.describe()}: contains on children {n} × "
+                         f"parents {P} must broadcast to {shape_str((n, P))}; got "
+                         f"{shape_str(inside.shape)}") from None
+
+
+def _cat(parts: list, empty: torch.Tensor) -> torch.Tensor:
+    """The chunks' pieces joined, or ``empty`` when there were no chunks (C = 0)."""
+    return torch.cat(parts) if parts else empty
+
+
+def classify(support: Support, num_children: int, num_parents: int, block_q: int, block_k: int,
+             device=None, chunk: int | None = None) -> SupportBlocks:
+    """The tiles of ``support`` on the (C, P) grid that hold a pair, full or partial (module
+    docstring), read ``chunk`` blocks of children at a time.
+
+    Args:
+        support (Support): the support (``structattn.kinds``); its ``contains`` may not have
+            leading dims of its own (one structure per (C, P) support).
+        num_children (int): C ≥ 0; num_parents (int): P ≥ 0.
+        block_q (int): BQ ≥ 1, children per block; block_k (int): BK ≥ 1, parents per block.
+        device (torch.device | str | None): where to evaluate ``contains`` and keep the
+            structure. None: the CPU.
+        chunk (int | None): how many blocks of children are evaluated at once (peak memory
+            O(chunk·BQ·P)). None (default): as many as keep a chunk under ``PAIRS`` pairs (at
+            least one block).
+
+    Returns:
+        SupportBlocks: the CSR structure, its partial tiles' masks and each child's count.
+
+    Raises:
+        ValueError: a size that is not an int (≥ 0 for C and P, ≥ 1 for the others), or a
+            ``contains`` that does not return a bool tensor broadcasting to the grid.
+
+    Example:
+        >>> from structattn.kinds import Causal
+        >>> s = classify(Causal(), 5, 5, 2, 2)
+        >>> s.offsets.tolist(), s.blocks.tolist(), s.mask_index.tolist()
+        ([0, 1, 3, 6], [0, 0, 1, 0, 1, 2], [0, -1, 1, -1, -1, -1])
+    """
+    C = check_size("classify", "num_children", num_children, least=0)
+    P = check_size("classify", "num_parents", num_parents, least=0)
+    BQ = check_size("classify", "block_q", block_q)
+    BK = check_size("classify", "block_k", block_k)
+    if not isinstance(support, Support):
+        raise ValueError(f"classify: support must be a structattn.kinds.Support; got "
+                         f"{type(support).__name__}")
+    nq, nk = -(-C // BQ), -(-P // BK)
+    chunk = (max(1, PAIRS // (BQ * max(P, 1))) if chunk is None
+             else check_size("classify", "chunk", chunk))
+    device = torch.device("cpu") if device is None else torch.device(device)
+    long = dict(dtype=torch.long, device=device)
+    parent = torch.arange(P, **long)[None, :]  # (1, P)
+    cols = (P - torch.arange(nk, **long) * BK).clamp(max=BK)  # (nk,) parents per key block
+    counts, blocks, partial, masks, row_nnz = [], [], [], [], []
+    for r0 in range(0, nq, chunk):
+        r1 = min(nq, r0 + chunk)
+        n, first = min(r1 * BQ, C) - r0 * BQ, r0 * BQ
+        child = torch.arange(first, first + n, **long)[:, None]  # (n, 1)
+        inside = _contains(support, child, parent)  # (n, P)
+        counts.append(inside.sum(-1))
+        grid = torch.zeros((r1 - r0) * BQ, nk * BK, dtype=torch.bool, device=device)
+        grid[:n, :P] = inside
+        del inside
+        tiles = grid.view(r1 - r0, BQ, nk, BK).transpose(1, 2)  # (nb, nk, BQ, BK), a view
+        hits = tiles.sum((-1, -2))  # (nb, nk) pairs of each tile in the support
+        rows = (C - torch.arange(r0, r1, **long) * BQ).clamp(max=BQ)  # (nb,) children per block
+        listed, full = hits > 0, hits == rows[:, None] * cols[None, :]
+        row_nnz.append(listed.sum(-1))
+        blocks.append(listed.nonzero()[:, 1])  # row-major: ascending per child block
+        part = listed & ~full
+        partial.append(part[listed])  # (nnz_chunk,) which listed tiles are partial
+        masks.append(tiles[part])  # (n_partial_chunk, BQ, BK)
+    nothing = torch.zeros(0, **long)
+    partial = _cat(partial, torch.zeros(0, dtype=torch.bool, device=device))
+    mask_index = torch.full(partial.shape, -1, **long)
+    mask_index[partial] = torch.arange(int(partial.sum()), **long)
+    offsets = torch.cat([nothing.new_zeros(1), _cat(row_nnz, nothing).cumsum(0)])
+    return SupportBlocks(
+        C, P, BQ, BK, offsets=offsets, blocks=_cat(blocks, nothing), mask_index=mask_index,
+        masks=_cat(masks, torch.zeros(0, BQ, BK, dtype=torch.bool, device=device)),
+        counts=_cat(counts, nothing))
