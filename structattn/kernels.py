@@ -1,6 +1,6 @@
 """Compiled CPU kernels, built on first use by torch's C++ extension loader and cached.
 
-Three kernels, each one source file in ``csrc/``:
+Four kernels, each one source file in ``csrc/``:
 
 - ``mean_field_windows.cpp``: the mean-field iteration of expanding attention child by child
   (``structattn.windows``). A Python loop of small tensor operations pays a fixed cost per
@@ -40,8 +40,8 @@ import torch
 
 from . import reading
 
-__all__ = ["available", "build", "build_error", "cache_directory", "disabled", "isa",
-           "key_bias", "mean_field_windows", "stick_breaking", "with_rules"]
+__all__ = ["available", "block_support", "build", "build_error", "cache_directory", "disabled",
+           "isa", "key_bias", "mean_field_windows", "stick_breaking", "with_rules"]
 
 #: kernel → (its source in csrc/, the name of its extension and op namespace, what falls back)
 _KERNELS = {
@@ -51,6 +51,8 @@ _KERNELS = {
                        "stick-breaking attention uses its dense reading (C×P memory)"),
     "key_bias": ("key_bias.cpp", "structattn_key_bias",
                  "FoX and ALiBi train through one more key dimension (~12% slower)"),
+    "block_support": ("block_support.cpp", "structattn_block_support",
+                      "supports read by blocks use their Python loop over child blocks"),
 }
 #: kernel → compiler flags beyond -O3 -fopenmp. ``-march=<isa>`` (see ``_ISAS``) gives the
 #: kernels' own vectorised exp (``csrc/tiles.h``: the C library's exp is never vectorised
@@ -62,6 +64,7 @@ _KERNELS = {
 #: same, IEEE arithmetic is unchanged). The mean field's iteration keeps its products and sums
 #: unfused (-ffp-contract=off), as PyTorch's loop computes them
 _FLAGS = {"key_bias": ["-march=native", "-fno-trapping-math"],
+          "block_support": ["-march=native", "-fno-trapping-math"],
           "mean_field": ["-march=native", "-fno-trapping-math", "-ffp-contract=off"]}
 #: ``STRUCTATTN_KERNEL_ISA`` → (what replaces -march=native, the CPU flags it needs).
 #: "avx2": x86-64-v3 (AVX2, FMA, BMI1/2, F16C, LZCNT, MOVBE: every AVX2 CPU of Intel since
@@ -140,7 +143,8 @@ def cache_directory(kernel: str) -> str:
     its own.
 
     Args:
-        kernel (str): the kernel, "mean_field", "stick_breaking" or "key_bias".
+        kernel (str): the kernel, "mean_field", "stick_breaking", "key_bias" or
+            "block_support".
 
     Returns:
         str: the directory's path (it need not exist yet).
@@ -254,8 +258,8 @@ def with_rules(kernel: str, register):
     """A kernel's ops, its Python rules registered on them once per process.
 
     Args:
-        kernel (str): the kernel, "mean_field", "stick_breaking" or "key_bias" (built on
-            first use).
+        kernel (str): the kernel, "mean_field", "stick_breaking", "key_bias" or
+            "block_support" (built on first use).
         register (Callable): called with the ops the first time only, to register their
             Python rules (fake kernels, an autograd formula).
 
@@ -305,14 +309,25 @@ def key_bias():
     return _ops("key_bias")
 
 
+def block_support():
+    """The block-support kernel's ops: attention over a support's listed tiles, and its
+    gradient.
+
+    Returns:
+        (object | None): the ops (``forward``, ``backward``), or None where kernels are off or the build
+            failed (then: one ``RuntimeWarning`` saying why, and the Python loop).
+    """
+    return _ops("block_support")
+
+
 def available() -> bool:
     """Whether the compiled kernels are on and built, building them if need be.
 
     Returns:
-        bool: True where all three kernels can be called.
+        bool: True where all four kernels can be called.
     """
     return (mean_field_windows() is not None and stick_breaking() is not None
-            and key_bias() is not None)
+            and key_bias() is not None and block_support() is not None)
 
 
 def build_error() -> str | None:
