@@ -18,6 +18,7 @@ O(n_partial·BQ·BK + C).
 
 from __future__ import annotations
 
+import math
 import numbers
 
 import torch
@@ -153,9 +154,9 @@ def block_support_attention(a: torch.Tensor, b: torch.Tensor, u: torch.Tensor,
     if not uses_kernel(a, b, u):
         return by_child_blocks(a, b, u, blocks, float(scale))
     lead = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2], u.shape[:-2])
-    heads = lead[-1] if lead else 1
+    batch, heads = math.prod(lead[:-1]), (lead[-1] if lead else 1)
     C, d_v = a.shape[-2], u.shape[-1]
-    q, k, v = (x.expand(*lead, *x.shape[-2:]).reshape(-1, heads, *x.shape[-2:])
+    q, k, v = (x.expand(*lead, *x.shape[-2:]).reshape(batch, heads, *x.shape[-2:])
                for x in (a, b, u))  # (B, H, n, width), views where the dims allow
     s = blocks.to("cpu")
     out = _ops().forward(q, k, v, s.offsets, s.blocks, s.mask_index, s.masks, s.block_q,
@@ -179,8 +180,8 @@ def by_child_blocks(a: torch.Tensor, b: torch.Tensor, u: torch.Tensor, blocks: S
     for r in range(s.num_child_blocks):
         i0 = r * BQ
         n, (e0, e1) = min(BQ, C - i0), offsets[r:r + 2]
-        if e0 == e1:  # no child of the block has a parent
-            out.append(a.new_zeros(*lead, n, u.shape[-1]))
+        if e0 == e1:  # no child of the block has a parent: an empty sum, in the graph
+            out.append(a[..., i0:i0 + n, :] @ b[..., :0, :].transpose(-1, -2) @ u[..., :0, :])
             continue
         parents = (s.blocks[e0:e1, None] * BK + cols).reshape(-1)  # (L·BK,) the tiles' parents
         inside = bank[s.mask_index[e0:e1], :n].transpose(0, 1).reshape(n, -1)  # (n, L·BK)
