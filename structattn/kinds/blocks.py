@@ -6,9 +6,10 @@ tile's own mask) — what the block-support reading (``structattn.kinds.block_su
     listed ⇔ ∃ (i, j) in the tile with contains(i, j);  full ⇔ ∀ (i, j) in the tile, contains(i, j).
 
 ``classify`` evaluates ``support.contains`` on a few block rows of the grid at a time (``chunk``
-of them: O(chunk·BQ·P) memory), never the whole (C, P) mask, so a support of s pairs costs
-O(C·P) time once but O(nnz·BQ·BK + C) memory to keep — a band or a Longformer pattern,
-O(N·w), where the dense mask is O(N²).
+of them: O(chunk·BQ·P) memory), never the whole (C, P) mask: O(C·P) time once (the cost of
+``contains`` on every pair), but O(n_partial·BQ·BK + C + nq·nk) memory to keep — a band or a
+Longformer pattern, O(N·w) and N²/(BQ·BK) flags, where the dense mask is N² (at 16,384
+tokens in 64 × 64 tiles: 4 MiB of masks and 64 KiB of flags, against 256 MiB).
 """
 
 from __future__ import annotations
@@ -115,9 +116,28 @@ def _contains(support: Support, child: torch.Tensor, parent: torch.Tensor) -> to
                          f"{shape_str(inside.shape)}") from None
 
 
-def _cat(parts: list, empty: torch.Tensor) -> torch.Tensor:
-    """The chunks' pieces joined, or ``empty`` when there were no chunks (C = 0)."""
-    return torch.cat(parts) if parts else empty
+class _Masks:
+    """The partial tiles' masks ``(n, BQ, BK)``, appended chunk by chunk into one buffer that
+    doubles when full: a few long-lived allocations, not one per chunk between the chunks'
+    large transient ones (which fragments the C library's heap: RSS grew ~2 MiB a chunk at
+    16,384 tokens, measured)."""
+
+    def __init__(self, capacity: int, BQ: int, BK: int, device):
+        self.data = torch.zeros(max(1, capacity), BQ, BK, dtype=torch.bool, device=device)
+        self.used = 0
+
+    def append(self, tiles: torch.Tensor) -> None:
+        n = tiles.shape[0]
+        if self.used + n > self.data.shape[0]:
+            grown = self.data.new_zeros(max(2 * self.data.shape[0], self.used + n),
+                                        *self.data.shape[1:])
+            grown[:self.used] = self.data[:self.used]
+            self.data = grown
+        self.data[self.used:self.used + n] = tiles
+        self.used += n
+
+    def result(self) -> torch.Tensor:
+        return self.data[:self.used].clone()
 
 
 def classify(support: Support, num_children: int, num_parents: int, block_q: int, block_k: int,
@@ -163,7 +183,12 @@ def classify(support: Support, num_children: int, num_parents: int, block_q: int
     long = dict(dtype=torch.long, device=device)
     parent = torch.arange(P, **long)[None, :]  # (1, P)
     cols = (P - torch.arange(nk, **long) * BK).clamp(max=BK)  # (nk,) parents per key block
-    counts, blocks, partial, masks, row_nnz = [], [], [], [], []
+    # what is kept, allocated once (a chunk writes into it): its transient grids then reuse
+    # the same memory chunk after chunk
+    counts = torch.zeros(C, dtype=torch.int32, device=device)
+    listed = torch.zeros(nq, nk, dtype=torch.bool, device=device)  # nq·nk bits: N²/(BQ·BK)
+    full = torch.zeros(nq, nk, dtype=torch.bool, device=device)
+    masks = _Masks(2 * nq, BQ, BK, device)
     for r0 in range(0, nq, chunk):
         r1 = min(nq, r0 + chunk)
         n, first = min(r1 * BQ, C) - r0 * BQ, r0 * BQ
@@ -175,23 +200,18 @@ def classify(support: Support, num_children: int, num_parents: int, block_q: int
         # sums over outer dims (vectorised along the parents), never over a tile's BK
         # contiguous entries (an inner reduction of a few entries: ~40× slower, measured)
         ones = grid.view(torch.uint8)
-        counts.append(ones[:n].sum(-1, dtype=torch.int32))  # (n,) parents of each child
+        counts[first:first + n] = ones[:n].sum(-1, dtype=torch.int32)  # parents of each child
         hits = ones.view(r1 - r0, BQ, nk * BK).sum(1, dtype=torch.int32)  # (nb, nk·BK)
         hits = hits.view(r1 - r0, nk, BK).sum(-1)  # (nb, nk) pairs of each tile in the support
-        tiles = grid.view(r1 - r0, BQ, nk, BK).transpose(1, 2)  # (nb, nk, BQ, BK), a view
         rows = (C - torch.arange(r0, r1, **long) * BQ).clamp(max=BQ)  # (nb,) children per block
-        listed, full = hits > 0, hits == rows[:, None] * cols[None, :]
-        row_nnz.append(listed.sum(-1))
-        blocks.append(listed.nonzero()[:, 1])  # row-major: ascending per child block
-        part = listed & ~full
-        partial.append(part[listed])  # (nnz_chunk,) which listed tiles are partial
-        masks.append(tiles[part])  # (n_partial_chunk, BQ, BK)
-    nothing = torch.zeros(0, **long)
-    partial = _cat(partial, torch.zeros(0, dtype=torch.bool, device=device))
+        listed[r0:r1] = hits > 0
+        full[r0:r1] = hits == rows[:, None] * cols[None, :]
+        tiles = grid.view(r1 - r0, BQ, nk, BK).transpose(1, 2)  # (nb, nk, BQ, BK), a view
+        masks.append(tiles[listed[r0:r1] & ~full[r0:r1]])  # row-major, as the listing
+    partial = (listed & ~full)[listed]  # (nnz,) which listed tiles are partial, row-major
     mask_index = torch.full(partial.shape, -1, **long)
     mask_index[partial] = torch.arange(int(partial.sum()), **long)
-    offsets = torch.cat([nothing.new_zeros(1), _cat(row_nnz, nothing).cumsum(0)])
-    return SupportBlocks(
-        C, P, BQ, BK, offsets=offsets, blocks=_cat(blocks, nothing), mask_index=mask_index,
-        masks=_cat(masks, torch.zeros(0, BQ, BK, dtype=torch.bool, device=device)),
-        counts=_cat(counts, nothing).long())
+    offsets = torch.zeros(nq + 1, **long)
+    offsets[1:] = listed.sum(-1).cumsum(0)
+    return SupportBlocks(C, P, BQ, BK, offsets=offsets, blocks=listed.nonzero()[:, 1],
+                         mask_index=mask_index, masks=masks.result(), counts=counts.long())
