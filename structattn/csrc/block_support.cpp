@@ -42,7 +42,7 @@ constexpr int64_t RUN = 512;
 struct Tiles {
   at::Tensor offsets_t, blocks_t, index_t, masks_t;
   const int64_t *offsets, *blocks, *index;
-  const bool* masks;
+  const uint8_t* masks;  // bool data read as bytes: a bool load keeps a loop scalar
   int64_t BQ, BK, nq, nk;
 };
 
@@ -74,7 +74,7 @@ Tiles tiles_of(const at::Tensor& offsets, const at::Tensor& blocks, const at::Te
   t.offsets = t.offsets_t.data_ptr<int64_t>();
   t.blocks = t.blocks_t.data_ptr<int64_t>();
   t.index = t.index_t.data_ptr<int64_t>();
-  t.masks = t.masks_t.data_ptr<bool>();
+  t.masks = reinterpret_cast<const uint8_t*>(t.masks_t.data_ptr<bool>());
   TORCH_CHECK(t.offsets[0] == 0 && t.offsets[t.nq] == nnz, who,
               ": offsets must run from 0 to len(blocks)");
   for (int64_t r = 0; r < t.nq; ++r) {
@@ -94,7 +94,7 @@ Tiles tiles_of(const at::Tensor& offsets, const at::Tensor& blocks, const at::Te
 // full).
 struct Segment {
   int64_t col, m;
-  const bool* mask;
+  const uint8_t* mask;
 };
 
 // The run starting at listed tile e of child block r: its key blocks are consecutive and
@@ -115,6 +115,34 @@ int64_t run_of(const Tiles& t, int64_t e, int64_t end, int64_t P, std::vector<Se
   return e;
 }
 
+// s[c] = scale·s[c] on the support (mask[c] ≠ 0, or every c without a mask), −∞ off it;
+// returns max(best, max_c s[c]), NaN where best or an s[c] is NaN (the vectorised maximum
+// drops NaNs: they are counted apart, so that a NaN score stays a NaN output, never a 0).
+// Branch-free loops over bytes, the maximum as a ternary: a bool load or std::max keeps GCC's
+// loops scalar (4× slower tiles, measured).
+template <typename T>
+T scale_and_mask(T* __restrict s, const uint8_t* __restrict mask, int64_t m, T sc, T best) {
+  const T ninf = -std::numeric_limits<T>::infinity();
+  if (mask) {
+#pragma omp simd
+    for (int64_t c = 0; c < m; ++c) {
+      const T x = sc * s[c];
+      s[c] = mask[c] != 0 ? x : ninf;
+    }
+  } else {
+#pragma omp simd
+    for (int64_t c = 0; c < m; ++c) s[c] *= sc;
+  }
+  int nan = best != best;
+#pragma omp simd reduction(max : best) reduction(| : nan)
+  for (int64_t c = 0; c < m; ++c) {
+    const T x = s[c];
+    best = best > x ? best : x;
+    nan |= x != x;
+  }
+  return nan ? std::numeric_limits<T>::quiet_NaN() : best;
+}
+
 // One run of the forward, children rows r < n: S (n, m) holds <q_i, k_j> and becomes
 // e^{s_ij - top_i} on the support (0 off it), s_ij = scale <q_i, k_j>; each child's running
 // max ``top``, sum ``total`` and output row A (n, dv) are rescaled to the new max (the caller
@@ -122,38 +150,24 @@ int64_t run_of(const Tiles& t, int64_t e, int64_t end, int64_t P, std::vector<Se
 template <typename T>
 void forward_run(T* S, int64_t n, int64_t m, const std::vector<Segment>& segs, int64_t BK, T sc,
                  T* top, T* total, T* A, int64_t dv) {
-  const T ninf = -std::numeric_limits<T>::infinity();
   for (int64_t r = 0; r < n; ++r) {
     T* sr = S + r * m;
     T best = top[r];
     for (const auto& sg : segs) {
-      T* s = sr + sg.col;
-      if (sg.mask) {
-        const bool* mr = sg.mask + r * BK;
-#pragma omp simd reduction(max : best)
-        for (int64_t c = 0; c < sg.m; ++c) {
-          s[c] = mr[c] ? sc * s[c] : ninf;
-          best = std::max(best, s[c]);
-        }
-      } else {
-#pragma omp simd reduction(max : best)
-        for (int64_t c = 0; c < sg.m; ++c) {
-          s[c] = sc * s[c];
-          best = std::max(best, s[c]);
-        }
-      }
+      best = scale_and_mask<T>(sr + sg.col, sg.mask ? sg.mask + r * BK : nullptr, sg.m, sc,
+                               best);
     }
     online_softmax_row<T>(sr, 0, m, m, best, top[r], total[r], A + r * dv, dv);
   }
 }
 
 // A child block done: A (n, dv) divided by each child's sum, L[r] = log sum_j e^{s_ij}; a
-// child with no parent (nothing summed) gets 0 and -inf.
+// child with no parent (nothing summed) gets 0 and -inf, a NaN score NaN.
 template <typename T>
 void finish(T* A, int64_t n, int64_t dv, const T* top, const T* total, T* L) {
   for (int64_t r = 0; r < n; ++r) {
     T* ar = A + r * dv;
-    if (!(total[r] > T(0))) {
+    if (total[r] == T(0)) {
       std::fill(ar, ar + dv, T(0));
       L[r] = -std::numeric_limits<T>::infinity();
       continue;
@@ -181,19 +195,21 @@ void backward_run(T* S, T* GP, int64_t n, int64_t m, const std::vector<Segment>&
       continue;
     }
     for (const auto& sg : segs) {
-      T* s = sr + sg.col;
-      T* g = gr + sg.col;
+      T* __restrict s = sr + sg.col;
+      T* __restrict g = gr + sg.col;
+      const int64_t w = sg.m;
       if (sg.mask) {
-        const bool* mr = sg.mask + r * BK;
+        const uint8_t* __restrict mr = sg.mask + r * BK;
 #pragma omp simd
-        for (int64_t c = 0; c < sg.m; ++c) {
-          const T p = mr[c] ? vexp<T>(sc * s[c] - li) : T(0);
+        for (int64_t c = 0; c < w; ++c) {
+          const T e = vexp<T>(sc * s[c] - li);
+          const T p = mr[c] != 0 ? e : T(0);
           s[c] = p;                // P_ij
           g[c] = p * (g[c] - di);  // dS_ij
         }
       } else {
 #pragma omp simd
-        for (int64_t c = 0; c < sg.m; ++c) {
+        for (int64_t c = 0; c < w; ++c) {
           const T p = vexp<T>(sc * s[c] - li);
           s[c] = p;
           g[c] = p * (g[c] - di);

@@ -400,3 +400,20 @@ def test_bad_arguments_are_named():
 def test_the_docstring_examples_run(module):
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
     assert result.attempted > 0 and result.failed == 0, result
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "python"])
+def test_a_nan_stays_a_nan(kernel):
+    """A NaN in a child's factor makes its output NaN (never a plausible 0), and no other's."""
+    support = Band(2) | Global(1)
+    a, b, u = factors(30, 30)
+    a[0, 1, 17, 2] = float("nan")
+    s = classify(support, 30, 30, 8, 8)
+    if kernel:
+        out = block_support_attention(a, b, u, s, 0.5)
+    else:
+        with kernels.disabled():
+            out = block_support_attention(a, b, u, s, 0.5)
+    bad = torch.zeros_like(out, dtype=torch.bool)
+    bad[0, 1, 17] = True
+    assert bool(out[bad].isnan().all()) and bool(out[~bad].isfinite().all())
