@@ -33,7 +33,7 @@ PAIRS = 1 << 20
 BLOCK_Q, BLOCK_K = 64, 64
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # its fields are tensors: no elementwise ==
 class SupportBlocks:
     """A support's non-empty tiles as CSR over blocks of children (``classify``).
 
