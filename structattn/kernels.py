@@ -1,6 +1,6 @@
 """Compiled CPU kernels, built on first use by torch's C++ extension loader and cached.
 
-Four kernels, each one source file in ``csrc/``:
+Five kernels, each one source file in ``csrc/``:
 
 - ``mean_field_windows.cpp``: the mean-field iteration of expanding attention child by child
   (``structattn.windows``). A Python loop of small tensor operations pays a fixed cost per
@@ -15,6 +15,9 @@ Four kernels, each one source file in ``csrc/``:
   user's ``DistancePrior``, ALiBi on every parent, relative positions, the generalised
   Gaussian), its table looked up inside each tile of scores, forward and backward with the
   table's gradient (``structattn.kinds.distance_table``).
+- ``block_support.cpp``: attention over a support's non-empty tiles only (``structattn.kinds.
+  blocks``: full or partial, a partial one with its own mask), forward and backward
+  (``structattn.kinds.block_support``).
 
 The build needs a C++ compiler and ``ninja`` (a dependency); it takes about a minute per
 kernel, once per torch version (``python -m structattn.kernels build`` does it ahead of time,
@@ -44,9 +47,9 @@ import torch
 
 from . import reading
 
-__all__ = ["available", "build", "build_error", "cache_directory", "disabled",
-           "distance_table", "isa", "key_bias", "mean_field_windows", "stick_breaking",
-           "with_rules"]
+__all__ = ["available", "block_support", "build", "build_error", "cache_directory",
+           "disabled", "distance_table", "isa", "key_bias", "mean_field_windows",
+           "stick_breaking", "with_rules"]
 
 #: kernel → (its source in csrc/, the name of its extension and op namespace, what falls back)
 _KERNELS = {
@@ -58,6 +61,8 @@ _KERNELS = {
                  "FoX and ALiBi train through one more key dimension (~12% slower)"),
     "distance_table": ("distance_table.cpp", "structattn_distance_table",
                        "a stationary distance prior is read as a dense (heads, C, P) table"),
+    "block_support": ("block_support.cpp", "structattn_block_support",
+                      "supports read by blocks use their Python loop over child blocks"),
 }
 #: kernel → compiler flags beyond -O3 -fopenmp. ``-march=<isa>`` (see ``_ISAS``) gives the
 #: kernels' own vectorised exp (``csrc/tiles.h``: the C library's exp is never vectorised
@@ -70,6 +75,7 @@ _KERNELS = {
 #: unfused (-ffp-contract=off), as PyTorch's loop computes them
 _FLAGS = {"key_bias": ["-march=native", "-fno-trapping-math"],
           "distance_table": ["-march=native", "-fno-trapping-math"],
+          "block_support": ["-march=native", "-fno-trapping-math"],
           "mean_field": ["-march=native", "-fno-trapping-math", "-ffp-contract=off"]}
 #: ``STRUCTATTN_KERNEL_ISA`` → (what replaces -march=native, the CPU flags it needs).
 #: "avx2": x86-64-v3 (AVX2, FMA, BMI1/2, F16C, LZCNT, MOVBE: every AVX2 CPU of Intel since
@@ -148,8 +154,8 @@ def cache_directory(kernel: str) -> str:
     its own.
 
     Args:
-        kernel (str): the kernel, "mean_field", "stick_breaking", "key_bias" or
-            "distance_table".
+        kernel (str): the kernel, "mean_field", "stick_breaking", "key_bias",
+            "distance_table" or "block_support".
 
     Returns:
         str: the directory's path (it need not exist yet).
@@ -263,8 +269,8 @@ def with_rules(kernel: str, register):
     """A kernel's ops, its Python rules registered on them once per process.
 
     Args:
-        kernel (str): the kernel, "mean_field", "stick_breaking", "key_bias" or
-            "distance_table" (built on first use).
+        kernel (str): the kernel, "mean_field", "stick_breaking", "key_bias",
+            "distance_table" or "block_support" (built on first use).
         register (Callable): called with the ops the first time only, to register their
             Python rules (fake kernels, an autograd formula).
 
@@ -325,14 +331,26 @@ def distance_table():
     return _ops("distance_table")
 
 
+def block_support():
+    """The block-support kernel's ops: attention over a support's listed tiles, and its
+    gradient.
+
+    Returns:
+        (object | None): the ops (``forward``, ``backward``), or None where kernels are off or the build
+            failed (then: one ``RuntimeWarning`` saying why, and the Python loop).
+    """
+    return _ops("block_support")
+
+
 def available() -> bool:
     """Whether the compiled kernels are on and built, building them if need be.
 
     Returns:
-        bool: True where all four kernels can be called.
+        bool: True where all five kernels can be called.
     """
     return (mean_field_windows() is not None and stick_breaking() is not None
-            and key_bias() is not None and distance_table() is not None)
+            and key_bias() is not None and distance_table() is not None
+            and block_support() is not None)
 
 
 def build_error() -> str | None:
