@@ -14,14 +14,16 @@ tokens in 64 × 64 tiles: 4 MiB of masks and 64 KiB of flags, against 256 MiB).
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
 
-from ..checking._validation import check_size, shape_str
+from ..checking._validation import check_size, is_recording, shape_str
 from .base import Support
 
-__all__ = ["SupportBlocks", "classify"]
+__all__ = ["SupportBlocks", "classify", "classify_once", "support_key"]
 
 #: the (child, parent) pairs one chunk's grid holds at most by default (``classify``'s
 #: ``chunk=None``): 1 Mi pairs, 1 MiB as a boolean and 8 MiB as a support's long
@@ -220,3 +222,69 @@ def classify(support: Support, num_children: int, num_parents: int, block_q: int
     offsets[1:] = listed.sum(-1).cumsum(0)
     return SupportBlocks(C, P, BQ, BK, offsets=offsets, blocks=listed.nonzero()[:, 1],
                          mask_index=mask_index, masks=masks.result(), counts=counts.long())
+
+
+#: the tokens (max of children and parents) from which the dense operator reads a support by
+#: blocks: below, the dense mask is small and one fused SDPA call reads it
+BLOCKS_FROM = 1024
+#: the largest share of the tiles a support may list and still be read by blocks: above it,
+#: the dense mask's one fused call costs about as much
+MOST_LISTED = 0.5
+#: how many structures ``classify_once`` keeps (the newest)
+KEPT = 32
+_kept: OrderedDict = OrderedDict()
+_kept_lock = threading.Lock()
+
+
+def support_key(support: Support):
+    """A hashable key that determines ``support``'s ``contains`` at any sizes, or None: the
+    class and its attributes where each is a plain value (int, float, str, bool, None, a tuple
+    of them, a support with a key — a union's or intersection's parts); None where one is a
+    tensor (a ``Mask``) or anything else, whose contents may change between calls."""
+    def plain(v):
+        if v is None or isinstance(v, (bool, int, float, str)):
+            return v
+        if isinstance(v, Support):
+            key = support_key(v)
+            return _NO if key is None else key
+        if isinstance(v, (tuple, list)):
+            parts = tuple(plain(x) for x in v)
+            return _NO if any(p is _NO for p in parts) else (type(v).__name__, parts)
+        return _NO
+
+    items = []
+    for name, value in sorted(vars(support).items()):
+        key = plain(value)
+        if key is _NO:
+            return None
+        items.append((name, key))
+    return (type(support).__module__, type(support).__qualname__, tuple(items))
+
+
+_NO = object()
+
+
+def classify_once(support: Support, num_children: int, num_parents: int, device=None
+                  ) -> SupportBlocks:
+    """``classify`` at the default tiles, kept for supports with a ``support_key`` (the newest
+    ``KEPT``): a support is a function of the sizes, so its structure is computed once per
+    (key, C, P, device) — a recorded plan then holds it as a constant — and each call for one
+    without a key (a ``Mask`` among its parts)."""
+    device = torch.device("cpu") if device is None else torch.device(device)
+    key, tiles = support_key(support), (BLOCK_Q, BLOCK_K)  # the tiles as they are now
+    if key is None:
+        return classify(support, num_children, num_parents, *tiles, device=device)
+    key = (key, num_children, num_parents, tiles, str(device))
+    with _kept_lock:
+        if key in _kept:
+            _kept.move_to_end(key)
+            return _kept[key]
+    if is_recording() or torch.compiler.is_compiling():  # computed in the graph, not kept
+        return classify(support, num_children, num_parents, *tiles, device=device)
+    with torch.no_grad():
+        blocks = classify(support, num_children, num_parents, *tiles, device=device)
+    with _kept_lock:
+        _kept[key] = blocks
+        while len(_kept) > KEPT:
+            _kept.popitem(last=False)
+    return blocks

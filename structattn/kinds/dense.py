@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from ..checking._validation import checks_on
-from . import distance_kernel, distance_table, key_bias
+from . import block_support, distance_kernel, distance_table, key_bias
+from . import blocks as support_blocks
 from .base import Intersection, Operator, Support, grid, keep_nonfinite_rows
 from .lowered import Lowering
 
@@ -250,6 +251,12 @@ class DenseOperator(Operator, dense_twin=True):
             # a function of i − j alone, looked up per tile of scores (CPU): no C×P bias
             out = distance_table.distance_table_attention(a, b, u, offsets, scale)
             self._lowering = "distance table", None
+        elif h is None and f.tables.blocks() is not None \
+                and block_support.uses_kernel(a, b, u):
+            # a support of few tiles: only its non-empty tiles read, partial ones masked (CPU)
+            blocks = f.tables.blocks()
+            out = block_support.block_support_attention(a, b, u, blocks, float(scale))
+            self._lowering = "blocks", None, blocks.fraction
         else:
             if h is not None and not key_bias.folds_terms(a, b, u):  # half precision: the
                 h = None  # table, not h rounded into the factors
@@ -285,9 +292,19 @@ class DenseOperator(Operator, dense_twin=True):
                 return (f"the distance-table kernel reads float32 and float64, not "
                         f"{str(a.dtype).removeprefix('torch.')}")
             return "the compiled distance-table kernel is off, not built, or exporting"
+        if f.tables.blocks() is not None:  # blocks no kernel took here
+            return (f"its support ({support.describe()}) lists "
+                    f"{f.tables.blocks().fraction:.1%} of the tiles, but the block kernel reads "
+                    f"CPU tensors in float32 or float64 (not {a.device.type}, "
+                    f"{str(a.dtype).removeprefix('torch.')}), with the kernels on")
         if not isinstance(support, (AllParents, Causal)):
-            return (f"its support ({support.describe()}) is read as a (C, P) mask: only every "
-                    f"parent, j ≤ i, windows and edge lists have readings of their own")
+            n = max(f.children.size, f.parents.size)
+            why = (f"under {support_blocks.BLOCKS_FROM:,} tokens the mask is small"
+                   if n < support_blocks.BLOCKS_FROM
+                   else "a lone Mask is its own (C, P) table" if isinstance(support, Mask)
+                   else f"it lists over {support_blocks.MOST_LISTED:.0%} of the tiles"
+                   if f.tables.table() is None else "its prior states a (C, P) table")
+            return f"its support ({support.describe()}) is read as a (C, P) mask: {why}"
         if prior.empty != "error":
             return f"a child may have no parent (empty={prior.empty!r})"
         return (f"its prior ({prior.describe()}) states neither per-token terms nor a log "
@@ -300,7 +317,8 @@ class DenseOperator(Operator, dense_twin=True):
             why = ("the posterior was asked for" if self.is_fused()
                    else "a potential has no factorised form (its pairwise table)")
             return Lowering("dense posterior", why, size)
-        return Lowering(*self._lowering, size)
+        reading, reason, *visited = self._lowering
+        return Lowering(reading, reason, size, *visited)
 
     def adjoint(self, u: torch.Tensor) -> torch.Tensor:
         return self.dense_posterior().transpose(-1, -2) @ u

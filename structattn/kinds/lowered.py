@@ -2,8 +2,9 @@
 
 Every operator names how it read its family in one call (``Operator.lowering``): the fused
 kernels of the catalogue's fast paths — per-token terms (``"key-bias terms"``), a distance
-table looked up per tile (``"distance table"``), a distance kernel on the GPU, SDPA over
-j ≤ i or every parent without a table (``"sdpa"``) — a kind's own operator (a window, an
+table looked up per tile (``"distance table"``), a distance kernel on the GPU, a support's
+non-empty tiles (``"blocks"``, with the share visited), SDPA over j ≤ i or every parent
+without a table (``"sdpa"``) — a kind's own operator (a window, an
 edge list, stick-breaking) or the dense reading, which builds a ``(…, C, P)`` mask, table or
 posterior, with the reason (a support or prior that states nothing faster, the posterior
 asked for, a dtype or device no kernel serves). ``layer.explain(*inputs)`` returns them by
@@ -38,15 +39,19 @@ class Lowering:
 
     Attributes:
         reading (str): the reading: ``"key-bias terms"``, ``"distance table"``, ``"distance
-            kernel"``, ``"sdpa"``, ``"dense"``, ``"dense posterior"``, or a kind's own
-            (``"window"``, ``"edge list"``, ``"stick-breaking"``, ``"mean-field windows"``).
+            kernel"``, ``"blocks"`` (a support's non-empty tiles), ``"sdpa"``, ``"dense"``,
+            ``"dense posterior"``, or a kind's own (``"window"``, ``"edge list"``,
+            ``"stick-breaking"``, ``"mean-field windows"``).
         reason (str | None): for a dense reading, why the family is read densely; else None.
         size (tuple | None): ``(C, P)``, the children and parents read.
+        visited (float | None): a reading by blocks (``"blocks"``): the share of the grid's
+            tiles it visited; else None.
     """
 
     reading: str
     reason: str | None = None
     size: tuple | None = None
+    visited: float | None = None
 
     @property
     def dense(self) -> bool:
@@ -55,7 +60,8 @@ class Lowering:
 
     def __str__(self) -> str:
         where = f" ({self.size[0]}×{self.size[1]})" if self.size else ""
-        return self.reading + where + (f": {self.reason}" if self.reason else "")
+        seen = "" if self.visited is None else f", {self.visited:.1%} of the tiles"
+        return self.reading + where + seen + (f": {self.reason}" if self.reason else "")
 
 
 def warn_if_large(family: str, lowering: Lowering) -> None:

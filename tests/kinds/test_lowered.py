@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import structattn as sa
-from structattn.kinds import distance_table, lowered
+from structattn.kinds import block_support, distance_table, lowered
 
 from ..programs import one_family_program
 
@@ -92,17 +92,35 @@ def test_the_trace_holds_the_readings():
 
 
 def test_a_large_dense_reading_warns_once(monkeypatch):
+    """A lone mask (its own C×P table) at 4,096 tokens: one warning naming the family and the
+    reason; none at 64 tokens, none the second time."""
     monkeypatch.setattr(lowered, "_warned", set())
-    program, _ = one_family_program(BandPrior)
+    n = lowered.DENSE_WARNING_SIZE
+    mask = torch.rand(n, n, generator=torch.Generator().manual_seed(0)) < 0.5
+    mask |= torch.eye(n, dtype=torch.bool)
+    program, _ = one_family_program(lambda m: sa.priors.Uniform(support=m))
     layer = sa.compile(program, replay=False)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        layer(torch.randn(1, 64, 4, dtype=f64))  # small: no warning
+        layer(torch.randn(1, 64, 4, dtype=f64), mask[:64, :64])  # small: no warning
         assert not [w for w in seen if w.category is lowered.DenseReadingWarning]
-        x = torch.randn(1, lowered.DENSE_WARNING_SIZE, 4, dtype=f64)
-        layer(x)
-        layer(x)  # the second time: nothing new
+        x = torch.randn(1, n, 4, dtype=f64)
+        layer(x, mask)
+        layer(x, mask)  # the second time: nothing new
     got = [str(w.message) for w in seen if w.category is lowered.DenseReadingWarning]
     assert len(got) == 1, got
     assert "edge family 'attn' (4096 children × 4096 parents) is read densely" in got[0]
-    assert "its support (Band) is read as a (C, P) mask" in got[0]
+    assert "its support (mask) is read as a (C, P) mask: a lone Mask is its own" in got[0]
+
+
+def test_a_band_of_4096_tokens_is_read_by_blocks_without_a_warning(monkeypatch):
+    monkeypatch.setattr(lowered, "_warned", set())
+    program, _ = one_family_program(BandPrior)
+    x = torch.randn(1, lowered.DENSE_WARNING_SIZE, 4, dtype=f64)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        low = sa.compile(program).explain(x)["attn"]
+    assert not [w for w in seen if w.category is lowered.DenseReadingWarning]
+    if block_support._ops() is not None:
+        assert low.reading == "blocks" and low.visited < 0.05, low
+        assert str(low).startswith("blocks (4096×4096), ")
