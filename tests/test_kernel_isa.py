@@ -4,9 +4,9 @@ or one the CPU lacks is refused, and the AVX2 build (x86-64-v3) passes the same
 kernel-against-reference tests, to the same tolerances, as the native one.
 
 The two builds register the same ``torch.ops`` namespaces, so one process loads one of
-them: the AVX2 build's tests run in a subprocess. ``scripts/setup.sh`` builds it ahead on a
-machine that has AVX-512 (on an AVX2-only machine the native build is that code already);
-where it is absent the subprocess builds it (about a minute per kernel).
+them: the AVX2 build's tests run in a subprocess. ``scripts/setup.sh`` builds it ahead on any
+machine that has AVX2 (its flags differ from a native build's, so it has a cache directory of
+its own even there); where it is absent the subprocess builds it (about a minute per kernel).
 """
 
 import os
@@ -33,6 +33,8 @@ AGAINST_REFERENCES = [
     "tests/test_kernels.py::test_band_per_child_equals_softmax_written_out",
     "tests/kinds/test_distance_table.py::test_op_equals_softmax_written_out_with_every_gradient",
     "tests/kinds/test_distance_table.py::test_gradcheck_through_the_op",
+    "tests/kinds/test_block_support.py::test_the_kernel_equals_a_masked_softmax_with_its_gradients",
+    "tests/kinds/test_block_support.py::test_gradcheck",
 ]
 
 #: run in the subprocess: the AVX2 build loaded (built if absent), then the tests above in
@@ -43,7 +45,7 @@ import pytest
 from structattn import kernels
 assert kernels.isa() == "avx2", kernels.isa()
 assert kernels.available(), kernels.build_error()
-for kernel in ("key_bias", "mean_field", "distance_table"):
+for kernel in ("key_bias", "mean_field", "distance_table", "block_support"):
     print(f"{kernel}: {kernels.cache_directory(kernel)}", flush=True)
 sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", "-n", "0", *sys.argv[1:]]))
 """
@@ -69,6 +71,7 @@ def test_each_instruction_set_builds_in_its_own_directory(monkeypatch):
     assert kernels.cache_directory("key_bias") != native["key_bias"]
     assert kernels.cache_directory("mean_field") != native["mean_field"]
     assert kernels.cache_directory("distance_table") != native["distance_table"]
+    assert kernels.cache_directory("block_support") != native["block_support"]
     assert kernels.cache_directory("stick_breaking") == native["stick_breaking"]
 
 
@@ -95,5 +98,5 @@ def test_the_avx2_build_passes_the_kernels_tests_against_their_references(monkey
     last = proc.stdout.strip().splitlines()[-1]
     assert " passed" in last and "failed" not in last and "skipped" not in last, last
     monkeypatch.setenv("STRUCTATTN_KERNEL_ISA", "avx2")  # the AVX2 build's directories
-    for kernel in ("key_bias", "mean_field", "distance_table"):
+    for kernel in ("key_bias", "mean_field", "distance_table", "block_support"):
         assert f"{kernel}: {kernels.cache_directory(kernel)}\n" in proc.stdout

@@ -21,6 +21,8 @@ from structattn.kinds import blocks as blocks_module
 from structattn.kinds.block_support import block_support_attention, by_child_blocks, uses_kernel
 from structattn.kinds.blocks import SupportBlocks, classify
 
+from ..supports import Band, Global, Stride
+
 f64 = torch.float64
 
 
@@ -30,36 +32,6 @@ def kernel_built():
     rather than testing the Python loop twice."""
     if kernels.block_support() is None:
         pytest.fail(f"the block-support kernel is not available: {kernels.build_error()}")
-
-
-class Band(sa.kinds.Support):
-    """|i − j| ≤ w."""
-
-    def __init__(self, w):
-        self.w = w
-
-    def contains(self, child, parent):
-        return (child - parent).abs() <= self.w
-
-
-class Global(sa.kinds.Support):
-    """The first g tokens, read by every child and reading every parent (Longformer's)."""
-
-    def __init__(self, g):
-        self.g = g
-
-    def contains(self, child, parent):
-        return (parent < self.g) | (child < self.g)
-
-
-class Stride(sa.kinds.Support):
-    """i − j a multiple of s (a strided pattern, Sparse Transformer's)."""
-
-    def __init__(self, s):
-        self.s = s
-
-    def contains(self, child, parent):
-        return (child - parent) % self.s == 0
 
 
 @st.composite

@@ -15,35 +15,12 @@ from hypothesis import strategies as st
 import structattn as sa
 from structattn.kinds import block_support, blocks
 
+from ..supports import Band, Global, Stride
 from .test_distance_table import _Largest
 
 f64 = torch.float64
 pytestmark = pytest.mark.skipif(block_support._ops() is None,
                                 reason="the compiled block-support kernel is not built")
-
-
-class Band(sa.kinds.Support):
-    def __init__(self, w):
-        self.w = w
-
-    def contains(self, child, parent):
-        return (child - parent).abs() <= self.w
-
-
-class Global(sa.kinds.Support):
-    def __init__(self, g):
-        self.g = g
-
-    def contains(self, child, parent):
-        return (parent < self.g) | (child < self.g)
-
-
-class Stride(sa.kinds.Support):
-    def __init__(self, s):
-        self.s = s
-
-    def contains(self, child, parent):
-        return (parent % self.s) == (child % self.s)
 
 
 class SupportPrior(sa.priors.Prior):
