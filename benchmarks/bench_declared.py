@@ -16,6 +16,8 @@ difference of per-token terms: no N×N table):
 - ``alibi_noncausal``: the catalogue's ALiBi over both sides (``causal=False``);
 - ``relative_positions``: the catalogue's ``relative_position_attention`` (causal, K = 16);
 - ``generalised_gaussian``: the catalogue's generalised Gaussian (BAM; no ``tol``);
+- ``log_weight``: a user's prior stating ``log_weight`` alone (a slope growing along the
+  sequence, learned per head: not a function of i − j), read a block of children at a time;
 - ``longformer``: the supports guide's ``Band(w=256) | Global(g=16)`` support under a
   uniform prior (``docs/guide/supports.md``); ``longformer_forward``: the same, forward
   alone under ``no_grad``; ``flex_longformer``: the same mask in PyTorch's FlexAttention
@@ -109,6 +111,21 @@ class PowerLaw(sa.priors.DistancePrior):
     def log_at_distance(self, d, dtype=None):
         a = self.a.to(dtype or self.a.dtype).reshape(-1, *([1] * d.dim()))
         return -a * torch.log1p(d.abs().to(a.dtype))  # (H, *d)
+
+
+class Drift(sa.priors.Prior):
+    """A prior stating ``log_weight`` alone: log w_ij = −a_h·(i − j)·(1 + i/N) on j ≤ i, a
+    slope that grows along the sequence (not a function of i − j), ``a`` learned ``(H,)``."""
+
+    def __init__(self, a):
+        self.a = a
+
+    def support(self, num_children, num_parents):
+        return sa.kinds.Causal()
+
+    def log_weight(self, child, parent, sizes):
+        a = self.a.reshape(-1, 1, 1)
+        return -a * (child - parent).to(a.dtype) * (1 + child.to(a.dtype) / sizes[0])
 
 
 class Band(sa.kinds.Support):
@@ -217,6 +234,13 @@ def build_power_law(ref, n):
     return m
 
 
+def build_log_weight(ref, n):
+    """A user's prior of ``log_weight`` alone (``Drift``), a_h = 2^−h learned."""
+    m = UserAttention(lambda self: Drift(self.a))
+    m.a = nn.Parameter(2.0 ** -torch.arange(1, HEADS + 1, dtype=torch.float32))  # (H,)
+    return m
+
+
 def build_longformer(ref, n):
     """Longformer: Band(256) | Global(16), uniform on it."""
     return UserAttention(lambda self: SupportPrior(Band(BAND) | Global(GLOBAL)))
@@ -274,6 +298,7 @@ CASES = {
                            True, False, None, None),
     "generalised_gaussian": (lambda ref, n: _catalogue("generalised_gaussian_attention"),
                              True, False, None, None),
+    "log_weight": (build_log_weight, True, False, None, None),
     "longformer": (build_longformer, True, False, None, None),
     "longformer_forward": (build_longformer, False, False, None, None),
     "flex_longformer": (flex_longformer, False, False, None, "longformer"),

@@ -145,24 +145,26 @@ void forward_tile(T* S, int64_t n, int64_t m, int64_t i0, int64_t j0, const Band
     const T* bias = R + (s.T - 1 - s.shift - i + j0);  // bias[c]: t[i − (j0 + c) + shift]
     T best = top[r];
     T here = -inf;
-#pragma omp simd reduction(max : here)
+    int nan = 0;  // the maximum's reduction drops a NaN: it is carried on by hand
+#pragma omp simd reduction(max : here) reduction(| : nan)
     for (int64_t c = start; c < stop; ++c) {
       const T x = sc * sr[c] + bias[c];
       sr[c] = x;
       here = std::max(here, x);
+      nan |= (x != x);
     }
-    best = std::max(best, here);
+    best = nan ? std::numeric_limits<T>::quiet_NaN() : std::max(best, here);
     online_softmax_row<T>(sr, start, stop, m, best, top[r], total[r], A + r * s.dv, s.dv);
   }
 }
 
 // A block's rows done: A (n, dv) divided by each child's sum, L[r] = log Σ_j e^{s_ij}; a
-// child with no parent (its sum 0): a zero row and −inf.
+// child with no parent (its sum 0): a zero row and −inf; a NaN sum stays NaN.
 template <typename T>
 void finish(T* A, int64_t n, int64_t dv, const T* top, const T* total, T* L) {
   for (int64_t r = 0; r < n; ++r) {
     T* ar = A + r * dv;
-    const bool none = !(total[r] > T(0));
+    const bool none = total[r] == T(0);
     const T inv = none ? T(0) : T(1) / total[r];
 #pragma omp simd
     for (int64_t e = 0; e < dv; ++e) ar[e] *= inv;

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from ..checking._validation import checks_on
-from . import block_support, distance_kernel, distance_table, key_bias
+from . import block_support, distance_kernel, distance_table, key_bias, row_chunks
 from . import blocks as support_blocks
 from .base import Intersection, Operator, Support, grid, keep_nonfinite_rows
 from .lowered import Lowering
@@ -251,6 +251,10 @@ class DenseOperator(Operator, dense_twin=True):
             # a function of i − j alone, looked up per tile of scores (CPU): no C×P bias
             out = distance_table.distance_table_attention(a, b, u, offsets, scale)
             self._lowering = "distance table", None
+        elif h is None and f.tables.by_rows() and row_chunks.applies():
+            # log_weight alone: a block of children at a time, recomputed in the backward
+            out = row_chunks.attention(a, b, u, f.tables, float(scale))
+            self._lowering = "rows", None
         elif h is None and f.tables.blocks() is not None \
                 and block_support.uses_kernel(a, b, u):
             # a support of few tiles: only its non-empty tiles read, partial ones masked (CPU)
@@ -297,6 +301,9 @@ class DenseOperator(Operator, dense_twin=True):
                     f"{f.tables.blocks().fraction:.1%} of the tiles, but the block kernel reads "
                     f"CPU tensors in float32 or float64 (not {a.device.type}, "
                     f"{str(a.dtype).removeprefix('torch.')}), with the kernels on")
+        if f.tables.by_rows():  # log_weight alone, where no plan is recorded
+            return ("its prior states log_weight alone, read a block of children at a time "
+                    "except in an export or under torch.compile")
         if not isinstance(support, (AllParents, Causal)):
             n = max(f.children.size, f.parents.size)
             why = (f"under {support_blocks.BLOCKS_FROM:,} tokens the mask is small"

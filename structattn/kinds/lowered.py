@@ -3,8 +3,9 @@
 Every operator names how it read its family in one call (``Operator.lowering``): the fused
 kernels of the catalogue's fast paths — per-token terms (``"key-bias terms"``), a distance
 table looked up per tile (``"distance table"``), a distance kernel on the GPU, a support's
-non-empty tiles (``"blocks"``, with the share visited), SDPA over j ≤ i or every parent
-without a table (``"sdpa"``) — a kind's own operator (a window, an
+non-empty tiles (``"blocks"``, with the share visited), a prior of ``log_weight`` alone a
+block of children at a time (``"rows"``), SDPA over j ≤ i or every parent without a table
+(``"sdpa"``) — a kind's own operator (a window, an
 edge list, stick-breaking) or the dense reading, which builds a ``(…, C, P)`` mask, table or
 posterior, with the reason (a support or prior that states nothing faster, the posterior
 asked for, a dtype or device no kernel serves). ``layer.explain(*inputs)`` returns them by
@@ -39,7 +40,7 @@ class Lowering:
 
     Attributes:
         reading (str): the reading: ``"key-bias terms"``, ``"distance table"``, ``"distance
-            kernel"``, ``"blocks"`` (a support's non-empty tiles), ``"sdpa"``, ``"dense"``,
+            kernel"``, ``"blocks"`` (a support's non-empty tiles), ``"rows"``, ``"sdpa"``, ``"dense"``,
             ``"dense posterior"``, or a kind's own (``"window"``, ``"edge list"``,
             ``"stick-breaking"``, ``"mean-field windows"``).
         reason (str | None): for a dense reading, why the family is read densely; else None.

@@ -106,6 +106,10 @@ class Prior:
         w = self.log_weight(*grid(num_children, num_parents, device), (num_children, num_parents))
         return w if w is None or dtype is None else w.to(dtype)
 
+    #: the base ``log_table`` evaluates ``log_weight`` on the grid; an override (a prior's own
+    #: tensor, a distance prior's diagonals) does not carry this mark (``PriorTables.by_rows``)
+    log_table.evaluates_log_weight = True
+
     def terms(self, num_children: int, num_parents: int, device):
         """``(g, h)`` with ``log_weight(i, j) = g_i + h_j`` on the support — ``g (…, C)``,
         ``h (…, P)`` — when the prior's log weights separate so (a difference of per-token

@@ -36,6 +36,7 @@ from .table_checks import (
     _check_no_empty_child,
     _check_no_empty_edge_child,
     _check_offsets,
+    _check_shape,
     _check_table,
     _check_terms,
     _edge_counts,
@@ -76,6 +77,7 @@ class PriorTables:
         self.device = device
         self.support = prior.support(num_children, num_parents)
         self._built: dict = {}
+        self._family = "?"  # the family's name, for the messages of checks made later
 
     def _once(self, key, build):
         if key not in self._built:
@@ -197,11 +199,51 @@ class PriorTables:
             support, C, P = self.support, self.num_children, self.num_parents
             if max(C, P) < support_blocks.BLOCKS_FROM or self.is_edge_list \
                     or type(support) in (AllParents, Causal, Mask) \
-                    or self.offsets() is not None or self.table() is not None:
+                    or self.offsets() is not None or self._weighted():
                 return None
             blocks = support_blocks.classify_once(support, C, P, self.device)
             return blocks if blocks.fraction <= support_blocks.MOST_LISTED else None
         return self._once("blocks", build)
+
+    def _weighted(self) -> bool:
+        """Whether the prior has log weights (not uniform), told without its C×P table: it
+        states a table of its own (``log_table`` overridden) or ``log_weight`` at one pair."""
+        if not getattr(type(self.prior).log_table, "evaluates_log_weight", False):
+            return self.table() is not None  # its own tensor: no new C×P table
+        one = torch.zeros(1, 1, dtype=torch.long, device=self.device)
+        return self.prior.log_weight(one, one, (self.num_children, self.num_parents)) is not None
+
+    def by_rows(self) -> bool:
+        """Whether the prior states only ``log_weight`` — its table is ``log_weight`` on the
+        grid (``Prior.log_table`` not overridden), not uniform, with no per-token terms and no
+        table over the offsets — on a grid of ``kinds.blocks.BLOCKS_FROM`` tokens or more
+        (not an edge list): the dense operator then reads it a block of children at a time
+        (``kinds.row_chunks``), and ``validate`` and ``empty_children`` check it so, never the
+        C×P table."""
+        def build():
+            prior, C, P = self.prior, self.num_children, self.num_parents
+            if max(C, P) < support_blocks.BLOCKS_FROM or self.is_edge_list \
+                    or not getattr(type(prior).log_table, "evaluates_log_weight", False) \
+                    or self.offsets() is not None or self.separable() is not None:
+                return False
+            return self._weighted()
+        return self._once("by_rows", build)
+
+    def rows_empty(self) -> torch.Tensor:
+        """``(C,)`` bool: children whose every parent weighs −∞ or lies outside the support, in
+        any head, checked block by block (``by_rows``); NaN and +∞ refused on the way."""
+        def build():
+            from ..kinds import row_chunks
+
+            C, empty = self.num_children, []
+            for i0 in range(0, C, row_chunks.ROWS):
+                lw = row_chunks.block_weights(self, i0, min(C, i0 + row_chunks.ROWS), None)
+                if checks_on():
+                    _check_log_weights(self._family, lw, f"at index (rows {i0}…)")
+                gone = torch.isneginf(lw).all(-1)  # (…, n)
+                empty.append(gone.reshape(-1, gone.shape[-1]).any(0))
+            return torch.cat(empty) if empty else torch.zeros(0, dtype=torch.bool)
+        return self._once("rows_empty", build)
 
     def sdpa_inputs(self, dtype):
         """``(attn_mask, is_causal)`` for ``scaled_dot_product_attention``.
@@ -254,6 +296,8 @@ class PriorTables:
                                                                     self.num_parents))
         if self.blocks() is not None:  # each child's count of parents
             return self.blocks().empty
+        if self.by_rows():  # block by block
+            return self.rows_empty()
         if self.full_mask() is None:
             return None
         return self._once("empty", lambda: ~self.full_mask().any(-1))
@@ -289,6 +333,17 @@ class PriorTables:
         if self.blocks() is not None:  # the tiles' counts: never the C×P mask
             if checks_on() and prior.empty == "error":
                 _check_no_empty_child(family, self.blocks().empty)
+            return
+        if self.by_rows():  # block by block: never the C×P table
+            from ..kinds.row_chunks import block_weights
+
+            self._family = family
+            first = block_weights(self, 0, min(C, 1), None)  # (…, 1, P): its leading dims
+            _check_shape(family, "log weights", (*first.shape[:-2], C, P), target)
+            if checks_on():
+                empty = self.rows_empty()
+                if prior.empty == "error":
+                    _check_no_empty_child(family, empty)
             return
         table, explicit = self.table(), self.support_dense()
         for what, t in (("support mask", explicit), ("log weights", table)):

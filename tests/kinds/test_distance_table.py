@@ -216,17 +216,20 @@ def test_declared_priors_equal_pyro_and_the_dense_reading(name, causal, n, heads
 
 
 class _Largest(TorchDispatchMode):
-    """The largest tensor any op returns (numel), forward and backward."""
+    """The largest tensor any op returns (numel), forward and backward; with ``square=N``,
+    also the shapes of those whose last two dims are both N or more."""
 
-    def __init__(self):
+    def __init__(self, square=None):
         super().__init__()
-        self.largest = 0
+        self.largest, self.n, self.square = 0, square, []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in torch.utils._pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 self.largest = max(self.largest, t.numel())
+                if self.n and t.dim() >= 2 and min(t.shape[-2:]) >= self.n:
+                    self.square.append((str(func), tuple(t.shape)))
         return out
 
 

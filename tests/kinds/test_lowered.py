@@ -124,3 +124,8 @@ def test_a_band_of_4096_tokens_is_read_by_blocks_without_a_warning(monkeypatch):
     if block_support._ops() is not None:
         assert low.reading == "blocks" and low.visited < 0.05, low
         assert str(low).startswith("blocks (4096×4096), ")
+
+
+def test_a_prior_of_log_weight_alone_is_read_by_rows_from_1024_tokens():
+    low = _explain(LogWeightOnly, n=1100)
+    assert low.reading == "rows" and low.reason is None, low
