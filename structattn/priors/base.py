@@ -106,9 +106,11 @@ class Prior:
         w = self.log_weight(*grid(num_children, num_parents, device), (num_children, num_parents))
         return w if w is None or dtype is None else w.to(dtype)
 
-    #: the base ``log_table`` evaluates ``log_weight`` on the grid; an override (a prior's own
-    #: tensor, a distance prior's diagonals) does not carry this mark (``PriorTables.by_rows``)
-    log_table.evaluates_log_weight = True
+    def weights_from_log_weight(self) -> bool:
+        """Whether ``log_table`` is the base one, ``log_weight`` evaluated on the grid (not a
+        prior's own tensor nor a distance prior's diagonals): such a prior's weights may be
+        evaluated a block of children at a time instead (``PriorTables.by_rows``)."""
+        return type(self).log_table is Prior.log_table
 
     def terms(self, num_children: int, num_parents: int, device):
         """``(g, h)`` with ``log_weight(i, j) = g_i + h_j`` on the support — ``g (…, C)``,

@@ -208,7 +208,7 @@ class PriorTables:
     def _weighted(self) -> bool:
         """Whether the prior has log weights (not uniform), told without its C×P table: it
         states a table of its own (``log_table`` overridden) or ``log_weight`` at one pair."""
-        if not getattr(type(self.prior).log_table, "evaluates_log_weight", False):
+        if not self.prior.weights_from_log_weight():
             return self.table() is not None  # its own tensor: no new C×P table
         one = torch.zeros(1, 1, dtype=torch.long, device=self.device)
         return self.prior.log_weight(one, one, (self.num_children, self.num_parents)) is not None
@@ -223,7 +223,7 @@ class PriorTables:
         def build():
             prior, C, P = self.prior, self.num_children, self.num_parents
             if max(C, P) < support_blocks.BLOCKS_FROM or self.is_edge_list \
-                    or not getattr(type(prior).log_table, "evaluates_log_weight", False) \
+                    or not prior.weights_from_log_weight() \
                     or self.offsets() is not None or self.separable() is not None:
                 return False
             return self._weighted()
