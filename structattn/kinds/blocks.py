@@ -269,7 +269,7 @@ def classify_once(support: Support, num_children: int, num_parents: int, device=
     """``classify`` at the default tiles, kept for supports with a ``support_key`` (the newest
     ``KEPT``): a support is a function of the sizes, so its structure is computed once per
     (key, C, P, device) — a recorded plan then holds it as a constant — and each call for one
-    without a key (a ``Mask`` among its parts)."""
+    without a key (a ``Mask`` among its parts; the dense operator reads those densely)."""
     device = torch.device("cpu") if device is None else torch.device(device)
     key, tiles = support_key(support), (BLOCK_Q, BLOCK_K)  # the tiles as they are now
     if key is None:

@@ -309,6 +309,8 @@ class DenseOperator(Operator, dense_twin=True):
             why = (f"under {support_blocks.BLOCKS_FROM:,} tokens the mask is small"
                    if n < support_blocks.BLOCKS_FROM
                    else "a lone Mask is its own (C, P) table" if isinstance(support, Mask)
+                   else "it holds a tensor (a Mask), its (C, P) mask already"
+                   if support_blocks.support_key(support) is None
                    else f"it lists over {support_blocks.MOST_LISTED:.0%} of the tiles"
                    if f.tables.table() is None else "its prior states a (C, P) table")
             return f"its support ({support.describe()}) is read as a (C, P) mask: {why}"

@@ -190,8 +190,9 @@ class PriorTables:
 
     def blocks(self):
         """The support's tiles (``kinds.blocks.SupportBlocks``) when the dense operator reads
-        it by blocks: a uniform prior on a support other than every parent, j ≤ i, a window,
-        an edge list or a lone ``Mask`` (whose C×P tensor the caller already holds), of
+        it by blocks: a uniform prior on a support other than every parent, j ≤ i, a window or
+        an edge list, whose attributes are plain values (``support_key``: not a ``Mask``, whose
+        C×P tensor the caller holds already and which would be classified every call), of
         ``kinds.blocks.BLOCKS_FROM`` tokens or more, listing at most ``MOST_LISTED`` of the
         tiles; else None. Classified once per support and sizes (``classify_once``), in
         chunks: never a C×P boolean."""
@@ -199,6 +200,7 @@ class PriorTables:
             support, C, P = self.support, self.num_children, self.num_parents
             if max(C, P) < support_blocks.BLOCKS_FROM or self.is_edge_list \
                     or type(support) in (AllParents, Causal, Mask) \
+                    or support_blocks.support_key(support) is None \
                     or self.offsets() is not None or self._weighted():
                 return None
             blocks = support_blocks.classify_once(support, C, P, self.device)

@@ -3,7 +3,8 @@
 intersections of bands, global tokens, strides, the strict past and masks — against Pyro's
 exact enumeration and, with every gradient, the dense reading (kernels off), float64, with
 small tiles so that small sizes cross them; a support's structure computed once per support
-and sizes, a mask's every call (an edit in place is seen); no (…, N, N) tensor at N = 2,048."""
+and sizes, one holding a mask read densely (an edit in place is seen); no (…, N, N) tensor at
+N = 2,048."""
 
 import contextlib
 
@@ -82,8 +83,9 @@ def _random_support_case(support, n, heads, seed):
     W = [torch.randn(heads * 2, 3, generator=g, dtype=f64).requires_grad_() for _ in range(3)]
     program = _program(SupportPrior(support), W, heads)
     x = torch.randn(2, n, 3, generator=g, dtype=f64)
-    layer = sa.compile(program)
-    assert layer.explain(x)["attn"].reading == "blocks"
+    layer = sa.compile(program)  # a support holding a Mask: its dense mask
+    keyed = blocks.support_key(support) is not None
+    assert layer.explain(x)["attn"].reading == ("blocks" if keyed else "dense")
     out = layer(x)
     report = sa.inference.compare(program, x, atol=1e-10)
     assert report.passed, report
@@ -114,9 +116,9 @@ def _empty_rows():
     assert (out[..., 0, :] == 0).all() and (out[..., 1:, :] != 0).all()
 
 
-def test_a_structure_is_computed_once_per_support_and_sizes_a_mask_every_call():
+def test_a_structure_is_computed_once_per_support_and_sizes_a_mask_never():
     """A support of plain attributes is classified once per sizes (a plan holds it); one with
-    a mask is classified every call, so that an edit of the mask in place is read."""
+    a mask is read through its dense mask, never classified, and an edit in place is read."""
     with small_tiles():
         _once_and_every_call()
 
@@ -143,10 +145,12 @@ def _once_and_every_call():
         assert len(seen) == 1
         masked = _program(SupportPrior(Band(1) | sa.kinds.Mask(mask)), W, 1)
         layer = sa.compile(masked)
+        assert layer.explain(x)["attn"].reading == "dense"  # the mask the caller holds
         for _ in range(3):
             layer(x)
         mask[5] = ~mask[5]  # an edit in place: the next call reads it
         out = layer(x)
+        assert len(seen) == 1  # never classified
     with sa.kernels.disabled():
         torch.testing.assert_close(out, sa.compile(masked)(x), atol=1e-12, rtol=0)
 
