@@ -18,6 +18,7 @@ from structattn.kinds import block_support, blocks
 
 from ..supports import Band, Global, Stride
 from .test_distance_table import _Largest
+from .test_distance_table import _program as one_prior_program
 
 f64 = torch.float64
 pytestmark = pytest.mark.skipif(block_support._ops() is None,
@@ -63,12 +64,8 @@ def _support(draw, n):
 
 
 def _program(prior, W, heads):
-    def program(x):
-        t = sa.nodes("x", x)
-        phi = sa.edges("attn", t, t, prior, heads=heads)
-        sa.potential(phi, sa.potentials.Bilinear(W[0], W[1], heads=heads))
-        return sa.value(phi, sa.values.Linear(W[2], heads=heads))
-    return program
+    """One family over x under ``prior`` (an instance: ``test_distance_table._program``'s)."""
+    return one_prior_program(lambda: prior, W, heads)
 
 
 @settings(max_examples=20, deadline=None)

@@ -15,7 +15,7 @@ import structattn as sa
 from structattn.kinds import blocks, row_chunks
 
 from ..supports import Band, Global
-from .test_distance_table import _Largest
+from .test_distance_table import _Largest, _program
 
 f64 = torch.float64
 
@@ -44,15 +44,6 @@ def small_rows():
         mp.setattr(blocks, "MOST_LISTED", 0.0)  # no support read by blocks: these tests' own
         mp.setattr(row_chunks, "ROWS", 3)
         yield
-
-
-def _program(prior_fn, W, heads):
-    def program(x):
-        t = sa.nodes("x", x)
-        phi = sa.edges("attn", t, t, prior_fn(), heads=heads)
-        sa.potential(phi, sa.potentials.Bilinear(W[0], W[1], heads=heads))
-        return sa.value(phi, sa.values.Linear(W[2], heads=heads))
-    return program
 
 
 SUPPORTS = [None, sa.kinds.Causal(), Band(2) | Global(1)]
