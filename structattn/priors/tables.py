@@ -26,6 +26,7 @@ import torch
 
 from ..checking._validation import (
     checks_on,
+    is_exporting,
     may_hold,
 )
 from ..kinds import blocks as support_blocks
@@ -194,11 +195,12 @@ class PriorTables:
         an edge list, whose attributes are plain values (``support_key``: not a ``Mask``, whose
         C×P tensor the caller holds already and which would be classified every call), of
         ``kinds.blocks.BLOCKS_FROM`` tokens or more, listing at most ``MOST_LISTED`` of the
-        tiles; else None. Classified once per support and sizes (``classify_once``), in
-        chunks: never a C×P boolean."""
+        tiles, not in an exported program (which reads the dense mask); else None. Classified
+        once per support and sizes (``classify_once``), in chunks: never a C×P boolean."""
         def build():
             support, C, P = self.support, self.num_children, self.num_parents
             if max(C, P) < support_blocks.BLOCKS_FROM or self.is_edge_list \
+                    or is_exporting() or torch.compiler.is_exporting() \
                     or type(support) in (AllParents, Causal, Mask) \
                     or support_blocks.support_key(support) is None \
                     or self.offsets() is not None or self._weighted():

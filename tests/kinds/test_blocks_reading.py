@@ -166,3 +166,17 @@ def test_longformer_visits_few_tiles_and_no_n_by_n_tensor():
         with _Largest() as seen:
             layer(x).sum().backward()
         assert seen.largest < N * N // 2, seen.largest
+
+
+def test_an_exported_program_reads_the_dense_mask_and_agrees():
+    """``structattn.export`` runs without structattn: no block kernel, no classification in
+    the program; its output equals the compiled layer's reading by blocks."""
+    W = [torch.randn(4, 3, dtype=f64) for _ in range(3)]
+    program = _program(SupportPrior(Band(2) | Global(1)), W, 2)
+    x = torch.randn(1, 13, 3, dtype=f64)
+    with small_tiles():
+        layer = sa.compile(program)
+        assert layer.explain(x)["attn"].reading == "blocks"
+        out = layer(x)
+        exported = sa.export(program, x)
+    torch.testing.assert_close(exported.module()(x), out, atol=1e-12, rtol=0)
