@@ -5,7 +5,8 @@
 #     (TORCH_SPEC, default torch==2.13.0: on our CPU machines that is a local CPU wheel,
 #     whereas an unpinned torch pulls a multi-GB CUDA build);
 #   - Triton (TRITON_SPEC, default triton==3.9.0), whose interpreter runs the GPU kernels' tests;
-#   - structattn itself, editable, with its dev and gpu extras (pytest, hypothesis, ruff, build);
+#   - structattn itself, editable, with its dev, gpu and transformers extras (pytest,
+#     hypothesis, ruff, build; Hugging Face transformers for structattn.integrations);
 #   - the compiled CPU kernels (structattn/csrc, built once per torch version; needs g++).
 # Safe to run again: it only installs what is missing.
 set -euo pipefail
@@ -55,8 +56,8 @@ STAMP=.venv/.structattn-installed
 WANT="$(sha256sum pyproject.toml | cut -d' ' -f1)"
 if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ] \
     || ! .venv/bin/python -c "import structattn" >/dev/null 2>&1; then
-  echo "setup: installing structattn (editable) with its dev and gpu extras"
-  "${PIP[@]}" -e ".[dev,gpu]"
+  echo "setup: installing structattn (editable) with its dev, gpu and transformers extras"
+  "${PIP[@]}" -e ".[dev,gpu,transformers]"
   echo "$WANT" > "$STAMP"
 else
   echo "setup: structattn already installed for this pyproject.toml"

@@ -1,0 +1,1 @@
+"""structattn inside other libraries, each an optional extra: ``integrations.transformers``."""
