@@ -7,14 +7,18 @@ transformers = pytest.importorskip(
     "(pip install 'structattn[transformers]')")
 
 import torch  # noqa: E402
+from huggingface_hub.errors import StrictDataclassClassValidationError  # noqa: E402
 
 from structattn.integrations.transformers import (  # noqa: E402
     StructAttnCache,
     StructAttnConfig,
     StructAttnForCausalLM,
+    convert,
 )
 
-__all__ = ["StructAttnCache", "StructAttnConfig", "StructAttnForCausalLM"]
+#: what the test modules import from here, after the skip (never from transformers directly)
+__all__ = ["StrictDataclassClassValidationError", "StructAttnCache", "StructAttnConfig",
+           "StructAttnForCausalLM", "convert", "transformers"]
 
 VOCAB = 40
 
@@ -54,3 +58,32 @@ def greedy_loop(model, ids, new, attention_mask=None):
         if mask is not None:
             mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], 1)
     return ids
+
+
+class PowerLaw(__import__("structattn").priors.DistancePrior):
+    """A user's prior: log w(d) = −a_h·log(1 + d) on j ≤ i, ``a`` learned per head."""
+
+    def __init__(self, a):
+        self.a = a
+        super().__init__("power-law prior", causal=True)
+
+    def log_at_distance(self, d, dtype=None):
+        a = self.a.to(dtype or self.a.dtype).reshape(-1, *([1] * d.dim()))
+        return -a * torch.log1p(d.abs().to(a.dtype))
+
+
+class PowerLawAttention(__import__("structattn").models.SelfAttention):
+    """Causal self-attention under the user's power-law prior (a = 1 per head at the start)."""
+
+    def __init__(self, d_model, **kwargs):
+        super().__init__(d_model, causal=True, **kwargs)
+        self.a = torch.nn.Parameter(torch.ones(self.heads))
+
+    def model(self, x):
+        tokens = self.tokens(x)
+        return self.attend(self.family_name, tokens, tokens, PowerLaw(self.a))
+
+
+def power_law_attention(d_model, **kwargs):
+    """A user's factory, named in a config as ``tests.integrations.hf:power_law_attention``."""
+    return PowerLawAttention(d_model, **kwargs)

@@ -26,10 +26,12 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM  # noqa: E4
 
 from .cache import StructAttnCache  # noqa: E402
 from .configuration import StructAttnConfig  # noqa: E402
+from .convert import convert  # noqa: E402
 from .modeling import StructAttnForCausalLM, StructAttnModel  # noqa: E402
 
 AutoConfig.register(StructAttnConfig.model_type, StructAttnConfig, exist_ok=True)
 AutoModel.register(StructAttnConfig, StructAttnModel, exist_ok=True)
 AutoModelForCausalLM.register(StructAttnConfig, StructAttnForCausalLM, exist_ok=True)
 
-__all__ = ["StructAttnCache", "StructAttnConfig", "StructAttnForCausalLM", "StructAttnModel"]
+__all__ = ["StructAttnCache", "StructAttnConfig", "StructAttnForCausalLM", "StructAttnModel",
+           "convert"]

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from ... import compile as compile_model
+from ...decoding.rules import rule_for
 from ...models import REGISTRY
 from .configuration import CAUSAL_CATALOGUE
 
@@ -80,6 +81,7 @@ class StructAttnAttention(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.layer = compile_model(declare(config))
+        self.decodes = _reads_incrementally(self.layer.declaration)
 
     @property
     def declaration(self):
@@ -98,6 +100,16 @@ class StructAttnAttention(nn.Module):
         y = self.layer(x, cache=self.layer.new_cache(), lengths=lengths) if cache is None \
             else cache.read(self.layer, x, lengths, input_norm)
         return restore(y, order)
+
+
+def _reads_incrementally(declaration) -> bool:
+    """Whether structattn's decoding cache has an incremental reading of the declaration
+    (every causal catalogue model; a user's own declaration is read whole at each call)."""
+    try:
+        rule_for(declaration)
+    except (NotImplementedError, ValueError):
+        return False
+    return True
 
 
 def _new_columns(attention_mask, k: int) -> torch.Tensor:

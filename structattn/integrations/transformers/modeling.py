@@ -78,6 +78,13 @@ class StructAttnModel(StructAttnPreTrainedModel):
         self.gradient_checkpointing = False
         self.post_init()
 
+    @property
+    def decodes(self) -> bool:
+        """Whether every layer's attention has an incremental reading (a ``StructAttnCache``):
+        every causal catalogue model; a user's own declaration is read whole at each call,
+        so ``generate()`` runs without a cache."""
+        return all(layer.self_attn.decodes for layer in self.layers)
+
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None,
                 inputs_embeds=None, use_cache=None, output_hidden_states=None, **kwargs):
         """``use_cache``: None reads ``config.use_cache`` in eval mode and False in training;
@@ -88,7 +95,7 @@ class StructAttnModel(StructAttnPreTrainedModel):
         _refuse_unread(kwargs)
         h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         if use_cache is None:
-            use_cache = self.config.use_cache and not self.training
+            use_cache = self.config.use_cache and not self.training and self.decodes
         if use_cache and cache is None:
             cache = StructAttnCache(self.config)
         if cache is not None and not isinstance(cache, StructAttnCache):
@@ -119,6 +126,8 @@ class StructAttnForCausalLM(StructAttnPreTrainedModel, GenerationMixin):
         self.vocab_size = config.vocab_size
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
+        if not self.model.decodes:
+            self.generation_config.use_cache = False  # generate() reads the whole sequence
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None,
                 inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0,
