@@ -10,8 +10,9 @@ single-shot values, the iterating reader (``structattn.iterative.iterate``), dra
 for K hops).
 
 Each function takes an edge family (``structattn.family.EdgeFamily``) as ``family``, read by
-its attributes (its prior, support, value, node sets and inference scheme): ``family`` is the
-layer above this one (``DESIGN.md``, "Layers"), so it is not imported here.
+its attributes (its prior, support, value, node sets and inference scheme): ``family`` is in
+a layer above this one (``DESIGN.md``: "Layers: imports only downward"), so it is not
+imported here.
 """
 
 from __future__ import annotations
