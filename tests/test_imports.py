@@ -1,29 +1,28 @@
 """Imports: the subpackages import on their own; the catalogue imports the core from its
 submodules, not through the package's top level, so it does not depend on the order of the
-imports in structattn/__init__.py; and the import graph of structattn/ (the catalogue and the
-inference included) has no cycle.
-
-The import graph is read with ``ast`` (no module is executed): every ``import`` and ``from …
-import`` anywhere in a module, at the top level or inside a function, is an edge to the module
-it names; relative imports are resolved; ``from package import name`` is an edge to the
-submodule ``package.name`` when there is one, else to the package (its ``__init__``, whose
-re-exports are in turn its edges). Importing ``a.b.c`` also runs the packages ``a`` and ``a.b``:
-those are edges too, except for the importing module's own enclosing packages, which are
-already being initialised when it runs — unless it names one of them explicitly
-(``import structattn`` inside ``structattn/models/x.py`` is an edge to ``structattn``). Imports by
-``importlib.import_module`` are not read, with one exception stated here: the catalogue's
-``register`` imports each listed model file, so ``structattn.models`` has an edge to each.
+imports in structattn/__init__.py; the import graph of structattn/ (the catalogue and the
+inference included; read as ``tests/import_graph.py`` says) has no cycle, and each of its
+edges goes from a module to one of its own layer or a lower one, the layers being DESIGN.md's
+table ("Layers: imports only downward").
 """
 
-import ast
-import pathlib
 import subprocess
 import sys
 import textwrap
 
 import pytest
 
-from .tree import files
+from .import_graph import (
+    PACKAGES,
+    ROOT,
+    describe,
+    discover,
+    import_cycles,
+    import_graph,
+    layer_name,
+    layer_table,
+    upward_edges,
+)
 
 
 def _run(code, tmp_path):
@@ -68,128 +67,7 @@ def test_catalogue_modules_import_before_the_package_is_initialised(tmp_path):
     """, tmp_path)
     assert rc == 0, out
 
-
 # -- the import graph ---------------------------------------------------------------------
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-#: dotted package → folder (the catalogue and the inference are subpackages of structattn/,
-#: reached through its links structattn/models and structattn/inference)
-PACKAGES = {"structattn": ROOT / "structattn"}
-
-
-def discover(packages):
-    """Dotted module name → path, for every ``.py`` file under the packages' folders."""
-    modules = {}
-    for package, folder in packages.items():
-        for path in files(folder):  # the linked catalogue and inference included
-            parts = path.relative_to(folder).with_suffix("").parts
-            if parts[-1] == "__init__":
-                parts = parts[:-1]
-            modules[".".join((package, *parts))] = path
-    return modules
-
-
-def _enclosing(name):
-    """The packages enclosing ``name``: ``a.b.c`` → ``[a, a.b]``."""
-    parts = name.split(".")
-    return [".".join(parts[:i]) for i in range(1, len(parts))]
-
-
-def import_edges(name, path, modules):
-    """``[(target, line, in_function)]``: the project modules that module ``name`` imports."""
-    tree = ast.parse(path.read_text(), filename=str(path))
-    in_function = set()
-    for fn in ast.walk(tree):
-        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
-            in_function.update(id(n) for n in ast.walk(fn) if n is not fn)
-    edges = []
-
-    def edge(target, node, named):
-        if target not in modules:
-            return  # not ours (torch, pyro, …)
-        if not named and (target == name or target in _enclosing(name)):
-            return  # run implicitly, but already initialising when this module runs
-        edges.append((target, node.lineno, id(node) in in_function))
-
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            for alias in node.names:
-                edge(alias.name, node, True)
-                for package in _enclosing(alias.name):
-                    edge(package, node, False)
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:  # relative: from the module's package, one level up per extra dot
-                package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
-                package = package[:len(package) - (node.level - 1)]
-                base = ".".join(package + ([node.module] if node.module else []))
-            else:
-                base = node.module
-            for package in _enclosing(base):
-                edge(package, node, False)
-            names = [alias.name for alias in node.names]
-            submodules = [n for n in names if f"{base}.{n}" in modules]
-            for n in submodules:
-                edge(f"{base}.{n}", node, True)
-            # a name from the package's namespace needs its __init__; importing only
-            # submodules runs it too (implicitly)
-            edge(base, node, len(submodules) < len(names))
-    return edges
-
-
-def import_graph(packages=None):
-    """Module → its import edges; for this project (``packages=None``) with the catalogue's
-    ``register`` edges, structattn.models → each model file it lists."""
-    modules = discover(PACKAGES if packages is None else packages)
-    graph = {name: import_edges(name, path, modules) for name, path in modules.items()}
-    if packages is None:
-        import structattn.models
-
-        graph["structattn.models"] += [(f"structattn.models.{name}", 0, False)
-                                       for name in structattn.models.CATALOGUE]
-    return graph
-
-
-def import_cycles(graph):
-    """Strongly connected components with more than one module, and modules that import
-    themselves (Tarjan's algorithm), each as a sorted list of module names."""
-    index, low, stack, on_stack, found = {}, {}, [], set(), []
-
-    def visit(v):
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        on_stack.add(v)
-        for w, *_ in graph[v]:
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on_stack:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            component = []
-            while not component or component[-1] != v:
-                component.append(stack.pop())
-                on_stack.discard(component[-1])
-            if len(component) > 1 or any(w == v for w, *_ in graph[v]):
-                found.append(sorted(component))
-
-    for v in sorted(graph):
-        if v not in index:
-            visit(v)
-    return found
-
-
-def describe(graph, cycles):
-    """Each cycle with the imports (module:line → module) that close it."""
-    lines = []
-    for component in cycles:
-        lines.append("cycle: " + ", ".join(component))
-        for v in component:
-            for w, line, in_function in sorted(set(graph[v])):
-                if w in component:
-                    lines.append(f"    {v}:{line} → {w}" + ("  (inside a function)" if in_function
-                                                             else ""))
-    return "\n".join(lines)
-
-
 def _write(root, files):
     for rel, text in files.items():
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -234,6 +112,39 @@ def test_no_import_cycles():
     graph = import_graph()
     cycles = import_cycles(graph)
     assert not cycles, describe(graph, cycles)
+
+
+# -- the layers ------------------------------------------------------------------------------
+def test_the_layer_check_sees_an_upward_edge():
+    """On a throw-away graph: an edge to the same layer or a lower one passes, an edge up —
+    at the top of a module or inside a function — is reported with its line; the table's
+    reader takes every name of a row, and refuses a name in two rows."""
+    graph = {"p.low": [], "p.mid": [("p.low", 1, False), ("p.mid2", 2, False)],
+             "p.mid2": [("p.top", 7, True)], "p.top": [("p.mid", 3, False)]}
+    layer = {"p.low": 0, "p.mid": 1, "p.mid2": 1, "p.top": 2}
+    assert upward_edges(graph, layer) == ["p.mid2:7 → p.top (layer 1 → 2)  (inside a function)"]
+    text = ("## Layers\n\n| Layer | Modules | What |\n|---|---|---|\n"
+            "| 0 | `a`, `b/` | `c` is not read |\n| 1 | `__init__` | top |\n\n## Next\n| 2 | `d` |")
+    assert layer_table(text) == {"a": 0, "b/": 0, "__init__": 1}
+    with pytest.raises(AssertionError, match="a is in layers 0 and 1"):
+        layer_table(text.replace("`__init__`", "`a`"))
+
+
+def test_every_import_goes_to_the_same_layer_or_a_lower_one():
+    """DESIGN.md's layers hold with no exception: each module of structattn/ (the catalogue and
+    the inference included) is in exactly one row of its table, each row names something
+    that exists, and no import, at the top of a module or inside a function, goes up."""
+    table = layer_table((ROOT / "DESIGN.md").read_text())
+    modules = discover(PACKAGES)
+    names = {module: layer_name(module, path) for module, path in modules.items()}
+    unlisted = sorted({n for n in names.values() if n not in table})
+    assert not unlisted, f"add these to a row of DESIGN.md's table of layers: {unlisted}"
+    stale = sorted(set(table) - set(names.values()))
+    assert not stale, f"DESIGN.md's table of layers names what is not in structattn/: {stale}"
+    assert sorted(set(table.values())) == list(range(max(table.values()) + 1))
+    up = upward_edges(import_graph(), {m: table[n] for m, n in names.items()})
+    assert not up, ("imports that go up a layer (DESIGN.md: \"Layers: imports only downward\"):\n"
+                    + "\n".join(up))
 
 
 def test_import_loads_no_dynamo_nor_pyro_inference():

@@ -42,6 +42,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.utils import _pytree as pytree
 
 from ..checking._validation import check_size
 from ..operators import band
@@ -77,6 +78,11 @@ class CertifiedWindow:
     skipped: float
     certified: bool
     heads: torch.Tensor | None = None
+
+
+# a reading returns it beside tensors: a pytree node, so that a plan's graph outputs its
+# tensors (``structattn.compiling.replay``)
+pytree.register_dataclass(CertifiedWindow)
 
 
 def tail_bound(log_inside: torch.Tensor, log_tail: torch.Tensor,

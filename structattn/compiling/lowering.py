@@ -8,18 +8,21 @@ mean-field windows), the scheme's operator at its fixed point. The same operator
 single-shot values, the iterating reader (``structattn.iterative.iterate``), drawings and
 ``compare``; the value function turns it into E[v] (one call for a linear value, K calls
 for K hops).
+
+Each function takes an edge family (``structattn.family.EdgeFamily``) as ``family``, read by
+its attributes (its prior, support, value, node sets and inference scheme): ``family`` is in
+a layer above this one (``DESIGN.md``: "Layers: imports only downward"), so it is not
+imported here.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..family import EdgeFamily
 from ..kinds.base import Operator
 
 
-def operator_for(family: EdgeFamily, cache: dict | None = None, *,
-                 record: bool = False) -> Operator:
+def operator_for(family, cache: dict | None = None, *, record: bool = False) -> Operator:
     """The family's operator at the current node states (``cache``: what an iterating reader
     keeps across steps; ``record``: an inference scheme keeps its history in the operator's
     ``history``)."""
@@ -33,13 +36,13 @@ def operator_for(family: EdgeFamily, cache: dict | None = None, *,
     return cls(family, cache)
 
 
-def posterior(family: EdgeFamily) -> torch.Tensor:
+def posterior(family) -> torch.Tensor:
     """p(φ_i = j | x): ``(*batch, H, C, P)``; rows sum to one over the support (all-zero
     rows for children without parents under ``empty="zero"``)."""
     return operator_for(family).dense_posterior()
 
 
-def expectation(family: EdgeFamily, operator: Operator, *, want_posterior: bool = False):
+def expectation(family, operator: Operator, *, want_posterior: bool = False):
     """``(E[v], posterior or None)`` of a complete family (``check_complete``) through its
     ``operator`` (``operator_for``, or the iteration's at the final states).
 

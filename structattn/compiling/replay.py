@@ -42,10 +42,8 @@ import warnings
 from functools import partial
 
 import torch
-from torch.utils import _pytree as pytree
 
 from .. import kernels, reading
-from ..certificates.certified import CertifiedWindow
 from ..checking import _validation
 from ..checking.verdicts import Verdicts, parameters_failed, queued_on
 from ..latent import iteration_overrides
@@ -53,14 +51,8 @@ from ..plans.fast_path import _Last
 from ..plans.internals import autocast_modes
 from ..plans.plan import _FAILED, _RECORDING, MISSED, Plan, _leaf_key, _read, _split, hold, replay, stamp
 from ..plans.record import record
-from ..windows.history import MeanFieldHistory
-from .trace import Trace
 
 __all__ = ["MAX_PLANS", "MISSED", "Plan", "Plans", "hold", "record", "replay", "stamp"]
-
-# what a reading returns beside tensors: flattened so that their tensors are graph outputs
-for _cls in (Trace, MeanFieldHistory, CertifiedWindow):
-    pytree.register_dataclass(_cls)
 
 #: how many signatures one module records by default before it reads new ones every call
 #: (``sa.compile(model, max_plans=…)``; like dynamo's cache size limit: a stream of ever-new

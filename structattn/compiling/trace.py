@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from torch.utils import _pytree as pytree
 
 
 @dataclass
@@ -53,3 +54,8 @@ class Trace:
     truncation: dict = field(default_factory=dict)
     leftover: dict = field(default_factory=dict)
     lowering: dict = field(default_factory=dict)
+
+
+# a reading returns it beside tensors: a pytree node, so that a plan's graph outputs its
+# tensors (``structattn.compiling.replay``)
+pytree.register_dataclass(Trace)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from torch.utils import _pytree as pytree
 
 
 @dataclass
@@ -68,3 +69,8 @@ class MeanFieldHistory:
         its = (self.child_iterations if self.child_iterations is not None
                else torch.full_like(w, self.iterations)).to(torch.float64)
         return float((w * (d + its + 1)).mean()) / (n * d)
+
+
+# a reading returns it beside tensors: a pytree node, so that a plan's graph outputs its
+# tensors (``structattn.compiling.replay``)
+pytree.register_dataclass(MeanFieldHistory)
