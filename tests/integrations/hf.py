@@ -12,9 +12,14 @@ from structattn.integrations.transformers import (  # noqa: E402
     StructAttnCache,
     StructAttnConfig,
     StructAttnForCausalLM,
+    StructAttnPrior,
+    aligned_attention,
+    register_attention,
+    use_prior,
 )
 
-__all__ = ["StructAttnCache", "StructAttnConfig", "StructAttnForCausalLM"]
+__all__ = ["StructAttnCache", "StructAttnConfig", "StructAttnForCausalLM", "StructAttnPrior",
+           "aligned_attention", "register_attention", "transformers", "use_prior"]
 
 VOCAB = 40
 

@@ -175,6 +175,12 @@ def _attention(name: str) -> Callable:
         unread = sorted(k for k in UNREAD if kwargs.get(k) is not None)
         if unread:
             raise ValueError(f"{owner}: {unread} are not read; the prior states the structure")
+        C, P = query.shape[-2], key.shape[-2]
+        if attention_mask is None and 1 < C < P:
+            raise ValueError(f"{owner}: {C} queries over {P} keys with no attention_mask, "
+                             f"which transformers passes for queries in the first {C} slots "
+                             f"(an empty StaticCache's prefill); the queries are aligned with "
+                             f"the last keys: use a DynamicCache")
         prior = _prior_of(module, name, query.shape[1])
         out = aligned_attention(query, key, value, prior, attention_mask, scaling, owner=owner)
         return out.transpose(1, 2).contiguous(), None
