@@ -13,12 +13,17 @@ from structattn.integrations.transformers import (  # noqa: E402
     StructAttnCache,
     StructAttnConfig,
     StructAttnForCausalLM,
+    StructAttnPrior,
+    aligned_attention,
     convert,
+    register_attention,
+    use_prior,
 )
 
 #: what the test modules import from here, after the skip (never from transformers directly)
 __all__ = ["StrictDataclassClassValidationError", "StructAttnCache", "StructAttnConfig",
-           "StructAttnForCausalLM", "convert", "transformers"]
+           "StructAttnForCausalLM", "StructAttnPrior", "aligned_attention", "convert",
+           "register_attention", "transformers", "use_prior"]
 
 VOCAB = 40
 
