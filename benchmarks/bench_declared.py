@@ -55,6 +55,12 @@ the layer offers it (None where it does not, and for FlexAttention).
 Run: ``python benchmarks/bench_declared.py [--quick] [--sizes N …] [--cases NAME …]
 [--rounds R] [--budget S] [--max-gb G] [--threads T] [--json PATH]``. A full run writes
 ``benchmarks/results/declared.json``.
+
+``--device cuda`` measures the cases on a GPU instead (``_declared_cuda.py``): each layer
+with FlexAttention's reading and without it (a Triton kernel, the rows reading or the dense
+table), the reading each took, CUDA-event times (``--reps``) and peak memory, at 2,048, 8,192
+and 16,384 tokens; ``--budget`` is then the whole run's seconds (default 240). It writes
+``declared_cuda.json``.
 """
 
 from __future__ import annotations
@@ -515,11 +521,21 @@ def main(argv=None):
     p.add_argument("--threads", type=int, metavar="T",
                    help="torch threads in each subprocess (default torch's own; --quick 1)")
     p.add_argument("--json", metavar="PATH")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="cuda: each case with and without FlexAttention's reading on a GPU")
+    p.add_argument("--reps", type=int, default=10, help="--device cuda: timed calls per route")
     p.add_argument("--child", nargs="+", help=argparse.SUPPRESS)  # CFG CASE:N …
     args = p.parse_args(argv)
     if args.child:
         child(json.loads(args.child[0]), args.child[1:])
         return None
+    if args.device == "cuda":
+        import _declared_cuda  # noqa: PLC0415  (this script's own folder; CUDA runs only)
+
+        args.budget = args.budget or 240.0
+        results = _declared_cuda.run(sys.modules[__name__], args)
+        _results.save("declared_cuda", results, args.json, quick=args.quick)
+        return results
     cfg = dict(sizes=[2048, 8192, 16384], rounds=args.rounds, max_gb=args.max_gb,
                budget_s=args.budget or 240.0, flex_compiled=True, heads=HEADS, d_k=D_K,
                d_v=D_K, d_model=D_MODEL, batch=1, band=BAND, globals=GLOBAL,

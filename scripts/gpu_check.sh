@@ -9,7 +9,15 @@
 #      causal SDPA and FLA's kernels (benchmarks/bench_gpu_layers.py: gpu_layers.json);
 #   4. the byte-level language model, two variants a minute each in bfloat16 (autocast) on the
 #      corpus the LM table used, carried as gallery/corpus/stdlib.corpus.gz;
-#   5. (off unless their limits are given, e.g. GPU_KERNELS_S=230: their records are committed)
+#   5. (off unless its limits are given: FLEX_TESTS_S=120 FLEX_S=300, with steps 1-4 at 0 on a
+#      machine of its own, fits 15 minutes) FlexAttention's reading of the declared priors and
+#      supports: its CUDA tests (tests/kinds/test_flex_reading.py: the reading selected, equal
+#      to the readings without it, gradients of the prior's parameters included), then
+#      benchmarks/bench_declared.py --device cuda: each declared case at 2,048, 8,192 and 16,384
+#      tokens with and without FlexAttention (a Triton kernel, the rows reading or the dense
+#      table), the reading each took, time and peak memory (declared_cuda.json), no case
+#      started after FLEX_BUDGET_S;
+#   6. (off unless their limits are given, e.g. GPU_KERNELS_S=230: their records are committed)
 #      the key-bias kernel's launch settings (benchmarks/tune_key_bias.py), then the Triton
 #      kernels against FLA and FlashAttention with them (benchmarks/bench_gpu_kernels.py);
 #      checks on and off, per-call cost, the distance priors' and expanding attention's layers
@@ -83,6 +91,12 @@ step lm "${LM_S:-160}" "$PY" gallery/train_lm.py --device cuda --dtype bfloat16 
   --corpus "${LM_CORPUS:-gallery/corpus/stdlib.corpus.gz}" --attention ${LM_VARIANTS:-rope fox} \
   --context 512 --steps 1000000 --minutes "${LM_MINUTES:-1}" --eval-every 500 --eval-windows 16 \
   --eval-lengths 512 2048 8192 16384 --out "$OUT/lm"
+# FlexAttention's reading on CUDA: which route serves each declared case is measured here
+step flex_tests "${FLEX_TESTS_S:-0}" "$PY" -m pytest -q -p no:cacheprovider -p no:benchmark \
+  -o "addopts=-ra" tests/kinds/test_flex_reading.py -k cuda --durations=5
+step flex "${FLEX_S:-0}" "$PY" benchmarks/bench_declared.py --device cuda \
+  --sizes ${FLEX_SIZES:-2048 8192 16384} --budget "${FLEX_BUDGET_S:-240}" --reps "${FLEX_REPS:-10}" \
+  ${FLEX_CASES:+--cases $FLEX_CASES} --json "$OUT/declared_cuda.json"
 # the key-bias kernel's launch settings, one kernel at a time; then against FLA (fla-core in
 # .gpu-wheels) and FlashAttention, with those settings: time and peak memory
 step tune "${TUNE_S:-0}" "$PY" benchmarks/tune_key_bias.py --json "$OUT/tuned.json" \

@@ -45,6 +45,8 @@ class ReadingContext:
             ``structattn.kernels.disabled()``).
         triton_on_cpu: the Triton kernels serve CPU tensors under the interpreter
             (``structattn.triton_kernels.on_cpu()``).
+        flex: FlexAttention may read a family on CUDA (False inside
+            ``structattn.kinds.flex_reading.disabled()``).
         iteration: ``structattn.iteration(...)``'s overrides of the latents' options
             (name → value), replaced, never changed in place.
         window: while ``structattn.export(..., window=W)`` reads the declaration, ``(width,
@@ -61,6 +63,7 @@ class ReadingContext:
     as_guards: bool = False
     kernels: bool = True
     triton_on_cpu: bool = False
+    flex: bool = True
     iteration: dict = field(default_factory=dict)
     window: tuple | None = None
 

@@ -133,7 +133,7 @@ class Plans:
         key = [getattr(layer.declaration, "structure_version", 0), torch.is_grad_enabled(),
                torch.is_inference_mode_enabled(), autocast_modes(),
                _validation.is_validating(), kernels._enabled(),
-               reading.context().triton_on_cpu]
+               reading.context().triton_on_cpu, reading.context().flex]
         try:
             for x in inputs:
                 key.append((x.shape, x.dtype, x.device, x.requires_grad, x.layout)

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from ..checking._validation import checks_on
-from . import block_support, distance_kernel, distance_table, key_bias, row_chunks
+from . import block_support, distance_kernel, distance_table, flex_reading, key_bias, row_chunks
 from . import blocks as support_blocks
 from .base import Intersection, Operator, Support, grid, keep_nonfinite_rows
 from .lowered import Lowering
@@ -247,6 +247,11 @@ class DenseOperator(Operator, dense_twin=True):
             out = distance_kernel.distance_kernel_attention(a, b, u, shape, scale,
                                                             f.tables.support.is_causal())
             self._lowering = "distance kernel", None
+        elif h is None and flex_reading.applies(a, b, u) \
+                and (flex := flex_reading.plan(f.tables)) is not None:
+            # CUDA: a distance table, a support's tiles or log_weight in one FlexAttention call
+            out = flex_reading.attend(a, b, u, flex, float(scale))
+            self._lowering = "flex", None, flex.visited
         elif offsets is not None and distance_table.applies(a, b, u):
             # a function of i − j alone, looked up per tile of scores (CPU): no C×P bias
             out = distance_table.distance_table_attention(a, b, u, offsets, scale)
@@ -290,8 +295,11 @@ class DenseOperator(Operator, dense_twin=True):
         support, prior = f.tables.support, f.prior
         if offsets is not None:  # a distance table no kernel took here
             if a.device.type != "cpu":
-                return (f"no {a.device.type.upper()} kernel reads a distance table "
-                        f"({prior.describe()}); the CPU's compiled kernel does")
+                return (f"no {a.device.type.upper()} reading takes this distance table "
+                        f"({prior.describe()}) here: FlexAttention reads CUDA tensors in "
+                        f"float32 or half precision, widths ≥ {flex_reading.MIN_WIDTH}, from "
+                        f"{support_blocks.BLOCKS_FROM:,} tokens; the CPU's compiled kernel "
+                        f"reads float32 and float64")
             if a.dtype not in (torch.float32, torch.float64):
                 return (f"the distance-table kernel reads float32 and float64, not "
                         f"{str(a.dtype).removeprefix('torch.')}")
@@ -299,8 +307,10 @@ class DenseOperator(Operator, dense_twin=True):
         if f.tables.blocks() is not None:  # blocks no kernel took here
             return (f"its support ({support.describe()}) lists "
                     f"{f.tables.blocks().fraction:.1%} of the tiles, but the block kernel reads "
-                    f"CPU tensors in float32 or float64 (not {a.device.type}, "
-                    f"{str(a.dtype).removeprefix('torch.')}), with the kernels on")
+                    f"CPU tensors in float32 or float64 with the kernels on, FlexAttention CUDA "
+                    f"tensors in float32 or half precision of widths ≥ {flex_reading.MIN_WIDTH} "
+                    f"(here {a.device.type}, {str(a.dtype).removeprefix('torch.')}, factors of "
+                    f"width {a.shape[-1]})")
         if f.tables.by_rows():  # log_weight alone, where no plan is recorded
             return ("its prior states log_weight alone, read a block of children at a time "
                     "except in an export or under torch.compile")

@@ -3,7 +3,9 @@
 Every operator names how it read its family in one call (``Operator.lowering``): the fused
 kernels of the catalogue's fast paths — per-token terms (``"key-bias terms"``), a distance
 table looked up per tile (``"distance table"``), a distance kernel on the GPU, a support's
-non-empty tiles (``"blocks"``, with the share visited), a prior of ``log_weight`` alone a
+non-empty tiles (``"blocks"``, with the share visited), FlexAttention on CUDA for a
+distance table or a support's tiles (``"flex"``, with the share visited), a prior of
+``log_weight`` alone a
 block of children at a time (``"rows"``), SDPA over j ≤ i or every parent without a table
 (``"sdpa"``) — a kind's own operator (a window, an
 edge list, stick-breaking) or the dense reading, which builds a ``(…, C, P)`` mask, table or
@@ -40,13 +42,14 @@ class Lowering:
 
     Attributes:
         reading (str): the reading: ``"key-bias terms"``, ``"distance table"``, ``"distance
-            kernel"``, ``"blocks"`` (a support's non-empty tiles), ``"rows"``, ``"sdpa"``, ``"dense"``,
+            kernel"``, ``"blocks"`` (a support's non-empty tiles), ``"flex"`` (FlexAttention on
+            CUDA), ``"rows"``, ``"sdpa"``, ``"dense"``,
             ``"dense posterior"``, or a kind's own (``"window"``, ``"edge list"``,
             ``"stick-breaking"``, ``"mean-field windows"``).
         reason (str | None): for a dense reading, why the family is read densely; else None.
         size (tuple | None): ``(C, P)``, the children and parents read.
-        visited (float | None): a reading by blocks (``"blocks"``): the share of the grid's
-            tiles it visited; else None.
+        visited (float | None): a reading by blocks (``"blocks"``, ``"flex"``): the share of
+            the grid's tiles it visited; else None.
     """
 
     reading: str
