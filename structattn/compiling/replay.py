@@ -130,10 +130,11 @@ class Plans:
 
     def signature(self, layer, inputs: tuple, kwargs: dict, state: list) -> tuple | None:
         """The call's signature, or None when an argument is not hashable (no plan)."""
+        context = reading.context()
         key = [getattr(layer.declaration, "structure_version", 0), torch.is_grad_enabled(),
                torch.is_inference_mode_enabled(), autocast_modes(),
                _validation.is_validating(), kernels._enabled(),
-               reading.context().triton_on_cpu, reading.context().flex]
+               context.triton_on_cpu, context.flex]
         try:
             for x in inputs:
                 key.append((x.shape, x.dtype, x.device, x.requires_grad, x.layout)
