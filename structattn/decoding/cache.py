@@ -40,6 +40,9 @@ class DecodeCache:
         self.keys_read = 0
         self.offset = 0  # tokens evicted from the front of every row (slot s: position offset + s)
         self.eviction = None  # the ``Eviction`` policy of new_cache(tol=…), or None
+        #: whether every row holds as many tokens (no call has given lengths=): a step then
+        #: reads its rows as one SDPA call (``read._attend``)
+        self.rows_even = True
 
     # -- what it holds --------------------------------------------------------------------
     def __len__(self) -> int:

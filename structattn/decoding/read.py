@@ -15,7 +15,7 @@ from ..potentials import Bilinear
 from .cache import DecodeCache
 from .evict import eviction
 from .project import project as _project
-from .rules import Stick, rule_for
+from .rules import Normalised, Stick, rule_for
 from .static import FixedCache
 from .step import read_fixed
 from .stick import read_backwards
@@ -87,6 +87,8 @@ def read(layer, *inputs, cache, lengths=None, return_posterior=False, **options)
     x = x_new.reshape(-1, k, model.d_model)  # (B, k, d)
     H = model.heads
     counts = _counts(owner, lengths, batch_shape, k, x.device)  # (B,)
+    if lengths is not None:
+        cache.rows_even = False  # rows may now hold different numbers of tokens
     # the values of hops 0..K−1 side by side (a multihop value, Σ_m w_m P^m V; else P V):
     # hop m + 1 of the new rows is their posterior times hop m of every row, written below
     weights = getattr(model, "hop_weights", (0.0, 1.0))
@@ -107,18 +109,23 @@ def read(layer, *inputs, cache, lengths=None, return_posterior=False, **options)
                          f"encodings exist for max_len={model.max_len}")
 
     # (B, H, k, d_k), (B, H, k, d_k), (B, H, k, d_v)
-    q, key, value = _project(model, x, pos + cache.offset)
+    q, key, value = _project(model, x, pos + cache.offset, total + cache.offset)
     state = _new_state(rule, model, cache, x, start, counts) if rule.state else None
     cache.append(key, torch.cat([value] + [torch.zeros_like(value)] * (hops - 1), -1), state,
                  counts, total)
 
     scale = _scale(model, q)
     parents = torch.arange(total, device=x.device)
-    real = slot[None, :] < counts[:, None]  # (B, k)
-    valid = (parents[None, None, :] < ends[:, None, None]) & real[:, :, None]  # (B, k, P)
-    post = _posterior(rule, model, q, scale, pos, parents, valid, cache)  # (B, H, k, P)
-    expected = _expected(post, value, cache, weights, total)  # (B, H, k, d_v): E[v_i]
-    expected = expected.masked_fill(~real[:, None, :, None], 0.0)
+    expected = None
+    if cache.rows_even and not return_posterior and hops == 1 \
+            and isinstance(rule, Normalised) and not isinstance(scale, torch.Tensor):
+        expected = _attend(rule, model, q, scale, pos, parents, cache)  # one SDPA call
+    if expected is None:
+        real = slot[None, :] < counts[:, None]  # (B, k)
+        valid = (parents[None, None, :] < ends[:, None, None]) & real[:, :, None]  # (B, k, P)
+        post = _posterior(rule, model, q, scale, pos, parents, valid, cache)  # (B, H, k, P)
+        expected = _expected(post, value, cache, weights, total)  # (B, H, k, d_v): E[v_i]
+        expected = expected.masked_fill(~real[:, None, :, None], 0.0)
     if cache.eviction is not None:  # certified eviction: check, report, evict
         cache.eviction.after_read(cache, q, key, start, counts, scale)
     y = merge_heads(expected)  # (B, k, H·d_v); zero at padding
@@ -240,6 +247,23 @@ def _scale(model, q):
     if isinstance(scale, torch.Tensor):
         scale = scale.to(dtype=q.dtype, device=q.device)
     return scale
+
+
+def _attend(rule, model, q, scale, pos, parents, cache):
+    """E[v_i] ``(B, H, k, d_v)`` of the new rows as one ``scaled_dot_product_attention`` call
+    over the P cached parents, the prior's log weight as its additive mask — where every row
+    holds as many tokens and every new token is real (so ``valid`` is the support's own
+    ``allowed``); None where some row would have no parent (the general reading's zero
+    row)."""
+    total = parents.numel()
+    bias, allowed = rule.bias(model, pos, parents, None, cache, q.dtype)
+    if not passes(allowed.any(-1).all()):
+        return None
+    mask = allowed if bias is None else bias.masked_fill(~allowed, float("-inf"))
+    cache.keys_read = total
+    return F.scaled_dot_product_attention(q, cache.keys[..., :total, :],
+                                          cache.values[..., :total, :], attn_mask=mask,
+                                          scale=scale)
 
 
 def _posterior(rule, model, q, scale, pos, parents, valid, cache):

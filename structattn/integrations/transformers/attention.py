@@ -1,11 +1,11 @@
 """Each layer's attention: the declaration a config names, compiled, read over HF's padding.
 
 ``declare(config)`` builds the declaration; ``StructAttnAttention`` reads hidden states
-``(B, T, hidden)`` with HF's ``attention_mask`` ``(B, past + T)`` (1: a token, 0: padding,
-left or right): each row's real tokens are read as if the row were alone — moved to the front
-of the call (``compact``), read with ``lengths=`` through a structattn cache (the layer's
-decoding cache, or a fresh one without HF's), and put back (``restore``); padding's outputs
-are zero.
+``(B, T, hidden)`` whose rows hold their real tokens at the front (``lengths`` each): the model
+moves each row's real tokens there once per call (``compact``, from HF's ``attention_mask``
+``(B, past + T)``, 1: a token, 0: padding, left or right) and back at the end (``restore``),
+so each row is read as if alone, through the layer's decoding cache or, without HF's cache,
+a fresh one read with ``lengths=``.
 """
 
 from __future__ import annotations
@@ -87,19 +87,16 @@ class StructAttnAttention(nn.Module):
     def declaration(self):
         return self.layer.declaration
 
-    def forward(self, hidden_states, attention_mask=None, cache=None, input_norm=None):
-        """``(B, T, hidden)`` → ``(B, T, hidden)``; ``attention_mask`` ``(B, past + T)`` or
-        None (every token real); ``cache``: this layer's ``StructAttnCacheLayer`` or None;
-        ``input_norm``: a ceiling on ‖hidden_states‖ for certified eviction."""
-        mask = None if attention_mask is None else _new_columns(attention_mask,
-                                                                hidden_states.shape[1])
-        if mask is None or bool(mask.all()):
-            return self.layer(hidden_states) if cache is None \
-                else cache.read(self.layer, hidden_states, input_norm=input_norm)
-        x, lengths, order = compact(hidden_states, mask)
-        y = self.layer(x, cache=self.layer.new_cache(), lengths=lengths) if cache is None \
-            else cache.read(self.layer, x, lengths, input_norm)
-        return restore(y, order)
+    def forward(self, hidden_states, lengths=None, cache=None, input_norm=None):
+        """``(B, T, hidden)`` → ``(B, T, hidden)``; ``lengths`` ``(B,)``: each row's real
+        tokens, at its front (``compact``), or None (every token real); ``cache``: this
+        layer's ``StructAttnCacheLayer`` or None; ``input_norm``: a ceiling on
+        ‖hidden_states‖ for certified eviction."""
+        if cache is not None:
+            return cache.read(self.layer, hidden_states, lengths, input_norm)
+        if lengths is None:
+            return self.layer(hidden_states)
+        return self.layer(hidden_states, cache=self.layer.new_cache(), lengths=lengths)
 
 
 def _reads_incrementally(declaration) -> bool:
@@ -112,7 +109,7 @@ def _reads_incrementally(declaration) -> bool:
     return True
 
 
-def _new_columns(attention_mask, k: int) -> torch.Tensor:
+def new_columns(attention_mask, k: int) -> torch.Tensor:
     """The new tokens' columns of HF's 2-D mask, as booleans ``(B, k)``."""
     if attention_mask.dim() != 2:
         raise ValueError(f"StructAttnForCausalLM: attention_mask must be HF's 2-D padding mask "

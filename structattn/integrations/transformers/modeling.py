@@ -15,7 +15,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
 
 from ...models._projections import ProjectedAttention
-from .attention import StructAttnAttention
+from .attention import StructAttnAttention, compact, new_columns, restore
 from .cache import StructAttnCache, rms_norm_ceiling
 from .configuration import StructAttnConfig
 
@@ -31,13 +31,13 @@ class StructAttnDecoderLayer(GradientCheckpointingLayer):
         self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, hidden_states, attention_mask=None, cache=None):
-        """``cache``: the model's ``StructAttnCache`` or None."""
+    def forward(self, hidden_states, lengths=None, cache=None):
+        """``lengths``: each row's real tokens, at its front, or None (all real); ``cache``:
+        the model's ``StructAttnCache`` or None."""
         layer_cache = None if cache is None else cache.layer(self.layer_idx)
         ceiling = None if layer_cache is None or layer_cache.decode is not None \
             else rms_norm_ceiling(self.input_layernorm)
-        h = self.self_attn(self.input_layernorm(hidden_states), attention_mask, layer_cache,
-                           ceiling)
+        h = self.self_attn(self.input_layernorm(hidden_states), lengths, layer_cache, ceiling)
         hidden_states = hidden_states + h
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
 
@@ -103,14 +103,23 @@ class StructAttnModel(StructAttnPreTrainedModel):
                             f"decoding caches per layer); got {type(cache).__name__}")
         if position_ids is not None:
             _check_positions(position_ids, attention_mask, cache, h.shape[1])
+        # padding: each row's real tokens moved to its front once, read with their count by
+        # every layer (the norms and MLPs read tokens one by one), put back at the end
+        mask = None if attention_mask is None else new_columns(attention_mask, h.shape[1])
+        lengths = order = None
+        if mask is not None and not bool(mask.all()):
+            h, lengths, order = compact(h, mask)
         states = [h] if output_hidden_states else None
         for layer in self.layers:
-            h = layer(h, attention_mask, cache)
+            h = layer(h, lengths, cache)
             if states is not None:
                 states.append(h)
         h = self.norm(h)
         if states is not None:
             states[-1] = h
+            states = [s if order is None else restore(s, order) for s in states]
+        if order is not None:
+            h = restore(h, order)
         return BaseModelOutputWithPast(last_hidden_state=h, cache=cache if use_cache else None,
                                        hidden_states=None if states is None else tuple(states))
 
