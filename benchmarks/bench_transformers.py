@@ -29,11 +29,10 @@ import sys
 import time
 
 import torch
+import transformers
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import _results  # noqa: E402  (this script's own folder)
-
-import transformers  # noqa: E402
 
 from structattn.integrations.transformers import (  # noqa: E402
     StructAttnCache,
@@ -131,13 +130,13 @@ def long_generation(size) -> dict:
     checkpoints = {total // 4, total // 2, total}
     fox_cache = StructAttnCache(fox.config, tol=1e-4)
     stock_cache = transformers.DynamicCache(config=stock.config)
-    ids = torch.randint(0, 256, (1, 1))
+    token = torch.randint(0, 256, (1, 1))
     start = time.perf_counter()
     with torch.no_grad():
         for t in range(1, total + 1):
-            token = ids[:, t - 1:t] if t <= ids.shape[1] else nxt
-            nxt = fox(token, cache=fox_cache, use_cache=True).logits[:, -1:].argmax(-1)
+            following = fox(token, cache=fox_cache, use_cache=True).logits[:, -1:].argmax(-1)
             stock(token, cache=stock_cache, use_cache=True)
+            token = following
             if t in checkpoints:
                 decode = fox_cache.decode_caches()
                 rows.append({"generated": t, "fox_held": fox_cache.held()[0],
