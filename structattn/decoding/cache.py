@@ -108,9 +108,10 @@ class DecodeCache:
         self._lengths = torch.zeros(B, dtype=torch.long, device=like.device)
 
     def append(self, keys: torch.Tensor, values: torch.Tensor, state: torch.Tensor | None,
-               counts: torch.Tensor, total: int) -> None:
+               counts: torch.Tensor, total: int, even: int | None = None) -> None:
         """Write row b's first ``counts[b]`` new tokens (``keys (B, H, k, d_k)``, ``values``,
-        ``state (B, H, k)``) after its ``lengths[b]``; ``total`` = max(lengths + counts).
+        ``state (B, H, k)``) after its ``lengths[b]``; ``total`` = max(lengths + counts);
+        ``even``: every row's length, where they are equal and every new token is real.
         The storage doubles when it is full, and is written in place unless gradients flow
         (then each call copies it: ``_put``)."""
         if total > self.keys.shape[-2]:
@@ -120,6 +121,15 @@ class DecodeCache:
             if self.state is not None:
                 self.state = _grow(self.state, capacity, -1)
         k = keys.shape[-2]
+        if even is not None and not torch.is_grad_enabled():
+            # every row holds ``even`` tokens and takes all k: one slice each, in place
+            self.keys[..., even:even + k, :] = keys
+            self.values[..., even:even + k, :] = values
+            if self.state is not None:
+                self.state[..., even:even + k] = state
+            self._lengths = self._lengths + k
+            self._written = None
+            return
         slot = torch.arange(k, device=keys.device)
         real = slot < counts[:, None]  # (B, k)
         rows, new = real.nonzero(as_tuple=True)

@@ -111,8 +111,9 @@ def read(layer, *inputs, cache, lengths=None, return_posterior=False, **options)
     # (B, H, k, d_k), (B, H, k, d_k), (B, H, k, d_v)
     q, key, value = _project(model, x, pos + cache.offset, total + cache.offset)
     state = _new_state(rule, model, cache, x, start, counts) if rule.state else None
-    cache.append(key, torch.cat([value] + [torch.zeros_like(value)] * (hops - 1), -1), state,
-                 counts, total)
+    cache.append(key, value if hops == 1 else
+                 torch.cat([value] + [torch.zeros_like(value)] * (hops - 1), -1), state,
+                 counts, total, total - k if cache.rows_even and hops == 1 else None)
 
     scale = _scale(model, q)
     parents = torch.arange(total, device=x.device)
