@@ -8,7 +8,13 @@ import os
 import pytest
 import torch
 
-import structattn as sa
+# Triton's interpreter runs its kernels on CPU tensors; it must be set before anything imports
+# Triton — which a test module may do at collection (transformers' Llama imports it), before
+# tests/triton/conftest.py is read
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import structattn as sa  # noqa: E402
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(max(1, (os.cpu_count() or 1)

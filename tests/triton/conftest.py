@@ -1,6 +1,7 @@
 """The Triton kernels' tests run on any machine: without a CUDA device, Triton's interpreter
-runs them on CPU tensors (set here, before anything imports Triton's decorators). Without
-Triton installed (the ``gpu`` extra) they skip and say so."""
+runs them on CPU tensors (set by tests/conftest.py, and here again for a run of this folder
+alone, before anything imports Triton's decorators). Without Triton installed (the ``gpu``
+extra) they skip and say so."""
 
 import os
 
