@@ -117,16 +117,13 @@ def read(layer, *inputs, cache, lengths=None, return_posterior=False, **options)
 
     scale = _scale(model, q)
     parents = torch.arange(total, device=x.device)
-    expected = None
+    expected = post = None
     if cache.rows_even and not return_posterior and hops == 1 \
             and isinstance(rule, Normalised) and not isinstance(scale, torch.Tensor):
         expected = _attend(rule, model, q, scale, pos, parents, cache)  # one SDPA call
-    if expected is None:
-        real = slot[None, :] < counts[:, None]  # (B, k)
-        valid = (parents[None, None, :] < ends[:, None, None]) & real[:, :, None]  # (B, k, P)
-        post = _posterior(rule, model, q, scale, pos, parents, valid, cache)  # (B, H, k, P)
-        expected = _expected(post, value, cache, weights, total)  # (B, H, k, d_v): E[v_i]
-        expected = expected.masked_fill(~real[:, None, :, None], 0.0)
+    if expected is None:  # (B, H, k, d_v): E[v_i]; (B, H, k, P)
+        expected, post = _rows(rule, model, q, value, scale, pos, parents, counts, ends, cache,
+                               weights)
     if cache.eviction is not None:  # certified eviction: check, report, evict
         cache.eviction.after_read(cache, q, key, start, counts, scale)
     y = merge_heads(expected)  # (B, k, H·d_v); zero at padding
@@ -248,6 +245,16 @@ def _scale(model, q):
     if isinstance(scale, torch.Tensor):
         scale = scale.to(dtype=q.dtype, device=q.device)
     return scale
+
+
+def _rows(rule, model, q, value, scale, pos, parents, counts, ends, cache, weights):
+    """E[v_i] ``(B, H, k, d_v)`` (zero at padding) and p(φ_i = j | x) ``(B, H, k, P)`` of the
+    new rows, the posterior formed explicitly: rows of any lengths, any rule."""
+    real = torch.arange(q.shape[-2], device=q.device)[None, :] < counts[:, None]  # (B, k)
+    valid = (parents[None, None, :] < ends[:, None, None]) & real[:, :, None]  # (B, k, P)
+    post = _posterior(rule, model, q, scale, pos, parents, valid, cache)
+    expected = _expected(post, value, cache, weights, parents.numel())
+    return expected.masked_fill(~real[:, None, :, None], 0.0), post
 
 
 def _attend(rule, model, q, scale, pos, parents, cache):
