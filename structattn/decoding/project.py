@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from ..heads import split_heads
 from ..potentials import Rotary
+from ..potentials.rotary import rotary_angles, rotate_half
 
 #: (base, dims, device, dtype) → (cos, sin), each ``(positions, dims)``
 _ANGLES: dict = {}
@@ -48,7 +49,7 @@ def rotated(model, q, key, pos, upto: int | None = None):
     dims = model.rope_dims or model.d_k
     cos, sin = _angles(model.rope_base, dims, upto, q)
     cos, sin = cos[pos][:, None], sin[pos][:, None]  # (B, 1, k, dims)
-    return _turn(q, cos, sin, dims), _turn(key, cos, sin, dims)
+    return rotate_half(q, cos, sin, dims), rotate_half(key, cos, sin, dims)
 
 
 def _rotated_from_positions(model, q, key, pos):
@@ -64,25 +65,12 @@ def _rotated_from_positions(model, q, key, pos):
 
 
 def _angles(base: float, dims: int, upto: int, like: torch.Tensor):
-    """cos and sin ``(≥ upto, dims)`` of p·θ_k over the positions p, the halves repeated."""
+    """cos and sin ``(≥ upto, dims)`` of p·θ_k over the positions p (``rotary_angles``)."""
     dtype = torch.promote_types(like.dtype, torch.float32)
     key = (base, dims, like.device, dtype)
     held = _ANGLES.get(key)
     if held is None or held[0].shape[0] < upto:
         n = max(upto, 2 * (0 if held is None else held[0].shape[0]), 64)
         p = torch.arange(n, device=like.device, dtype=torch.float64)
-        theta = base ** (-torch.arange(0, dims, 2, device=like.device, dtype=torch.float64)
-                         / dims)
-        angle = p[:, None] * theta
-        angle = torch.cat([angle, angle], -1)  # (n, dims)
-        held = _ANGLES[key] = (angle.cos().to(dtype), angle.sin().to(dtype))
+        held = _ANGLES[key] = rotary_angles(p, base, dims, dtype)
     return held
-
-
-def _turn(x, cos, sin, dims):
-    """R_p x, "rotate half" on the first ``dims`` dimensions (``potentials.Rotary.rotate``)."""
-    r, rest = x[..., :dims], x[..., dims:]
-    half = dims // 2
-    turned = torch.cat([-r[..., half:], r[..., :half]], -1)
-    out = (r * cos + turned * sin).to(x.dtype)
-    return out if rest.shape[-1] == 0 else torch.cat([out, rest], -1)

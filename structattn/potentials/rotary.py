@@ -71,23 +71,12 @@ class Rotary(Bilinear):
         """``(cos, sin)``, each ``(n, dims)``, of the angles p·θ_k, the halves repeated."""
         p = (torch.arange(n, device=like.device, dtype=torch.float64) if positions is None
              else positions.to(device=like.device, dtype=torch.float64))
-        theta = self.base ** (-torch.arange(0, self.dims, 2, device=like.device,
-                                            dtype=torch.float64) / self.dims)
-        angle = p[:, None] * theta  # (n, dims/2)
-        angle = torch.cat([angle, angle], -1)  # (n, dims)
-        dtype = torch.promote_types(like.dtype, torch.float32)
-        return angle.cos().to(dtype), angle.sin().to(dtype)
+        return rotary_angles(p, self.base, self.dims, like.dtype)
 
     def rotate(self, x: torch.Tensor, positions=None, *, inverse: bool = False) -> torch.Tensor:
         """R_p x (or R_pᵀ x) for per-head states ``(*batch, H, n, d_k)`` at ``positions``."""
         cos, sin = self._angles(x.shape[-2], positions, x)
-        if inverse:
-            sin = -sin
-        r, rest = x[..., :self.dims], x[..., self.dims:]
-        half = self.dims // 2
-        turned = torch.cat([-r[..., half:], r[..., :half]], -1)  # "rotate half"
-        out = (r * cos + turned * sin).to(x.dtype)
-        return out if rest.shape[-1] == 0 else torch.cat([out, rest], -1)
+        return rotate_half(x, cos, -sin if inverse else sin, self.dims)
 
     def child_factor(self, children):
         return self.rotate(super().child_factor(children), self.child_positions)
@@ -155,3 +144,24 @@ class Rotary(Bilinear):
     def describe(self) -> str:
         rotated = "" if self.dims == self.d_k else f", {self.dims} of {self.d_k} dims"
         return f"Rotary(base={self.base:g}{rotated})"
+
+
+def rotary_angles(p: torch.Tensor, base: float, dims: int, dtype: torch.dtype):
+    """``(cos, sin)``, each ``(n, dims)``, of the angles p·θ_k, θ_k = base^(−2k/dims), at the
+    float64 positions ``p (n,)``: computed in float64, the halves repeated, then in ``dtype``
+    (at least float32)."""
+    theta = base ** (-torch.arange(0, dims, 2, device=p.device, dtype=torch.float64) / dims)
+    angle = p[:, None] * theta  # (n, dims/2)
+    angle = torch.cat([angle, angle], -1)  # (n, dims)
+    dtype = torch.promote_types(dtype, torch.float32)
+    return angle.cos().to(dtype), angle.sin().to(dtype)
+
+
+def rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dims: int):
+    """x rotated on its first ``dims`` dimensions, the pairs (k, k + dims/2) ("rotate half"),
+    by the angles whose ``cos`` and ``sin`` broadcast against them; the rest as it is."""
+    r, rest = x[..., :dims], x[..., dims:]
+    half = dims // 2
+    turned = torch.cat([-r[..., half:], r[..., :half]], -1)
+    out = (r * cos + turned * sin).to(x.dtype)
+    return out if rest.shape[-1] == 0 else torch.cat([out, rest], -1)

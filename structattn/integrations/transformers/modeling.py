@@ -8,6 +8,7 @@ declaration states them (RoPE as its potential, ALiBi as its prior…), not ``po
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
@@ -175,8 +176,6 @@ def _refuse_unread(kwargs) -> None:
 def _check_positions(position_ids, attention_mask, cache, k: int) -> None:
     """``position_ids`` must be what the model reads anyway: each row's count of real tokens
     before a token (the cache's held columns count only where real)."""
-    import torch
-
     past = 0 if cache is None else cache.get_seq_length()
     mask = (torch.ones(position_ids.shape[0], past + k, dtype=torch.long,
                        device=position_ids.device) if attention_mask is None
