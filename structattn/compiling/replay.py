@@ -49,8 +49,9 @@ from ..checking.verdicts import Verdicts, parameters_failed, queued_on
 from ..latent import iteration_overrides
 from ..plans.fast_path import _Last
 from ..plans.internals import autocast_modes
-from ..plans.plan import _FAILED, _RECORDING, MISSED, Plan, _leaf_key, _read, _split, hold, replay, stamp
-from ..plans.record import record
+from ..plans.plan import (_FAILED, _RECORDING, MISSED, Plan, _leaf_key, _read, _split, hold,
+                          replay, serve, stamp)
+from ..plans.record import record, withdraw
 
 __all__ = ["MAX_PLANS", "MISSED", "Plan", "Plans", "hold", "record", "replay", "stamp"]
 
@@ -281,7 +282,7 @@ class Plans:
         if plan.graph is None:
             return _read(layer, inputs, kwargs)
         try:
-            out = replay(plan, state, inputs, queue=queue)
+            out = serve(plan, state, inputs, queue=queue)
         except Exception:  # e.g. an index out of range, which the checks (read after the
             out = _FAILED  # graph) would have refused: the reading raises their message
         if out is _FAILED:
@@ -319,6 +320,7 @@ def _serves_seen(plan: Plan, seen: list, n_tensors: int) -> Plan:
         tensors = [torch.empty(k[0], dtype=k[1], device="meta") for k in key if _is_tensor_key(k)]
         if len(tensors) != n_tensors or plan.guard(tensors):
             return plan
+    withdraw(plan)  # the call is read: its draws are the reading's
     return Plan(reason="the reading fixes the sizes of its inputs (it reads one as a number), "
                        "so a plan with symbolic sizes would serve only these; each size has its "
                        "own plan")

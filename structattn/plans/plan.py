@@ -65,6 +65,11 @@ class Plan:
     #: its generated fast path (``_Last``), made on its first replay and kept: calls that
     #: alternate between plans (checks on and off, two shapes) would otherwise generate anew
     last: object = None
+    #: ``(tensors, outputs, devices, generators)``: the recording call's tensor inputs and the
+    #: graph's outputs on them (computed by the check of its bindings), which serve that call
+    #: in place of a replay (``serve``), and the generators' states before that run drew
+    #: (``record.withdraw``); None once served
+    served: tuple | None = None
 
 
 def _tensor_key(t: torch.Tensor) -> tuple:
@@ -182,6 +187,26 @@ def replay(plan: Plan, state: list, inputs: tuple, split: bool = True, queue=Non
         result = plan.graph.forward(*state, *tensors, *_constants(plan, state))
     else:
         result = plan.graph.forward(*state, *tensors)
+    return _finish(plan, result, queue)
+
+
+def serve(plan: Plan, state: list, inputs: tuple, queue=None):
+    """``replay``, but for the recording call itself: its output from the graph's outputs
+    the recording computed on its tensors (``Plan.served``, then dropped), so that the call
+    costs the trace and that run, not a replay as well. Which call recorded is known by its
+    tensors' identity (another thread may find the plan first)."""
+    served = plan.served
+    if served is not None:
+        tensors = _split(inputs)[0]
+        if len(tensors) == len(served[0]) and all(
+                a is b for a, b in zip(tensors, served[0], strict=True)):
+            plan.served = None
+            return _finish(plan, served[1], None)
+    return replay(plan, state, inputs, queue=queue)
+
+
+def _finish(plan: Plan, result: list, queue):
+    """The call's output from the graph's outputs ``result``, its checks read (``replay``)."""
     if plan.flags:
         flags = result[len(result) - len(plan.flags):]
         if queue is not None and queued_on(flags[0].device):

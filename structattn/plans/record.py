@@ -61,8 +61,11 @@ def record(layer, names: list, state: list, inputs: tuple, kwargs: dict, *,
     _simplify(graph.graph, merge=not differentiated)
     _drop_implied_checks(graph.graph, plan, k)
     graph.recompile()
-    with torch.random.fork_rng(devices=devices):
-        _bind_to_torch(graph, (*state, *tensors))
+    # the check of the bindings runs the graph on this call's tensors, drawing from the
+    # generators as the replay would: its outputs serve the call (``plan.served``); where the
+    # plan then serves nothing (its sizes refused), the generators are put back as they were
+    drawn = _generators(devices)
+    served = _bind_to_torch(graph, (*state, *tensors))
     graph.recompile()
     if not _differentiated(state, captured):
         plan.constants_graph = _split_constants(graph, k)  # nothing to differentiate: fold
@@ -74,6 +77,7 @@ def record(layer, names: list, state: list, inputs: tuple, kwargs: dict, *,
         if specialized or not plan.guard(tensors):
             plan.reason = ("the reading fixes the sizes of its inputs (it reads each one as a "
                            "number), so a plan with symbolic sizes would serve only these")
+            _set_generators(devices, drawn)
             return plan
     # the tracer's notes on each node (its stack trace, a description of its value), which
     # only the passes above read: kept, a plan of a 200-step relaxation held ~380 MB of them
@@ -81,7 +85,28 @@ def record(layer, names: list, state: list, inputs: tuple, kwargs: dict, *,
         for node in g.graph.nodes if g is not None else ():
             node.meta.clear()
     plan.graph = graph
+    plan.served = (tuple(tensors), served, devices, drawn)
     return plan
+
+
+def withdraw(plan: Plan) -> None:
+    """The recording's run undone, where the plan is not to serve its call after all: its
+    outputs dropped and the generators put back as they were before it drew."""
+    if plan.served is not None:
+        _set_generators(*plan.served[2:])
+        plan.served = None
+
+
+def _generators(devices: list) -> tuple:
+    """The CPU's and these CUDA devices' generator states (``torch.random.fork_rng``'s)."""
+    return torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in devices]
+
+
+def _set_generators(devices: list, states: tuple) -> None:
+    cpu, cuda = states
+    torch.set_rng_state(cpu)
+    for d, s in zip(devices, cuda, strict=True):
+        torch.cuda.set_rng_state(s, d)
 
 
 def _differentiated(*groups) -> bool:
@@ -146,6 +171,36 @@ def _same(a, b) -> bool:
     return type(a) is type(b) and a == b
 
 
+#: whether an overload's binding returns what it does, by the call's structure
+#: (``_call_key``): found once, by running both, then known for every graph recorded
+_BINDS: dict = {}
+
+
+def _call_key(op, args: tuple, kwargs: dict):
+    """What decides how a torch binding parses a call and which overload it reaches: the
+    overload, and each argument's kind — a tensor's dtype, rank, layout, device type,
+    contiguity and ``requires_grad``, a number's type, a string's or bool's value, a list's
+    items' kinds — not the tensors' values nor the numbers'; None where an argument is of
+    another kind (then the binding is checked by running it)."""
+    def kind(x):
+        if isinstance(x, torch.Tensor):
+            return ("T", x.dtype, x.dim(), x.layout, x.device.type, x.is_contiguous(),
+                    x.requires_grad)
+        if x is None or isinstance(x, (bool, str, torch.dtype, torch.device, torch.layout,
+                                       torch.memory_format)):
+            return x
+        if isinstance(x, (int, float, complex)):
+            return type(x)
+        if isinstance(x, (list, tuple)):
+            return (type(x), *(kind(v) for v in x))
+        raise TypeError
+
+    try:
+        return (op, *(kind(x) for x in args), *((k, kind(v)) for k, v in sorted(kwargs.items())))
+    except TypeError:
+        return None
+
+
 def _draws_nothing(node, args, kwargs) -> bool:
     """A seeded overload called so that it draws nothing: attention without dropout."""
     if node.target is torch.ops.aten.scaled_dot_product_attention.default:
@@ -154,13 +209,15 @@ def _draws_nothing(node, args, kwargs) -> bool:
     return False
 
 
-def _bind_to_torch(graph: torch.fx.GraphModule, args: tuple) -> None:
+def _bind_to_torch(graph: torch.fx.GraphModule, args: tuple) -> list:
     """Call each aten overload of ``graph`` through its torch binding where that binding,
     given the node's own arguments at this signature, returns the same thing (checked here,
     node by node, on the recording's inputs: the graph is straight-line, so every node runs).
     Overloads that draw at random keep their overload object, and so do those that mutate,
     but for those writing into their first argument alone whose binding writes the same into
-    a copy of it (``scatter_``); ``aten.alias`` becomes ``Tensor.view_as``."""
+    a copy of it (``scatter_``); ``aten.alias`` becomes ``Tensor.view_as``. A binding is run
+    beside its overload once per call structure in the process (``_BINDS``), so a recording
+    runs the graph about once. Returns the graph's outputs on ``args`` (the overloads')."""
     bound = {}
 
     narrowed = {}
@@ -188,11 +245,16 @@ def _bind_to_torch(graph: torch.fx.GraphModule, args: tuple) -> None:
             a, kw = self.fetch_args_kwargs_from_env(n)
             if torch.Tag.nondeterministic_seeded in n.target.tags and not _draws_nothing(n, a, kw):
                 return out
-            try:
-                alt = fn(*a, **kw)
-            except Exception:  # the binding parses these arguments differently
-                return out
-            if _same(out, alt):
+            key = _call_key(n.target, a, kw)
+            verdict = _BINDS.get(key) if key is not None else None
+            if verdict is None:
+                try:
+                    verdict = _same(out, fn(*a, **kw))
+                except Exception:  # the binding parses these arguments differently
+                    verdict = False
+                if key is not None:
+                    _BINDS[key] = verdict
+            if verdict:
                 bound[n] = fn
             return out
 
@@ -220,10 +282,11 @@ def _bind_to_torch(graph: torch.fx.GraphModule, args: tuple) -> None:
             return out
 
     aliased = []
-    Check(graph).run(*args)
+    outputs = Check(graph).run(*args)
     for node in aliased:
         node.target, node.args, node.kwargs = torch.Tensor.view_as, (node.args[0],) * 2, {}
     for node, fn in bound.items():
         node.target = fn
     for node, narrow in narrowed.items():
         node.target, node.args, node.kwargs = torch.narrow, narrow, {}
+    return outputs
