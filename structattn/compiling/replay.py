@@ -49,8 +49,19 @@ from ..checking.verdicts import Verdicts, parameters_failed, queued_on
 from ..latent import iteration_overrides
 from ..plans.fast_path import _Last
 from ..plans.internals import autocast_modes
-from ..plans.plan import (_FAILED, _RECORDING, MISSED, Plan, _leaf_key, _read, _split, hold,
-                          replay, serve, stamp)
+from ..plans.plan import (
+    _FAILED,
+    _RECORDING,
+    MISSED,
+    Plan,
+    _leaf_key,
+    _read,
+    _split,
+    hold,
+    replay,
+    serve,
+    stamp,
+)
 from ..plans.record import record, withdraw
 
 __all__ = ["MAX_PLANS", "MISSED", "Plan", "Plans", "hold", "record", "replay", "stamp"]
