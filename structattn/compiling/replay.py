@@ -10,7 +10,9 @@ so composite operators (``linear``, ``scaled_dot_product_attention``) stay whole
 grad-mode switches and random draws replay as they ran — and later calls run only that graph.
 
 - **When**: the first call with a signature is read as before (so a shape seen once costs
-  nothing more); the second records the plan; later calls replay it. ``torch.compile`` and
+  nothing more); the second records the plan — traced once, then its graph run once on the
+  call's tensors to check its torch bindings, that run's outputs serving the call
+  (``plans.plan.serve``); later calls replay it. ``torch.compile`` and
   ``torch.export`` trace the reading themselves and bypass plans.
 - **Validation**: every value check the reading makes (``_validation.passes``) becomes a
   tensor in the graph; the replay fuses them into one finite sum and one boolean and reads
