@@ -280,7 +280,10 @@ def _choose(ev: _Evidence, widths: list, last: int, per_lead: bool):
     certifies (``widths[k]``), and score only the width below that one — unless even the best
     scores could not certify it; ``bounds``: each width's at the end."""
     n = ev.n
-    hopeless = last == n - 1 and not any(ev.possible(w) for w in widths[:-1])
+    # the bound at the best scores falls with the width: where the widest band below all of
+    # the past is not possible, none is (one O(N) check; reading all of the past is always
+    # a valid choice, so the rule costs nothing in soundness)
+    hopeless = last == n - 1 and (len(widths) == 1 or not ev.possible(widths[-2]))
     if hopeless:  # only all of the past certifies (bound 0): nothing to score
         widths = [last]
     scored = {last: ev.best} if hopeless else {widths[0]: ev.log_inside(widths[0])}

@@ -55,10 +55,8 @@ class _Reader:
     needs per child (float64): the score ceiling's parts, the prior's tail beyond each
     width and each child's |s| + |h| reach."""
 
-    def __init__(self, a, b, u, h, scale, products):
-        from ..triton_kernels.key_bias import forward
-
-        self.forward = forward
+    def __init__(self, a, b, u, h, scale, products, read):
+        self.forward = read
         G, n = a.shape[0], a.shape[1]
         self.a, self.b, self.u, self.h, self.scale, self.n, self.G = a, b, u, h, scale, n, G
         wide = torch.float64
@@ -79,7 +77,7 @@ class _Reader:
             self.G, device=rows.device)).all())
         a, b, u, h = ((self.a, self.b, self.u, self.h) if whole else
                       (t[rows] for t in (self.a, self.b, self.u, self.h)))
-        return self.forward(a, b, u, h, self.scale, True, width.to(torch.int32))
+        return self.forward(a, b, u, h, self.scale, width)
 
     def bound(self, rows, width, log_in):
         """B_i(width) ``(…, R, n)`` for ``rows`` ``(R,)`` at ``width`` ``(…, R)`` (several
@@ -110,8 +108,15 @@ class _Reader:
         return lse - self.slack[rows] - slack
 
 
+def _triton_rows(a, b, u, h, scale: float, width: torch.Tensor):
+    """The Triton key-bias kernel's band reading of rows: ``(out, lse)``."""
+    from ..triton_kernels.key_bias import forward
+
+    return forward(a, b, u, h, scale, True, width.to(torch.int32))
+
+
 def certified_band_attention(a, b, u, scale: float, h, eps: float, *, start: int = 16,
-                             block: int = 64, widest: int | None = None):
+                             block: int = 64, widest: int | None = None, read=None):
     """``(out, CertifiedWindow)``: each head's band certified ≤ ``eps`` and read through the
     key-bias kernel, its certificate from the readings' own log-sums (module docstring).
 
@@ -125,6 +130,10 @@ def certified_band_attention(a, b, u, scale: float, h, eps: float, *, start: int
         block: the band's block of children (``certify``'s: the eighth-of-the-sequence rule
             measures its band). Default 64.
         widest: the widest band; beyond it, all of the past. None (default): N − 1.
+        read: ``(a, b, u, h, scale, width) → (out, lse)`` for rows ``(G, n, ·)`` each read
+            ``width`` ``(G,)`` back, ``lse`` each child's log-sum over its band (the CPU's
+            compiled kernels: ``structattn.kinds.key_bias.band_rows``); None (default): the
+            Triton kernel, its products in TF32 where float32 runs so.
 
     Returns ``out`` ``(*lead, N, d_v)`` in u's dtype, differentiable in a, b, u, h, and the
     choice (``heads``: each head's width; ``bound``: each child's at it)."""
@@ -134,8 +143,8 @@ def certified_band_attention(a, b, u, scale: float, h, eps: float, *, start: int
     flat = [x.expand(*lead, *x.shape[-2:]).reshape(-1, *x.shape[-2:]).to(dtype)
             for x in (a, b, u)]  # (G, n, width)
     hh = h.to(torch.promote_types(dtype, torch.float32)).expand(*lead, n).reshape(-1, n)
-    products = _products(dtype, a.shape[-1])
-    r = _Reader(*flat, hh, float(scale), products)
+    products = _products(dtype, a.shape[-1]) if read is None else dtype
+    r = _Reader(*flat, hh, float(scale), products, _triton_rows if read is None else read)
     G, dev = r.G, a.device
     last = n - 1
     widths = _widths(last, start, widest)
@@ -143,9 +152,13 @@ def certified_band_attention(a, b, u, scale: float, h, eps: float, *, start: int
     wt = torch.tensor(widths, device=dev)
     with torch.no_grad():
         best = torch.logcumsumexp(hh.detach().to(torch.float64), -1) + r.high  # I ≤ e^{best}
+        # the bound at the best scores falls with the width: where the widest band below all
+        # of the past could not be certified, no band could (the cheapest bound, O(G·N))
+        if len(widths) == 1 or not bool(r.certifies(every, wt[-2:-1], best, eps).any()):
+            return _whole(r, every, last, lead, n, d_v, u.dtype, eps)
         possible = r.certifies(every, wt, best, eps)  # (len(widths), G): whether the best
         # scores inside could certify each width
-    hopeless = ~possible[:-1].any(0) if len(widths) > 1 else torch.ones_like(possible[0])
+    hopeless = ~possible[:-1].any(0)
     own = torch.where(hopeless, last, widths[0])  # (G,): each row's first reading
     out, lse = r.read(every, own)
     with torch.no_grad():
@@ -170,6 +183,18 @@ def certified_band_attention(a, b, u, scale: float, h, eps: float, *, start: int
         sum(skipped_pairs(n, w) for w in own.tolist()) / own.numel(),
         bool((bounds <= eps).all()), heads)
     return out.reshape(*lead, n, d_v).to(u.dtype), choice
+
+
+def _whole(r, every, last: int, lead, n: int, d_v: int, dtype, eps: float):
+    """Every row read over all of its past (no band could be certified): one reading, each
+    bound 0."""
+    out, _ = r.read(every, torch.full_like(every, last))
+    zeros = torch.zeros(r.G, n, dtype=torch.float64, device=every.device)
+    choice = CertifiedWindow(last, zeros.reshape(*lead, n),
+                             torch.full((*lead, n), last, dtype=torch.long, device=every.device),
+                             float(eps), 0.0, True, torch.full(lead, last, dtype=torch.long,
+                                                               device=every.device))
+    return out.reshape(*lead, n, d_v).to(dtype), choice
 
 
 def _widths(last: int, start: int, widest: int | None) -> list[int]:

@@ -206,12 +206,64 @@ def key_bias_attention(a, b, u, h, scale: float, is_causal: bool,
     a, b, u = (x.expand(*lead, *x.shape[-2:]).reshape(-1, heads, *x.shape[-2:])
                for x in (a, b, u))
     h = h.to(a.dtype).expand(*lead, P).reshape(-1, heads, P)
+    a, scale = _positive_scale(a, float(scale))
     if _asks_gradient(a, b, u, h):
-        out = _ops().forward(a, b, u, h, float(scale), is_causal)[0]  # views: no copies
+        out = _ops().forward(a, b, u, h, scale, is_causal)[0]  # views: no copies
     else:
         out = _flash(a, b, u, 0.0, is_causal, attn_mask=h.unsqueeze(-2), scale=scale)[0]
     out = out if d_v == width else out[..., :d_v]
     return out.reshape(*lead, C, d_v)
+
+
+def _positive_scale(a: torch.Tensor, scale: float):
+    """``(a, scale)`` with the scale's sign folded into the children's factors: PyTorch's
+    fused CPU kernel returns NaN for the first child of a causal reading under a negative
+    scale (torch 2.13), the same scores either way."""
+    return (-a, -scale) if scale < 0 else (a, scale)
+
+
+def band_rows(a, b, u, h, scale: float, width: torch.Tensor):
+    """``(out (G, n, d_v), lse (G, n))``: rows ``(G, n, ·)`` of children each reading the
+    parents ``width`` ``(G,)`` back (i − width ≤ j ≤ i) under h ``(G, n)`` (float32 at least),
+    with each child's log-sum of its band (the certificate's evidence,
+    ``structattn.certificates.certified_read``). The Triton kernel on CUDA; on the CPU the
+    compiled band kernel for the rows with a band and the fused kernel for those whose width
+    holds all of their past (``_cpu_band``'s split), ``lse`` in the factors' dtype (float32
+    for float32). Differentiable in a, b, u and h (``lse`` is not)."""
+    if _triton(a, b, u, h):
+        from ..triton_kernels.key_bias import forward
+
+        return forward(a, b, u, h, scale, True, width.to(torch.int32))
+    G, n, d_v = a.shape[0], a.shape[1], u.shape[-1]
+    hh = h.to(a.dtype)
+    wide = width >= n - 1
+
+    def band(sel):  # the rows ``sel`` through the band kernel
+        q, k, v = (x[sel][None] for x in (a, b, u))  # (1, G', n, ·)
+        out, lse = _ops().band_forward(q, k, v, hh[sel][None], width[sel][None], scale)
+        return out[0], lse[0]
+
+    def whole(sel):  # the rows ``sel`` through the fused kernel (one width for a, b, u)
+        q, k, v = (x[sel][None] for x in (a, b, u))
+        d = max(q.shape[-1], d_v)
+        q, k = (torch.nn.functional.pad(x, (0, d - x.shape[-1])) for x in (q, k))
+        v = torch.nn.functional.pad(v, (0, d - d_v))
+        bias = hh[sel][None]
+        q, sc = _positive_scale(q, scale)
+        if _asks_gradient(q, k, v, bias):
+            out, lse = _ops().forward(q, k, v, bias, sc, True)
+        else:
+            out, lse = _flash(q, k, v, 0.0, True, attn_mask=bias.unsqueeze(-2), scale=sc)[:2]
+        return out[0, ..., :d_v], lse[0]
+
+    if bool(wide.all()):
+        return whole(slice(None))
+    if not bool(wide.any()):
+        return band(slice(None))
+    narrow, far = (~wide).nonzero()[:, 0], wide.nonzero()[:, 0]
+    (o1, l1), (o2, l2) = band(narrow), whole(far)
+    back = torch.cat([narrow, far]).argsort()  # back to the rows' order
+    return torch.cat([o1, o2])[back], torch.cat([l1, l2.to(l1.dtype)])[back]
 
 
 def _cpu_band(a, b, u, h, scale: float, window: torch.Tensor, lead) -> torch.Tensor:

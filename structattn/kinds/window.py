@@ -31,7 +31,7 @@ from ..checking._validation import is_exporting
 from ..operators import band
 from .base import Operator, Support
 from .dense import with_parent_terms
-from .key_bias import applies, band_applies, folds_terms, key_bias_attention
+from .key_bias import applies, band_applies, band_rows, folds_terms, key_bias_attention
 
 
 def keep_from_position(n: int, device, dtype) -> torch.Tensor:
@@ -129,24 +129,28 @@ class WindowOperator(Operator):
         """Whether the band per head is certified by reading it (``structattn.
         certified_read``: the key-bias kernel's own log-sums are the certificate's evidence,
         no second scoring of the band): a ``tol`` over all of the past, no width chosen yet,
-        a band per head (``_per_head``) that the Triton kernel reads (a GPU, or its
-        interpreter inside ``triton_kernels.on_cpu()``), not an exported program."""
+        a band per head (``_per_head``: the Triton kernel on a GPU, the compiled band kernel
+        on the CPU, ``key_bias.band_rows``), not an exported program."""
         f = self.family
         if (f.prior.tol is None or f.support.width is not None or self._width is not False
                 or reading.context().window is not None or not self._per_head()):
             return False
-        a, b, _ = self.fused_factors()
-        return (triton_kernels.serves(a, b) and kernels._enabled()
-                and not (is_exporting() or torch.compiler.is_exporting()))
+        return kernels._enabled() and not (is_exporting() or torch.compiler.is_exporting())
 
     def _certified_read(self, u):
         """Each head's certified band, read (``certified_read``): the output, with the choice
         kept as ``certify``'s would be (``truncation``, the width, each head's window)."""
         a, b, scale, h = self._block_terms()
         n = self.family.children.size
+        # the widest band worth reading: on the CPU the band kernel's pair costs ~1.4× the
+        # fused kernel's, so a band of w = x·N (N·w − w²/2 pairs) costs 1.4·(2x − x²) of the
+        # whole past: ≤ 0.9 up to x = 0.4; the Triton kernel's bands cost what its causal
+        # reading does per pair, up to half the sequence
+        on_triton = triton_kernels.serves(a, b)
         out, self.truncation = certified_band_attention(
             a, b, u, float(scale), h, self.family.prior.tol,
-            block=self.family.prior.block_size, widest=n // 2)
+            block=self.family.prior.block_size, widest=n // 2 if on_triton else 2 * n // 5,
+            read=None if on_triton else band_rows)
         self._width = self.truncation.width
         heads = self.truncation.heads
         self._windows = None if bool((heads >= n - 1).all()) else heads
