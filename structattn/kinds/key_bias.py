@@ -234,7 +234,7 @@ def band_rows(a, b, u, h, scale: float, width: torch.Tensor):
         from ..triton_kernels.key_bias import forward
 
         return forward(a, b, u, h, scale, True, width.to(torch.int32))
-    G, n, d_v = a.shape[0], a.shape[1], u.shape[-1]
+    n, d_v = a.shape[1], u.shape[-1]
     hh = h.to(a.dtype)
     wide = width >= n - 1
 
