@@ -37,7 +37,8 @@ from .certificates.block_choice import in_blocks as _blocks
 from .certificates.ceilings import RUN_ENTRIES, score_ceiling
 from .checking._validation import check_size
 
-__all__ = ["BlockSparse", "block_sparse_attention", "causal_posterior", "certify_blocks"]
+__all__ = ["BlockSparse", "block_sparse_attention", "causal_posterior", "certify_blocks",
+           "read_whole"]
 
 #: the least share of its earlier key blocks a head's sampled child blocks must skip for the
 #: head to be certified block by block (below it, it reads all of its past)
@@ -88,8 +89,27 @@ def _flat(x: torch.Tensor, lead, *tail) -> torch.Tensor:
     return x.expand(*lead, *tail).reshape(-1, *tail)
 
 
+def read_whole(a: torch.Tensor, b: torch.Tensor, h: torch.Tensor | None, eps: float, *,
+               block: int = 64) -> BlockSparse:
+    """The choice that reads every earlier key block (each child's whole past, bound 0), made
+    without any certificate work: what ``certify_blocks`` reports for heads read whole, for
+    every head (the arguments are ``certify_blocks``'s)."""
+    L = _check(a, b, eps, block)
+    n = a.shape[-2]
+    L = min(L, n)
+    nb = math.ceil(n / L)
+    lead = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2],
+                                  () if h is None else h.shape[:-1])
+    G, dev = math.prod(lead), a.device
+    earlier = torch.arange(nb, device=dev)
+    order = ((earlier[:, None] - 1 - earlier) % nb).expand(G, nb, nb).clone()  # nearest first
+    read = torch.ones(nb, nb, dtype=torch.bool, device=dev).tril().expand(*lead, nb, nb)
+    return BlockSparse(read.clone(), torch.zeros(*lead, n, dtype=torch.float64, device=dev),
+                       float(eps), L, 0.0, True, order, earlier.expand(G, nb).clone())
+
+
 def certify_blocks(a: torch.Tensor, b: torch.Tensor, scale: float, h: torch.Tensor | None,
-                   eps: float, *, block: int = 64) -> BlockSparse:
+                   eps: float, *, block: int = 64, worth: float = WORTH) -> BlockSparse:
     """The key blocks each block of children must read for its posterior mass in the others
     to be certified ≤ ``eps`` (module docstring).
 
@@ -100,6 +120,8 @@ def certify_blocks(a: torch.Tensor, b: torch.Tensor, scale: float, h: torch.Tens
         h: ``(*lead, N)`` the prior's per-parent log term (broadcasts), or None (uniform).
         eps: in (0, 1).
         block: tokens per block, children and keys alike.
+        worth: the least share of their earlier blocks a head's sampled child blocks must
+            skip for the head to be certified block by block; default ``WORTH``.
 
     Returns:
         A ``BlockSparse``, with the blocks read in the order chosen (``order``, ``count``).
@@ -133,7 +155,7 @@ def certify_blocks(a: torch.Tensor, b: torch.Tensor, scale: float, h: torch.Tens
         sample = torch.arange(step, max(nb, step), step, device=dev)
         if sample.numel() >= 2:
             c, _, _ = choose_blocks(A, B, hh, slack, scale, eps, L, nb, sample)
-            whole = 1 - c.sum(-1) / sample.sum() < WORTH
+            whole = 1 - c.sum(-1) / sample.sum() < worth
         keep = (~whole).nonzero().squeeze(-1)
         count = earlier_blocks.expand(G, nb).clone()
         # a head read whole: each child block's earlier blocks, nearest first, then the rest
@@ -154,7 +176,7 @@ def certify_blocks(a: torch.Tensor, b: torch.Tensor, scale: float, h: torch.Tens
 
 def block_sparse_attention(a: torch.Tensor, b: torch.Tensor, v: torch.Tensor, scale: float,
                            h: torch.Tensor | None, eps: float, *, block: int = 64,
-                           whole_past: Callable | None = None
+                           whole_past: Callable | None = None, worth: float = WORTH
                            ) -> tuple[torch.Tensor, BlockSparse]:
     """Causal attention under the log prior g_i + h_j, reading only the key blocks that
     ``certify_blocks`` keeps: each child's posterior mass in the blocks skipped is ≤ ``eps``.
@@ -170,6 +192,7 @@ def block_sparse_attention(a: torch.Tensor, b: torch.Tensor, v: torch.Tensor, sc
         whole_past: ``(a, b, v, scale, h) → out`` for ``(G, N, ·)`` rows, how a head that
             reads more than half of its past reads all of it (default: causal SDPA without a
             prior, the dense table with one; the layers pass the fused key-bias reading).
+        worth: ``certify_blocks``'s.
 
     Returns:
         ``(out, report)``: ``out`` ``(*lead, N, d)``, child i's posterior expectation of v
@@ -179,7 +202,7 @@ def block_sparse_attention(a: torch.Tensor, b: torch.Tensor, v: torch.Tensor, sc
     The child blocks are read in groups of the same number of key blocks, each group in runs
     of at most ``RUN_ENTRIES`` scores: the scores never exceed what the blocks read hold.
     """
-    cert = certify_blocks(a, b, scale, h, eps, block=block)
+    cert = certify_blocks(a, b, scale, h, eps, block=block, worth=worth)
     n, k, d = a.shape[-2], a.shape[-1], v.shape[-1]
     L = cert.block
     nb = math.ceil(n / L)

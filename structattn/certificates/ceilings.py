@@ -16,6 +16,8 @@ bound of a k-term dot product) — so a certificate built on it holds in float32
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 #: how many band or block entries a certificate scores at once (float64: 16 MiB)
@@ -33,14 +35,37 @@ def score_ceiling(a: torch.Tensor, b: torch.Tensor, scale: float, computed_in=No
     the error bound of a k-term dot product): a computed log-sum minus the child's slack is a
     lower bound of the true one."""
     with torch.no_grad():
-        k = a.shape[-1]
-        dtype = a.dtype if computed_in is None else computed_in
-        unit = torch.finfo(dtype).eps / 2
-        gamma = k * unit / (1 - k * unit)
-        ceiling = (abs(scale) * a.detach().to(torch.float64).norm(dim=-1)
-                   * b.detach().to(torch.float64).norm(dim=-1).amax(-1, keepdim=True))
-        slack = gamma * ceiling + 4 * torch.finfo(dtype).tiny
-        return ceiling + slack, slack
+        return ceiling_from_norms(norm64(a), norm64(b), scale, a.shape[-1],
+                                  a.dtype if computed_in is None else computed_in)
+
+
+def norm64(x: torch.Tensor) -> torch.Tensor:
+    """An upper bound on ‖x‖ over the last dimension, float64. Float64 factors: computed in
+    float64. Others: computed in their own precision and raised by its rounding — the k
+    squares and their sum off by at most (k + 1)·u relatively, the square root by u, so
+    (1 + 2(k + 2)·u) covers them — and by √k·2⁻⁶³ for the squares that underflow (a square
+    under 2⁻¹²⁶ flushed to 0), with no float64 copy of ``x`` (which cost as much as the
+    certificate's own checks at N = 2,048)."""
+    x = x.detach()
+    if x.dtype == torch.float64:
+        return torch.linalg.vector_norm(x, dim=-1)
+    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        return torch.linalg.vector_norm(x, dim=-1, dtype=torch.float64)
+    k = x.shape[-1]
+    u = torch.finfo(x.dtype).eps / 2
+    low = torch.linalg.vector_norm(x.float() if x.dtype != torch.float32 else x, dim=-1)
+    return low.to(torch.float64) * (1 + 2 * (k + 2) * max(u, 2.0 ** -24)) + math.sqrt(k) * 2.0 ** -63
+
+
+def ceiling_from_norms(a_norm: torch.Tensor, b_norm: torch.Tensor, scale: float, k: int,
+                       dtype: torch.dtype):
+    """``score_ceiling`` from the factors' float64 norms ``(*lead, N)`` (``norm64``), ``k``
+    their width, the scores computed in ``dtype``."""
+    unit = torch.finfo(dtype).eps / 2
+    gamma = k * unit / (1 - k * unit)
+    ceiling = abs(scale) * a_norm * b_norm.amax(-1, keepdim=True)
+    slack = gamma * ceiling + 4 * torch.finfo(dtype).tiny
+    return ceiling + slack, slack
 
 
 def running_ceilings(a: torch.Tensor, b: torch.Tensor, scale: float, computed_in=None):

@@ -105,7 +105,8 @@ def skipped_pairs(n: int, width: int) -> float:
 
 def certify(a: torch.Tensor, b: torch.Tensor, scale: float, prior, eps: float, *,
             start: int = 16, cap: int | None = None, block: int = 32, first: int = 1,
-            widest: int | None = None, per_lead: bool = False) -> CertifiedWindow:
+            widest: int | None = None, per_lead: bool = False,
+            narrower: bool = True) -> CertifiedWindow:
     """The shortest W in ``start``, 2·``start``, … with B_i(W) ≤ ``eps`` for every child i.
 
     B_i(W) bounds child i's posterior mass beyond W (module docstring); no gradient flows.
@@ -126,6 +127,9 @@ def certify(a: torch.Tensor, b: torch.Tensor, scale: float, prior, eps: float, *
             last width within it to ``cap``; None, the default: no jump.
         per_lead (bool): give each head a width of its own (a head only all of the past
             certifies no longer holds the others wide); default False.
+        narrower (bool): score the width below the one the start's evidence certifies, which
+            its own evidence may certify (default True); False: take that width unscored —
+            where scoring a band costs more than reading it (the CPU: float64 scores).
 
     Returns:
         CertifiedWindow: the choice, its bounds and the pairs it skips.
@@ -166,7 +170,7 @@ def certify(a: torch.Tensor, b: torch.Tensor, scale: float, prior, eps: float, *
                                for w in widths[:-1]]).any(0)
             if bool(can.any()) and not bool(can.all()):
                 ev.active = can
-        widths, k, bounds = _choose(ev, widths, last, per_lead)
+        widths, k, bounds = _choose(ev, widths, last, per_lead, narrower)
         return _chosen(ev, widths, k, bounds, last, per_lead)
 
 
@@ -274,7 +278,7 @@ class _Evidence:
         return bool(self.among(self.bound(width, self.best, ceilings) <= self.eps).all())
 
 
-def _choose(ev: _Evidence, widths: list, last: int, per_lead: bool):
+def _choose(ev: _Evidence, widths: list, last: int, per_lead: bool, narrower: bool = True):
     """``(widths, k, bounds)``: I_i(W) grows with W, so the evidence of any narrower window
     scored bounds every wider one: score the first width, take the first width its evidence
     certifies (``widths[k]``), and score only the width below that one — unless even the best
@@ -292,7 +296,7 @@ def _choose(ev: _Evidence, widths: list, last: int, per_lead: bool):
         k = next((k for k, bd in enumerate(bounds) if bool(ev.among(bd <= ev.eps).all())),
                  len(widths) - 1)
         below = widths[k - 1] if k else None
-        if below is None or below in scored or not ev.possible(below):
+        if below is None or below in scored or not narrower or not ev.possible(below):
             return widths, k, bounds
         if last == n - 1 and (k == len(widths) - 1 or per_lead) and \
                 8 * band.BandLayout.for_window(n, below, ev.block).width > n:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from ..operators import band
-from .ceilings import RUN_ENTRIES, score_ceiling
+from .ceilings import RUN_ENTRIES, ceiling_from_norms, norm64
 from .certified import CertifiedWindow, skipped_pairs, tail_bound
 
 
@@ -55,28 +55,52 @@ class _Reader:
     needs per child (float64): the score ceiling's parts, the prior's tail beyond each
     width and each child's |s| + |h| reach."""
 
-    def __init__(self, a, b, u, h, scale, products, read):
-        self.forward = read
-        G, n = a.shape[0], a.shape[1]
-        self.a, self.b, self.u, self.h, self.scale, self.n, self.G = a, b, u, h, scale, n, G
+    def __init__(self, a, b, u, h, scale, products, read, lead, dtype):
+        # a, b, u ``(*lead', n, ·)`` and h ``(*lead', n)`` as given (broadcasting to ``lead``):
+        # the statistics come from them, ``(G, n)`` each; the rows ``(G, n, ·)`` are made
+        # only when a band is read (``rows``), a copy where the heads are a strided view
+        self.forward, self.src, self.lead, self.dtype = read, (a, b, u, h), lead, dtype
+        n = a.shape[-2]
+        G = 1
+        for size in lead:
+            G *= size
+        self.scale, self.n, self.G = scale, n, G
         wide = torch.float64
+
+        def per_child(x):  # (*lead', n) → (G, n)
+            return x.expand(*lead, n).reshape(G, n)
+
         with torch.no_grad():
-            self.high, self.slack = score_ceiling(a, b, scale, products)  # (G, n)
-            self.a_norm = a.detach().to(wide).norm(dim=-1) * abs(scale)
-            self.b_run = b.detach().to(wide).norm(dim=-1).cummax(-1).values
-            hh = h.detach().to(wide)
+            a_norm, b_norm = norm64(a), norm64(b)
+            high, slack = ceiling_from_norms(a_norm, b_norm, scale, a.shape[-1], products)
+            self.high, self.slack = per_child(high), per_child(slack)
+            self.a_norm = per_child(a_norm * abs(scale))
+            self.b_run = per_child(b_norm.cummax(-1).values)
+            hh = per_child(h.detach().to(wide))
             self.behind = torch.logcumsumexp(hh, -1)  # [k]: log Σ_{j ≤ k} e^{h_j}
             self.reach = self.high + hh.abs().cummax(-1).values  # ≥ |s_ij| + |h_j|, j ≤ i
             self.pos = torch.arange(n, device=a.device)
-        self.computed = torch.float64 if a.dtype == torch.float64 else torch.float32
+        self.computed = torch.float64 if dtype == torch.float64 else torch.float32
+        self._rows = None
+
+    @property
+    def rows(self):
+        """``(a, b, u, h)`` as rows ``(G, n, ·)`` (h ``(G, n)``, float32 at least)."""
+        if self._rows is None:
+            a, b, u, h = self.src
+            flat = [x.expand(*self.lead, *x.shape[-2:]).reshape(-1, *x.shape[-2:])
+                    .to(self.dtype) for x in (a, b, u)]
+            hh = h.to(torch.promote_types(self.dtype, torch.float32)).expand(
+                *self.lead, self.n).reshape(-1, self.n)
+            self._rows = (*flat, hh)
+        return self._rows
 
     def read(self, rows: torch.Tensor, width: torch.Tensor):
         """The band reading of ``rows`` ``(R,)``, each ``width`` ``(R,)`` back: ``(out (R, n,
         d_v), lse (R, n))``."""
         whole = rows.numel() == self.G and bool((rows == torch.arange(
             self.G, device=rows.device)).all())
-        a, b, u, h = ((self.a, self.b, self.u, self.h) if whole else
-                      (t[rows] for t in (self.a, self.b, self.u, self.h)))
+        a, b, u, h = self.rows if whole else (t[rows] for t in self.rows)
         return self.forward(a, b, u, h, self.scale, width)
 
     def bound(self, rows, width, log_in):
@@ -116,7 +140,8 @@ def _triton_rows(a, b, u, h, scale: float, width: torch.Tensor):
 
 
 def certified_band_attention(a, b, u, scale: float, h, eps: float, *, start: int = 16,
-                             block: int = 64, widest: int | None = None, read=None):
+                             block: int = 64, widest: int | None = None, read=None,
+                             whole_past=None):
     """``(out, CertifiedWindow)``: each head's band certified ≤ ``eps`` and read through the
     key-bias kernel, its certificate from the readings' own log-sums (module docstring).
 
@@ -134,30 +159,32 @@ def certified_band_attention(a, b, u, scale: float, h, eps: float, *, start: int
             ``width`` ``(G,)`` back, ``lse`` each child's log-sum over its band (the CPU's
             compiled kernels: ``structattn.kinds.key_bias.band_rows``); None (default): the
             Triton kernel, its products in TF32 where float32 runs so.
+        whole_past: ``(a, b, u, h, scale) → out`` on the factors as given, how every head
+            reads all of its past where no band could be certified (the exact layer's own
+            reading); None (default): ``read`` at the full width.
 
     Returns ``out`` ``(*lead, N, d_v)`` in u's dtype, differentiable in a, b, u, h, and the
     choice (``heads``: each head's width; ``bound``: each child's at it)."""
     lead = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2], u.shape[:-2], h.shape[:-1])
     n, d_v = a.shape[-2], u.shape[-1]
     dtype = torch.promote_types(torch.promote_types(a.dtype, b.dtype), u.dtype)
-    flat = [x.expand(*lead, *x.shape[-2:]).reshape(-1, *x.shape[-2:]).to(dtype)
-            for x in (a, b, u)]  # (G, n, width)
-    hh = h.to(torch.promote_types(dtype, torch.float32)).expand(*lead, n).reshape(-1, n)
     products = _products(dtype, a.shape[-1]) if read is None else dtype
-    r = _Reader(*flat, hh, float(scale), products, _triton_rows if read is None else read)
+    r = _Reader(a, b, u, h, float(scale), products, _triton_rows if read is None else read,
+                lead, dtype)
     G, dev = r.G, a.device
     last = n - 1
     widths = _widths(last, start, widest)
     every = torch.arange(G, device=dev)
     wt = torch.tensor(widths, device=dev)
     with torch.no_grad():
-        best = torch.logcumsumexp(hh.detach().to(torch.float64), -1) + r.high  # I ≤ e^{best}
+        best = r.behind + r.high  # I ≤ e^{best}
         # the bound at the best scores falls with the width: where the widest band below all
         # of the past could not be certified, no band could (the cheapest bound, O(G·N))
-        if len(widths) == 1 or not bool(r.certifies(every, wt[-2:-1], best, eps).any()):
-            return _whole(r, every, last, lead, n, d_v, u.dtype, eps)
-        possible = r.certifies(every, wt, best, eps)  # (len(widths), G): whether the best
-        # scores inside could certify each width
+        none = len(widths) == 1 or not bool(r.certifies(every, wt[-2:-1], best, eps).any())
+        possible = None if none else r.certifies(every, wt, best, eps)  # (len(widths), G):
+        # whether the best scores inside could certify each width
+    if none:  # (read with gradients, outside no_grad)
+        return _whole(r, every, last, lead, n, d_v, u.dtype, eps, whole_past)
     hopeless = ~possible[:-1].any(0)
     own = torch.where(hopeless, last, widths[0])  # (G,): each row's first reading
     out, lse = r.read(every, own)
@@ -185,10 +212,13 @@ def certified_band_attention(a, b, u, scale: float, h, eps: float, *, start: int
     return out.reshape(*lead, n, d_v).to(u.dtype), choice
 
 
-def _whole(r, every, last: int, lead, n: int, d_v: int, dtype, eps: float):
-    """Every row read over all of its past (no band could be certified): one reading, each
-    bound 0."""
-    out, _ = r.read(every, torch.full_like(every, last))
+def _whole(r, every, last: int, lead, n: int, d_v: int, dtype, eps: float, whole_past):
+    """Every row read over all of its past (no band could be certified): one reading —
+    ``whole_past`` on the factors as given, where there is one — each bound 0."""
+    if whole_past is not None:
+        out = whole_past(*r.src, r.scale)
+    else:
+        out, _ = r.read(every, torch.full_like(every, last))
     zeros = torch.zeros(r.G, n, dtype=torch.float64, device=every.device)
     choice = CertifiedWindow(last, zeros.reshape(*lead, n),
                              torch.full((*lead, n), last, dtype=torch.long, device=every.device),

@@ -86,12 +86,22 @@ def distance_table_attention(a, b, u, offsets, scale: float) -> torch.Tensor:
 
     Returns ``(*lead, C, d_v)`` in u's dtype; differentiable in a, b, u and the table. A
     child with no parent in the band, or whose every weight is −∞, gets a zero row."""
-    table = offsets.table
+    return _attend(a, b, u, offsets.table, offsets.lowest, offsets.lo, offsets.hi, scale)
+
+
+def band_attention(a, b, u, table: torch.Tensor, first: int, width: int,
+                   scale: float) -> torch.Tensor:
+    """``distance_table_attention`` over the band ``first`` ≤ i − j ≤ ``width`` of a table
+    ``(heads or 1, width + 1)`` over d = 0 … ``width`` (a certified window's: the pairs
+    outside the band are never scored)."""
+    return _attend(a, b, u, table, 0, first, width, scale)
+
+
+def _attend(a, b, u, table, lowest: int, lo: int, hi: int, scale: float) -> torch.Tensor:
     lead = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2], u.shape[:-2], table.shape[:1])
     C, d_v = a.shape[-2], u.shape[-1]
     heads = lead[-1]
     q, k, v = (x.expand(*lead, *x.shape[-2:]).reshape(-1, heads, *x.shape[-2:])
                for x in (a, b, u))  # (B, H, n, width): views where the batch dims merge
-    out = _ops().forward(q, k, v, table.to(a.dtype), -offsets.lowest, offsets.lo, offsets.hi,
-                         float(scale))[0]
+    out = _ops().forward(q, k, v, table.to(a.dtype), -lowest, lo, hi, float(scale))[0]
     return out.reshape(*lead, C, d_v)

@@ -24,11 +24,12 @@ from __future__ import annotations
 import torch
 
 from .. import kernels, reading, triton_kernels
-from ..block_sparse import block_sparse_attention, causal_posterior, certify_blocks
+from ..block_sparse import WORTH, block_sparse_attention, causal_posterior, certify_blocks, read_whole
 from ..certificates.certified import certify, window_bound
 from ..certificates.certified_read import certified_band_attention
 from ..checking._validation import is_exporting
 from ..operators import band
+from . import distance_table
 from .base import Operator, Support
 from .dense import with_parent_terms
 from .key_bias import applies, band_applies, band_rows, folds_terms, key_bias_attention
@@ -92,8 +93,11 @@ class WindowOperator(Operator):
             widest = None if width is not None else n // 2 if per_head else max(
                 (w for w in (2 ** e for e in range(n.bit_length()))
                  if 2 * band.BandLayout.for_window(n, w, block).width <= n), default=0)
+            # on the CPU a band scored in float64 costs more per pair than its reading: the
+            # width the start's evidence certifies is read as it is (bench_certificates.py)
             self.truncation = certify(a, b, scale, f.prior, eps, cap=width, block=block,
-                                      first=f.support.first, widest=widest, per_lead=per_head)
+                                      first=f.support.first, widest=widest, per_lead=per_head,
+                                      narrower=a.device.type != "cpu")
             width = self.truncation.width
         self._width = width
         return width
@@ -150,7 +154,8 @@ class WindowOperator(Operator):
         out, self.truncation = certified_band_attention(
             a, b, u, float(scale), h, self.family.prior.tol,
             block=self.family.prior.block_size, widest=n // 2 if on_triton else 2 * n // 5,
-            read=None if on_triton else band_rows)
+            read=None if on_triton else band_rows,
+            whole_past=lambda a, b, u, h, scale: key_bias_attention(a, b, u, h, scale, True))
         self._width = self.truncation.width
         heads = self.truncation.heads
         self._windows = None if bool((heads >= n - 1).all()) else heads
@@ -245,8 +250,11 @@ class WindowOperator(Operator):
         if self._blocks():  # the posterior renormalised on the key blocks certified
             a, b, scale, h = self._block_terms()
             if self.truncation is None:
-                self.truncation = certify_blocks(a, b, scale, h, self.family.prior.tol,
-                                                 block=self.family.prior.block_size)
+                worth, prior = _block_worth(a, b, h, self.family.prior.block_size), \
+                    self.family.prior
+                self.truncation = read_whole(a, b, h, prior.tol, block=prior.block_size) \
+                    if worth is None else certify_blocks(a, b, scale, h, prior.tol,
+                                                         block=prior.block_size, worth=worth)
             blk = torch.arange(a.shape[-2], device=a.device) // self.truncation.block
             read = self.truncation.read[..., blk, :][..., blk]
             return causal_posterior(a, b, scale, h, read)
@@ -257,9 +265,14 @@ class WindowOperator(Operator):
     def attend(self, u):
         if self._blocks():
             a, b, scale, h = self._block_terms()
+            prior = self.family.prior
+            worth = _block_worth(a, b, h, prior.block_size)
+            if worth is None:  # the certificate would cost more than it could save
+                self.truncation = read_whole(a, b, h, prior.tol, block=prior.block_size)
+                return _whole_past(a, b, u, scale, h)
             out, self.truncation = block_sparse_attention(
-                a, b, u, scale, h, self.family.prior.tol, block=self.family.prior.block_size,
-                whole_past=_whole_past)
+                a, b, u, scale, h, prior.tol, block=prior.block_size, whole_past=_whole_past,
+                worth=worth)
             return out
         if self._reads_to_certify():
             return self._certified_read(u)
@@ -272,6 +285,11 @@ class WindowOperator(Operator):
         if s["p"] is not None:
             return _kept(band.apply(s["p"], u, s["layout"]), s["keep"])
         a, b, window = s["a"], s["b"], self._chosen_width()
+        if s["table"] is not None and distance_table.applies(a, b, u):  # the CPU: the table
+            # looked up per tile over the band's distances alone, as the whole past's kernel
+            # reads it — no (…, nb, B, L) bias built, no padded slots scored
+            return _kept(distance_table.band_attention(
+                a, b, u, s["table"], self.family.support.first, window, s["scale"]), s["keep"])
         if a.is_cuda and s["table"] is not None and _flex_available():
             table, H = s["table"], s["table"].shape[0]
 
@@ -288,6 +306,23 @@ class WindowOperator(Operator):
             out = band.attend(a, b, wide, s["scale"], s["geometry"], s["layout"])
             return _kept(out[..., :u.shape[-1]], s["keep"])
         return _kept(band.attend(a, b, u, s["scale"], self._bias(), s["layout"]), s["keep"])
+
+
+def _block_worth(a, b, h, block: int) -> float | None:
+    """The least share of its earlier key blocks a head's sampled child blocks must skip for
+    its blocks to be certified (``block_sparse.certify_blocks``'s ``worth``), or None: every
+    head reads all of its past, no certificate computed. On the CPU the certificate's own
+    work — ceilings and scorings over every (child block, key block) pair, in float64 —
+    costs 2–3× the fused kernel's forward over the whole past and about half of its forward
+    and backward (``benchmarks/bench_certificates.py``): never worth it without a gradient;
+    with one, from 64 key blocks on (below, the sample alone costs ~5% of the reading) and
+    where the sampled blocks skip ≥ 95% of their past. Elsewhere ``WORTH``."""
+    if a.device.type != "cpu":
+        return WORTH
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (a, b, h))
+    if not grad or -(-a.shape[-2] // block) < 64:
+        return None
+    return 0.95
 
 
 def _whole_past(a, b, u, scale, h):

@@ -94,3 +94,23 @@ def test_gradients_through_the_cpu_band():
     _, trace = layer(x, return_trace=True)
     assert int(trace.truncation[m.family_name].heads[0, 0]) < 39  # a band, read by the kernel
     assert torch.autograd.gradcheck(lambda xx, wq: layer(xx), (x, m.W_q))
+
+
+@pytest.mark.parametrize("slopes", [(2.0, 0.0), (0.0, 0.0)])
+def test_gradients_through_every_reading(slopes):
+    """A band per head, and all of the past read at once where no band could be certified:
+    each differentiable (gradcheck), and equal to the exact layer's gradient where nothing
+    is skipped."""
+    torch.manual_seed(9)
+    m = sa.models.alibi_attention(4, heads=2, d_k=2, tol=0.05, block_size=16, dtype=f64)
+    m.slopes.copy_(torch.tensor(slopes, dtype=f64))
+    x = torch.randn(1, 40, 4, dtype=f64, requires_grad=True)
+    layer = sa.compile(m)
+    assert torch.autograd.gradcheck(lambda xx, wq: layer(xx), (x, m.W_q))
+    if slopes == (0.0, 0.0):  # uniform heads: the whole past, the exact layer's gradient
+        exact = sa.models.alibi_attention(4, heads=2, d_k=2, block_size=16, dtype=f64)
+        exact.load_state_dict(m.state_dict())
+        g = torch.autograd.grad(layer(x).sum(), (x, m.W_q))
+        want = torch.autograd.grad(sa.compile(exact)(x).sum(), (x, exact.W_q))
+        for got, w in zip(g, want, strict=True):
+            torch.testing.assert_close(got, w, rtol=0, atol=1e-12)

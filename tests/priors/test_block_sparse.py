@@ -194,10 +194,13 @@ def test_bad_arguments_are_refused():
 @pytest.mark.parametrize("model", ["forgetting_attention", "alibi_attention"])
 @pytest.mark.parametrize("tol", [0.05, 1e-4])
 @torch.no_grad()
-def test_a_layer_with_block_certificates_stays_within_its_bound_of_pyro(model, tol):
+def test_a_layer_with_block_certificates_stays_within_its_bound_of_pyro(model, tol, monkeypatch):
     """``certificate="blocks"`` on FoX and ALiBi layers: each token's posterior is within the
     reported bound of Pyro's exact enumeration over the whole past (total variation), the
-    trace reports the blocks, and the per-head values move by at most 2·bound·max|v|."""
+    trace reports the blocks, and the per-head values move by at most 2·bound·max|v|. (The
+    CPU's cost rule, which reads so short a sequence whole, is set aside: the certificate's
+    reading is what is checked.)"""
+    _certify_always(monkeypatch)
     torch.manual_seed(7)
     m = getattr(sa.models, model)(8, heads=2, d_k=4, tol=tol, certificate="blocks",
                                   block_size=4, dtype=torch.float64)
@@ -215,13 +218,49 @@ def test_a_layer_with_block_certificates_stays_within_its_bound_of_pyro(model, t
     torch.testing.assert_close(sa.compile(m)(x), y, atol=1e-12, rtol=0)  # the same reading
 
 
-def test_a_layer_with_block_certificates_trains():
+def test_a_layer_with_block_certificates_trains(monkeypatch):
+    _certify_always(monkeypatch)
     torch.manual_seed(8)
     m = sa.models.alibi_attention(4, heads=2, d_k=2, tol=1e-3, certificate="blocks",
                                   block_size=4, dtype=torch.float64)
     x = (torch.randn(1, 24, 4, dtype=torch.float64).cumsum(-2) * 0.3).requires_grad_()
     layer = sa.compile(m)
     assert torch.autograd.gradcheck(lambda xx, wq: layer(xx), (x, m.W_q))
+
+
+def _certify_always(monkeypatch):
+    """The layers certify their blocks whatever the device's cost rule says."""
+    from structattn.kinds import window
+
+    monkeypatch.setattr(window, "_block_worth", lambda *args: sa.block_sparse.WORTH)
+
+
+@pytest.mark.parametrize("model", ["forgetting_attention", "alibi_attention"])
+def test_on_the_cpu_a_certificate_that_cannot_pay_is_not_computed(model, monkeypatch):
+    """On the CPU the block certificate costs more than the whole past's forward: without a
+    gradient, or under 64 key blocks, the layer reads all of the past (bound 0), computing no
+    certificate, and equals the exact layer."""
+    from structattn import block_sparse
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a certificate was computed")
+
+    monkeypatch.setattr(block_sparse, "choose_blocks", refuse)
+    torch.manual_seed(3)
+    m = getattr(sa.models, model)(8, heads=2, d_k=4, tol=1e-4, certificate="blocks",
+                                  block_size=4, dtype=torch.float64)
+    exact = getattr(sa.models, model)(8, heads=2, d_k=4, dtype=torch.float64)
+    exact.load_state_dict(m.state_dict())
+    x = torch.randn(1, 40, 8, dtype=torch.float64)
+    for grad in (False, True):  # 10 key blocks: never worth it
+        with torch.set_grad_enabled(grad):
+            y, trace = sa.compile(m)(x.requires_grad_(grad), return_trace=True)
+            cert = trace.truncation[m.family_name]
+            assert isinstance(cert, sa.block_sparse.BlockSparse) and cert.skipped == 0
+            assert cert.certified and bool((cert.bound == 0).all())
+            assert bool(cert.read.equal(torch.ones(10, 10, dtype=torch.bool).tril()
+                                        .expand_as(cert.read)))
+            torch.testing.assert_close(y, sa.compile(exact)(x), rtol=0, atol=1e-12)
 
 
 def test_block_certificates_need_a_tol_and_a_known_name():
