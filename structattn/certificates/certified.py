@@ -46,7 +46,7 @@ from torch.utils import _pytree as pytree
 
 from ..checking._validation import check_size
 from ..operators import band
-from .ceilings import RUN_ENTRIES, block_tail_ceilings, score_ceiling
+from .ceilings import RUN_ENTRIES, block_tail_ceilings, ceiling_from_norms, norm64, score_ceiling
 
 
 @dataclass
@@ -155,6 +155,9 @@ def certify(a: torch.Tensor, b: torch.Tensor, scale: float, prior, eps: float, *
     if widest is not None:
         widths = [w for w in widths[:-1] if w <= widest] + [last]
     with torch.no_grad():
+        if last == n - 1 and len(widths) > 1 and not _ball_possible(
+                a.detach(), b.detach(), scale, prior, eps, widths[-2], first, per_lead):
+            return _whole_past(a, b, n, eps, per_lead)
         ev = _Evidence(a.detach(), b.detach(), scale, prior, eps, widths, block, first)
         # the longest key beyond the window bounds every score there (Cauchy–Schwarz); where
         # that cannot certify the narrowest width even at the best scores inside, the keys'
@@ -172,6 +175,34 @@ def certify(a: torch.Tensor, b: torch.Tensor, scale: float, prior, eps: float, *
                 ev.active = can
         widths, k, bounds = _choose(ev, widths, last, per_lead, narrower)
         return _chosen(ev, widths, k, bounds, last, per_lead)
+
+
+def _ball_possible(a, b, scale: float, prior, eps: float, width: int, first: int,
+                   per_lead: bool) -> bool:
+    """The cheapest bound, O(N·k): whether the best scores inside (I_i ≤ the prior's whole
+    weight·e^{S_i}) could certify ``width`` for every child (``per_lead``: for every child of
+    some leading index) with the Cauchy–Schwarz ceiling alone. The bound falls with the
+    width, so where the widest band below the whole past is not possible, no band is (the
+    keys' per-block ceilings are not consulted: where they alone would make a band possible,
+    the whole past is read — a valid choice, bound 0)."""
+    n, dev, wide = a.shape[-2], a.device, torch.float64
+    a_norm, b_norm = norm64(a), norm64(b)
+    high, slack = ceiling_from_norms(a_norm, b_norm, scale, a.shape[-1], a.dtype)
+    best = prior.log_tail_mass(first - 1, n, dev, wide) + high
+    pos = torch.arange(n, device=dev)
+    far = (pos - width - 1).clamp(min=0)
+    ball = abs(scale) * a_norm * b_norm.cummax(-1).values[..., far] + slack
+    ok = (tail_bound(best, prior.log_tail_mass(width, n, dev, wide), ball) <= eps) | (pos <= width)
+    return bool(ok.all(-1).any()) if per_lead else bool(ok.all())
+
+
+def _whole_past(a, b, n: int, eps: float, per_lead: bool) -> CertifiedWindow:
+    """The choice of all of the past (bound 0), ``certify``'s where no band is possible."""
+    lead = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    zeros = torch.zeros(*lead, n, dtype=torch.float64, device=a.device)
+    window = torch.full((*lead, n), n - 1, dtype=torch.long, device=a.device)
+    heads = window[..., 0].clone() if per_lead else None
+    return CertifiedWindow(n - 1, zeros, window, float(eps), 0.0, True, heads)
 
 
 def window_bound(a: torch.Tensor, b: torch.Tensor, scale: float, prior, width, *,
@@ -224,12 +255,14 @@ class _Evidence:
         self.a, self.b, self.scale, self.prior, self.eps = a, b, scale, prior, eps
         self.n, self.block, self.first, self.wide = n, block, first, wide
         self.pos = torch.arange(n, device=dev)
-        self.high, self.slack = score_ceiling(a, b, scale)  # (*batch, H, N)
+        a_norm, b_norm = norm64(a), norm64(b)
+        self.high, self.slack = ceiling_from_norms(a_norm, b_norm, scale, a.shape[-1],
+                                                   a.dtype)  # (*batch, H, N)
         # beyond a window W, child i's parents are j < i − W: its ceiling there takes the
         # longest of *those* keys (a running max), not of every key — a long key nearby does
         # not weigh on the tail
-        self.a_norm = a.to(wide).norm(dim=-1)  # (*lead_a, N)
-        self.b_run = b.to(wide).norm(dim=-1).cummax(-1).values  # (*lead_b, N): max_{j ≤ k} ‖b_j‖
+        self.a_norm = a_norm  # (*lead_a, N)
+        self.b_run = b_norm.cummax(-1).values  # (*lead_b, N): max_{j ≤ k} ‖b_j‖
         self.lead = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
         self.tails = {w: prior.log_tail_mass(w, n, dev, wide) for w in widths}  # (…, N)
         # the prior's whole weight over each child's past (an upper bound): I_i(W) ≤ it·e^{S_i},

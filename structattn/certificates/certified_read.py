@@ -10,15 +10,18 @@ the longest key farther back, ``structattn.certificates.certified``),
 
 The last term is the key-bias kernel's ``lse`` at width W: reading a head's band gives its
 certificate's evidence, less the rounding of the kernel's sums (``read_slack``). So the
-window is chosen by reading: every head reads ``start`` tokens back; a head whose children
-are all certified keeps that reading. The others take, from that evidence (I grows with W,
+window is chosen by reading: every head first reads the narrowest width of the doubling
+sequence from ``start`` that the best scores could certify (a narrower reading could not);
+a head whose children are all certified keeps that reading. The others take, from that evidence (I grows with W,
 so it bounds every wider window's), the first width of the doubling sequence it certifies,
 and read the width below it first where the best scores could certify it (and, as
 ``certify``'s, where that band is no wider than an eighth of the sequence): kept if its own
 evidence certifies it, else the wider one is read. A head that no width below all of its
-past could certify, even at the best scores, reads all of it (bound 0). At most three
-readings, the first ``start`` wide: certifying costs little next to reading, where
-``certify`` scored the band in float64 before the reading read it again. The prior is the
+past could certify, even at the best scores, reads all of it (bound 0); where no head
+could, they read it at once through ``whole_past`` (the exact layer's reading). At most
+three readings: certifying costs little next to reading, where ``certify`` scored the band
+in float64 before the reading read it again. The same reading serves the CPU, through the
+compiled band kernel (``read``). The prior is the
 one the kernel reads (h as given), as the block-sparse certificate's. The ceiling is the
 longest key's alone, not ``certify``'s per-block ceilings as well: where only those certify
 a width (keys clustered away from the queries), the band read here is wider than the CPU's.
@@ -141,7 +144,7 @@ def _triton_rows(a, b, u, h, scale: float, width: torch.Tensor):
 
 def certified_band_attention(a, b, u, scale: float, h, eps: float, *, start: int = 16,
                              block: int = 64, widest: int | None = None, read=None,
-                             whole_past=None):
+                             whole_past=None, pays=None):
     """``(out, CertifiedWindow)``: each head's band certified ≤ ``eps`` and read through the
     key-bias kernel, its certificate from the readings' own log-sums (module docstring).
 
@@ -162,6 +165,10 @@ def certified_band_attention(a, b, u, scale: float, h, eps: float, *, start: int
         whole_past: ``(a, b, u, h, scale) → out`` on the factors as given, how every head
             reads all of its past where no band could be certified (the exact layer's own
             reading); None (default): ``read`` at the full width.
+        pays: ``(first (G,), n, k) → bool``, whether reading each row first at ``first``
+            (the narrowest width the best scores could certify; n − 1: all of its past) is
+            expected to cost less than reading every row's whole past: where not, they are
+            read so at once, bound 0 (the device's cost model); None (default): always.
 
     Returns ``out`` ``(*lead, N, d_v)`` in u's dtype, differentiable in a, b, u, h, and the
     choice (``heads``: each head's width; ``bound``: each child's at it)."""
@@ -186,21 +193,38 @@ def certified_band_attention(a, b, u, scale: float, h, eps: float, *, start: int
     if none:  # (read with gradients, outside no_grad)
         return _whole(r, every, last, lead, n, d_v, u.dtype, eps, whole_past)
     hopeless = ~possible[:-1].any(0)
-    own = torch.where(hopeless, last, widths[0])  # (G,): each row's first reading
-    out, lse = r.read(every, own)
-    with torch.no_grad():
-        bd = r.bound(every, own, r.evidence(every, own, lse))
-        window = torch.where(bd <= eps, own[:, None], -1)
-        done = (bd <= eps).all(-1)
-    pieces = [(every[done], out[done])]
-    bounds = bd
-    rest = (~done).nonzero()[:, 0]
-    if rest.numel():
-        eighth = torch.tensor([8 * band.BandLayout.for_window(n, w, block).width <= n
-                               for w in widths], device=dev)
-        own = own.clone()
-        own[rest] = _read_again(r, rest, own, lse, wt, possible, eighth, eps, window, bounds,
-                                pieces)
+    # (G,): each row's first reading, at the narrowest width the best scores could certify
+    # (a narrower reading could not certify it: its cost would be spent for nothing)
+    own = torch.where(hopeless, last, wt[possible.int().argmax(0)])
+    if pays is not None and not pays(own, n, a.shape[-1]):
+        return _whole(r, every, last, lead, n, d_v, u.dtype, eps, whole_past)
+    bounds = torch.zeros(G, n, dtype=torch.float64, device=dev)
+    window = torch.full((G, n), -1, dtype=torch.long, device=dev)
+    pieces = []
+    banded = (own < last).nonzero()[:, 0]  # the rows read all of their past: once, at the end
+    if banded.numel():
+        out, lse = r.read(banded, own[banded])
+        with torch.no_grad():
+            bd = r.bound(banded, own[banded], r.evidence(banded, own[banded], lse))
+            window[banded] = torch.where(bd <= eps, own[banded, None], -1)
+            bounds[banded] = bd
+            done = (bd <= eps).all(-1)
+        pieces.append((banded[done], out[done]))
+        rest = banded[~done]
+        if rest.numel():
+            eighth = torch.tensor([8 * band.BandLayout.for_window(n, w, block).width <= n
+                                   for w in widths], device=dev)
+            own = own.clone()
+            own[rest] = _read_again(r, rest, own, lse[~done], wt, possible, eighth, eps,
+                                    window, bounds, pieces, last)
+    whole = (own >= last).nonzero()[:, 0]  # every row that reads all of its past, at once
+    if whole.numel():
+        if whole.numel() == G and whole_past is not None:  # the exact layer's own reading
+            out = whole_past(*r.src, r.scale).reshape(G, n, d_v)
+        else:
+            out, _ = r.read(whole, own[whole])
+        bounds[whole] = 0.0
+        pieces.append((whole, out))
     idx = torch.cat([p[0] for p in pieces])
     out = torch.cat([p[1] for p in pieces])[idx.argsort()]
     window = torch.where(window < 0, own[:, None], window)
@@ -238,31 +262,38 @@ def _widths(last: int, start: int, widest: int | None) -> list[int]:
     return widths
 
 
-def _read_again(r, rest, own, lse, wt, possible, eighth, eps, window, bounds, pieces):
-    """The rows ``rest`` the first reading did not certify, read at the first width the
-    start's evidence certifies (the width below it first, where ``certify``'s rules would try
-    it: it could certify and its band is at most an eighth of the sequence), then at that
-    width where the one below fails. Writes their ``window`` and ``bounds`` rows, appends
-    ``(rows, out)`` to ``pieces``, and returns the width each row was read at ``(R,)``."""
+def _read_again(r, rest, own, lse, wt, possible, eighth, eps, window, bounds, pieces, last):
+    """The rows ``rest`` the first reading did not certify (``lse``: their log-sums), read at
+    the first width that reading's evidence certifies (the width below it first, where
+    ``certify``'s rules would try it: it could certify, its band is at most an eighth of
+    the sequence, and it is wider than the one read), then at that width where the one
+    below fails. A row whose width is all of its past (``last``) is not read here: the
+    caller reads those rows together. Writes their ``window`` and ``bounds`` rows, appends
+    ``(rows, out)`` to ``pieces``, and returns the width each row is read at ``(R,)``."""
     with torch.no_grad():  # the first width the start's evidence certifies, per row
-        log_in = r.evidence(rest, own[rest], lse[rest])
+        log_in = r.evidence(rest, own[rest], lse)
         ok = r.certifies(rest, wt, log_in, eps)
         ok[-1] = True  # (len(widths), R); all of the past: bound 0
         k = ok.int().argmax(0)  # (R,)
         target = wt[k]
         below = wt[(k - 1).clamp(min=0)]
-        tries = (k > 1) & possible[(k - 1).clamp(min=0), rest] & eighth[(k - 1).clamp(min=0)]
+        tries = ((k > 1) & possible[(k - 1).clamp(min=0), rest] & eighth[(k - 1).clamp(min=0)]
+                 & (below > own[rest]))  # (a width read already failed: not read again)
         first = torch.where(tries, below, target)
-    out2, lse2 = r.read(rest, first)
-    with torch.no_grad():  # (the start's evidence bounds every wider window's too)
-        bd2 = torch.minimum(r.bound(rest, first, r.evidence(rest, first, lse2)),
-                            r.bound(rest, first, log_in))
-        good = (bd2 <= eps).all(-1) | ~tries  # a target read is certified
-        window[rest] = torch.where((window[rest] < 0) & (bd2 <= eps), first[:, None],
-                                   window[rest])
-        bounds[rest] = bd2
-    pieces.append((rest[good], out2[good]))
-    again = (~good).nonzero()[:, 0]
+    now = (first < last).nonzero()[:, 0]  # (the others read all of their past, later)
+    good = torch.ones_like(tries)
+    if now.numel():
+        rows = rest[now]
+        out2, lse2 = r.read(rows, first[now])
+        with torch.no_grad():  # (the start's evidence bounds every wider window's too)
+            bd2 = torch.minimum(r.bound(rows, first[now], r.evidence(rows, first[now], lse2)),
+                                r.bound(rows, first[now], log_in[now]))
+            good[now] = (bd2 <= eps).all(-1) | ~tries[now]  # a target read is certified
+            window[rows] = torch.where((window[rows] < 0) & (bd2 <= eps), first[now, None],
+                                       window[rows])
+            bounds[rows] = bd2
+        pieces.append((rows[good[now]], out2[good[now]]))
+    again = (~good & (target < last)).nonzero()[:, 0]
     if again.numel():
         rows = rest[again]
         out3, lse3 = r.read(rows, target[again])

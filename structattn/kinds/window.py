@@ -155,7 +155,8 @@ class WindowOperator(Operator):
             a, b, u, float(scale), h, self.family.prior.tol,
             block=self.family.prior.block_size, widest=n // 2 if on_triton else 2 * n // 5,
             read=None if on_triton else band_rows,
-            whole_past=lambda a, b, u, h, scale: key_bias_attention(a, b, u, h, scale, True))
+            whole_past=lambda a, b, u, h, scale: key_bias_attention(a, b, u, h, scale, True),
+            pays=None if on_triton else _band_pays)
         self._width = self.truncation.width
         heads = self.truncation.heads
         self._windows = None if bool((heads >= n - 1).all()) else heads
@@ -306,6 +307,23 @@ class WindowOperator(Operator):
             out = band.attend(a, b, wide, s["scale"], s["geometry"], s["layout"])
             return _kept(out[..., :u.shape[-1]], s["keep"])
         return _kept(band.attend(a, b, u, s["scale"], self._bias(), s["layout"]), s["keep"])
+
+
+def _band_pays(first: torch.Tensor, n: int, k: int) -> bool:
+    """The CPU's cost model of a band per head read to certify it, against the fused kernel
+    over each head's whole past (``certified_read``'s ``pays``; measured on a 2-core AVX2
+    host, ``benchmarks/bench_certificates.py``): a band of width w costs about
+    1.1·p((w + 150)/N) of the whole past, p(x) = 2x − x² (its pairs, the kernel's tiles at
+    its edges included); a row's first reading at ``first`` is followed, where it does not
+    certify, by one about twice as wide; and the certificate's own work costs about 3.5 ms,
+    ~20% of the whole past at N = 2,048, k = 64, four heads (∝ 1/(N²·k·heads)). Worth it
+    where the expected cost is under 60% of the whole past."""
+    x = ((first.double() + 150) / n).clamp(max=1.0)
+    x2 = ((2 * first.double() + 150) / n).clamp(max=1.0)
+    band_cost = 1.1 * ((2 * x - x * x) + (2 * x2 - x2 * x2))
+    cost = torch.where(first >= n - 1, torch.ones_like(band_cost), band_cost).mean()
+    fixed = 0.2 * (2048 / n) ** 2 * (64 / k) * 4 / first.numel()
+    return float(cost) + fixed <= 0.6
 
 
 def _block_worth(a, b, h, block: int) -> float | None:

@@ -1,0 +1,50 @@
+"""The CPU's cost rules for certified readings (``kinds/window.py``): a certificate whose own
+work, or whose readings, would cost more than reading the whole past is not computed — the
+layer reads the whole past at once (bound 0), exactly as the layer without ``tol``, and says
+so in its trace; where a band is expected to pay, it is read."""
+
+import pytest
+import torch
+
+import structattn as sa
+from structattn.kinds import key_bias, window
+
+f64 = torch.float64
+pytestmark = pytest.mark.skipif(
+    not key_bias.band_applies(torch.zeros(1, 2, 1), torch.zeros(1, 2, 1)),
+    reason="the compiled CPU kernels are not built here")
+
+
+def test_the_band_cost_model_reads_long_sharp_sequences_and_not_short_ones():
+    pays = window._band_pays
+    assert pays(torch.full((4,), 128), 8192, 64)  # 1/64 of the sequence: a band pays
+    assert not pays(torch.full((4,), 128), 2048, 64)  # its fixed cost at 2,048: it does not
+    assert not pays(torch.full((4,), 8191), 8192, 64)  # every head all of its past
+    assert not pays(torch.tensor([64, 8191, 8191, 8191]), 8192, 64)  # three of four heads
+
+
+@pytest.mark.parametrize("factory", ["forgetting_attention", "alibi_attention"])
+def test_where_a_band_cannot_pay_the_whole_past_is_read_as_without_tol(factory, monkeypatch):
+    read = []
+    monkeypatch.setattr(window, "band_rows",
+                        lambda *args: read.append(args) or pytest.fail("a band was read"))
+    torch.manual_seed(2)
+    kw = {"gate_bias": -1.0} if factory == "forgetting_attention" else {}
+    m = getattr(sa.models, factory)(16, heads=2, tol=1e-4, dtype=f64, **kw)
+    exact = getattr(sa.models, factory)(16, heads=2, dtype=f64, **kw)
+    exact.load_state_dict(m.state_dict())
+    x = torch.randn(1, 300, 16, dtype=f64)
+    with torch.no_grad():
+        y, trace = sa.compile(m)(x, return_trace=True)
+    c = trace.truncation[m.family_name]
+    assert c.skipped == 0 and c.certified and bool((c.bound == 0).all()) and not read
+    torch.testing.assert_close(y, sa.compile(exact)(x), rtol=0, atol=1e-12)
+
+
+def test_where_a_band_pays_it_is_read():
+    torch.manual_seed(2)
+    m = sa.models.forgetting_attention(16, heads=2, gate_bias=-2.0, tol=1e-4)
+    with torch.no_grad():
+        _, trace = sa.compile(m)(torch.randn(1, 8192, 16), return_trace=True)
+    c = trace.truncation[m.family_name]
+    assert c.certified and c.skipped > 0.9 and bool((c.bound <= 1e-4).all())
