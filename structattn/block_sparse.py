@@ -93,7 +93,16 @@ def read_whole(a: torch.Tensor, b: torch.Tensor, h: torch.Tensor | None, eps: fl
                block: int = 64) -> BlockSparse:
     """The choice that reads every earlier key block (each child's whole past, bound 0), made
     without any certificate work: what ``certify_blocks`` reports for heads read whole, for
-    every head (the arguments are ``certify_blocks``'s)."""
+    every head.
+
+    Args:
+        a, b: ``(*lead, N, k)`` the children's and parents' factors (their shapes only).
+        h: ``(*lead, N)`` the prior's per-parent term, or None (its shape only).
+        eps: the bound asked for, in (0, 1).
+        block: tokens per block.
+
+    Returns:
+        A ``BlockSparse`` of every block read, bound 0, nothing skipped."""
     L = _check(a, b, eps, block)
     n = a.shape[-2]
     L = min(L, n)

@@ -11,20 +11,20 @@ the longest key farther back, ``structattn.certificates.certified``),
 The last term is the key-bias kernel's ``lse`` at width W: reading a head's band gives its
 certificate's evidence, less the rounding of the kernel's sums (``read_slack``). So the
 window is chosen by reading: every head first reads the narrowest width of the doubling
-sequence from ``start`` that the best scores could certify (a narrower reading could not);
-a head whose children are all certified keeps that reading. The others take, from that evidence (I grows with W,
-so it bounds every wider window's), the first width of the doubling sequence it certifies,
-and read the width below it first where the best scores could certify it (and, as
-``certify``'s, where that band is no wider than an eighth of the sequence): kept if its own
-evidence certifies it, else the wider one is read. A head that no width below all of its
-past could certify, even at the best scores, reads all of it (bound 0); where no head
-could, they read it at once through ``whole_past`` (the exact layer's reading). At most
-three readings: certifying costs little next to reading, where ``certify`` scored the band
-in float64 before the reading read it again. The same reading serves the CPU, through the
-compiled band kernel (``read``). The prior is the
-one the kernel reads (h as given), as the block-sparse certificate's. The ceiling is the
-longest key's alone, not ``certify``'s per-block ceilings as well: where only those certify
-a width (keys clustered away from the queries), the band read here is wider than the CPU's.
+sequence from ``start`` that the best scores could certify (a narrower reading could not); a
+head whose children are all certified keeps that reading. The others take, from that
+evidence (I grows with W, so it bounds every wider window's), the first width of the
+doubling sequence it certifies, and read the width below it first where the best scores
+could certify it (and, as ``certify``'s, where that band is no wider than an eighth of the
+sequence): kept if its own evidence certifies it, else the wider one is read. A head that no
+width below all of its past could certify, even at the best scores, reads all of it (bound
+0); where no head could, they read it at once through ``whole_past`` (the exact layer's
+reading). At most three readings: certifying costs little next to reading, where ``certify``
+scored the band in float64 before the reading read it again. The same reading serves the
+CPU, through the compiled band kernel (``read``). The prior is the one the kernel reads (h
+as given), as the block-sparse certificate's. The ceiling is the longest key's alone, not
+``certify``'s per-block ceilings as well: where only those certify a width (keys clustered
+away from the queries), the band read here is wider than ``certify``'s.
 """
 
 from __future__ import annotations
@@ -198,6 +198,27 @@ def certified_band_attention(a, b, u, scale: float, h, eps: float, *, start: int
     own = torch.where(hopeless, last, wt[possible.int().argmax(0)])
     if pays is not None and not pays(own, n, a.shape[-1]):
         return _whole(r, every, last, lead, n, d_v, u.dtype, eps, whole_past)
+    pieces, own, bounds, window = _read_all(r, own, wt, possible, widths, eps, block,
+                                            whole_past)
+    idx = torch.cat([p[0] for p in pieces])
+    out = torch.cat([p[1] for p in pieces])[idx.argsort()]
+    window = torch.where(window < 0, own[:, None], window)
+    heads = own.reshape(lead)
+    choice = CertifiedWindow(
+        int(own.max()), bounds.reshape(*lead, n), window.reshape(*lead, n), float(eps),
+        sum(skipped_pairs(n, w) for w in own.tolist()) / own.numel(),
+        bool((bounds <= eps).all()), heads)
+    return out.reshape(*lead, n, d_v).to(u.dtype), choice
+
+
+def _read_all(r, own, wt, possible, widths, eps, block, whole_past):
+    """Every row read: those with a band first at ``own`` (then again, ``_read_again``),
+    those that read all of their past together at the end (through ``whole_past`` where all
+    do). Returns ``(pieces, own, bounds, window)``: the ``(rows, out)`` read, each row's
+    width, each child's bound and the smallest width certifying it (−1: none below
+    ``own``)."""
+    G, n, dev, last = r.G, r.n, own.device, r.n - 1
+    d_v = r.src[2].shape[-1]
     bounds = torch.zeros(G, n, dtype=torch.float64, device=dev)
     window = torch.full((G, n), -1, dtype=torch.long, device=dev)
     pieces = []
@@ -219,21 +240,11 @@ def certified_band_attention(a, b, u, scale: float, h, eps: float, *, start: int
                                     window, bounds, pieces, last)
     whole = (own >= last).nonzero()[:, 0]  # every row that reads all of its past, at once
     if whole.numel():
-        if whole.numel() == G and whole_past is not None:  # the exact layer's own reading
-            out = whole_past(*r.src, r.scale).reshape(G, n, d_v)
-        else:
-            out, _ = r.read(whole, own[whole])
+        out = whole_past(*r.src, r.scale).reshape(G, n, d_v) if whole.numel() == G and \
+            whole_past is not None else r.read(whole, own[whole])[0]  # (the exact layer's)
         bounds[whole] = 0.0
         pieces.append((whole, out))
-    idx = torch.cat([p[0] for p in pieces])
-    out = torch.cat([p[1] for p in pieces])[idx.argsort()]
-    window = torch.where(window < 0, own[:, None], window)
-    heads = own.reshape(lead)
-    choice = CertifiedWindow(
-        int(own.max()), bounds.reshape(*lead, n), window.reshape(*lead, n), float(eps),
-        sum(skipped_pairs(n, w) for w in own.tolist()) / own.numel(),
-        bool((bounds <= eps).all()), heads)
-    return out.reshape(*lead, n, d_v).to(u.dtype), choice
+    return pieces, own, bounds, window
 
 
 def _whole(r, every, last: int, lead, n: int, d_v: int, dtype, eps: float, whole_past):

@@ -24,13 +24,15 @@ from __future__ import annotations
 import torch
 
 from .. import kernels, reading, triton_kernels
-from ..block_sparse import WORTH, block_sparse_attention, causal_posterior, certify_blocks, read_whole
+from ..block_sparse import block_sparse_attention, causal_posterior, certify_blocks, read_whole
 from ..certificates.certified import certify, window_bound
 from ..certificates.certified_read import certified_band_attention
 from ..checking._validation import is_exporting
 from ..operators import band
 from . import distance_table
 from .base import Operator, Support
+from .certificate_costs import band_pays as _band_pays
+from .certificate_costs import block_worth as _block_worth
 from .dense import with_parent_terms
 from .key_bias import applies, band_applies, band_rows, folds_terms, key_bias_attention
 
@@ -307,40 +309,6 @@ class WindowOperator(Operator):
             out = band.attend(a, b, wide, s["scale"], s["geometry"], s["layout"])
             return _kept(out[..., :u.shape[-1]], s["keep"])
         return _kept(band.attend(a, b, u, s["scale"], self._bias(), s["layout"]), s["keep"])
-
-
-def _band_pays(first: torch.Tensor, n: int, k: int) -> bool:
-    """The CPU's cost model of a band per head read to certify it, against the fused kernel
-    over each head's whole past (``certified_read``'s ``pays``; measured on a 2-core AVX2
-    host, ``benchmarks/bench_certificates.py``): a band of width w costs about
-    1.1·p((w + 150)/N) of the whole past, p(x) = 2x − x² (its pairs, the kernel's tiles at
-    its edges included); a row's first reading at ``first`` is followed, where it does not
-    certify, by one about twice as wide; and the certificate's own work costs about 3.5 ms,
-    ~20% of the whole past at N = 2,048, k = 64, four heads (∝ 1/(N²·k·heads)). Worth it
-    where the expected cost is under 60% of the whole past."""
-    x = ((first.double() + 150) / n).clamp(max=1.0)
-    x2 = ((2 * first.double() + 150) / n).clamp(max=1.0)
-    band_cost = 1.1 * ((2 * x - x * x) + (2 * x2 - x2 * x2))
-    cost = torch.where(first >= n - 1, torch.ones_like(band_cost), band_cost).mean()
-    fixed = 0.2 * (2048 / n) ** 2 * (64 / k) * 4 / first.numel()
-    return float(cost) + fixed <= 0.6
-
-
-def _block_worth(a, b, h, block: int) -> float | None:
-    """The least share of its earlier key blocks a head's sampled child blocks must skip for
-    its blocks to be certified (``block_sparse.certify_blocks``'s ``worth``), or None: every
-    head reads all of its past, no certificate computed. On the CPU the certificate's own
-    work — ceilings and scorings over every (child block, key block) pair, in float64 —
-    costs 2–3× the fused kernel's forward over the whole past and about half of its forward
-    and backward (``benchmarks/bench_certificates.py``): never worth it without a gradient;
-    with one, from 64 key blocks on (below, the sample alone costs ~5% of the reading) and
-    where the sampled blocks skip ≥ 95% of their past. Elsewhere ``WORTH``."""
-    if a.device.type != "cpu":
-        return WORTH
-    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (a, b, h))
-    if not grad or -(-a.shape[-2] // block) < 64:
-        return None
-    return 0.95
 
 
 def _whole_past(a, b, u, scale, h):

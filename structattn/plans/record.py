@@ -201,6 +201,21 @@ def _call_key(op, args: tuple, kwargs: dict):
         return None
 
 
+def _binds(fn, out, op, args: tuple, kwargs: dict) -> bool:
+    """Whether the binding ``fn`` returns ``out``, what ``op`` returned on these arguments:
+    known by the call's structure (``_BINDS``), else found by running it."""
+    key = _call_key(op, args, kwargs)
+    verdict = _BINDS.get(key) if key is not None else None
+    if verdict is None:
+        try:
+            verdict = _same(out, fn(*args, **kwargs))
+        except Exception:  # the binding parses these arguments differently
+            verdict = False
+        if key is not None:
+            _BINDS[key] = verdict
+    return verdict
+
+
 def _draws_nothing(node, args, kwargs) -> bool:
     """A seeded overload called so that it draws nothing: attention without dropout."""
     if node.target is torch.ops.aten.scaled_dot_product_attention.default:
@@ -245,16 +260,7 @@ def _bind_to_torch(graph: torch.fx.GraphModule, args: tuple) -> list:
             a, kw = self.fetch_args_kwargs_from_env(n)
             if torch.Tag.nondeterministic_seeded in n.target.tags and not _draws_nothing(n, a, kw):
                 return out
-            key = _call_key(n.target, a, kw)
-            verdict = _BINDS.get(key) if key is not None else None
-            if verdict is None:
-                try:
-                    verdict = _same(out, fn(*a, **kw))
-                except Exception:  # the binding parses these arguments differently
-                    verdict = False
-                if key is not None:
-                    _BINDS[key] = verdict
-            if verdict:
+            if _binds(fn, out, n.target, a, kw):
                 bound[n] = fn
             return out
 
