@@ -164,12 +164,13 @@ def test_the_wheel_and_the_sdist_hold_every_package_and_the_kernel_sources(dist)
 def test_the_wheel_installs_imports_runs_and_renders_outside_the_repository(dist, tmp_path):
     wheel, _ = dist
     env_dir = tmp_path / "env"
-    _run([sys.executable, "-m", "venv", str(env_dir)], timeout=300)
+    # no pip of its own (ensurepip: seconds): this environment's pip installs into it
+    _run([sys.executable, "-m", "venv", "--without-pip", str(env_dir)], timeout=300)
     python = env_dir / "bin" / "python"
     # --no-compile: byte-compiling torch's thousands of modules at install is a minute of CPU
     # the probe does not need (Python compiles what it imports)
-    pip = [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
-           "--no-compile"]
+    pip = [sys.executable, "-m", "pip", "--python", str(python), "install", "--quiet",
+           "--disable-pip-version-check", "--no-compile"]
     lent = _lend_torch(env_dir, tmp_path / "torch")
     _run([*pip, str(wheel)], timeout=900)
     found = _run([str(python), "-c", "import torch; print(torch.__version__, torch.__file__)"],
