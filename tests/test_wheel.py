@@ -2,7 +2,8 @@
 first, the wheel from it), each holding every package of the source tree — the catalogue and
 the ground truth, which a checkout holds as links to ``models/`` and ``inference/``, as plain
 folders ``structattn/models`` and ``structattn/inference``; the wheel,
-installed into an empty virtual environment with torch, imports every subpackage, compiles
+installed into an empty virtual environment that has torch alone (this environment's, lent
+through a ``.pth``; pip installs the rest from the index), imports every subpackage, compiles
 and runs every catalogue model, builds a C++ kernel from its own sources and renders from the
 command line — all from a directory outside the repository, so nothing of the clone can be
 imported by accident.
