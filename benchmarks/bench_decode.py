@@ -19,8 +19,12 @@ Timing: the two run interleaved (order reversed each round), each round a block 
 medians over rounds and the median of the per-round ratios (``paired``; target ≤ 1.2×);
 ``--clock cpu`` times the process's CPU time (on a shared machine the time spent waiting for
 a core is left out). Peak memory: the growth of the RSS high-water mark (CPU) or of the CUDA
-allocator's peak over a block of steps. Run: ``python benchmarks/bench_decode.py [--quick]
-[--device cpu|cuda] [--clock wall|cpu] [--threads N] [--json PATH]``.
+allocator's peak over a block of steps. ``--quick`` (d_model=16, L=32, 3 rounds) compiles
+with dynamo alone (``backend="eager"``: the same whole-graph trace, guards and stance, no
+Inductor code, whose first compile on a machine takes ~15 s): it only checks that every path
+runs (tests/test_decode_fixed.py compiles both layers' steps with Inductor). Run:
+``python benchmarks/bench_decode.py [--quick] [--device cpu|cuda] [--clock wall|cpu]
+[--threads N] [--json PATH]``.
 """
 
 from __future__ import annotations
@@ -98,9 +102,9 @@ def _layers(d, heads, dtype, device):
             "forgetting_attention": sa.models.forgetting_attention(d, **kw)}
 
 
-def _pair(model, B, L, prefill, x, compiled: bool):
+def _pair(model, B, L, prefill, x, compiled: bool, backend: str = "inductor"):
     """The layer's step and the hand-written one, each after the same prefill, as two
-    functions of x_new; compiled with torch.compile when asked."""
+    functions of x_new; compiled with torch.compile (``backend``) when asked."""
     layer = sa.compile(model)
     cache = layer.new_cache(capacity=L)
     hand = HandStep(model, B, L, x)
@@ -113,7 +117,8 @@ def _pair(model, B, L, prefill, x, compiled: bool):
         return layer(x_new, cache=cache)
 
     if compiled:
-        return torch.compile(ours, fullgraph=True), torch.compile(hand, fullgraph=True), cache
+        return (torch.compile(ours, fullgraph=True, backend=backend),
+                torch.compile(hand, fullgraph=True, backend=backend), cache)
     return ours, hand, cache
 
 
@@ -160,10 +165,11 @@ def _stance(mode: str):
     return contextlib.nullcontext()
 
 
-def measure(model, name, mode, B, L, prefill, x, x_new, rounds, block, device, clock) -> dict:
+def measure(model, name, mode, B, L, prefill, x, x_new, rounds, block, device, clock,
+            backend="inductor") -> dict:
     """One row: the layer's step and the hand-written one after the same prefill, checked
     equal, warmed up, timed in pairs and their peak memory measured."""
-    ours, hand, cache = _pair(model, B, L, prefill, x, mode.startswith("compiled"))
+    ours, hand, cache = _pair(model, B, L, prefill, x, mode.startswith("compiled"), backend)
     with torch.no_grad():  # the same step from the same cache: the same output
         a, b = ours(x[:, prefill:prefill + 1]), hand(x[:, prefill:prefill + 1])
         error = float((a - b).abs().max())
@@ -177,7 +183,8 @@ def measure(model, name, mode, B, L, prefill, x, x_new, rounds, block, device, c
                         clock)
         mem = {k: peak(fn, x_new, block, device)
                for k, fn in (("hand", hand), ("structattn", ours))}
-    return {"layer": name, "mode": mode, "d_model": model.d_model, "heads": model.heads,
+    return {"layer": name, "mode": mode, "backend": backend if mode.startswith("compiled")
+            else None, "d_model": model.d_model, "heads": model.heads,
             "batch": B, "capacity": L, "prefill": prefill, "dtype": str(x.dtype),
             "hand_us": res["hand"]["median_us"], "structattn_us": res["structattn"]["median_us"],
             "paired_ratio": res["structattn"]["paired"], "target": TARGET,
@@ -216,7 +223,8 @@ def main(argv=None):
         for mode in MODES:
             with sa.validation(mode != "eager_unchecked"):
                 row = measure(model, name, mode, B, L, prefill, x, x_new, rounds, block, device,
-                              time.process_time if args.clock == "cpu" else time.perf_counter)
+                              time.process_time if args.clock == "cpu" else time.perf_counter,
+                              "eager" if args.quick else "inductor")
             rows.append(row)
             verdict = "OK" if row["paired_ratio"] <= TARGET else "MISS"
             print(f"{name:22s} {mode:20s} hand {row['hand_us']:8.1f} µs  structattn "

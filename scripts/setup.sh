@@ -7,7 +7,8 @@
 #   - Triton (TRITON_SPEC, default triton==3.9.0), whose interpreter runs the GPU kernels' tests;
 #   - structattn itself, editable, with its dev, gpu and transformers extras (pytest,
 #     hypothesis, ruff, build; Hugging Face transformers for structattn.integrations);
-#   - the compiled CPU kernels (structattn/csrc, built once per torch version; needs g++).
+#   - the compiled CPU kernels (structattn/csrc, built once per torch version; needs g++);
+#   - Inductor's own first compile on this machine (torch.compile's cache, see below).
 # Safe to run again: it only installs what is missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -75,5 +76,14 @@ fi
 if grep -qw avx2 /proc/cpuinfo 2>/dev/null; then
   STRUCTATTN_KERNEL_ISA=avx2 .venv/bin/python -m structattn.kernels build \
     || echo "setup: WARNING: the AVX2 build of the kernels failed (its test builds it)" >&2
+fi
+# Inductor's first compile on a machine (torch.compile's default backend; its cache in
+# /tmp/torchinductor_$USER) sets up what every later one reuses: a few seconds that the suite's
+# first torch.compile test would otherwise pay (each test still compiles its own graphs).
+INDUCTOR_CACHE="${TORCHINDUCTOR_CACHE_DIR:-${TMPDIR:-/tmp}/torchinductor_$(id -un)}"
+if [ ! -d "$INDUCTOR_CACHE/fxgraph" ] && ! .venv/bin/python -c \
+    "import torch; torch.compile(lambda x: x.sin().sum(-1))(torch.ones(2, 4))" >/dev/null 2>&1
+then
+  echo "setup: WARNING: torch.compile (Inductor) failed here; its tests will say why" >&2
 fi
 echo "setup: done ($(.venv/bin/python -c 'import torch, pyro; print("torch", torch.__version__, "pyro", pyro.__version__)'))"

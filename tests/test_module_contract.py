@@ -68,6 +68,10 @@ def test_torch_compile_traces_one_graph(name):
     torch.testing.assert_close(torch.compile(layer)(*inputs), layer(*inputs))
 
 
+#: the same model, input and Inductor compile as test_torch_compile.py's
+#: test_fullgraph_compile_with_inductor_trains[cpu], which also holds the graph whole and the
+#: gradient equal to the eager one: in the default run that one stands for it
+@pytest.mark.slow
 def test_torch_compile_matches_eager():
     m = sa.models.self_attention(16, d_k=4, heads=4, causal=True)
     layer = sa.compile(m)
