@@ -253,17 +253,22 @@ std::tuple<at::Tensor, at::Tensor> band_forward(const at::Tensor& q_a, const at:
     using T = scalar_t;
     const T sc = static_cast<T>(scale);
     const T inf = std::numeric_limits<T>::infinity();
-    at::parallel_for(0, B * NH, 1, [&](int64_t g0, int64_t g1) {
+    // the unit of parallel work is a block of one row's children (their outputs are their
+    // own): a band read for one or two rows still uses every core
+    const int64_t nblocks = (C + BQ - 1) / BQ;
+    const auto kc = k.contiguous(), vc = v.contiguous();
+    at::parallel_for(0, B * NH * nblocks, 1, [&](int64_t t0, int64_t t1) {
       auto opts = q.options();
       auto s = at::empty({BQ * BK}, opts), acc = at::empty({BQ, dv}, opts);  // per thread
       std::vector<T> top(BQ), total(BQ);
-      for (int64_t g = g0; g < g1; ++g) {
-        const int64_t b = g / NH, hh = g % NH, w = W[g];
-        auto kg = k[b][hh].contiguous(), vg = v[b][hh].contiguous();
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t g = t / nblocks, b = g / NH, hh = g % NH, w = W[g];
+        auto kg = kc[b][hh], vg = vc[b][hh];
         auto qg = q[b][hh], og = out[b][hh];
         const T* H = h[b][hh].data_ptr<T>();
         T* L = lse[b][hh].data_ptr<T>();
-        for (int64_t i0 = 0; i0 < C; i0 += BQ) {
+        {
+          const int64_t i0 = (t % nblocks) * BQ;
           const int64_t n = std::min(BQ, C - i0);
           auto qb = qg.narrow(0, i0, n).contiguous();
           auto ab = acc.narrow(0, 0, n);
