@@ -236,8 +236,14 @@ def _read_all(r, own, wt, possible, widths, eps, block, whole_past):
             eighth = torch.tensor([8 * band.BandLayout.for_window(n, w, block).width <= n
                                    for w in widths], device=dev)
             own = own.clone()
-            own[rest] = _read_again(r, rest, own, lse[~done], wt, possible, eighth, eps,
-                                    window, bounds, pieces, last)
+            again = _read_again(r, rest, own, lse[~done], wt, possible, eighth, eps,
+                                window, bounds, pieces, last,
+                                whole_past is not None and r.forward is not _triton_rows)
+            if again is None:  # most rows read all of their past (the CPU): all of them
+                own[:] = last  # do, in one balanced call (the exact layer's own reading)
+                pieces.clear()
+            else:
+                own[rest] = again
     whole = (own >= last).nonzero()[:, 0]  # every row that reads all of its past, at once
     if whole.numel():
         out = whole_past(*r.src, r.scale).reshape(G, n, d_v) if whole.numel() == G and \
@@ -273,14 +279,17 @@ def _widths(last: int, start: int, widest: int | None) -> list[int]:
     return widths
 
 
-def _read_again(r, rest, own, lse, wt, possible, eighth, eps, window, bounds, pieces, last):
+def _read_again(r, rest, own, lse, wt, possible, eighth, eps, window, bounds, pieces, last,
+                all_or_none=False):
     """The rows ``rest`` the first reading did not certify (``lse``: their log-sums), read at
     the first width that reading's evidence certifies (the width below it first, where
     ``certify``'s rules would try it: it could certify, its band is at most an eighth of
     the sequence, and it is wider than the one read), then at that width where the one
     below fails. A row whose width is all of its past (``last``) is not read here: the
     caller reads those rows together. Writes their ``window`` and ``bounds`` rows, appends
-    ``(rows, out)`` to ``pieces``, and returns the width each row is read at ``(R,)``."""
+    ``(rows, out)`` to ``pieces``, and returns the width each row is read at ``(R,)``; with
+    ``all_or_none`` (the CPU, whose kernels parallelise over rows), None (nothing read)
+    where most rows would read all of their past: every row then does, at once."""
     with torch.no_grad():  # the first width the start's evidence certifies, per row
         log_in = r.evidence(rest, own[rest], lse)
         ok = r.certifies(rest, wt, log_in, eps)
@@ -291,6 +300,9 @@ def _read_again(r, rest, own, lse, wt, possible, eighth, eps, window, bounds, pi
         tries = ((k > 1) & possible[(k - 1).clamp(min=0), rest] & eighth[(k - 1).clamp(min=0)]
                  & (below > own[rest]))  # (a width read already failed: not read again)
         first = torch.where(tries, below, target)
+        whole = int((own >= last).sum()) + int((target >= last).sum())
+    if all_or_none and 2 * whole > r.G:  # (the rows read apart use the cores unevenly)
+        return None
     now = (first < last).nonzero()[:, 0]  # (the others read all of their past, later)
     good = torch.ones_like(tries)
     if now.numel():
