@@ -17,6 +17,7 @@ import structattn as sa
 from structattn import triton_kernels
 
 from ..certificates.test_certified_distance_priors import alibi_weights, dense_posterior, gate_weights
+from ..certificates.test_certified_read_cpu import ATTACK, attack
 
 f64 = torch.float64
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -138,50 +139,9 @@ def test_the_read_certificate_chooses_the_cpu_paths_widths_and_never_scores_the_
     torch.testing.assert_close(y, y_cpu, rtol=0, atol=1e-10)
 
 
-def _causal_softmax(a, b, h, scale):
-    """p(φ_i = j) ∝ e^{scale·⟨a_i, b_j⟩ + h_j} over j ≤ i, float64, ``(G, N, N)``."""
-    n = a.shape[-2]
-    s = scale * a.double() @ b.double().transpose(-1, -2) + h.double()[..., None, :]
-    past = torch.ones(n, n, dtype=torch.bool, device=a.device).tril()
-    return torch.softmax(s.masked_fill(~past, float("-inf")), -1)
-
-
 @settings(max_examples=12, deadline=None)
-@given(n=st.integers(2, 90), heads=st.integers(1, 3), k=st.integers(1, 6),
-       sharp=st.floats(0.1, 3.0), slope=st.floats(0.0, 2.0), gated=st.booleans(),
-       scale=st.floats(-2.0, 2.0).filter(lambda s: abs(s) > 1e-3), eps_exp=st.integers(1, 6),
-       dtype=st.sampled_from([f64, torch.float32]), seed=st.integers(0, 2**31 - 1),
-       planted=st.booleans())
-def test_the_read_certificate_never_leaves_out_more_than_its_bound(
-        n, heads, k, sharp, slope, gated, scale, eps_exp, dtype, seed, planted):
-    """An attack on the certificate read from the kernel: random factors (a strong match
-    planted far back), ALiBi-like or gate-like h, float64 and float32; the true posterior
-    mass beyond each head's width — a dense float64 softmax of the same (rounded) inputs —
-    never exceeds the child's bound, every bound is ≤ eps, and the output is that softmax
-    restricted to the width and renormalised."""
-    from structattn.certificates.certified_read import certified_band_attention
-
-    g = torch.Generator().manual_seed(seed)
-    a = torch.randn(heads, n, k, generator=g, dtype=f64) * sharp
-    b = torch.randn(heads, n, k, generator=g, dtype=f64)
-    if planted and n > 4:  # a strong match far back for the last token
-        b[:, 1] = a[:, -1] * 3 * math.copysign(1.0, scale)
-    u = torch.randn(heads, n, 3, generator=g, dtype=f64)
-    if gated:  # h_j = −Σ_{l ≤ j} log f_l: FoX's
-        h = -torch.nn.functional.logsigmoid(torch.randn(heads, n, generator=g, dtype=f64) * 2
-                                            + 4 / max(slope, 0.1)).cumsum(-1)
-    else:  # h_j = m·j: ALiBi's
-        h = slope * torch.rand(heads, 1, generator=g, dtype=f64) * torch.arange(n, dtype=f64)
-    a, b, u, h = (t.to(DEVICE, dtype) for t in (a, b, u, h))
-    eps = 10.0 ** -eps_exp
-    out, c = certified_band_attention(a, b, u, scale, h, eps, block=16, widest=n // 2)
-    assert c.certified and bool((c.bound <= eps).all())
-    p = _causal_softmax(a, b, h, scale)
-    d = torch.arange(n, device=DEVICE)[:, None] - torch.arange(n, device=DEVICE)
-    outside = d > c.heads[:, None, None]  # (H, N, N)
-    true = (p * outside).sum(-1)
-    assert bool((true <= c.bound * (1 + 1e-9) + 1e-300).all()), float((true - c.bound).max())
-    kept = p.masked_fill(outside, 0.0)
-    want = (kept / kept.sum(-1, keepdim=True)) @ u.double()
-    torch.testing.assert_close(out.double(), want, rtol=0,
-                               atol=1e-10 if dtype == f64 else 1e-5)
+@given(n=st.integers(2, 90), **ATTACK)
+def test_the_read_certificate_never_leaves_out_more_than_its_bound(n, **kw):
+    """The attack of tests/certificates/test_certified_read_cpu.py on the Triton kernel's
+    certificate."""
+    attack(None, DEVICE, n // 2, n, **kw)
