@@ -96,7 +96,8 @@ def read_whole(a: torch.Tensor, b: torch.Tensor, h: torch.Tensor | None, eps: fl
     every head.
 
     Args:
-        a, b: ``(*lead, N, k)`` the children's and parents' factors (their shapes only).
+        a: ``(*lead, N, k)`` the children's factors (their shape only).
+        b: ``(*lead, N, k)`` the parents' factors (their shape only).
         h: ``(*lead, N)`` the prior's per-parent term, or None (its shape only).
         eps: the bound asked for, in (0, 1).
         block: tokens per block.

@@ -6,9 +6,24 @@ host (``benchmarks/bench_certificates.py``); elsewhere (CUDA) the certificates a
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 
 from ..block_sparse import WORTH
+
+_SET_ASIDE = [0]  # how many ``set_aside`` blocks are open
+
+
+@contextmanager
+def set_aside():
+    """Within it, the certificates run wherever they apply, whatever they cost: to measure
+    what they certify (``gallery/lm_probes.py``), not to read fast."""
+    _SET_ASIDE[0] += 1
+    try:
+        yield
+    finally:
+        _SET_ASIDE[0] -= 1
 
 
 def band_pays(first: torch.Tensor, n: int, k: int) -> bool:
@@ -20,6 +35,8 @@ def band_pays(first: torch.Tensor, n: int, k: int) -> bool:
     certify, by one about twice as wide; and the certificate's own work costs about 3.5 ms,
     ~20% of the whole past at N = 2,048, k = 64, four heads (∝ 1/(N²·k·heads)). Worth it
     where the expected cost is under 60% of the whole past."""
+    if _SET_ASIDE[0]:
+        return True
     x = ((first.double() + 150) / n).clamp(max=1.0)
     x2 = ((2 * first.double() + 150) / n).clamp(max=1.0)
     band_cost = 1.1 * ((2 * x - x * x) + (2 * x2 - x2 * x2))
@@ -37,7 +54,7 @@ def block_worth(a, b, h, block: int) -> float | None:
     and backward (``benchmarks/bench_certificates.py``): never worth it without a gradient;
     with one, from 64 key blocks on (below, the sample alone costs ~5% of the reading) and
     where the sampled blocks skip ≥ 95% of their past. Elsewhere ``WORTH``."""
-    if a.device.type != "cpu":
+    if a.device.type != "cpu" or _SET_ASIDE[0]:
         return WORTH
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (a, b, h))
     if not grad or -(-a.shape[-2] // block) < 64:

@@ -48,3 +48,19 @@ def test_where_a_band_pays_it_is_read():
         _, trace = sa.compile(m)(torch.randn(1, 8192, 16), return_trace=True)
     c = trace.truncation[m.family_name]
     assert c.certified and c.skipped > 0.9 and bool((c.bound <= 1e-4).all())
+
+
+def test_the_rules_can_be_set_aside_to_measure_what_a_certificate_proves():
+    from structattn.kinds.certificate_costs import set_aside
+
+    torch.manual_seed(2)
+    m = sa.models.forgetting_attention(16, heads=2, gate_bias=-1.0, tol=1e-4, dtype=f64)
+    x = torch.randn(1, 300, 16, dtype=f64)
+    with torch.no_grad():
+        _, fast = sa.compile(m)(x, return_trace=True)
+        with set_aside():
+            assert window._band_pays(torch.full((2,), 16), 300, 16)
+            _, proved = sa.compile(m)(x, return_trace=True)
+    assert fast.truncation[m.family_name].skipped == 0  # (300 tokens: not worth a band)
+    c = proved.truncation[m.family_name]
+    assert c.certified and c.skipped > 0.5 and bool((c.heads < 150).all())
