@@ -8,9 +8,13 @@ as the geometric–Beta prior of expanding attention does, else its own, as a fo
 its ``block_size`` and its ``certificate``. A prior with a certified ``tol`` and no width
 of its own reads the window certified for the call (``structattn.certificates.certified``), or all of the
 past through the dense operator; one whose ``certificate`` is "blocks" reads the key blocks
-certified for each block of children, per head (``structattn.block_sparse``). Where the
-Triton kernel reads a band per head, the band's certificate comes from its own log-sums
-(``structattn.certificates.certified_read``), never from a scoring of the band before it is read.
+certified for each block of children, per head (``structattn.block_sparse``). Where a
+kernel reads a band per head (Triton on a GPU, the compiled band kernel on the CPU), the
+band's certificate comes from its own log-sums (``structattn.certificates.certified_read``),
+never from a scoring of the band before it is read; a table prior's band (the generalised
+Gaussian) is read on the CPU by the distance-table kernel over the band's distances. On the
+CPU, where a certificate is not expected to pay, the whole past is read at once instead
+(``kinds.certificate_costs``).
 
 The children may be the last C of the P parent tokens (a decoding step): child i sits at
 position P − C + i (``offset`` = P − C); the dense reading serves that case.
