@@ -157,7 +157,8 @@ def certify(a: torch.Tensor, b: torch.Tensor, scale: float, prior, eps: float, *
     with torch.no_grad():
         if last == n - 1 and len(widths) > 1 and not _ball_possible(
                 a.detach(), b.detach(), scale, prior, eps, widths[-2], first, per_lead):
-            return _whole_past(a, b, n, eps, per_lead)
+            return all_of_the_past(torch.broadcast_shapes(a.shape[:-2], b.shape[:-2]), n, eps,
+                                   a.device, per_lead)
         ev = _Evidence(a.detach(), b.detach(), scale, prior, eps, widths, block, first)
         # the longest key beyond the window bounds every score there (Cauchy–Schwarz); where
         # that cannot certify the narrowest width even at the best scores inside, the keys'
@@ -196,11 +197,12 @@ def _ball_possible(a, b, scale: float, prior, eps: float, width: int, first: int
     return bool(ok.all(-1).any()) if per_lead else bool(ok.all())
 
 
-def _whole_past(a, b, n: int, eps: float, per_lead: bool) -> CertifiedWindow:
-    """The choice of all of the past (bound 0), ``certify``'s where no band is possible."""
-    lead = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
-    zeros = torch.zeros(*lead, n, dtype=torch.float64, device=a.device)
-    window = torch.full((*lead, n), n - 1, dtype=torch.long, device=a.device)
+def all_of_the_past(lead, n: int, eps: float, device, per_lead: bool) -> CertifiedWindow:
+    """The choice of all of the past for every child of ``lead`` (bound 0): where no band is
+    possible, or none is worth reading (``certified_read``); ``per_lead``: with each head's
+    width."""
+    zeros = torch.zeros(*lead, n, dtype=torch.float64, device=device)
+    window = torch.full((*lead, n), n - 1, dtype=torch.long, device=device)
     heads = window[..., 0].clone() if per_lead else None
     return CertifiedWindow(n - 1, zeros, window, float(eps), 0.0, True, heads)
 

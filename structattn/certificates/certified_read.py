@@ -33,7 +33,7 @@ import torch
 
 from ..operators import band
 from .ceilings import RUN_ENTRIES, ceiling_from_norms, norm64
-from .certified import CertifiedWindow, skipped_pairs, tail_bound
+from .certified import CertifiedWindow, all_of_the_past, skipped_pairs, tail_bound
 
 
 def read_slack(lse: torch.Tensor, reach: torch.Tensor, width: int, computed: torch.dtype,
@@ -260,12 +260,8 @@ def _whole(r, every, last: int, lead, n: int, d_v: int, dtype, eps: float, whole
         out = whole_past(*r.src, r.scale)
     else:
         out, _ = r.read(every, torch.full_like(every, last))
-    zeros = torch.zeros(r.G, n, dtype=torch.float64, device=every.device)
-    choice = CertifiedWindow(last, zeros.reshape(*lead, n),
-                             torch.full((*lead, n), last, dtype=torch.long, device=every.device),
-                             float(eps), 0.0, True, torch.full(lead, last, dtype=torch.long,
-                                                               device=every.device))
-    return out.reshape(*lead, n, d_v).to(dtype), choice
+    return (out.reshape(*lead, n, d_v).to(dtype),
+            all_of_the_past(lead, n, eps, every.device, per_lead=True))
 
 
 def _widths(last: int, start: int, widest: int | None) -> list[int]:

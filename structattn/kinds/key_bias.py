@@ -198,28 +198,32 @@ def key_bias_attention(a, b, u, h, scale: float, is_causal: bool,
     heads = lead[-1] if lead else 1
     if window is not None:  # the compiled CPU kernel's band
         return _cpu_band(a, b, u, h, float(scale), window.expand(lead), lead)
-    width = max(a.shape[-1], d_v)  # the fused kernel takes one width for a, b and u
+    a, b, u = (x.expand(*lead, *x.shape[-2:]).reshape(-1, heads, *x.shape[-2:])
+               for x in (a, b, u))  # views where the batch dims merge
+    h = h.to(a.dtype).expand(*lead, P).reshape(-1, heads, P)
+    return _fused(a, b, u, h, float(scale), is_causal)[0].reshape(*lead, C, d_v)
+
+
+def _fused(a, b, u, h, scale: float, is_causal: bool):
+    """``(out (B, H, C, d_v), lse (B, H, C))`` of the fused CPU reading of ``(B, H, ·, ·)``
+    factors under h ``(B, H, P)`` in their dtype: PyTorch's flash kernel, or with a gradient
+    the compiled kernel (h's gradient too). The kernel takes one width for a, b and u (the
+    narrower padded), and the scale's sign is folded into a: PyTorch's fused CPU kernel
+    returns NaN for the first child of a causal reading under a negative scale (torch 2.13),
+    the same scores either way."""
+    d_v = u.shape[-1]
+    width = max(a.shape[-1], d_v)
     if a.shape[-1] < width:
         a, b = (torch.nn.functional.pad(x, (0, width - x.shape[-1])) for x in (a, b))
     if d_v < width:
         u = torch.nn.functional.pad(u, (0, width - d_v))
-    a, b, u = (x.expand(*lead, *x.shape[-2:]).reshape(-1, heads, *x.shape[-2:])
-               for x in (a, b, u))
-    h = h.to(a.dtype).expand(*lead, P).reshape(-1, heads, P)
-    a, scale = _positive_scale(a, float(scale))
+    if scale < 0:
+        a, scale = -a, -scale
     if _asks_gradient(a, b, u, h):
-        out = _ops().forward(a, b, u, h, scale, is_causal)[0]  # views: no copies
+        out, lse = _ops().forward(a, b, u, h, scale, is_causal)
     else:
-        out = _flash(a, b, u, 0.0, is_causal, attn_mask=h.unsqueeze(-2), scale=scale)[0]
-    out = out if d_v == width else out[..., :d_v]
-    return out.reshape(*lead, C, d_v)
-
-
-def _positive_scale(a: torch.Tensor, scale: float):
-    """``(a, scale)`` with the scale's sign folded into the children's factors: PyTorch's
-    fused CPU kernel returns NaN for the first child of a causal reading under a negative
-    scale (torch 2.13), the same scores either way."""
-    return (-a, -scale) if scale < 0 else (a, scale)
+        out, lse = _flash(a, b, u, 0.0, is_causal, attn_mask=h.unsqueeze(-2), scale=scale)[:2]
+    return (out if d_v == width else out[..., :d_v]), lse
 
 
 def band_rows(a, b, u, h, scale: float, width: torch.Tensor):
@@ -234,7 +238,7 @@ def band_rows(a, b, u, h, scale: float, width: torch.Tensor):
         from ..triton_kernels.key_bias import forward
 
         return forward(a, b, u, h, scale, True, width.to(torch.int32))
-    n, d_v = a.shape[1], u.shape[-1]
+    n = a.shape[1]
     hh = h.to(a.dtype)
     wide = width >= n - 1
 
@@ -243,18 +247,9 @@ def band_rows(a, b, u, h, scale: float, width: torch.Tensor):
         out, lse = _ops().band_forward(q, k, v, hh[sel][None], width[sel][None], scale)
         return out[0], lse[0]
 
-    def whole(sel):  # the rows ``sel`` through the fused kernel (one width for a, b, u)
-        q, k, v = (x[sel][None] for x in (a, b, u))
-        d = max(q.shape[-1], d_v)
-        q, k = (torch.nn.functional.pad(x, (0, d - x.shape[-1])) for x in (q, k))
-        v = torch.nn.functional.pad(v, (0, d - d_v))
-        bias = hh[sel][None]
-        q, sc = _positive_scale(q, scale)
-        if _asks_gradient(q, k, v, bias):
-            out, lse = _ops().forward(q, k, v, bias, sc, True)
-        else:
-            out, lse = _flash(q, k, v, 0.0, True, attn_mask=bias.unsqueeze(-2), scale=sc)[:2]
-        return out[0, ..., :d_v], lse[0]
+    def whole(sel):  # the rows ``sel`` through the fused kernel
+        out, lse = _fused(*(x[sel][None] for x in (a, b, u, hh)), scale, True)
+        return out[0], lse[0]
 
     if bool(wide.all()):
         return whole(slice(None))
@@ -267,28 +262,14 @@ def band_rows(a, b, u, h, scale: float, width: torch.Tensor):
 
 
 def _cpu_band(a, b, u, h, scale: float, window: torch.Tensor, lead) -> torch.Tensor:
-    """The CPU's band per leading index (``window`` ``lead``): the compiled band kernel for the
-    rows with a band, the fused kernel for those whose window holds all of their past (its
-    pair costs ~0.7× the band kernel's: measured at N = 4,096, d = 64), put back in place."""
+    """The CPU's band per leading index (``window`` ``lead``), through ``band_rows``: the
+    compiled band kernel for the rows with a band, the fused kernel for those whose window
+    holds all of their past (its pair costs ~0.7× the band kernel's: measured at N = 4,096,
+    d = 64), put back in place."""
     C, P, d_v = a.shape[-2], b.shape[-2], u.shape[-1]
     dtype = torch.promote_types(torch.promote_types(a.dtype, b.dtype), u.dtype)
     rows = [x.expand(*lead, *x.shape[-2:]).reshape(-1, *x.shape[-2:]).to(dtype)
             for x in (a, b, u)]  # (G, n, width)
     bias = h.to(dtype).expand(*lead, P).reshape(-1, P)
-    win = window.reshape(-1)
-    wide = win >= C - 1
-
-    def band(sel):  # the rows ``sel`` (a slice: views) through the band kernel, (G', n, d_v)
-        q, k, v = (x[sel][None] for x in rows)  # (1, G', n, width)
-        return _ops().band_forward(q, k, v, bias[sel][None], win[sel][None], scale)[0][0]
-
-    if bool(wide.all()):
-        out = key_bias_attention(*rows, bias, scale, True)
-    elif not bool(wide.any()):
-        out = band(slice(None))
-    else:
-        narrow, far = (~wide).nonzero()[:, 0], wide.nonzero()[:, 0]
-        out = torch.cat([band(narrow), key_bias_attention(*(x[far] for x in rows), bias[far],
-                                                          scale, True)])
-        out = out[torch.cat([narrow, far]).argsort()]  # back to the rows' order
+    out = band_rows(*rows, bias, scale, window.reshape(-1))[0]
     return out.reshape(*lead, C, d_v).to(u.dtype)
