@@ -29,6 +29,19 @@ def _seed_and_validate():
     sa.set_validation(True)
 
 
+@pytest.fixture(autouse=True)
+def _certify_at_any_size(request, monkeypatch):
+    """The tests check what a certified reading computes, at sizes where the CPU's cost rules
+    (``structattn.kinds.certificate_costs``: a band or a table's certificate only where it is
+    expected to cost well under the whole past) would read the whole past instead: the rules
+    are set aside, and tested on their own (tests/kinds/test_certificate_costs.py)."""
+    if request.module.__name__.rsplit(".", 1)[-1] != "test_certificate_costs":
+        from structattn.kinds import window
+
+        monkeypatch.setattr(window, "_band_pays", lambda *args: True)
+        monkeypatch.setattr(window, "_table_pays", lambda *args: True)
+
+
 #: the longest-running modules, started first: with one pytest-xdist worker per core, a long
 #: test that starts last leaves the other cores idle while it runs (the wheel test installs
 #: torch into a fresh environment and builds a C++ kernel)

@@ -34,6 +34,7 @@ import torch
 from ..operators import band
 from .ceilings import RUN_ENTRIES, ceiling_from_norms, norm64
 from .certified import CertifiedWindow, all_of_the_past, skipped_pairs, tail_bound
+from .sampled import sampled_widths
 
 
 def read_slack(lse: torch.Tensor, reach: torch.Tensor, width: int, computed: torch.dtype,
@@ -173,16 +174,22 @@ def certified_band_attention(a, b, u, scale: float, h, eps: float, *, start: int
     Returns ``out`` ``(*lead, N, d_v)`` in u's dtype, differentiable in a, b, u, h, and the
     choice (``heads``: each head's width; ``bound``: each child's at it)."""
     lead = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2], u.shape[:-2], h.shape[:-1])
-    n, d_v = a.shape[-2], u.shape[-1]
+    n, d_v, k = a.shape[-2], u.shape[-1], a.shape[-1]
     dtype = torch.promote_types(torch.promote_types(a.dtype, b.dtype), u.dtype)
-    products = _products(dtype, a.shape[-1]) if read is None else dtype
+    last = n - 1
+    widths = widths_from(last, start, widest)
+    wt = torch.tensor(widths, device=a.device)
+    sampled = None
+    if pays is not None and len(widths) > 1:  # the cost model's cheapest evidence first: a
+        # sample of children's exact tails (no statistics of every child computed yet)
+        sampled = sampled_widths(a, b, h, float(scale), lead, wt, eps)
+        if not pays(sampled, n, k):
+            return _whole_past_read(a, b, u, h, scale, lead, n, d_v, eps, whole_past)
+    products = _products(dtype, k) if read is None else dtype
     r = _Reader(a, b, u, h, float(scale), products, _triton_rows if read is None else read,
                 lead, dtype)
     G, dev = r.G, a.device
-    last = n - 1
-    widths = _widths(last, start, widest)
     every = torch.arange(G, device=dev)
-    wt = torch.tensor(widths, device=dev)
     with torch.no_grad():
         best = r.behind + r.high  # I ≤ e^{best}
         # the bound at the best scores falls with the width: where the widest band below all
@@ -194,9 +201,12 @@ def certified_band_attention(a, b, u, scale: float, h, eps: float, *, start: int
         return _whole(r, every, last, lead, n, d_v, u.dtype, eps, whole_past)
     hopeless = ~possible[:-1].any(0)
     # (G,): each row's first reading, at the narrowest width the best scores could certify
-    # (a narrower reading could not certify it: its cost would be spent for nothing)
+    # and the sampled children's tails allow (a narrower reading could not certify it: its
+    # cost would be spent for nothing)
     own = torch.where(hopeless, last, wt[possible.int().argmax(0)])
-    if pays is not None and not pays(own, n, a.shape[-1]):
+    if sampled is not None:
+        own = torch.maximum(own, sampled)
+    if pays is not None and not pays(own, n, k):
         return _whole(r, every, last, lead, n, d_v, u.dtype, eps, whole_past)
     pieces, own, bounds, window = _read_all(r, own, wt, possible, widths, eps, block,
                                             whole_past)
@@ -264,7 +274,14 @@ def _whole(r, every, last: int, lead, n: int, d_v: int, dtype, eps: float, whole
             all_of_the_past(lead, n, eps, every.device, per_lead=True))
 
 
-def _widths(last: int, start: int, widest: int | None) -> list[int]:
+def _whole_past_read(a, b, u, h, scale, lead, n: int, d_v: int, eps: float, whole_past):
+    """``_whole`` before any statistics: ``whole_past`` on the factors as given, bound 0."""
+    out = whole_past(a, b, u, h, float(scale))
+    return (out.reshape(*lead, n, d_v).to(u.dtype),
+            all_of_the_past(lead, n, eps, a.device, per_lead=True))
+
+
+def widths_from(last: int, start: int, widest: int | None) -> list[int]:
     """The doubling sequence of widths from ``start`` to ``last`` (all of the past), those
     beyond ``widest`` left out."""
     widths = [max(1, min(start, last))]

@@ -1,8 +1,10 @@
 """The CPU's cost rules for certified readings: where a certificate's own work and the
 readings it leads to are not expected to cost less than reading each child's whole past
 through the fused kernel, the window operator (``kinds/window.py``) reads the whole past at
-once, bound 0 — the certificate steps aside. The constants were measured on a 2-core AVX2
-host (``benchmarks/bench_certificates.py``); elsewhere (CUDA) the certificates always run."""
+once, bound 0 — the certificate steps aside. Each rule takes the narrowest width a reading
+could certify: from the best scores, or from a sample of children's exact evidence
+(``certificates.sampled``), the cheapest evidence there is. The constants were measured on
+a 2-core AVX2 host (``benchmarks/bench_certificates.py``); elsewhere (CUDA) the certificates always run."""
 
 from __future__ import annotations
 
@@ -11,6 +13,9 @@ from contextlib import contextmanager
 import torch
 
 from ..block_sparse import WORTH
+from ..certificates.certified_read import widths_from
+from ..certificates.sampled import sampled_widths
+from . import distance_table
 
 _SET_ASIDE = [0]  # how many ``set_aside`` blocks are open
 
@@ -43,6 +48,41 @@ def band_pays(first: torch.Tensor, n: int, k: int) -> bool:
     cost = torch.where(first >= n - 1, torch.ones_like(band_cost), band_cost).mean()
     fixed = 0.2 * (2048 / n) ** 2 * (64 / k) * 4 / first.numel()
     return float(cost) + fixed <= 0.6
+
+
+def table_band_pays(first: torch.Tensor, n: int, k: int, grad: bool) -> bool:
+    """The CPU's cost model of a distance table's certified band (the generalised Gaussian:
+    ``certify`` scores a band in float64, with the keys' per-block ceilings, then the
+    distance-table kernel reads the band it certifies), against the kernel over each head's
+    whole past (measured on a 2-core host, ``benchmarks/bench_certificates.py``): the band
+    of width w costs about 1.1·p((w + 150)/N) of the whole past, p(x) = 2x − x², and the
+    certificate about 1.6·(2,048/N)·(64/k) of its forward (28 ms against 17 ms at
+    N = 2,048, 4 heads of 64; linear in N where the reading is quadratic), a third of that
+    against a forward and backward. Worth it where the expected cost is under 75% of the
+    whole past, with ``first`` ``(G,)`` each head's narrowest width a reading could certify
+    (N − 1: all of its past)."""
+    if _SET_ASIDE[0]:
+        return True
+    x = ((first.double() + 150) / n).clamp(max=1.0)
+    band_cost = torch.where(first >= n - 1, torch.ones_like(x), 1.1 * (2 * x - x * x)).mean()
+    fixed = 1.6 * (2048 / n) * (64 / k) / (3 if grad else 1)
+    return float(band_cost) + fixed <= 0.75
+
+
+def table_pays(a, b, scale: float, prior, eps: float, first: int, widest: int | None) -> bool:
+    """Whether a distance table's certificate is worth computing for these factors
+    ``(*lead, N, k)`` (``table_band_pays``, from a sample of children's exact evidence,
+    ``sampled_widths``, over the widths ``certify`` would try): where the distance-table
+    kernel reads the band (the CPU); elsewhere, or for a prior with no table, True."""
+    n = a.shape[-2]
+    table = prior.log_by_distance(n - 1, a.device, torch.float32)
+    if _SET_ASIDE[0] or table is None or not distance_table.applies(a, b, a):
+        return True
+    widths = torch.tensor(widths_from(n - 1, 16, widest), device=a.device)
+    lead = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    narrowest = sampled_widths(a, b, None, scale, lead, widths, eps, first=first, table=table)
+    grad = torch.is_grad_enabled() and (a.requires_grad or b.requires_grad)
+    return table_band_pays(narrowest, n, a.shape[-1], grad)
 
 
 def block_worth(a, b, h, block: int) -> float | None:

@@ -29,7 +29,7 @@ import torch
 
 from .. import kernels, reading, triton_kernels
 from ..block_sparse import block_sparse_attention, causal_posterior, certify_blocks, read_whole
-from ..certificates.certified import certify, window_bound
+from ..certificates.certified import all_of_the_past, certify, window_bound
 from ..certificates.certified_read import certified_band_attention
 from ..checking._validation import is_exporting
 from ..operators import band
@@ -37,6 +37,7 @@ from . import distance_table
 from .base import Operator, Support
 from .certificate_costs import band_pays as _band_pays
 from .certificate_costs import block_worth as _block_worth
+from .certificate_costs import table_pays as _table_pays
 from .dense import with_parent_terms
 from .key_bias import applies, band_applies, band_rows, folds_terms, key_bias_attention
 
@@ -101,6 +102,12 @@ class WindowOperator(Operator):
                  if 2 * band.BandLayout.for_window(n, w, block).width <= n), default=0)
             # on the CPU a band scored in float64 costs more per pair than its reading: the
             # width the start's evidence certifies is read as it is (bench_certificates.py)
+            if width is None and not _table_pays(a, b, float(scale), f.prior, eps,
+                                                 f.support.first, widest):
+                self.truncation = all_of_the_past(torch.broadcast_shapes(
+                    a.shape[:-2], b.shape[:-2]), n, eps, a.device, per_head)
+                self._width = None
+                return None
             self.truncation = certify(a, b, scale, f.prior, eps, cap=width, block=block,
                                       first=f.support.first, widest=widest, per_lead=per_head,
                                       narrower=a.device.type != "cpu")

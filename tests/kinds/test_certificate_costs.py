@@ -64,3 +64,45 @@ def test_the_rules_can_be_set_aside_to_measure_what_a_certificate_proves():
     assert fast.truncation[m.family_name].skipped == 0  # (300 tokens: not worth a band)
     c = proved.truncation[m.family_name]
     assert c.certified and c.skipped > 0.5 and bool((c.heads < 150).all())
+
+
+def test_the_table_cost_model_certifies_long_sequences_and_not_short_ones():
+    from structattn.kinds.certificate_costs import table_band_pays
+
+    assert table_band_pays(torch.full((4,), 512), 8192, 64, False)  # 1/16 of the sequence
+    assert not table_band_pays(torch.full((4,), 16), 2048, 64, False)  # the certificate alone
+    assert not table_band_pays(torch.full((4,), 8191), 8192, 64, True)  # all of the past
+    assert table_band_pays(torch.full((4,), 256), 4096, 64, True) \
+        and not table_band_pays(torch.full((4,), 256), 4096, 64, False)  # with a backward
+
+
+def _gaussian(n: int, **kw):
+    torch.manual_seed(3)  # (heads of 64: the sizes the rule was measured at)
+    m = sa.models.generalised_gaussian_attention(128, heads=2, width=8.0, **kw)
+    return m, torch.randn(1, n, 128)
+
+
+def test_a_table_certificate_not_worth_its_cost_is_not_computed(monkeypatch):
+    from structattn.certificates import certified
+    from structattn.kinds import distance_table
+
+    monkeypatch.setattr(window, "certify", lambda *a, **k: pytest.fail("certify was called"))
+    monkeypatch.setattr(distance_table, "band_attention",
+                        lambda *a, **k: pytest.fail("a band was read"))
+    m, x = _gaussian(1024, tol=1e-4)
+    exact = sa.models.generalised_gaussian_attention(128, heads=2, width=8.0)
+    exact.load_state_dict(m.state_dict())
+    with torch.no_grad():
+        y, trace = sa.compile(m)(x, return_trace=True)
+        torch.testing.assert_close(y, sa.compile(exact)(x), rtol=0, atol=0)
+    c = trace.truncation[m.family_name]
+    assert isinstance(c, certified.CertifiedWindow)
+    assert c.skipped == 0 and c.certified and bool((c.bound == 0).all())
+
+
+def test_a_table_certificate_worth_its_cost_is_read():
+    m, x = _gaussian(8192, tol=1e-4)
+    with torch.no_grad():
+        _, trace = sa.compile(m)(x, return_trace=True)
+    c = trace.truncation[m.family_name]
+    assert c.certified and c.skipped > 0.8 and bool((c.bound <= 1e-4).all())
