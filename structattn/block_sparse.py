@@ -119,7 +119,8 @@ def read_whole(a: torch.Tensor, b: torch.Tensor, h: torch.Tensor | None, eps: fl
 
 
 def certify_blocks(a: torch.Tensor, b: torch.Tensor, scale: float, h: torch.Tensor | None,
-                   eps: float, *, block: int = 64, worth: float = WORTH) -> BlockSparse:
+                   eps: float, *, block: int = 64, worth: float = WORTH,
+                   together: bool = False) -> BlockSparse:
     """The key blocks each block of children must read for its posterior mass in the others
     to be certified ≤ ``eps`` (module docstring).
 
@@ -132,6 +133,8 @@ def certify_blocks(a: torch.Tensor, b: torch.Tensor, scale: float, h: torch.Tens
         block: tokens per block, children and keys alike.
         worth: the least share of their earlier blocks a head's sampled child blocks must
             skip for the head to be certified block by block; default ``WORTH``.
+        together: where half the heads or more would read all of their past, every head
+            does (default False: each head as its sample says).
 
     Returns:
         A ``BlockSparse``, with the blocks read in the order chosen (``order``, ``count``).
@@ -159,13 +162,20 @@ def certify_blocks(a: torch.Tensor, b: torch.Tensor, scale: float, h: torch.Tens
         earlier_blocks = torch.arange(nb, device=dev)  # child block c has c earlier blocks
         # a head whose sampled child blocks (every eighth, or at most eight evenly spread)
         # skip under WORTH of their earlier blocks reads all of its past, the certificate's
-        # work spared (bound 0)
+        # work spared (bound 0); the last one first, alone (a fifth of the sample's cost, the
+        # most earlier blocks to skip): where it does not skip enough, neither would the rest.
+        # With ``together``, where half the heads or more read all of their past, every one
+        # does (the kernels parallelise over heads: one sparse head costs them its share)
         whole = torch.zeros(G, dtype=torch.bool, device=dev)
         step = max(8, nb // 8)
         sample = torch.arange(step, max(nb, step), step, device=dev)
-        if sample.numel() >= 2:
-            c, _, _ = choose_blocks(A, B, hh, slack, scale, eps, L, nb, sample)
-            whole = 1 - c.sum(-1) / sample.sum() < worth
+        for part in ((sample[-1:], sample) if sample.numel() >= 2 else ()):
+            c, _, _ = choose_blocks(A, B, hh, slack, scale, eps, L, nb, part)
+            whole |= 1 - c.sum(-1) / part.sum() < worth
+            if together and 2 * int(whole.sum()) >= G:
+                whole[:] = True
+            if bool(whole.all()):
+                break
         keep = (~whole).nonzero().squeeze(-1)
         count = earlier_blocks.expand(G, nb).clone()
         # a head read whole: each child block's earlier blocks, nearest first, then the rest
@@ -186,7 +196,8 @@ def certify_blocks(a: torch.Tensor, b: torch.Tensor, scale: float, h: torch.Tens
 
 def block_sparse_attention(a: torch.Tensor, b: torch.Tensor, v: torch.Tensor, scale: float,
                            h: torch.Tensor | None, eps: float, *, block: int = 64,
-                           whole_past: Callable | None = None, worth: float = WORTH
+                           whole_past: Callable | None = None, worth: float = WORTH,
+                           together: bool = False
                            ) -> tuple[torch.Tensor, BlockSparse]:
     """Causal attention under the log prior g_i + h_j, reading only the key blocks that
     ``certify_blocks`` keeps: each child's posterior mass in the blocks skipped is ≤ ``eps``.
@@ -202,7 +213,7 @@ def block_sparse_attention(a: torch.Tensor, b: torch.Tensor, v: torch.Tensor, sc
         whole_past: ``(a, b, v, scale, h) → out`` for ``(G, N, ·)`` rows, how a head that
             reads more than half of its past reads all of it (default: causal SDPA without a
             prior, the dense table with one; the layers pass the fused key-bias reading).
-        worth: ``certify_blocks``'s.
+        worth, together: ``certify_blocks``'s.
 
     Returns:
         ``(out, report)``: ``out`` ``(*lead, N, d)``, child i's posterior expectation of v
@@ -212,7 +223,7 @@ def block_sparse_attention(a: torch.Tensor, b: torch.Tensor, v: torch.Tensor, sc
     The child blocks are read in groups of the same number of key blocks, each group in runs
     of at most ``RUN_ENTRIES`` scores: the scores never exceed what the blocks read hold.
     """
-    cert = certify_blocks(a, b, scale, h, eps, block=block, worth=worth)
+    cert = certify_blocks(a, b, scale, h, eps, block=block, worth=worth, together=together)
     n, k, d = a.shape[-2], a.shape[-1], v.shape[-1]
     L = cert.block
     nb = math.ceil(n / L)

@@ -37,6 +37,7 @@ from . import distance_table
 from .base import Operator, Support
 from .certificate_costs import band_pays as _band_pays
 from .certificate_costs import block_worth as _block_worth
+from .certificate_costs import blocks_together as _blocks_together
 from .certificate_costs import table_pays as _table_pays
 from .dense import with_parent_terms
 from .key_bias import applies, band_applies, band_rows, folds_terms, key_bias_attention
@@ -268,7 +269,8 @@ class WindowOperator(Operator):
                     self.family.prior
                 self.truncation = read_whole(a, b, h, prior.tol, block=prior.block_size) \
                     if worth is None else certify_blocks(a, b, scale, h, prior.tol,
-                                                         block=prior.block_size, worth=worth)
+                                                         block=prior.block_size, worth=worth,
+                                                         together=_blocks_together(a))
             blk = torch.arange(a.shape[-2], device=a.device) // self.truncation.block
             read = self.truncation.read[..., blk, :][..., blk]
             return causal_posterior(a, b, scale, h, read)
@@ -286,7 +288,7 @@ class WindowOperator(Operator):
                 return _whole_past(a, b, u, scale, h)
             out, self.truncation = block_sparse_attention(
                 a, b, u, scale, h, prior.tol, block=prior.block_size, whole_past=_whole_past,
-                worth=worth)
+                worth=worth, together=_blocks_together(a))
             return out
         if self._reads_to_certify():
             return self._certified_read(u)

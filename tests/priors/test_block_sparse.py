@@ -174,6 +174,25 @@ def test_each_head_chooses_its_own_blocks():
     assert cert.read[0].sum(-1).max() <= 2  # the fast head: its own block and the one before
 
 
+@pytest.mark.parametrize("together", [False, True])
+def test_heads_read_together_where_most_would_read_all_of_their_past(together):
+    """One fast ALiBi head of four skips most blocks; ``together`` (the CPU's rule: the kernels
+    parallelise over heads) has it read all of its past with the three slow ones."""
+    gen = torch.Generator().manual_seed(6)
+    n, L = 1024, 32
+    a = torch.randn(4, n, 8, generator=gen, dtype=torch.float64)
+    b = torch.randn(4, n, 8, generator=gen, dtype=torch.float64)
+    h = torch.tensor([[2.0], [0.001], [0.001], [0.001]], dtype=torch.float64) * torch.arange(n)
+    cert = certify_blocks(a, b, 0.5, h, 1e-4, block=L, worth=0.5, together=together)
+    earlier = torch.arange(n // L)
+    assert bool((cert.count[1:] == earlier).all())  # the slow heads: every earlier block
+    if together:
+        assert bool((cert.count[0] == earlier).all()) and cert.skipped == 0
+        assert bool((cert.bound == 0).all())
+    else:
+        assert int(cert.count[0].max()) <= 1 and float(cert.bound[0].max()) <= 1e-4
+
+
 def test_the_module_is_public():
     assert sa.block_sparse.block_sparse_attention is block_sparse_attention
 
