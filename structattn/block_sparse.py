@@ -172,7 +172,7 @@ def certify_blocks(a: torch.Tensor, b: torch.Tensor, scale: float, h: torch.Tens
         for part in ((sample[-1:], sample) if sample.numel() >= 2 else ()):
             c, _, _ = choose_blocks(A, B, hh, slack, scale, eps, L, nb, part)
             whole |= 1 - c.sum(-1) / part.sum() < worth
-            if together and 2 * int(whole.sum()) >= G:
+            if together and 2 * int(whole.sum()) > G:
                 whole[:] = True
             if bool(whole.all()):
                 break
