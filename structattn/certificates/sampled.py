@@ -44,7 +44,9 @@ def sampled_widths(a, b, h, scale: float, lead, widths: torch.Tensor, eps: float
     count = min(n, per_row or max(4, min(16, n // 1024, RUN_ENTRIES // (rows * n))))
     with torch.no_grad():
         dev = a.device
-        kids = torch.linspace(n // 2, n - 1, count, device=dev).round().long()  # (S,)
+        kids = torch.tensor(sorted({round(n // 2 + (n - 1 - n // 2) * t / max(1, count - 1))
+                                    for t in range(count)}), device=dev)  # (S,)
+        count = kids.numel()
         work = torch.promote_types(torch.promote_types(a.dtype, b.dtype), torch.float32)
         a, b = a.detach().to(work), b.detach().to(work)
         s = (a[..., kids, :] @ b.transpose(-1, -2)) * scale  # (*lead, S, N)
@@ -53,7 +55,12 @@ def sampled_widths(a, b, h, scale: float, lead, widths: torch.Tensor, eps: float
         at = far.clamp(min=0)
         if table is None:  # log Σ_{j ≤ far} e^{h_j}, the prior's weight beyond each width
             prior = h.detach().to(work)[..., None, :]  # (*lead, 1, N)
-            weight = torch.logcumsumexp(h.detach().to(torch.float64), -1).expand(*lead, n)
+            h64 = h.detach().to(torch.float64)  # (logcumsumexp costs 20× exp and cumsum)
+            top = h64.amax(-1, keepdim=True)
+            weight = torch.exp(h64 - top).cumsum(-1).log() + top
+            if bool(weight.isinf().any()):  # (a term under e^{−708})
+                weight = torch.logcumsumexp(h64, -1)
+            weight = weight.expand(*lead, n)
             log_tail = weight[..., None, :].expand(*lead, count, n).gather(
                 -1, at.expand(*lead, -1, -1))
         else:  # Σ over the distances from W + 1 to the child's: (H|1, S, W)

@@ -121,7 +121,7 @@ def folds_terms(*factors: torch.Tensor) -> bool:
     return all(computes_in(x) not in _HALF for x in factors)
 
 
-def _asks_gradient(*tensors: torch.Tensor) -> bool:
+def asks_gradient(*tensors: torch.Tensor) -> bool:
     """Whether a gradient is asked of any of ``tensors`` (grad mode on, one requiring it)."""
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
@@ -158,7 +158,7 @@ def applies(a: torch.Tensor, b: torch.Tensor, u: torch.Tensor, h: torch.Tensor) 
     if not (a.device.type == "cpu" and a.dtype in (torch.float32, torch.float64)
             and u.dtype == a.dtype):
         return False
-    if not _asks_gradient(a, b, u, h):
+    if not asks_gradient(a, b, u, h):
         return True
     # an exported program runs where structattn is not installed: no operator of ours in it
     exporting = is_exporting() or torch.compiler.is_exporting()
@@ -219,7 +219,7 @@ def _fused(a, b, u, h, scale: float, is_causal: bool):
         u = torch.nn.functional.pad(u, (0, width - d_v))
     if scale < 0:
         a, scale = -a, -scale
-    if _asks_gradient(a, b, u, h):
+    if asks_gradient(a, b, u, h):
         out, lse = _ops().forward(a, b, u, h, scale, is_causal)
     else:
         out, lse = _flash(a, b, u, 0.0, is_causal, attn_mask=h.unsqueeze(-2), scale=scale)[:2]

@@ -27,20 +27,19 @@ from __future__ import annotations
 
 import torch
 
-from .. import kernels, reading, triton_kernels
+from .. import kernels, reading
 from ..block_sparse import block_sparse_attention, causal_posterior, certify_blocks, read_whole
 from ..certificates.certified import all_of_the_past, certify, window_bound
-from ..certificates.certified_read import certified_band_attention
 from ..checking._validation import is_exporting
 from ..operators import band
 from . import distance_table
 from .base import Operator, Support
-from .certificate_costs import band_pays as _band_pays
 from .certificate_costs import block_worth as _block_worth
 from .certificate_costs import blocks_together as _blocks_together
 from .certificate_costs import table_pays as _table_pays
+from .certified_band_op import read_band, settle
 from .dense import with_parent_terms
-from .key_bias import applies, band_applies, band_rows, folds_terms, key_bias_attention
+from .key_bias import applies, band_applies, folds_terms, key_bias_attention
 
 
 def keep_from_position(n: int, device, dtype) -> torch.Tensor:
@@ -71,11 +70,22 @@ class WindowOperator(Operator):
         self.truncation = None
         self._windows = False  # each head's window (``_head_windows``), not chosen yet
         self._given = False  # the width is an exported program's runtime input
+        self._outcome = None  # the band read's choice, not settled yet (``_settle``)
+
+    def _settle(self):
+        """The band read's choice (``_certified_read``) as ``truncation``, its width and each
+        head's window: made when asked for, so that a recorded reading branches on no value."""
+        if self._outcome is not None:
+            self.truncation = settle(self._outcome, self.family.prior.tol)
+            self._outcome, self._width = None, self.truncation.width
+            heads, n = self.truncation.heads, self.family.children.size
+            self._windows = None if bool((heads >= n - 1).all()) else heads
 
     def _chosen_width(self) -> int | None:
         """The window the band reads: the support's, or — when the prior states a certified
         ``tol`` — the shortest one whose posterior tail is certified ≤ tol for every child
         (then the support's is its cap); None: all of the past."""
+        self._settle()
         if self._width is not False:
             return self._width
         f = self.family
@@ -117,6 +127,7 @@ class WindowOperator(Operator):
         return width
 
     def reports(self) -> dict:
+        self._settle()
         return {} if self.truncation is None else {"truncation": self.truncation}
 
     def _separable_past(self) -> bool:
@@ -151,34 +162,23 @@ class WindowOperator(Operator):
         on the CPU, ``key_bias.band_rows``), not an exported program."""
         f = self.family
         if (f.prior.tol is None or f.support.width is not None or self._width is not False
+                or self._outcome is not None
                 or reading.context().window is not None or not self._per_head()):
             return False
         return kernels._enabled() and not (is_exporting() or torch.compiler.is_exporting())
 
     def _certified_read(self, u):
-        """Each head's certified band, read (``certified_read``): the output, with the choice
-        kept as ``certify``'s would be (``truncation``, the width, each head's window)."""
+        """Each head's certified band, read (``certified_band_op.read_band``): the output;
+        the choice is kept (``_settle``: ``truncation``, the width, each head's window)."""
         a, b, scale, h = self._block_terms()
-        n = self.family.children.size
-        # the widest band worth reading: on the CPU the band kernel's pair costs ~1.4× the
-        # fused kernel's, so a band of w = x·N (N·w − w²/2 pairs) costs 1.4·(2x − x²) of the
-        # whole past: ≤ 0.9 up to x = 0.4; the Triton kernel's bands cost what its causal
-        # reading does per pair, up to half the sequence
-        on_triton = triton_kernels.serves(a, b)
-        out, self.truncation = certified_band_attention(
-            a, b, u, float(scale), h, self.family.prior.tol,
-            block=self.family.prior.block_size, widest=n // 2 if on_triton else 2 * n // 5,
-            read=None if on_triton else band_rows,
-            whole_past=lambda a, b, u, h, scale: key_bias_attention(a, b, u, h, scale, True),
-            pays=None if on_triton else _band_pays)
-        self._width = self.truncation.width
-        heads = self.truncation.heads
-        self._windows = None if bool((heads >= n - 1).all()) else heads
+        prior = self.family.prior
+        out, self._outcome = read_band(a, b, u, h, float(scale), prior.tol, prior.block_size)
         return out
 
     def _head_windows(self) -> torch.Tensor | None:
         """Each head's window ``(*batch, H)`` (the longest its children need: certified per
         head, or the support's), or None: every head reads all of its past."""
+        self._settle()
         if self._windows is False:
             width, n = self._chosen_width(), self.family.children.size
             if self.truncation is not None:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import structattn as sa
-from structattn.kinds import key_bias, window
+from structattn.kinds import certificate_costs, key_bias, window
 
 f64 = torch.float64
 pytestmark = pytest.mark.skipif(
@@ -16,7 +16,7 @@ pytestmark = pytest.mark.skipif(
 
 
 def test_the_band_cost_model_reads_long_sharp_sequences_and_not_short_ones():
-    pays = window._band_pays
+    pays = certificate_costs.band_pays
     assert pays(torch.full((4,), 128), 8192, 64)  # 1/64 of the sequence: a band pays
     assert not pays(torch.full((4,), 128), 2048, 64)  # its fixed cost at 2,048: it does not
     assert not pays(torch.full((4,), 8191), 8192, 64)  # every head all of its past
@@ -25,8 +25,10 @@ def test_the_band_cost_model_reads_long_sharp_sequences_and_not_short_ones():
 
 @pytest.mark.parametrize("factory", ["forgetting_attention", "alibi_attention"])
 def test_where_a_band_cannot_pay_the_whole_past_is_read_as_without_tol(factory, monkeypatch):
+    from structattn.kinds import certified_band_op
+
     read = []
-    monkeypatch.setattr(window, "band_rows",
+    monkeypatch.setattr(certified_band_op, "band_rows",
                         lambda *args: read.append(args) or pytest.fail("a band was read"))
     torch.manual_seed(2)
     kw = {"gate_bias": -1.0} if factory == "forgetting_attention" else {}
@@ -59,7 +61,7 @@ def test_the_rules_can_be_set_aside_to_measure_what_a_certificate_proves():
     with torch.no_grad():
         _, fast = sa.compile(m)(x, return_trace=True)
         with set_aside():
-            assert window._band_pays(torch.full((2,), 16), 300, 16)
+            assert certificate_costs.band_pays(torch.full((2,), 16), 300, 16)
             _, proved = sa.compile(m)(x, return_trace=True)
     assert fast.truncation[m.family_name].skipped == 0  # (300 tokens: not worth a band)
     c = proved.truncation[m.family_name]

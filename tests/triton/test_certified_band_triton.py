@@ -108,11 +108,11 @@ def test_the_read_certificate_chooses_the_cpu_paths_widths_and_never_scores_the_
     one the CPU path's ``certify`` (scoring the band in float64) chooses, the output equals
     the CPU path's and every bound is at most the CPU's (its evidence is the width's own)."""
     from structattn.certificates import certified
-    from structattn.kinds import window
+    from structattn.kinds import certificate_costs
     from structattn.operators import band
     from structattn.triton_kernels import key_bias as kb
 
-    monkeypatch.setattr(window, "_band_pays", lambda *args: True)  # (the CPU's cost rule)
+    monkeypatch.setattr(certificate_costs, "band_pays", lambda *args: True)  # (the CPU's rule)
     m, x = _layer(factory, tol, n, device="cpu")
     y_cpu, trace_cpu = sa.compile(m)(x, return_trace=True)
     calls = []
