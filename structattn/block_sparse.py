@@ -213,7 +213,8 @@ def block_sparse_attention(a: torch.Tensor, b: torch.Tensor, v: torch.Tensor, sc
         whole_past: ``(a, b, v, scale, h) → out`` for ``(G, N, ·)`` rows, how a head that
             reads more than half of its past reads all of it (default: causal SDPA without a
             prior, the dense table with one; the layers pass the fused key-bias reading).
-        worth, together: ``certify_blocks``'s.
+        worth: ``certify_blocks``'s.
+        together: ``certify_blocks``'s.
 
     Returns:
         ``(out, report)``: ``out`` ``(*lead, N, d)``, child i's posterior expectation of v

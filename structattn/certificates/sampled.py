@@ -25,7 +25,8 @@ def sampled_widths(a, b, h, scale: float, lead, widths: torch.Tensor, eps: float
     against all of their past: O(G·per_row·N·k), no random draw.
 
     Args:
-        a, b: ``(*lead, N, k)`` the children's and parents' factors (broadcasting).
+        a: ``(*lead, N, k)`` the children's factors (broadcasting).
+        b: ``(*lead, N, k)`` the parents' factors (broadcasting).
         h: ``(*lead, N)`` the prior's per-parent term (broadcasting; the per-child term
             cancels), or None with ``table``.
         scale: the scores' factor.

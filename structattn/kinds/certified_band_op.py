@@ -30,7 +30,10 @@ def certified_band(a: torch.Tensor, b: torch.Tensor, u: torch.Tensor, h: torch.T
     ``(*lead, N)`` each child's bound and smallest certified width (``CertifiedWindow``'s).
 
     Args:
-        a, b, u, h: ``certified_band_attention``'s factors, values and prior term.
+        a (torch.Tensor): the children's factors (``certified_band_attention``'s).
+        b (torch.Tensor): the parents' factors.
+        u (torch.Tensor): the values.
+        h (torch.Tensor): the prior's per-parent term.
         scale (float): the scores' factor.
         eps (float): the posterior mass each child may leave out.
         block (int): the band's block of children.
@@ -61,7 +64,10 @@ def read_band(a, b, u, h, scale: float, eps: float, block: int):
     reading does per pair, up to half the sequence.
 
     Args:
-        a, b, u, h: ``certified_band_attention``'s factors, values and prior term.
+        a (torch.Tensor): the children's factors (``certified_band_attention``'s).
+        b (torch.Tensor): the parents' factors.
+        u (torch.Tensor): the values.
+        h (torch.Tensor): the prior's per-parent term.
         scale (float): the scores' factor.
         eps (float): the posterior mass each child may leave out.
         block (int): the band's block of children.
