@@ -133,7 +133,7 @@ def certify_blocks(a: torch.Tensor, b: torch.Tensor, scale: float, h: torch.Tens
         block: tokens per block, children and keys alike.
         worth: the least share of their earlier blocks a head's sampled child blocks must
             skip for the head to be certified block by block; default ``WORTH``.
-        together: where half the heads or more would read all of their past, every head
+        together: where more than half the heads would read all of their past, every head
             does (default False: each head as its sample says).
 
     Returns:
@@ -164,7 +164,7 @@ def certify_blocks(a: torch.Tensor, b: torch.Tensor, scale: float, h: torch.Tens
         # skip under WORTH of their earlier blocks reads all of its past, the certificate's
         # work spared (bound 0); the last one first, alone (a fifth of the sample's cost, the
         # most earlier blocks to skip): where it does not skip enough, neither would the rest.
-        # With ``together``, where half the heads or more read all of their past, every one
+        # With ``together``, where more than half the heads read all of their past, every one
         # does (the kernels parallelise over heads: one sparse head costs them its share)
         whole = torch.zeros(G, dtype=torch.bool, device=dev)
         step = max(8, nb // 8)

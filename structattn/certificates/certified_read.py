@@ -213,12 +213,20 @@ def certified_band_attention(a, b, u, scale: float, h, eps: float, *, start: int
     idx = torch.cat([p[0] for p in pieces])
     out = torch.cat([p[1] for p in pieces])[idx.argsort()]
     window = torch.where(window < 0, own[:, None], window)
-    heads = own.reshape(lead)
-    choice = CertifiedWindow(
-        int(own.max()), bounds.reshape(*lead, n), window.reshape(*lead, n), float(eps),
-        sum(skipped_pairs(n, w) for w in own.tolist()) / own.numel(),
-        bool((bounds <= eps).all()), heads)
+    choice = per_head_choice(own.reshape(lead), bounds.reshape(*lead, n),
+                             window.reshape(*lead, n), eps)
     return out.reshape(*lead, n, d_v).to(u.dtype), choice
+
+
+def per_head_choice(heads: torch.Tensor, bound: torch.Tensor, window: torch.Tensor,
+                    eps: float) -> CertifiedWindow:
+    """The ``CertifiedWindow`` of a band per head: each head's width ``heads`` ``(*lead)``,
+    each child's ``bound`` and smallest certifying width ``window`` ``(*lead, N)``."""
+    n = bound.shape[-1]
+    own = heads.reshape(-1)
+    return CertifiedWindow(int(own.max()), bound, window, float(eps),
+                           sum(skipped_pairs(n, w) for w in own.tolist()) / own.numel(),
+                           bool((bound <= eps).all()), heads)
 
 
 def _read_all(r, own, wt, possible, widths, eps, block, whole_past):
@@ -267,9 +275,8 @@ def _whole(r, every, last: int, lead, n: int, d_v: int, dtype, eps: float, whole
     """Every row read over all of its past (no band could be certified): one reading —
     ``whole_past`` on the factors as given, where there is one — each bound 0."""
     if whole_past is not None:
-        out = whole_past(*r.src, r.scale)
-    else:
-        out, _ = r.read(every, torch.full_like(every, last))
+        return _whole_past_read(*r.src, r.scale, lead, n, d_v, eps, whole_past)
+    out, _ = r.read(every, torch.full_like(every, last))
     return (out.reshape(*lead, n, d_v).to(dtype),
             all_of_the_past(lead, n, eps, every.device, per_lead=True))
 

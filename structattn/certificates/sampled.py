@@ -5,6 +5,8 @@ a width no reading of the head narrower than it can certify."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .ceilings import RUN_ENTRIES, norm64
@@ -39,9 +41,7 @@ def sampled_widths(a, b, h, scale: float, lead, widths: torch.Tensor, eps: float
         per_row: how many children to score per row; None (default): as above.
     """
     n = a.shape[-2]
-    rows = 1
-    for size in lead:
-        rows *= size
+    rows = math.prod(lead)
     count = min(n, per_row or max(4, min(16, n // 1024, RUN_ENTRIES // (rows * n))))
     with torch.no_grad():
         dev = a.device
@@ -56,17 +56,12 @@ def sampled_widths(a, b, h, scale: float, lead, widths: torch.Tensor, eps: float
         at = far.clamp(min=0)
         if table is None:  # log Σ_{j ≤ far} e^{h_j}, the prior's weight beyond each width
             prior = h.detach().to(work)[..., None, :]  # (*lead, 1, N)
-            h64 = h.detach().to(torch.float64)  # (logcumsumexp costs 20× exp and cumsum)
-            top = h64.amax(-1, keepdim=True)
-            weight = torch.exp(h64 - top).cumsum(-1).log() + top
-            if bool(weight.isinf().any()):  # (a term under e^{−708})
-                weight = torch.logcumsumexp(h64, -1)
-            weight = weight.expand(*lead, n)
+            weight = _log_cumsum(h).expand(*lead, n)
             log_tail = weight[..., None, :].expand(*lead, count, n).gather(
                 -1, at.expand(*lead, -1, -1))
         else:  # Σ over the distances from W + 1 to the child's: (H|1, S, W)
             prior = table.detach().to(work)[:, (kids[:, None] - j).clamp(0, n - 1)]  # (H|1, S, N)
-            weight = torch.logcumsumexp(table.detach().to(torch.float64), -1)  # (H|1, N)
+            weight = _log_cumsum(table)  # (H|1, N)
             top = weight[:, kids, None]  # (H|1, S, 1): up to the child's own distance
             below = weight[:, widths.clamp(max=n - 1)][:, None]  # (H|1, 1, W): up to W
             log_tail = top + torch.log1p(-torch.exp(below - top).clamp(max=1.0))
@@ -86,3 +81,14 @@ def sampled_widths(a, b, h, scale: float, lead, widths: torch.Tensor, eps: float
         ok = (bound <= eps).all(-2)  # (*lead, W)
         ok[..., -1] = True
         return widths[ok.int().argmax(-1)].expand(*lead).reshape(-1)
+
+
+def _log_cumsum(x: torch.Tensor) -> torch.Tensor:
+    """log Σ_{j' ≤ j} e^{x_j'} along the last dimension, float64: through exp and cumsum
+    below the maximum (``logcumsumexp`` costs ~20× as much), or ``logcumsumexp`` itself
+    where a running sum of finite terms starts under e^{−708}."""
+    x = x.detach().to(torch.float64)
+    top = x.amax(-1, keepdim=True)
+    out = torch.exp(x - top).cumsum(-1).log() + top
+    underflow = bool((out.isinf() & x.isfinite()).any())  # (a finite term summed to 0)
+    return torch.logcumsumexp(x, -1) if underflow else out

@@ -31,6 +31,14 @@ def set_aside():
         _SET_ASIDE[0] -= 1
 
 
+def _band_share(width: torch.Tensor, n: int) -> torch.Tensor:
+    """A band of ``width`` ``(G,)`` read per head on the CPU as a share of the whole past:
+    1.1·p((w + 150)/N), p(x) = 2x − x² (its pairs, the kernel's tiles at its edges included;
+    the band and distance-table kernels alike, ``bench_certificates.py``), float64."""
+    x = ((width.double() + 150) / n).clamp(max=1.0)
+    return 1.1 * (2 * x - x * x)
+
+
 def band_pays(first: torch.Tensor, n: int, k: int) -> bool:
     """The CPU's cost model of a band per head read to certify it, against the fused kernel
     over each head's whole past (``certified_read``'s ``pays``; measured on a 2-core AVX2
@@ -44,9 +52,7 @@ def band_pays(first: torch.Tensor, n: int, k: int) -> bool:
     expected cost is under 60% of the whole past."""
     if _SET_ASIDE[0]:
         return True
-    x = ((first.double() + 150) / n).clamp(max=1.0)
-    x2 = ((2 * first.double() + 150) / n).clamp(max=1.0)
-    band_cost = 1.1 * ((2 * x - x * x) + 0.25 * (2 * x2 - x2 * x2))
+    band_cost = _band_share(first, n) + 0.25 * _band_share(2 * first, n)
     cost = torch.where(first >= n - 1, torch.ones_like(band_cost), band_cost).mean()
     fixed = 0.2 * (2048 / n) ** 2 * (64 / k) * 4 / first.numel() + 0.03
     return float(cost) + fixed <= 0.6
@@ -65,8 +71,8 @@ def table_band_pays(first: torch.Tensor, n: int, k: int, grad: bool) -> bool:
     (N − 1: all of its past)."""
     if _SET_ASIDE[0]:
         return True
-    x = ((first.double() + 150) / n).clamp(max=1.0)
-    band_cost = torch.where(first >= n - 1, torch.ones_like(x), 1.1 * (2 * x - x * x)).mean()
+    band_cost = _band_share(first, n)
+    band_cost = torch.where(first >= n - 1, torch.ones_like(band_cost), band_cost).mean()
     fixed = 1.6 * (2048 / n) * (64 / k) / (3 if grad else 1)
     return float(band_cost) + fixed <= 0.75
 
@@ -106,8 +112,8 @@ def block_worth(a, b, h, block: int) -> float | None:
 
 def blocks_together(a) -> bool:
     """Whether the heads' blocks are certified together (``certify_blocks``'s ``together``):
-    on the CPU, whose kernels parallelise over heads, where half the heads or more would read
-    all of their past, every head does — a lone sparse head saved less than its certificate
+    on the CPU, whose kernels parallelise over heads, where more than half the heads would
+    read all of their past, every head does — a lone sparse head saved less than its certificate
     and the sample cost (ALiBi on large tokens at 16,384 tokens: 1.19× the exact forward and
     backward, one head of four certified)."""
     return a.device.type == "cpu" and not _SET_ASIDE[0]

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 
 from .. import triton_kernels
-from ..certificates.certified import CertifiedWindow, skipped_pairs
-from ..certificates.certified_read import certified_band_attention
+from ..certificates.certified import CertifiedWindow
+from ..certificates.certified_read import certified_band_attention, per_head_choice
 from . import certificate_costs
 from .key_bias import asks_gradient, band_rows, key_bias_attention
 
@@ -43,7 +43,7 @@ def certified_band(a: torch.Tensor, b: torch.Tensor, u: torch.Tensor, h: torch.T
         out, choice = certified_band_attention(
             a, b, u, scale, h, eps, block=block, widest=widest, read=band_rows,
             whole_past=_whole_past, pays=certificate_costs.band_pays)
-    return out.clone(), choice.heads.clone(), choice.bound.clone(), choice.window.clone()
+    return out, choice.heads, choice.bound, choice.window
 
 
 @certified_band.register_fake
@@ -85,11 +85,4 @@ def read_band(a, b, u, h, scale: float, eps: float, block: int):
 
 def settle(outcome, eps: float) -> CertifiedWindow:
     """``read_band``'s outcome as a ``CertifiedWindow``."""
-    if isinstance(outcome, CertifiedWindow):
-        return outcome
-    heads, bound, window = outcome
-    n = bound.shape[-1]
-    own = heads.reshape(-1)
-    return CertifiedWindow(int(own.max()), bound, window, float(eps),
-                           sum(skipped_pairs(n, w) for w in own.tolist()) / own.numel(),
-                           bool((bound <= eps).all()), heads)
+    return outcome if isinstance(outcome, CertifiedWindow) else per_head_choice(*outcome, eps)

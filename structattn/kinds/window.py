@@ -75,11 +75,9 @@ class WindowOperator(Operator):
     def _settle(self):
         """The band read's choice (``_certified_read``) as ``truncation``, its width and each
         head's window: made when asked for, so that a recorded reading branches on no value."""
-        if self._outcome is not None:
+        if self._outcome is not None:  # (each head's window follows: ``_head_windows``)
             self.truncation = settle(self._outcome, self.family.prior.tol)
             self._outcome, self._width = None, self.truncation.width
-            heads, n = self.truncation.heads, self.family.children.size
-            self._windows = None if bool((heads >= n - 1).all()) else heads
 
     def _chosen_width(self) -> int | None:
         """The window the band reads: the support's, or — when the prior states a certified
@@ -117,11 +115,10 @@ class WindowOperator(Operator):
                                                  f.support.first, widest):
                 self.truncation = all_of_the_past(torch.broadcast_shapes(
                     a.shape[:-2], b.shape[:-2]), n, eps, a.device, per_head)
-                self._width = None
-                return None
-            self.truncation = certify(a, b, scale, f.prior, eps, cap=width, block=block,
-                                      first=f.support.first, widest=widest, per_lead=per_head,
-                                      narrower=a.device.type != "cpu")
+            else:
+                self.truncation = certify(a, b, scale, f.prior, eps, cap=width, block=block,
+                                          first=f.support.first, widest=widest,
+                                          per_lead=per_head, narrower=a.device.type != "cpu")
             width = self.truncation.width
         self._width = width
         return width

@@ -39,7 +39,11 @@ def test_a_certified_layer_records_a_plan_whose_replays_choose_on_their_values()
     assert bool((widths[0] < widths[1]).any())  # the values chose different bands
 
 
-def test_the_operator_matches_its_fake_rule():
+@pytest.mark.parametrize("pays", [True, False])  # a band read, or the whole past at once
+def test_the_operator_matches_its_fake_rule(pays, monkeypatch):
+    from structattn.kinds import certificate_costs
+
+    monkeypatch.setattr(certificate_costs, "band_pays", lambda *args: pays)
     g = torch.Generator().manual_seed(0)
     a, b, u = (torch.randn(1, 2, 96, 8, generator=g) for _ in range(3))
     h = -0.3 * torch.arange(96.0).flip(0).expand(1, 2, 96).contiguous()
