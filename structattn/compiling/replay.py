@@ -10,9 +10,10 @@ so composite operators (``linear``, ``scaled_dot_product_attention``) stay whole
 grad-mode switches and random draws replay as they ran — and later calls run only that graph.
 
 - **When**: the first call with a signature is read as before (so a shape seen once costs
-  nothing more); the second records the plan — traced once, then its graph run once on the
-  call's tensors to check its torch bindings, that run's outputs serving the call
-  (``plans.plan.serve``); later calls replay it. ``torch.compile`` and
+  nothing more); the second records the plan — traced once on fake tensors (no tensor
+  work), then its graph run once on the call's tensors to check its torch bindings, that
+  run's outputs serving the call (``plans.plan.serve``): the recording call computes once;
+  later calls replay it. ``torch.compile`` and
   ``torch.export`` trace the reading themselves and bypass plans.
 - **Validation**: every value check the reading makes (``_validation.passes``) becomes a
   tensor in the graph; the replay fuses them into one finite sum and one boolean and reads
@@ -30,7 +31,8 @@ grad-mode switches and random draws replay as they ran — and later calls run o
   every plan (e.g. after changing an attribute of a plain sub-module).
 - **Threads**: one recording or reading at a time in the process (``_RECORDING``:
   ``make_fx``'s tracing state is global, and its patch of ``nn.Module.__call__`` reaches every
-  thread's calls); replays run concurrently.
+  thread's calls); replays run concurrently, but not while a trace has swapped fake tensors
+  into the declaration they read (``plans.plan.SWAP``: they wait for it).
 
 The compiler's parts (``structattn.plans``): ``plan`` (a plan, naming tensors' values between
 calls, the replay), ``record`` (tracing a reading), ``simplify`` (the graph rewrites, the
@@ -63,6 +65,7 @@ from ..plans.plan import (
     replay,
     serve,
     stamp,
+    unswapped,
 )
 from ..plans.record import record, withdraw
 
@@ -126,8 +129,12 @@ class Plans:
             shared = len({id(t) for t in tensors}) != len(tensors)  # tied weights
             self._modules = (version, dicts, shared)
         _, dicts, shared = self._modules
-        tensors = [t for d in dicts for t in d.values() if t is not None]
-        return list({id(t): t for t in tensors}.values()) if shared else tensors
+
+        def read():
+            tensors = [t for d in dicts for t in d.values() if t is not None]
+            return list({id(t): t for t in tensors}.values()) if shared else tensors
+
+        return unswapped(read)
 
     def names(self, module: torch.nn.Module) -> list:
         """The dotted names of ``state(module)``'s tensors, in its order."""

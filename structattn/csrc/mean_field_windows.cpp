@@ -769,19 +769,21 @@ TORCH_LIBRARY(structattn_mean_field, m) {
         "bool conjugate, int rule, bool record, Tensor? high=None, Tensor? slack=None) -> Tensor[]",
         &solve);
   m.def("attend(Tensor a, Tensor b, Tensor u, int offset, float scale, Tensor win, "
-        "Tensor alpha, Tensor beta, bool digamma) -> Tensor",
-        &attend);
+        "Tensor alpha, Tensor beta, bool digamma) -> Tensor");
   m.def("infer(Tensor a, Tensor b, Tensor u, int offset, float scale, Tensor a0, Tensor b0, "
         "Tensor win0, Tensor caps, float tol, float converge_tol, int max_iters, int cap, "
-        "bool digamma, bool conjugate, int rule, bool check=False) -> Tensor",
-        &infer);
+        "bool digamma, bool conjugate, int rule, bool check=False) -> Tensor");
   m.def("band_forward(Tensor a, Tensor b, Tensor u, Tensor e, Tensor window, int offset, "
         "float scale) -> (Tensor, Tensor)");
   m.def("band_backward(Tensor dout, Tensor a, Tensor b, Tensor u, Tensor e, Tensor window, "
         "Tensor out, Tensor lse, int offset, float scale) -> (Tensor, Tensor, Tensor, Tensor)");
 }
 
+// attend and infer are CPU kernels (not composite) so that their Python fake kernels
+// (windows/kernel.py) let a plan be traced on fake tensors
 TORCH_LIBRARY_IMPL(structattn_mean_field, CPU, m) {
+  m.impl("attend", &attend);
+  m.impl("infer", &infer);
   m.impl("band_forward", &band_forward);
   m.impl("band_backward", &band_backward);
 }

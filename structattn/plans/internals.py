@@ -76,6 +76,20 @@ def trace(fn):
     return make_fx(fn, pre_dispatch=True)
 
 
+def trace_fake(fn, tensors: list):
+    """``fn(*tensors)`` traced by ``make_fx`` at the pre-dispatch level on fake copies of
+    ``tensors`` (their sizes, strides, dtypes, devices and ``requires_grad``; fixed sizes):
+    the trace runs no tensor work — tensors the function reaches that are not its arguments
+    (a closure's) are taken as constants of the graph."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fakes = [mode.from_tensor(t, static_shapes=True) for t in tensors]
+    with mode:
+        return make_fx(fn, pre_dispatch=True)(*fakes)
+
+
 def trace_symbolic(fn, static: list, dynamic: list):
     """``fn(*static, *dynamic)`` traced by ``make_fx`` at the pre-dispatch level with symbolic
     sizes: ``static`` (the parameters) keep theirs, every dimension of each ``dynamic`` tensor
@@ -154,5 +168,6 @@ def tensor_guards(tensors, free: int = 0):
 
 
 __all__ = ["GLOBAL_HOOKS", "OpOverload", "STORAGE", "VERSION", "reparametrized", "size_guard",
-           "storage_id", "storage_ref", "tensor_guards", "trace", "trace_symbolic",
+           "storage_id", "storage_ref", "tensor_guards", "trace", "trace_fake",
+           "trace_symbolic",
            "tracing_state", "version"]

@@ -7,6 +7,7 @@ time in the process (``_RECORDING``, ``_read``). Part of the plan compiler
 from __future__ import annotations
 
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -26,6 +27,37 @@ from .internals import storage_id, storage_ref, version
 #: CPython 3.11's "AST constructor recursion depth mismatch"). Re-entrant: a reading may call
 #: another compiled module.
 _RECORDING = threading.RLock()
+
+
+#: ``[generation, thread]``: the generation is odd while a recording's trace has swapped its
+#: tensors (fake ones: no tensor work) into a declaration's modules — which another thread,
+#: replaying a module of the same declaration, must not read (``tensors``); ``thread``: the
+#: one tracing, whose nested calls read the swapped tensors as the trace's own
+SWAP = [0, None]
+
+
+@contextmanager
+def swapped():
+    """The span in which a trace has swapped tensors into a declaration (``SWAP``)."""
+    SWAP[1] = threading.get_ident()
+    SWAP[0] += 1
+    try:
+        yield
+    finally:
+        SWAP[0] += 1
+        SWAP[1] = None
+
+
+def unswapped(read):
+    """``read()`` (a module's parameters and buffers), read again after any trace in another
+    thread that swapped fake tensors in while it was read (waiting for that trace to end)."""
+    while True:
+        generation = SWAP[0]
+        out = read()
+        if generation % 2 == 0 and SWAP[0] == generation or SWAP[1] == threading.get_ident():
+            return out
+        with _RECORDING:  # the trace holds it
+            pass
 
 
 def _read(layer, inputs: tuple, kwargs: dict):
@@ -48,6 +80,9 @@ class Plan:
     n_tensors: int = 0
     flags: tuple = ()  # the fused checks' kinds, the graph's last outputs: "finite", "true"
     reason: str | None = None
+    #: how the reading was traced: ``"fake"`` (on fake tensors: no tensor work), ``"real"``
+    #: (on the call's tensors, where the fake trace failed), ``"symbolic"`` (symbolic sizes)
+    traced: str | None = None
     calls: int = 0  # replays served
     single: bool = False  # the output is one tensor
     #: what depends on the parameters alone, computed once per change of them (inference

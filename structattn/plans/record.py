@@ -6,11 +6,12 @@ calls. Part of the plan compiler (``structattn.compiling.replay``)."""
 from __future__ import annotations
 
 import torch
+from torch._subclasses.fake_tensor import DataDependentOutputException
 from torch.utils import _pytree as pytree
 
 from ..checking import _validation
-from .internals import OpOverload, reparametrized, size_guard, trace, trace_symbolic
-from .plan import Plan, _split
+from .internals import OpOverload, reparametrized, size_guard, trace, trace_fake, trace_symbolic
+from .plan import Plan, _split, swapped
 from .simplify import _drop_implied_checks, _impure, _simplify, _split_constants
 
 
@@ -29,7 +30,7 @@ def record(layer, names: list, state: list, inputs: tuple, kwargs: dict, *,
 
     def reading(*flat):
         flags: list = []
-        with reparametrized(layer.declaration, dict(zip(names, flat[:k], strict=True))), \
+        with swapped(), reparametrized(layer.declaration, dict(zip(names, flat[:k], strict=True))), \
                 _validation.recording(flags, as_guards=as_guards):
             out = layer.interpret(*rebuild(flat[k:]), **kwargs)
         leaves, plan.spec = pytree.tree_flatten(out)
@@ -43,15 +44,9 @@ def record(layer, names: list, state: list, inputs: tuple, kwargs: dict, *,
         plan.flags = tuple("finite" if f.is_floating_point() else "true" for f in flags)
         return result
 
-    # tracing runs the reading on the real tensors: its random draws must not advance the
-    # generators the replay (which serves this call) draws from
     devices = sorted({t.device.index or 0 for t in (*state, *tensors) if t.is_cuda})
     try:
-        with torch.random.fork_rng(devices=devices):
-            if symbolic:
-                graph, fakes = trace_symbolic(reading, state, tensors)
-            else:
-                graph = trace(reading)(*state, *tensors)
+        graph, fakes = _trace(plan, reading, state, tensors, symbolic, devices)
     except Exception as err:  # the reading reads tensor values (or cannot be traced)
         plan.reason = f"{_where(err)}{type(err).__name__}: {str(err).splitlines()[0][:200]}"
         return plan
@@ -87,6 +82,26 @@ def record(layer, names: list, state: list, inputs: tuple, kwargs: dict, *,
     plan.graph = graph
     plan.served = (tuple(tensors), served, devices, drawn)
     return plan
+
+
+def _trace(plan: Plan, reading, state: list, tensors: list, symbolic: bool, devices: list):
+    """The reading's graph, and its fake inputs where ``symbolic``: traced on fake tensors
+    (no tensor work: the recording call then computes once, in the check of the bindings);
+    on the call's own tensors where that fails (an operator without a fake kernel), its
+    random draws not advancing the generators the check then draws from."""
+    if symbolic:
+        plan.traced = "symbolic"
+        return trace_symbolic(reading, state, tensors)
+    try:
+        plan.traced = "fake"
+        return trace_fake(reading, [*state, *tensors]), None
+    except DataDependentOutputException:  # a value read into Python: so would the real trace
+        raise
+    except Exception:  # noqa: BLE001  (the real trace below says why, if it fails too)
+        pass
+    plan.traced = "real"
+    with torch.random.fork_rng(devices=devices):
+        return trace(reading)(*state, *tensors), None
 
 
 def withdraw(plan: Plan) -> None:

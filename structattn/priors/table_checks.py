@@ -54,8 +54,9 @@ def _edge_counts(tables) -> torch.Tensor:
     """``(…, C)``: how many edges of finite log weight reach each child (O(E))."""
     src, dst = tables.edges()
     weights = tables.edge_bias()
-    if weights is None:
-        return torch.bincount(dst, minlength=tables.num_children)
+    if weights is None:  # (``index_add_``, not ``bincount``: its size is the data's)
+        ones = torch.ones_like(dst)
+        return ones.new_zeros(tables.num_children).index_add_(0, dst, ones)
     finite = (~torch.isneginf(weights)).to(torch.long)
     counts = finite.new_zeros(*finite.shape[:-1], tables.num_children)
     return counts.index_add_(-1, dst, finite)

@@ -112,12 +112,21 @@ def _history(p: KernelProblem, s: KernelSolution, lead, expectation, dtype) -> M
 
 
 def _register(ops) -> None:
-    """The band op's Python rules: fake kernels and its autograd formula (C++ backward)."""
+    """The ops' Python rules: fake kernels (``attend``, ``infer``, the band's) and the band's
+    autograd formula (C++ backward)."""
     lib = "structattn_mean_field"
 
     @torch.library.register_fake(f"{lib}::band_forward")
     def _(a, b, u, e, window, offset, scale):
         return a.new_empty(a.shape[0], a.shape[1], u.shape[2]), a.new_empty(a.shape[:2])
+
+    @torch.library.register_fake(f"{lib}::attend")
+    def _(a, b, u, offset, scale, win, alpha, beta, digamma):
+        return a.new_empty(a.shape[0], a.shape[1], u.shape[2])
+
+    @torch.library.register_fake(f"{lib}::infer")
+    def _(a, b, u, *solver):  # the solver's settings: the output's shape is the rows'
+        return a.new_empty(a.shape[0], a.shape[1], u.shape[2])
 
     @torch.library.register_fake(f"{lib}::band_backward")
     def _(dout, a, b, u, e, window, out, lse, offset, scale):
@@ -219,7 +228,7 @@ def mean_field_compiled(family, factors, scheme, grad: str, record: bool):
     if xc.device.type != "cpu" or unrolled or work not in (torch.float32, torch.float64) \
             or scheme.window_rule.code is None:
         return None
-    ops = kernels.mean_field_windows()
+    ops = kernels.with_rules("mean_field", _register)  # fake kernels, the band's rule
     if ops is None:
         return None
     n, n_all = family.children.size, family.parents.size

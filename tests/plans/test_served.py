@@ -5,6 +5,7 @@ a seed fixes them, and a plan that serves nothing after all puts the generators 
 
 import threading
 
+import pytest
 import torch
 
 import structattn as sa
@@ -45,6 +46,37 @@ def test_the_recording_call_reads_once_and_replays_nothing(monkeypatch):
     third = layer(*inputs)  # replayed (the fast path: no ``replay`` call, no reading)
     assert counts["read"] == 2 and plan.calls == 2
     assert torch.equal(first, second) and torch.equal(second, third)
+
+
+def _is_fake(x) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(x, FakeTensor)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_the_recording_call_computes_once(monkeypatch, case):
+    """The recording traces the reading on fake tensors (no tensor work) and computes the
+    call once, in the graph's run that checks its bindings: the call costs one reading's
+    tensor work and the tracer's Python (``benchmarks/bench_first_call.py``)."""
+    model, inputs = CASES[case]()
+    layer = sa.compile(model)
+    readings = []
+    interpret = layer.interpret
+
+    def counted_interpret(*args, **kwargs):
+        readings.append(any(_is_fake(x) for x in args))
+        return interpret(*args, **kwargs)
+
+    monkeypatch.setattr(layer, "interpret", counted_interpret)
+    with torch.no_grad():
+        layer(*inputs)
+        layer(*inputs)
+    (plan,) = layer.plans.values()
+    if plan.graph is None:  # a reading of tensor values: read every call, its reason says why
+        assert plan.reason and readings[1:2] == [True]
+        return
+    assert plan.traced == "fake" and readings == [False, True], (plan.traced, readings)
 
 
 def test_the_recording_call_keeps_its_gradient():
