@@ -60,7 +60,12 @@ def record(layer, names: list, state: list, inputs: tuple, kwargs: dict, *,
     # generators as the replay would: its outputs serve the call (``plan.served``); where the
     # plan then serves nothing (its sizes refused), the generators are put back as they were
     drawn = _generators(devices)
-    served = _bind_to_torch(graph, (*state, *tensors))
+    try:
+        served = _bind_to_torch(graph, (*state, *tensors))
+    except Exception as err:  # a kernel refused these values (checks off): the call is read
+        _set_generators(devices, drawn)
+        plan.reason = f"{_where(err)}{type(err).__name__}: {str(err).splitlines()[0][:200]}"
+        return plan
     graph.recompile()
     if not _differentiated(state, captured):
         plan.constants_graph = _split_constants(graph, k)  # nothing to differentiate: fold
