@@ -73,23 +73,34 @@ def table_band_pays(first: torch.Tensor, n: int, k: int, grad: bool) -> bool:
         return True
     band_cost = _band_share(first, n)
     band_cost = torch.where(first >= n - 1, torch.ones_like(band_cost), band_cost).mean()
-    fixed = 1.6 * (2048 / n) * (64 / k) / (3 if grad else 1)
-    return float(band_cost) + fixed <= 0.75
+    return float(band_cost) + _table_fixed(n, k, grad) <= 0.75
+
+
+def _table_fixed(n: int, k: int, grad: bool) -> float:
+    """``certify``'s own cost as a share of the distance-table kernel's whole past
+    (``table_band_pays``)."""
+    return 1.6 * (2048 / n) * (64 / k) / (3 if grad else 1)
 
 
 def table_pays(a, b, scale: float, prior, eps: float, first: int, widest: int | None) -> bool:
     """Whether a distance table's certificate is worth computing for these factors
     ``(*lead, N, k)`` (``table_band_pays``, from a sample of children's exact evidence,
     ``sampled_widths``, over the widths ``certify`` would try): where the distance-table
-    kernel reads the band (the CPU); elsewhere, or for a prior with no table, True."""
+    kernel reads the band (the CPU); elsewhere, or for a prior with no table, True. Where
+    the sizes alone rule it out — not even the narrowest band would pay — no sample is taken
+    and no value read (such a reading is recorded as a plan)."""
     n = a.shape[-2]
     table = prior.log_by_distance(n - 1, a.device, torch.float32)
     if _SET_ASIDE[0] or table is None or not distance_table.applies(a, b, a):
         return True
-    widths = torch.tensor(widths_from(n - 1, 16, widest), device=a.device)
+    widths = widths_from(n - 1, 16, widest)
+    grad = torch.is_grad_enabled() and (a.requires_grad or b.requires_grad)
+    x = min(1.0, (widths[0] + 150) / n)  # the cheapest bound, from the sizes alone (no value
+    if 1.1 * (2 * x - x * x) + _table_fixed(n, a.shape[-1], grad) > 0.75:  # read: a plan
+        return False  # records it): not even the narrowest band would pay for the certificate
+    widths = torch.tensor(widths, device=a.device)
     lead = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
     narrowest = sampled_widths(a, b, None, scale, lead, widths, eps, first=first, table=table)
-    grad = torch.is_grad_enabled() and (a.requires_grad or b.requires_grad)
     return table_band_pays(narrowest, n, a.shape[-1], grad)
 
 

@@ -108,3 +108,28 @@ def test_a_table_certificate_worth_its_cost_is_read():
         _, trace = sa.compile(m)(x, return_trace=True)
     c = trace.truncation[m.family_name]
     assert c.certified and c.skipped > 0.8 and bool((c.bound <= 1e-4).all())
+
+
+def test_a_table_certificate_refused_by_the_sizes_alone_takes_no_sample_and_is_recorded(
+        monkeypatch):
+    """Where not even the narrowest band would pay for the certificate (the sizes alone say
+    so: no value read), no sample is taken, and the call, reading no value, is recorded as a
+    plan and replayed — equal to the layer without ``tol``."""
+    from structattn.certificates import sampled
+    from structattn.kinds import certificate_costs
+
+    monkeypatch.setattr(certificate_costs, "sampled_widths",
+                        lambda *a, **k: pytest.fail("a sample was taken"))
+    monkeypatch.setattr(sampled, "sampled_widths",
+                        lambda *a, **k: pytest.fail("a sample was taken"))
+    m, x = _gaussian(1024, tol=1e-4)
+    exact = sa.models.generalised_gaussian_attention(128, heads=2, width=8.0)
+    exact.load_state_dict(m.state_dict())
+    layer = sa.compile(m)
+    with torch.no_grad():
+        ys = [layer(x) for _ in range(3)]
+        want = sa.compile(exact)(x)
+    (plan,) = layer.plans.values()
+    assert plan.graph is not None, plan.reason
+    for y in ys:
+        torch.testing.assert_close(y, want, rtol=0, atol=0)
