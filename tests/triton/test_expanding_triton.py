@@ -358,7 +358,7 @@ def test_triton_ops_are_one_node_each_of_a_plan():
     torch.manual_seed(4)
     m = sa.models.expanding_attention(8, heads=2, inference=sa.MeanFieldWindows(), dtype=f64,
                                       device=DEVICE)
-    x = torch.randn(2, 40, 8, dtype=f64, device=DEVICE)
+    x = torch.randn(1, 40, 8, dtype=f64, device=DEVICE)
     layer = sa.compile(m)
     with torch.no_grad(), triton_kernels.on_cpu():
         ys = [layer(x) for _ in range(3)]
