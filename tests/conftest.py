@@ -39,6 +39,7 @@ def _certify_at_any_size(request, monkeypatch):
         from structattn.kinds import certificate_costs, window
 
         monkeypatch.setattr(certificate_costs, "band_pays", lambda *args: True)
+        monkeypatch.setattr(certificate_costs, "band_rejected", lambda *args: False)
         monkeypatch.setattr(window, "_table_pays", lambda *args: True)
 
 

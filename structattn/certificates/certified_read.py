@@ -145,7 +145,7 @@ def _triton_rows(a, b, u, h, scale: float, width: torch.Tensor):
 
 def certified_band_attention(a, b, u, scale: float, h, eps: float, *, start: int = 16,
                              block: int = 64, widest: int | None = None, read=None,
-                             whole_past=None, pays=None):
+                             whole_past=None, pays=None, reject=None):
     """``(out, CertifiedWindow)``: each head's band certified ≤ ``eps`` and read through the
     key-bias kernel, its certificate from the readings' own log-sums (module docstring).
 
@@ -170,6 +170,9 @@ def certified_band_attention(a, b, u, scale: float, h, eps: float, *, start: int
             (the narrowest width the best scores could certify; n − 1: all of its past) is
             expected to cost less than reading every row's whole past: where not, they are
             read so at once, bound 0 (the device's cost model); None (default): always.
+        reject: ``(a, b, h, scale, lead, widths, eps) → bool``, True where the sizes or a
+            cheaper test than the sample show that no band could pay (the whole past is then
+            read before any sample is taken); None (default): no such test.
 
     Returns ``out`` ``(*lead, N, d_v)`` in u's dtype, differentiable in a, b, u, h, and the
     choice (``heads``: each head's width; ``bound``: each child's at it)."""
@@ -182,6 +185,8 @@ def certified_band_attention(a, b, u, scale: float, h, eps: float, *, start: int
     sampled = None
     if pays is not None and len(widths) > 1:  # the cost model's cheapest evidence first: a
         # sample of children's exact tails (no statistics of every child computed yet)
+        if reject is not None and reject(a, b, h, float(scale), lead, widths, eps):
+            return _whole_past_read(a, b, u, h, scale, lead, n, d_v, eps, whole_past)
         sampled = sampled_widths(a, b, h, float(scale), lead, wt, eps)
         if not pays(sampled, n, k):
             return _whole_past_read(a, b, u, h, scale, lead, n, d_v, eps, whole_past)

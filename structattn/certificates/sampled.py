@@ -83,6 +83,29 @@ def sampled_widths(a, b, h, scale: float, lead, widths: torch.Tensor, eps: float
         return widths[ok.int().argmax(-1)].expand(*lead).reshape(-1)
 
 
+def last_child_tails(a, b, h, scale: float, lead, width: int) -> torch.Tensor:
+    """``(G,)``: for each row (head), the last child's exact posterior mass beyond ``width``
+    — on its parents j ≤ N − 2 − ``width`` — float64. Every certified bound is at least the
+    true mass it bounds, so where this exceeds eps no band of ``width`` (nor narrower) is
+    certified: the cheapest rejection there is, a dozen operations on O(G·N·k).
+
+    Args:
+        a: ``(*lead, N, k)`` the children's factors (broadcasting).
+        b: ``(*lead, N, k)`` the parents' factors (broadcasting).
+        h: ``(*lead, N)`` the prior's per-parent term (broadcasting).
+        scale: the scores' factor.
+        lead: the rows' leading shape (G rows: its product).
+        width: the band, 0 ≤ width < N − 1.
+    """
+    n = a.shape[-2]
+    with torch.no_grad():
+        work = torch.promote_types(torch.promote_types(a.dtype, b.dtype), torch.float32)
+        last = a.detach()[..., -1:, :].to(work)  # (*lead, 1, k)
+        s = (b.detach().to(work) @ last.transpose(-1, -2)).squeeze(-1)  # (*lead, N)
+        x = (s.double() * scale + h.detach().double()).expand(*lead, n).reshape(-1, n)
+        return torch.exp(torch.logsumexp(x[:, :n - 1 - width], -1) - torch.logsumexp(x, -1))
+
+
 def _log_cumsum(x: torch.Tensor) -> torch.Tensor:
     """log Σ_{j' ≤ j} e^{x_j'} along the last dimension, float64: through exp and cumsum
     below the maximum (``logcumsumexp`` costs ~20× as much), or ``logcumsumexp`` itself

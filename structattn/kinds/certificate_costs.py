@@ -8,13 +8,14 @@ a 2-core AVX2 host (``benchmarks/bench_certificates.py``); elsewhere (CUDA) the 
 
 from __future__ import annotations
 
+import math
 from contextlib import contextmanager
 
 import torch
 
 from ..block_sparse import WORTH
 from ..certificates.certified_read import widths_from
-from ..certificates.sampled import sampled_widths
+from ..certificates.sampled import last_child_tails, sampled_widths
 from . import distance_table
 
 _SET_ASIDE = [0]  # how many ``set_aside`` blocks are open
@@ -39,6 +40,41 @@ def _band_share(width: torch.Tensor, n: int) -> torch.Tensor:
     return 1.1 * (2 * x - x * x)
 
 
+def _band_cost(widths: list, n: int, k: int, rows: int) -> float:
+    """``band_pays``' expected cost of reading each row first at its width in ``widths``
+    (``n − 1``: all of its past), as a share of every row's whole past, the certificate's
+    own work included."""
+    last = n - 1
+    shares = [1.0 if w >= last else _share(w, n) + 0.25 * _share(2 * w, n) for w in widths]
+    return sum(shares) / len(shares) + 0.2 * (2048 / n) ** 2 * (64 / k) * 4 / rows + 0.03
+
+
+def _share(width: float, n: int) -> float:
+    """``_band_share`` of one width, as a Python float."""
+    x = min(1.0, (width + 150) / n)
+    return 1.1 * (2 * x - x * x)
+
+
+def band_rejected(a, b, h, scale: float, lead, widths: list, eps: float) -> bool:
+    """Whether the band per head cannot pay, shown before any sample (``certified_read``'s
+    ``reject``): by the sizes alone — no band of ``widths`` read by every row pays
+    (``band_pays``) — or by each row's last child — its exact mass beyond the widest band
+    that would pay (``sampled.last_child_tails``) exceeds ``eps`` in enough rows that, with
+    those rows one width wider and the others at the narrowest, the bands would not pay."""
+    if _SET_ASIDE[0]:
+        return False
+    n, k, rows = a.shape[-2], a.shape[-1], math.prod(lead)
+    paying = [w for w in widths[:-1] if _band_cost([w], n, k, rows) <= 0.6]
+    if not paying:
+        return True
+    reach = paying[-1]
+    over = (last_child_tails(a, b, h, scale, lead, reach) > eps).tolist()
+    if not any(over):
+        return False
+    wider = widths[widths.index(reach) + 1]
+    return _band_cost([wider if o else widths[0] for o in over], n, k, rows) > 0.6
+
+
 def band_pays(first: torch.Tensor, n: int, k: int) -> bool:
     """The CPU's cost model of a band per head read to certify it, against the fused kernel
     over each head's whole past (``certified_read``'s ``pays``; measured on a 2-core AVX2
@@ -52,10 +88,7 @@ def band_pays(first: torch.Tensor, n: int, k: int) -> bool:
     expected cost is under 60% of the whole past."""
     if _SET_ASIDE[0]:
         return True
-    band_cost = _band_share(first, n) + 0.25 * _band_share(2 * first, n)
-    cost = torch.where(first >= n - 1, torch.ones_like(band_cost), band_cost).mean()
-    fixed = 0.2 * (2048 / n) ** 2 * (64 / k) * 4 / first.numel() + 0.03
-    return float(cost) + fixed <= 0.6
+    return _band_cost(first.tolist(), n, k, first.numel()) <= 0.6
 
 
 def table_band_pays(first: torch.Tensor, n: int, k: int, grad: bool) -> bool:

@@ -42,7 +42,8 @@ def certified_band(a: torch.Tensor, b: torch.Tensor, u: torch.Tensor, h: torch.T
     with torch.no_grad():
         out, choice = certified_band_attention(
             a, b, u, scale, h, eps, block=block, widest=widest, read=band_rows,
-            whole_past=_whole_past, pays=certificate_costs.band_pays)
+            whole_past=_whole_past, pays=certificate_costs.band_pays,
+            reject=certificate_costs.band_rejected)
     return out, choice.heads, choice.bound, choice.window
 
 
@@ -80,7 +81,8 @@ def read_band(a, b, u, h, scale: float, eps: float, block: int):
     return certified_band_attention(
         a, b, u, scale, h, eps, block=block, widest=n // 2 if on_triton else 2 * n // 5,
         read=None if on_triton else band_rows, whole_past=_whole_past,
-        pays=None if on_triton else certificate_costs.band_pays)
+        pays=None if on_triton else certificate_costs.band_pays,
+        reject=None if on_triton else certificate_costs.band_rejected)
 
 
 def settle(outcome, eps: float) -> CertifiedWindow:

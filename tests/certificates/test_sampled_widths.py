@@ -110,3 +110,23 @@ def test_a_sample_that_no_band_could_certify_reads_the_whole_past_without_a_band
                                            widest=2 * n // 5, pays=lambda w, n_, k_: bool(
                                                (w < n_ - 1).all()))
     assert not reads and wholes == [1] and choice.skipped == 0 and bool((choice.bound == 0).all())
+
+
+@pytest.mark.parametrize("n, width", [(9, 0), (40, 7), (70, 30)])
+def test_the_last_childs_tail_is_its_exact_mass_beyond_the_width(n, width):
+    """``last_child_tails`` against its definition summed term by term in float64: the
+    posterior of child N − 1 over parents j ≤ N − 1 ∝ exp(scale·a·b_j + h_j), its mass on
+    j ≤ N − 2 − width."""
+    from structattn.certificates.sampled import last_child_tails
+
+    g = torch.Generator().manual_seed(n)
+    a, b = (torch.randn(2, 3, n, 5, generator=g, dtype=f64) for _ in range(2))
+    h = -torch.rand(1, 3, n, generator=g, dtype=f64).cumsum(-1).flip(-1)
+    got = last_child_tails(a, b, h, 0.7, (2, 3), width)
+    want = []
+    for i in range(2):
+        for j in range(3):
+            w = [math.exp(0.7 * float(a[i, j, -1] @ b[i, j, p]) + float(h[0, j, p]))
+                 for p in range(n)]
+            want.append(sum(w[:n - 1 - width]) / sum(w))
+    torch.testing.assert_close(got, torch.tensor(want, dtype=f64), rtol=1e-10, atol=0)

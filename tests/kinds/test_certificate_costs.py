@@ -133,3 +133,45 @@ def test_a_table_certificate_refused_by_the_sizes_alone_takes_no_sample_and_is_r
     assert plan.graph is not None, plan.reason
     for y in ys:
         torch.testing.assert_close(y, want, rtol=0, atol=0)
+
+
+def test_the_sizes_alone_reject_a_band_no_width_of_which_pays(monkeypatch):
+    """At 300 tokens no band read by every head pays for the certificate: rejected without
+    a score computed."""
+    from structattn.certificates.certified_read import widths_from
+
+    monkeypatch.setattr(certificate_costs, "last_child_tails",
+                        lambda *a, **k: pytest.fail("a score was computed"))
+    a = b = torch.zeros(1, 2, 300, 16)
+    h = torch.zeros(1, 2, 300)
+    assert certificate_costs.band_rejected(a, b, h, 0.25, (1, 2), widths_from(299, 16, 120),
+                                           1e-4)
+
+
+@pytest.mark.parametrize("gate_bias, rejected", [(12.0, True), (-3.0, False)])
+def test_the_last_child_rejects_a_band_before_any_sample(gate_bias, rejected, monkeypatch):
+    """FoX at 2,048 tokens: a band would pay only up to 64 tokens wide; with slow gates the
+    last child's exact mass beyond that exceeds eps — the whole past is read, no sample
+    taken, as the layer without ``tol``; with sharp gates it does not, and the sample and the
+    band follow (and skip most pairs)."""
+    from structattn.certificates import certified_read
+
+    sampled = []
+    real = certified_read.sampled_widths
+    monkeypatch.setattr(certified_read, "sampled_widths",
+                        lambda *a, **k: sampled.append(1) or real(*a, **k))
+    torch.manual_seed(2)
+    m = sa.models.forgetting_attention(256, heads=4, gate_bias=gate_bias, tol=1e-4)
+    exact = sa.models.forgetting_attention(256, heads=4, gate_bias=gate_bias)
+    exact.load_state_dict(m.state_dict())
+    x = torch.randn(1, 2048, 256)
+    with torch.no_grad():
+        y, trace = sa.compile(m)(x, return_trace=True)
+        want = sa.compile(exact)(x)
+    c = trace.truncation[m.family_name]
+    assert bool(sampled) is not rejected
+    if rejected:
+        assert c.skipped == 0 and bool((c.bound == 0).all())
+        torch.testing.assert_close(y, want, rtol=0, atol=0)
+    else:
+        assert c.certified and c.skipped > 0.9 and bool((c.bound <= 1e-4).all())
