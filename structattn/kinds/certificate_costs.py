@@ -2,8 +2,9 @@
 readings it leads to are not expected to cost less than reading each child's whole past
 through the fused kernel, the window operator (``kinds/window.py``) reads the whole past at
 once, bound 0 — the certificate steps aside. Each rule takes the narrowest width a reading
-could certify: from the best scores, or from a sample of children's exact evidence
-(``certificates.sampled``), the cheapest evidence there is. The constants were measured on
+could certify: from the sizes and the last child's exact tail (``band_rejected``), from the
+best scores, or from a sample of children's exact evidence (``certificates.sampled``), the
+cheapest evidence first. The constants were measured on
 a 2-core AVX2 host (``benchmarks/bench_certificates.py``); elsewhere (CUDA) the certificates always run."""
 
 from __future__ import annotations
