@@ -83,11 +83,13 @@ def sampled_widths(a, b, h, scale: float, lead, widths: torch.Tensor, eps: float
         return widths[ok.int().argmax(-1)].expand(*lead).reshape(-1)
 
 
-def last_child_tails(a, b, h, scale: float, lead, width: int) -> torch.Tensor:
-    """``(G,)``: for each row (head), the last child's exact posterior mass beyond ``width``
-    — on its parents j ≤ N − 2 − ``width`` — float64. Every certified bound is at least the
-    true mass it bounds, so where this exceeds eps no band of ``width`` (nor narrower) is
-    certified: the cheapest rejection there is, a dozen operations on O(G·N·k).
+def last_child_widths(a, b, h, scale: float, lead, widths: torch.Tensor,
+                      eps: float) -> torch.Tensor:
+    """``(G,)``: for each row (head), the narrowest of ``widths`` beyond which the last
+    child's exact posterior mass — on its parents j ≤ N − 2 − w — is ≤ ``eps`` (the last
+    width, all of the past, where none is). Every certified bound is at least the true mass
+    it bounds, so no band of the row narrower than this is certified: the cheapest evidence
+    there is, a dozen operations on O(G·N·k).
 
     Args:
         a: ``(*lead, N, k)`` the children's factors (broadcasting).
@@ -95,15 +97,19 @@ def last_child_tails(a, b, h, scale: float, lead, width: int) -> torch.Tensor:
         h: ``(*lead, N)`` the prior's per-parent term (broadcasting).
         scale: the scores' factor.
         lead: the rows' leading shape (G rows: its product).
-        width: the band, 0 ≤ width < N − 1.
+        widths: ``(W,)`` the increasing widths, the last one N − 1.
+        eps: the posterior mass a band may leave out.
     """
     n = a.shape[-2]
     with torch.no_grad():
         work = torch.promote_types(torch.promote_types(a.dtype, b.dtype), torch.float32)
         last = a.detach()[..., -1:, :].to(work)  # (*lead, 1, k)
-        s = (b.detach().to(work) @ last.transpose(-1, -2)).squeeze(-1)  # (*lead, N)
+        s = (last @ b.detach().to(work).transpose(-1, -2)).squeeze(-2)  # (*lead, N)
         x = (s.double() * scale + h.detach().double()).expand(*lead, n).reshape(-1, n)
-        return torch.exp(torch.logsumexp(x[:, :n - 1 - width], -1) - torch.logsumexp(x, -1))
+        mass = torch.exp(x - x.amax(-1, keepdim=True)).cumsum(-1)  # (G, N)
+        beyond = mass[:, (n - 2 - widths).clamp(min=0)].masked_fill(widths >= n - 1, 0.0)
+        ok = beyond <= eps * mass[:, -1:]  # (G, W)
+        return widths[ok.int().argmax(-1)]
 
 
 def _log_cumsum(x: torch.Tensor) -> torch.Tensor:

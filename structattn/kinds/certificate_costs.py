@@ -16,7 +16,7 @@ import torch
 
 from ..block_sparse import WORTH
 from ..certificates.certified_read import widths_from
-from ..certificates.sampled import last_child_tails, sampled_widths
+from ..certificates.sampled import last_child_widths, sampled_widths
 from . import distance_table
 
 _SET_ASIDE = [0]  # how many ``set_aside`` blocks are open
@@ -59,21 +59,16 @@ def _share(width: float, n: int) -> float:
 def band_rejected(a, b, h, scale: float, lead, widths: list, eps: float) -> bool:
     """Whether the band per head cannot pay, shown before any sample (``certified_read``'s
     ``reject``): by the sizes alone — no band of ``widths`` read by every row pays
-    (``band_pays``) — or by each row's last child — its exact mass beyond the widest band
-    that would pay (``sampled.last_child_tails``) exceeds ``eps`` in enough rows that, with
-    those rows one width wider and the others at the narrowest, the bands would not pay."""
+    (``band_pays``) — or by each row's last child: no band narrower than the one beyond
+    which its exact mass is ≤ ``eps`` (``sampled.last_child_widths``) is certified, and the
+    rows read first at those widths would not pay."""
     if _SET_ASIDE[0]:
         return False
     n, k, rows = a.shape[-2], a.shape[-1], math.prod(lead)
-    paying = [w for w in widths[:-1] if _band_cost([w], n, k, rows) <= 0.6]
-    if not paying:
+    if all(_band_cost([w], n, k, rows) > 0.6 for w in widths[:-1]):
         return True
-    reach = paying[-1]
-    over = (last_child_tails(a, b, h, scale, lead, reach) > eps).tolist()
-    if not any(over):
-        return False
-    wider = widths[widths.index(reach) + 1]
-    return _band_cost([wider if o else widths[0] for o in over], n, k, rows) > 0.6
+    first = last_child_widths(a, b, h, scale, lead, torch.tensor(widths, device=a.device), eps)
+    return _band_cost(first.tolist(), n, k, rows) > 0.6
 
 
 def band_pays(first: torch.Tensor, n: int, k: int) -> bool:

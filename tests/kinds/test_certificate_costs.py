@@ -140,7 +140,7 @@ def test_the_sizes_alone_reject_a_band_no_width_of_which_pays(monkeypatch):
     a score computed."""
     from structattn.certificates.certified_read import widths_from
 
-    monkeypatch.setattr(certificate_costs, "last_child_tails",
+    monkeypatch.setattr(certificate_costs, "last_child_widths",
                         lambda *a, **k: pytest.fail("a score was computed"))
     a = b = torch.zeros(1, 2, 300, 16)
     h = torch.zeros(1, 2, 300)
@@ -150,10 +150,10 @@ def test_the_sizes_alone_reject_a_band_no_width_of_which_pays(monkeypatch):
 
 @pytest.mark.parametrize("gate_bias, rejected", [(12.0, True), (-3.0, False)])
 def test_the_last_child_rejects_a_band_before_any_sample(gate_bias, rejected, monkeypatch):
-    """FoX at 2,048 tokens: a band would pay only up to 64 tokens wide; with slow gates the
-    last child's exact mass beyond that exceeds eps — the whole past is read, no sample
-    taken, as the layer without ``tol``; with sharp gates it does not, and the sample and the
-    band follow (and skip most pairs)."""
+    """FoX at 2,048 tokens: a band pays only where every head is narrow; with slow gates the
+    last child's exact mass exceeds eps beyond any narrow band — the whole past is read, no
+    sample taken, as the layer without ``tol``; with sharp gates it does not, and the sample
+    and the band follow (and skip most pairs)."""
     from structattn.certificates import certified_read
 
     sampled = []
