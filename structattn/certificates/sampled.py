@@ -83,8 +83,8 @@ def sampled_widths(a, b, h, scale: float, lead, widths: torch.Tensor, eps: float
         return widths[ok.int().argmax(-1)].expand(*lead).reshape(-1)
 
 
-def last_child_widths(a, b, h, scale: float, lead, widths: torch.Tensor,
-                      eps: float) -> torch.Tensor:
+def last_child_widths(a, b, h, scale: float, lead, widths: torch.Tensor, eps: float, *,
+                      first: int = 0, table: torch.Tensor | None = None) -> torch.Tensor:
     """``(G,)``: for each row (head), the narrowest of ``widths`` beyond which the last
     child's exact posterior mass — on its parents j ≤ N − 2 − w — is ≤ ``eps`` (the last
     width, all of the past, where none is). Every certified bound is at least the true mass
@@ -94,21 +94,26 @@ def last_child_widths(a, b, h, scale: float, lead, widths: torch.Tensor,
     Args:
         a: ``(*lead, N, k)`` the children's factors (broadcasting).
         b: ``(*lead, N, k)`` the parents' factors (broadcasting).
-        h: ``(*lead, N)`` the prior's per-parent term (broadcasting).
+        h: ``(*lead, N)`` the prior's per-parent term (broadcasting), or None with ``table``.
         scale: the scores' factor.
         lead: the rows' leading shape (G rows: its product).
         widths: ``(W,)`` the increasing widths, the last one N − 1.
         eps: the posterior mass a band may leave out.
+        first: the nearest distance read, 0 (default: j ≤ i) or 1.
+        table: ``(H|1, N)`` the prior's log weight at each distance, in place of ``h``.
     """
     n = a.shape[-2]
     with torch.no_grad():
         work = torch.promote_types(torch.promote_types(a.dtype, b.dtype), torch.float32)
         last = a.detach()[..., -1:, :].to(work)  # (*lead, 1, k)
         s = (last @ b.detach().to(work).transpose(-1, -2)).squeeze(-2)  # (*lead, N)
-        x = (s.double() * scale + h.detach().double()).expand(*lead, n).reshape(-1, n)
+        prior = h.detach() if table is None else table.detach().flip(-1)  # parent j's term
+        x = (s.double() * scale + prior.double()).expand(*lead, n).reshape(-1, n)
+        if first:
+            x[:, n - first:] = float("-inf")
         mass = torch.exp(x - x.amax(-1, keepdim=True)).cumsum(-1)  # (G, N)
         beyond = mass[:, (n - 2 - widths).clamp(min=0)].masked_fill(widths >= n - 1, 0.0)
-        ok = beyond <= eps * mass[:, -1:]  # (G, W)
+        ok = beyond <= eps * mass[:, n - 1 - first:n - first]  # (G, W)
         return widths[ok.int().argmax(-1)]
 
 

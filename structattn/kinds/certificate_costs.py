@@ -117,7 +117,8 @@ def table_pays(a, b, scale: float, prior, eps: float, first: int, widest: int | 
     ``sampled_widths``, over the widths ``certify`` would try): where the distance-table
     kernel reads the band (the CPU); elsewhere, or for a prior with no table, True. Where
     the sizes alone rule it out — not even the narrowest band would pay — no sample is taken
-    and no value read (such a reading is recorded as a plan)."""
+    and no value read (such a reading is recorded as a plan); where each head's last child
+    does (``last_child_widths``), no sample is taken."""
     n = a.shape[-2]
     table = prior.log_by_distance(n - 1, a.device, torch.float32)
     if _SET_ASIDE[0] or table is None or not distance_table.applies(a, b, a):
@@ -129,6 +130,9 @@ def table_pays(a, b, scale: float, prior, eps: float, first: int, widest: int | 
         return False  # records it): not even the narrowest band would pay for the certificate
     widths = torch.tensor(widths, device=a.device)
     lead = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    last = last_child_widths(a, b, None, scale, lead, widths, eps, first=first, table=table)
+    if not table_band_pays(last, n, a.shape[-1], grad):  # the last child's tails: no sample
+        return False
     narrowest = sampled_widths(a, b, None, scale, lead, widths, eps, first=first, table=table)
     return table_band_pays(narrowest, n, a.shape[-1], grad)
 

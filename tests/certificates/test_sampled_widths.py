@@ -134,3 +134,25 @@ def test_the_last_childs_width_is_where_its_exact_mass_beyond_falls_under_eps(n)
             want.append(next(v for v in widths if sum(w[:max(0, n - 1 - v)]) <= eps * sum(w)))
     assert got.tolist() == want
     assert len(set(want)) > 1  # (the rows differ: the test can tell them apart)
+
+
+@pytest.mark.parametrize("first", [0, 1])
+def test_the_last_childs_width_under_a_prior_by_distance(first):
+    """The same with a prior by distance (``table``, the generalised Gaussian's) and the
+    nearest distance read ``first``: against the definition summed term by term."""
+    from structattn.certificates.sampled import last_child_widths
+
+    n, eps = 50, 1e-3
+    g = torch.Generator().manual_seed(first)
+    a, b = (torch.randn(1, 3, n, 4, generator=g, dtype=f64) for _ in range(2))
+    d = torch.arange(n, dtype=f64)
+    table = -(d / torch.tensor([[2.0], [8.0], [60.0]], dtype=f64)) ** 2  # (3, N): w(d)
+    widths = widths_from(n - 1, 2, None)
+    got = last_child_widths(a, b, None, 0.5, (1, 3), torch.tensor(widths), eps, first=first,
+                            table=table)
+    want = []
+    for j in range(3):
+        w = [math.exp(0.5 * float(a[0, j, -1] @ b[0, j, p]) + float(table[j, n - 1 - p]))
+             for p in range(n - first)]
+        want.append(next(v for v in widths if sum(w[:max(0, n - 1 - v)]) <= eps * sum(w)))
+    assert got.tolist() == want and len(set(want)) > 1
