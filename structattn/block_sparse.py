@@ -84,6 +84,20 @@ def _check(a, b, eps, block):
     return check_size("certify_blocks", "block", block)
 
 
+def _last_child_whole(A, B, hh, scale: float, eps: float, L: int, c: int,
+                      worth: float) -> torch.Tensor:
+    """``(G,)``: the heads whose child block ``c``'s last child alone, by its exact
+    posterior, cannot leave out ``worth`` of its ``c`` earlier blocks with mass ≤ ``eps``
+    (its lightest blocks first): every child of the block must leave a block out for the
+    block to, so neither can the block — ``certify_blocks``' rule reads the head whole."""
+    i = min((c + 1) * L, B.shape[1]) - 1  # the block's last child
+    s = (A[:, i:i + 1, :] @ B[:, :i + 1].transpose(-1, -2)).squeeze(1).double() * scale
+    p = torch.softmax(s + hh[:, :i + 1], -1)  # (G, i + 1)
+    mass = p[:, :c * L].reshape(p.shape[0], c, L).sum(-1)  # (G, c): each earlier block's
+    fits = (mass.sort(-1).values.cumsum(-1) <= eps).sum(-1)  # the most blocks left out
+    return 1 - (c - fits) / c < worth
+
+
 def _flat(x: torch.Tensor, lead, *tail) -> torch.Tensor:
     """``x`` broadcast to ``(*lead, *tail)`` and flattened to ``(G, *tail)``."""
     return x.expand(*lead, *tail).reshape(-1, *tail)
@@ -156,20 +170,28 @@ def certify_blocks(a: torch.Tensor, b: torch.Tensor, scale: float, h: torch.Tens
         G = A.shape[0]
         hh = (torch.zeros(G, n, dtype=wide, device=dev) if h is None
               else _flat(h.detach().to(wide), lead, n))
-        _, slack = score_ceiling(a.detach().expand(*lead, n, k).reshape(G, n, k),
-                                 b.detach().expand(*lead, n, k).reshape(G, n, k), scale)
-        slack = _blocks(slack, nb, L).flatten(1)  # (G, nb·L)
         earlier_blocks = torch.arange(nb, device=dev)  # child block c has c earlier blocks
+        step = max(8, nb // 8)
+        sample = torch.arange(step, max(nb, step), step, device=dev)
+        whole = torch.zeros(G, dtype=torch.bool, device=dev)
+        if sample.numel() >= 2:  # the last sampled block's last child, exactly: what it
+            # cannot leave out, its block cannot (no statistic of every child computed)
+            whole = _last_child_whole(A, B, hh, scale, eps, L, int(sample[-1]), worth)
+            if together and 2 * int(whole.sum()) > G:
+                whole[:] = True
+        slack = None
+        if not bool(whole.all()):
+            _, slack = score_ceiling(a.detach().expand(*lead, n, k).reshape(G, n, k),
+                                     b.detach().expand(*lead, n, k).reshape(G, n, k), scale)
+            slack = _blocks(slack, nb, L).flatten(1)  # (G, nb·L)
         # a head whose sampled child blocks (every eighth, or at most eight evenly spread)
         # skip under WORTH of their earlier blocks reads all of its past, the certificate's
         # work spared (bound 0); the last one first, alone (a fifth of the sample's cost, the
         # most earlier blocks to skip): where it does not skip enough, neither would the rest.
         # With ``together``, where more than half the heads read all of their past, every one
         # does (the kernels parallelise over heads: one sparse head costs them its share)
-        whole = torch.zeros(G, dtype=torch.bool, device=dev)
-        step = max(8, nb // 8)
-        sample = torch.arange(step, max(nb, step), step, device=dev)
-        for part in ((sample[-1:], sample) if sample.numel() >= 2 else ()):
+        for part in ((sample[-1:], sample) if sample.numel() >= 2 and slack is not None
+                     else ()):
             c, _, _ = choose_blocks(A, B, hh, slack, scale, eps, L, nb, part)
             whole |= 1 - c.sum(-1) / part.sum() < worth
             if together and 2 * int(whole.sum()) > G:

@@ -304,3 +304,46 @@ def test_a_head_read_whole_reads_every_earlier_block():
     assert (cert.read == torch.ones(n // L, n // L, dtype=torch.bool).tril()).all()
     p = _dense_posterior(a, b, None, 0.35)
     assert (p * ~_read_pairs(cert, n)).sum(-1).max() == 0
+
+
+@settings(max_examples=40, deadline=None)
+@given(heads=st.integers(1, 4), block=st.sampled_from([2, 3, 4]), nb=st.integers(17, 40),
+       kind=st.sampled_from(["uniform", "alibi", "forget"]), sharp=st.sampled_from([0.3, 3.0]),
+       worth=st.sampled_from([1 / 16, 0.5, 0.95]), together=st.booleans(),
+       eps=st.sampled_from([1e-2, 1e-4]), seed=st.integers(0, 10_000))
+def test_the_last_childs_shortcut_never_changes_the_blocks(heads, block, nb, kind, sharp, worth,
+                                                          together, eps, seed):
+    """The exact test of the last sampled block's last child (``_last_child_whole``), which
+    reads heads whole before the certificate's statistics are computed, chooses exactly what
+    the certificate's own sample would: the same blocks, counts and bounds with it and
+    without it."""
+    from structattn import block_sparse
+
+    gen = torch.Generator().manual_seed(seed)
+    n = nb * block - (seed % block)
+    a = torch.randn(heads, n, 4, generator=gen, dtype=torch.float64) * sharp
+    b = torch.randn(heads, n, 4, generator=gen, dtype=torch.float64)
+    h = _prior(kind, heads, n, gen)
+    kw = dict(block=block, worth=worth, together=together)
+    fast = certify_blocks(a, b, 0.5, h, eps, **kw)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(block_sparse, "_last_child_whole",
+                  lambda A, *rest: torch.zeros(A.shape[0], dtype=torch.bool))
+        plain = certify_blocks(a, b, 0.5, h, eps, **kw)
+    assert torch.equal(fast.read, plain.read) and torch.equal(fast.count, plain.count)
+    assert torch.equal(fast.bound, plain.bound)
+
+
+def test_on_flat_scores_no_statistic_of_every_child_is_computed(monkeypatch):
+    """Uniform scores over 2,048 tokens: the last sampled child leaves out no block, so every
+    head reads all of its past without the certificate's ceilings being computed."""
+    from structattn import block_sparse
+
+    monkeypatch.setattr(block_sparse, "score_ceiling",
+                        lambda *a, **k: pytest.fail("the ceilings were computed"))
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(2, 2048, 8, generator=gen) * 0.01
+    b = torch.randn(2, 2048, 8, generator=gen)
+    cert = certify_blocks(a, b, 0.5, None, 1e-4, block=32, worth=0.95)
+    assert cert.skipped == 0 and bool((cert.bound == 0).all())
+    assert bool((cert.count == torch.arange(64)).all())
