@@ -262,22 +262,24 @@ def block_sparse_attention(a: torch.Tensor, b: torch.Tensor, v: torch.Tensor, sc
     whole = cert.count.sum(-1) * 2 > earlier  # (G,)
     rows = torch.arange(G, device=dev)
     parts, which = [], []
+    every = bool(whole.all())  # every row read whole: no rows gathered, no output scattered
     if bool(whole.any()):
         w = rows[whole]
         reader = _whole_past if whole_past is None else whole_past
-        parts.append(reader(A[w], B[w], V[w], scale, hh[w]).to(v.dtype))
+        picked = (A, B, V, hh) if every else (A[w], B[w], V[w], hh[w])
+        parts.append(reader(*picked[:3], scale, picked[3]).to(v.dtype))
         which.append(w)
         cert.count[w] = torch.arange(nb, device=dev)
         read = cert.read.view(G, nb, nb)
         read[w] = torch.ones(nb, nb, dtype=torch.bool, device=dev).tril()
         cert.bound.view(G, n)[w] = 0.0
         cert.skipped = 1 - float(cert.count.sum()) / (G * earlier) if earlier else 0.0
-    if not bool(whole.all()):
+    if not every:
         s = rows[~whole]
         parts.append(_sparse(A[s], B[s], V[s], hh[s], cert.order[s], cert.count[s], scale, n,
                              L, work).to(v.dtype))
         which.append(s)
-    out = torch.cat(parts)[torch.cat(which).argsort()]  # (G, N, d)
+    out = parts[0] if every else torch.cat(parts)[torch.cat(which).argsort()]  # (G, N, d)
     return out.reshape(*lead, n, d), cert
 
 
