@@ -84,6 +84,42 @@ def _check(a, b, eps, block):
     return check_size("certify_blocks", "block", block)
 
 
+def _whole_heads(a, b, A, B, hh, scale: float, eps: float, L: int, nb: int, lead, worth: float,
+                 together: bool):
+    """``(whole, slack)``: the heads ``certify_blocks`` reads whole ``(G,)``, and the scores'
+    slack per child ``(G, nb·L)`` where some head is certified (else None)."""
+    G, n, k = A.shape
+    dev = A.device
+    step = max(8, nb // 8)
+    sample = torch.arange(step, max(nb, step), step, device=dev)
+    whole = torch.zeros(G, dtype=torch.bool, device=dev)
+    if sample.numel() >= 2:  # the last sampled block's last child, exactly: what it
+        # cannot leave out, its block cannot (no statistic of every child computed)
+        whole = _last_child_whole(A, B, hh, scale, eps, L, int(sample[-1]), worth)
+        if together and 2 * int(whole.sum()) > G:
+            whole[:] = True
+    slack = None
+    if not bool(whole.all()):
+        _, slack = score_ceiling(a.detach().expand(*lead, n, k).reshape(G, n, k),
+                                 b.detach().expand(*lead, n, k).reshape(G, n, k), scale)
+        slack = _blocks(slack, nb, L).flatten(1)  # (G, nb·L)
+    # a head whose sampled child blocks (every eighth, or at most eight evenly spread)
+    # skip under WORTH of their earlier blocks reads all of its past, the certificate's
+    # work spared (bound 0); the last one first, alone (a fifth of the sample's cost, the
+    # most earlier blocks to skip): where it does not skip enough, neither would the rest.
+    # With ``together``, where more than half the heads read all of their past, every one
+    # does (the kernels parallelise over heads: one sparse head costs them its share)
+    for part in ((sample[-1:], sample) if sample.numel() >= 2 and slack is not None
+                 else ()):
+        c, _, _ = choose_blocks(A, B, hh, slack, scale, eps, L, nb, part)
+        whole |= 1 - c.sum(-1) / part.sum() < worth
+        if together and 2 * int(whole.sum()) > G:
+            whole[:] = True
+        if bool(whole.all()):
+            break
+    return whole, slack
+
+
 def _last_child_whole(A, B, hh, scale: float, eps: float, L: int, c: int,
                       worth: float) -> torch.Tensor:
     """``(G,)``: the heads whose child block ``c``'s last child alone, by its exact
@@ -171,33 +207,7 @@ def certify_blocks(a: torch.Tensor, b: torch.Tensor, scale: float, h: torch.Tens
         hh = (torch.zeros(G, n, dtype=wide, device=dev) if h is None
               else _flat(h.detach().to(wide), lead, n))
         earlier_blocks = torch.arange(nb, device=dev)  # child block c has c earlier blocks
-        step = max(8, nb // 8)
-        sample = torch.arange(step, max(nb, step), step, device=dev)
-        whole = torch.zeros(G, dtype=torch.bool, device=dev)
-        if sample.numel() >= 2:  # the last sampled block's last child, exactly: what it
-            # cannot leave out, its block cannot (no statistic of every child computed)
-            whole = _last_child_whole(A, B, hh, scale, eps, L, int(sample[-1]), worth)
-            if together and 2 * int(whole.sum()) > G:
-                whole[:] = True
-        slack = None
-        if not bool(whole.all()):
-            _, slack = score_ceiling(a.detach().expand(*lead, n, k).reshape(G, n, k),
-                                     b.detach().expand(*lead, n, k).reshape(G, n, k), scale)
-            slack = _blocks(slack, nb, L).flatten(1)  # (G, nb·L)
-        # a head whose sampled child blocks (every eighth, or at most eight evenly spread)
-        # skip under WORTH of their earlier blocks reads all of its past, the certificate's
-        # work spared (bound 0); the last one first, alone (a fifth of the sample's cost, the
-        # most earlier blocks to skip): where it does not skip enough, neither would the rest.
-        # With ``together``, where more than half the heads read all of their past, every one
-        # does (the kernels parallelise over heads: one sparse head costs them its share)
-        for part in ((sample[-1:], sample) if sample.numel() >= 2 and slack is not None
-                     else ()):
-            c, _, _ = choose_blocks(A, B, hh, slack, scale, eps, L, nb, part)
-            whole |= 1 - c.sum(-1) / part.sum() < worth
-            if together and 2 * int(whole.sum()) > G:
-                whole[:] = True
-            if bool(whole.all()):
-                break
+        whole, slack = _whole_heads(a, b, A, B, hh, scale, eps, L, nb, lead, worth, together)
         keep = (~whole).nonzero().squeeze(-1)
         count = earlier_blocks.expand(G, nb).clone()
         # a head read whole: each child block's earlier blocks, nearest first, then the rest
