@@ -5,6 +5,7 @@ brute-force gradient descent), Pyro's ELBO loss and MAP, the textbook local lear
 """
 
 import math
+import warnings
 
 import hypothesis.strategies as st
 import pytest
@@ -116,7 +117,11 @@ def test_blocks_inference_is_gradient_descent_on_the_free_energy(case):
         F = sa.compile(m).free_energy(x, y)
         assert (F - free_energy_by_hand(m, x, y, [])).abs().max() < 1e-10
         return
-    out, trace = sa.compile(m)(x, y, return_trace=True)
+    # (η = 0.1 diverges on some of these networks, below: the layer then warns so, rightly —
+    # what is checked here is that it computes the same descent as the loops)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", sa.DivergenceWarning)
+        out, trace = sa.compile(m)(x, y, return_trace=True)
     hand = descend_by_hand(m, x, y, 4, 0.1)
     for i, z in enumerate(hand, start=1):
         assert (trace.states[f"layer{i}"][-1].flatten(-2) - z).abs().max() < 1e-10
