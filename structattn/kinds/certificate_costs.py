@@ -33,14 +33,6 @@ def set_aside():
         _SET_ASIDE[0] -= 1
 
 
-def _band_share(width: torch.Tensor, n: int) -> torch.Tensor:
-    """A band of ``width`` ``(G,)`` read per head on the CPU as a share of the whole past:
-    1.1·p((w + 150)/N), p(x) = 2x − x² (its pairs, the kernel's tiles at its edges included;
-    the band and distance-table kernels alike, ``bench_certificates.py``), float64."""
-    x = ((width.double() + 150) / n).clamp(max=1.0)
-    return 1.1 * (2 * x - x * x)
-
-
 def _band_cost(widths: list, n: int, k: int, rows: int) -> float:
     """``band_pays``' expected cost of reading each row first at its width in ``widths``
     (``n − 1``: all of its past), as a share of every row's whole past, the certificate's
@@ -51,7 +43,9 @@ def _band_cost(widths: list, n: int, k: int, rows: int) -> float:
 
 
 def _share(width: float, n: int) -> float:
-    """``_band_share`` of one width, as a Python float."""
+    """A band of ``width`` read per head on the CPU as a share of the whole past:
+    1.1·p((w + 150)/N), p(x) = 2x − x² (its pairs, the kernel's tiles at its edges included;
+    the band and distance-table kernels alike, ``bench_certificates.py``)."""
     x = min(1.0, (width + 150) / n)
     return 1.1 * (2 * x - x * x)
 
@@ -100,9 +94,8 @@ def table_band_pays(first: torch.Tensor, n: int, k: int, grad: bool) -> bool:
     (N − 1: all of its past)."""
     if _SET_ASIDE[0]:
         return True
-    band_cost = _band_share(first, n)
-    band_cost = torch.where(first >= n - 1, torch.ones_like(band_cost), band_cost).mean()
-    return float(band_cost) + _table_fixed(n, k, grad) <= 0.75
+    shares = [1.0 if w >= n - 1 else _share(w, n) for w in first.tolist()]
+    return sum(shares) / len(shares) + _table_fixed(n, k, grad) <= 0.75
 
 
 def _table_fixed(n: int, k: int, grad: bool) -> float:
@@ -125,9 +118,9 @@ def table_pays(a, b, scale: float, prior, eps: float, first: int, widest: int | 
         return True
     widths = widths_from(n - 1, 16, widest)
     grad = torch.is_grad_enabled() and (a.requires_grad or b.requires_grad)
-    x = min(1.0, (widths[0] + 150) / n)  # the cheapest bound, from the sizes alone (no value
-    if 1.1 * (2 * x - x * x) + _table_fixed(n, a.shape[-1], grad) > 0.75:  # read: a plan
-        return False  # records it): not even the narrowest band would pay for the certificate
+    # the cheapest bound, from the sizes alone (no value read: a plan records it): not even
+    if _share(widths[0], n) + _table_fixed(n, a.shape[-1], grad) > 0.75:  # the narrowest
+        return False  # band would pay for the certificate
     widths = torch.tensor(widths, device=a.device)
     lead = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
     last = last_child_widths(a, b, None, scale, lead, widths, eps, first=first, table=table)

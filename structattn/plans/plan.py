@@ -31,7 +31,7 @@ _RECORDING = threading.RLock()
 
 #: ``[generation, thread]``: the generation is odd while a recording's trace has swapped its
 #: tensors (fake ones: no tensor work) into a declaration's modules — which another thread,
-#: replaying a module of the same declaration, must not read (``tensors``); ``thread``: the
+#: replaying a module of the same declaration, must not read (``unswapped``); ``thread``: the
 #: one tracing, whose nested calls read the swapped tensors as the trace's own
 SWAP = [0, None]
 

@@ -48,7 +48,7 @@ def record(layer, names: list, state: list, inputs: tuple, kwargs: dict, *,
     try:
         graph, fakes = _trace(plan, reading, state, tensors, symbolic, devices)
     except Exception as err:  # the reading reads tensor values (or cannot be traced)
-        plan.reason = f"{_where(err)}{type(err).__name__}: {str(err).splitlines()[0][:200]}"
+        plan.reason = _why(err)
         return plan
     graph.graph.eliminate_dead_code(is_impure_node=_impure)
     captured = [getattr(graph, n.target) for n in graph.graph.nodes if n.op == "get_attr"]
@@ -64,7 +64,7 @@ def record(layer, names: list, state: list, inputs: tuple, kwargs: dict, *,
         served = _bind_to_torch(graph, (*state, *tensors))
     except Exception as err:  # a kernel refused these values (checks off): the call is read
         _set_generators(devices, drawn)
-        plan.reason = f"{_where(err)}{type(err).__name__}: {str(err).splitlines()[0][:200]}"
+        plan.reason = _why(err)
         return plan
     graph.recompile()
     if not _differentiated(state, captured):
@@ -135,6 +135,11 @@ def _differentiated(*groups) -> bool:
         isinstance(t, torch.Tensor) and t.requires_grad for ts in groups for t in ts)
 
 
+
+
+def _why(err: BaseException) -> str:
+    """A plan's ``reason`` where its recording failed: where, the error's type and first line."""
+    return f"{_where(err)}{type(err).__name__}: {str(err).splitlines()[0][:200]}"
 
 
 def _where(err: BaseException) -> str:
