@@ -1,22 +1,56 @@
-"""The benchmark scripts run (tiny sizes). No timing is asserted here: speed is measured
-by the scripts themselves, never in unit tests."""
+"""The benchmark scripts run (tiny sizes, ``--quick``), each as ``__main__`` in the test's own
+process; the subprocesses a script starts itself (fresh processes for peak memory, the import
+timings) still start. No timing is asserted here: speed is measured by the scripts
+themselves, never in unit tests."""
 
 import pathlib
+import runpy
 import subprocess
 import sys
 
 import pytest
+import torch
 
 BENCHMARKS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
 
 
+@pytest.fixture
+def in_this_process(monkeypatch):
+    """Runs a benchmark script as ``__main__`` in this process (its torch, structattn and
+    libraries already imported: a fresh interpreter's imports are most of a smoke run), with
+    what a script may change put back after: the torch threads and float32 matmul precision,
+    the garbage collector's switch, ``sys.argv``, ``sys.path`` and the modules of the script's
+    own folder (``_results``, ``_memory``)."""
+    import gc
+
+    threads, precision = torch.get_num_threads(), torch.get_float32_matmul_precision()
+    path, modules, collecting = list(sys.path), set(sys.modules), gc.isenabled()
+
+    def run(script: pathlib.Path, *argv: str) -> None:
+        monkeypatch.setattr(sys, "argv", [str(script), *argv])
+        sys.path.insert(0, str(script.parent))  # as ``python script`` puts it
+        try:
+            runpy.run_path(str(script), run_name="__main__")
+        except SystemExit as done:
+            assert done.code in (None, 0), f"{script.name} exited with {done.code}"
+
+    yield run
+    torch.set_num_threads(threads)
+    torch.set_float32_matmul_precision(precision)
+    if collecting:
+        gc.enable()
+    sys.path[:] = path
+    for name in set(sys.modules) - modules:
+        if getattr(sys.modules[name], "__file__", None) and \
+                pathlib.Path(sys.modules[name].__file__).parent == BENCHMARKS:
+            del sys.modules[name]
+
+
 @pytest.mark.parametrize("script", sorted(p.name for p in BENCHMARKS.glob("bench_*.py")))
-def test_benchmark_runs_quick(script, tmp_path):
+def test_benchmark_runs_quick(script, tmp_path, in_this_process):
     if script == "bench_transformers.py":  # against stock transformers: needs the extra
         pytest.importorskip("transformers", reason="the transformers extra is not installed")
-    out = subprocess.run([sys.executable, str(BENCHMARKS / script), "--quick", "--json",
-                          str(tmp_path / "r.json")], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    in_this_process(BENCHMARKS / script, "--quick", "--json", str(tmp_path / "r.json"))
     assert (tmp_path / "r.json").exists()
 
 
