@@ -54,8 +54,8 @@ def record(layer, names: list, state: list, inputs: tuple, kwargs: dict, *,
     captured = [getattr(graph, n.target) for n in graph.graph.nodes if n.op == "get_attr"]
     differentiated = _differentiated(state, tensors, captured)
     _simplify(graph.graph, merge=not differentiated)
-    _drop_implied_checks(graph.graph, plan, k)
-    graph.recompile()
+    _drop_implied_checks(graph.graph, plan, k)  # (the check below interprets the nodes: no
+    # code is generated for the graph until its bindings are known)
     # the check of the bindings runs the graph on this call's tensors, drawing from the
     # generators as the replay would: its outputs serve the call (``plan.served``); where the
     # plan then serves nothing (its sizes refused), the generators are put back as they were
