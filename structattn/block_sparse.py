@@ -32,9 +32,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .certificates.block_choice import choose_blocks, skipped_pairs
+from .certificates.block_choice import choose_blocks, scores_needed, skipped_pairs
 from .certificates.block_choice import in_blocks as _blocks
-from .certificates.ceilings import RUN_ENTRIES, score_ceiling
+from .certificates.ceilings import RUN_ENTRIES, key_block_ceilings, score_ceiling
 from .checking._validation import check_size
 
 __all__ = ["BlockSparse", "block_sparse_attention", "causal_posterior", "certify_blocks",
@@ -85,7 +85,7 @@ def _check(a, b, eps, block):
 
 
 def _whole_heads(a, b, A, B, hh, scale: float, eps: float, L: int, nb: int, lead, worth: float,
-                 together: bool):
+                 together: bool, budget: float | None):
     """``(whole, slack)``: the heads ``certify_blocks`` reads whole ``(G,)``, and the scores'
     slack per child ``(G, nb·L)`` where some head is certified (else None)."""
     G, n, k = A.shape
@@ -95,7 +95,7 @@ def _whole_heads(a, b, A, B, hh, scale: float, eps: float, L: int, nb: int, lead
     whole = torch.zeros(G, dtype=torch.bool, device=dev)
     if sample.numel() >= 2:  # the last sampled block's last child, exactly: what it
         # cannot leave out, its block cannot (no statistic of every child computed)
-        whole = _last_child_whole(A, B, hh, scale, eps, L, int(sample[-1]), worth)
+        whole = _last_child_whole(A, B, hh, scale, eps, L, int(sample[-1]), worth, budget)
         if together and 2 * int(whole.sum()) > G:
             whole[:] = True
     slack = None
@@ -111,8 +111,10 @@ def _whole_heads(a, b, A, B, hh, scale: float, eps: float, L: int, nb: int, lead
     # does (the kernels parallelise over heads: one sparse head costs them its share)
     for part in ((sample[-1:], sample) if sample.numel() >= 2 and slack is not None
                  else ()):
-        c, _, _ = choose_blocks(A, B, hh, slack, scale, eps, L, nb, part)
-        whole |= 1 - c.sum(-1) / part.sum() < worth
+        open_ = (~whole).nonzero().squeeze(-1)  # the heads still to decide
+        c, _, _ = choose_blocks(A[open_], B[open_], hh[open_], slack[open_], scale, eps, L, nb,
+                                part)
+        whole[open_] = 1 - c.sum(-1) / part.sum() < worth
         if together and 2 * int(whole.sum()) > G:
             whole[:] = True
         if bool(whole.all()):
@@ -121,17 +123,28 @@ def _whole_heads(a, b, A, B, hh, scale: float, eps: float, L: int, nb: int, lead
 
 
 def _last_child_whole(A, B, hh, scale: float, eps: float, L: int, c: int,
-                      worth: float) -> torch.Tensor:
+                      worth: float, budget: float | None) -> torch.Tensor:
     """``(G,)``: the heads whose child block ``c``'s last child alone, by its exact
     posterior, cannot leave out ``worth`` of its ``c`` earlier blocks with mass ≤ ``eps``
     (its lightest blocks first): every child of the block must leave a block out for the
-    block to, so neither can the block — ``certify_blocks``' rule reads the head whole."""
+    block to, so neither can the block — ``certify_blocks``' rule reads the head whole.
+    With a ``budget``, also the heads where that child's ceilings, against its exact mass,
+    leave more than ``budget`` of the ``c`` blocks to score exactly (``scores_needed``): the
+    least its block's scoring costs, where ceilings are loose (large, spread scores) as
+    much as reading those blocks."""
     i = min((c + 1) * L, B.shape[1]) - 1  # the block's last child
     s = (A[:, i:i + 1, :] @ B[:, :i + 1].transpose(-1, -2)).squeeze(1).double() * scale
-    p = torch.softmax(s + hh[:, :i + 1], -1)  # (G, i + 1)
+    s = s + hh[:, :i + 1]  # (G, i + 1)
+    p = torch.softmax(s, -1)
     mass = p[:, :c * L].reshape(p.shape[0], c, L).sum(-1)  # (G, c): each earlier block's
     fits = (mass.sort(-1).values.cumsum(-1) <= eps).sum(-1)  # the most blocks left out
-    return 1 - (c - fits) / c < worth
+    whole = 1 - (c - fits) / c < worth
+    if budget is None or bool(whole.all()):
+        return whole
+    nb = math.ceil(B.shape[1] / L)
+    T = key_block_ceilings(A[:, i:i + 1], B, scale, L)[:, 0, :c] \
+        + _blocks(hh, nb, L, float("-inf")).logsumexp(-1)[:, :c]  # (G, c), as choose_blocks'
+    return whole | (scores_needed(T, s.logsumexp(-1), eps) > budget * c)
 
 
 def _flat(x: torch.Tensor, lead, *tail) -> torch.Tensor:
@@ -170,7 +183,7 @@ def read_whole(a: torch.Tensor, b: torch.Tensor, h: torch.Tensor | None, eps: fl
 
 def certify_blocks(a: torch.Tensor, b: torch.Tensor, scale: float, h: torch.Tensor | None,
                    eps: float, *, block: int = 64, worth: float = WORTH,
-                   together: bool = False) -> BlockSparse:
+                   together: bool = False, budget: float | None = None) -> BlockSparse:
     """The key blocks each block of children must read for its posterior mass in the others
     to be certified ≤ ``eps`` (module docstring).
 
@@ -185,6 +198,9 @@ def certify_blocks(a: torch.Tensor, b: torch.Tensor, scale: float, h: torch.Tens
             skip for the head to be certified block by block; default ``WORTH``.
         together: where more than half the heads would read all of their past, every head
             does (default False: each head as its sample says).
+        budget: the largest share of its earlier blocks the last sampled child block's last
+            child may leave to score exactly (by its ceilings against its exact mass) for its
+            head to be certified block by block; None (default): any share.
 
     Returns:
         A ``BlockSparse``, with the blocks read in the order chosen (``order``, ``count``).
@@ -207,7 +223,8 @@ def certify_blocks(a: torch.Tensor, b: torch.Tensor, scale: float, h: torch.Tens
         hh = (torch.zeros(G, n, dtype=wide, device=dev) if h is None
               else _flat(h.detach().to(wide), lead, n))
         earlier_blocks = torch.arange(nb, device=dev)  # child block c has c earlier blocks
-        whole, slack = _whole_heads(a, b, A, B, hh, scale, eps, L, nb, lead, worth, together)
+        whole, slack = _whole_heads(a, b, A, B, hh, scale, eps, L, nb, lead, worth, together,
+                                    budget)
         keep = (~whole).nonzero().squeeze(-1)
         count = earlier_blocks.expand(G, nb).clone()
         # a head read whole: each child block's earlier blocks, nearest first, then the rest
@@ -229,7 +246,7 @@ def certify_blocks(a: torch.Tensor, b: torch.Tensor, scale: float, h: torch.Tens
 def block_sparse_attention(a: torch.Tensor, b: torch.Tensor, v: torch.Tensor, scale: float,
                            h: torch.Tensor | None, eps: float, *, block: int = 64,
                            whole_past: Callable | None = None, worth: float = WORTH,
-                           together: bool = False
+                           together: bool = False, budget: float | None = None
                            ) -> tuple[torch.Tensor, BlockSparse]:
     """Causal attention under the log prior g_i + h_j, reading only the key blocks that
     ``certify_blocks`` keeps: each child's posterior mass in the blocks skipped is ≤ ``eps``.
@@ -247,6 +264,7 @@ def block_sparse_attention(a: torch.Tensor, b: torch.Tensor, v: torch.Tensor, sc
             prior, the dense table with one; the layers pass the fused key-bias reading).
         worth: ``certify_blocks``'s.
         together: ``certify_blocks``'s.
+        budget: ``certify_blocks``'s.
 
     Returns:
         ``(out, report)``: ``out`` ``(*lead, N, d)``, child i's posterior expectation of v
@@ -256,7 +274,8 @@ def block_sparse_attention(a: torch.Tensor, b: torch.Tensor, v: torch.Tensor, sc
     The child blocks are read in groups of the same number of key blocks, each group in runs
     of at most ``RUN_ENTRIES`` scores: the scores never exceed what the blocks read hold.
     """
-    cert = certify_blocks(a, b, scale, h, eps, block=block, worth=worth, together=together)
+    cert = certify_blocks(a, b, scale, h, eps, block=block, worth=worth, together=together,
+                          budget=budget)
     n, k, d = a.shape[-2], a.shape[-1], v.shape[-1]
     L = cert.block
     nb = math.ceil(n / L)

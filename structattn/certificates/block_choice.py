@@ -32,7 +32,7 @@ import torch
 
 from .ceilings import RUN_ENTRIES, key_block_ceilings
 
-__all__ = ["choose_blocks", "in_blocks"]
+__all__ = ["choose_blocks", "in_blocks", "scores_needed"]
 
 #: the share of ε the unscored blocks' ceilings may take (the rest: scored blocks skipped)
 UNSCORED_SHARE = 0.5
@@ -62,6 +62,26 @@ def choose_blocks(A, B, hh, slack, scale, eps, L, nb, sel):
     step = max(1, RUN_ENTRIES // max(1, G * L * nb))
     out = [_choose(ops, scale, eps, L, nb, sel[i:i + step]) for i in range(0, sel.numel(), step)]
     return tuple(torch.cat(parts, 1) for parts in zip(*out, strict=True))
+
+
+def scores_needed(T: torch.Tensor, known: torch.Tensor, eps: float) -> torch.Tensor:
+    """``(…,)`` long: the fewest key blocks, by decreasing ceiling ``T`` ``(…, nb)`` (log;
+    −∞ where none), ``choose_blocks`` scores for a child whose known log mass is ``known``
+    ``(…,)`` before the blocks left unscored hold at most UNSCORED_SHARE·ε of it: with
+    ``known`` the child's exact log mass, the least its scoring can cost."""
+    ranked = T.sort(-1, descending=True).values
+    return (_tails(ranked) > (known + _logit(eps))[..., None]).sum(-1)
+
+
+def _tails(ranked: torch.Tensor) -> torch.Tensor:
+    """``(…, nb + 1)``: [m] the log of the ceilings' sum over ranks ≥ m (−∞ at m = nb)."""
+    none = ranked.new_full((*ranked.shape[:-1], 1), float("-inf"))
+    return torch.cat([ranked.flip(-1).logcumsumexp(-1).flip(-1), none], -1)
+
+
+def _logit(eps: float) -> float:
+    """log(s / (1 − s)), s = UNSCORED_SHARE·ε: a tail over it is σ(tail − known) > s."""
+    return math.log(UNSCORED_SHARE * eps / (1 - UNSCORED_SHARE * eps))
 
 
 def _choose(ops, scale, eps, L, nb, sel):
@@ -98,12 +118,11 @@ def _scored(ops, own, To, rank, eps, L, sel):
     against the mass known (own block, E⁻ of the blocks scored)."""
     G, R, nb = To.shape
     S = sel.numel()
-    none = To.new_full((G, R, 1), float("-inf"))
-    tail = torch.cat([To.flip(-1).logcumsumexp(-1).flip(-1), none], -1)  # [m]: ranks ≥ m
+    tail = _tails(To)  # [m]: ranks ≥ m
     hi = torch.full((G, S, L, nb + 1), float("inf"), dtype=To.dtype, device=To.device)
     lo = torch.full((G, S, L, nb + 1), float("-inf"), dtype=To.dtype, device=To.device)
     m = torch.zeros(G, S, dtype=torch.long, device=To.device)  # ranks scored
-    logit = math.log(UNSCORED_SHARE * eps / (1 - UNSCORED_SHARE * eps))
+    logit = _logit(eps)
     while True:
         known = torch.logaddexp(own, lo.flatten(1, 2).logsumexp(-1))  # (G, R)
         over = tail > (known + logit)[..., None]  # σ(tail − known) > UNSCORED_SHARE·ε

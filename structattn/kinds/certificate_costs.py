@@ -147,6 +147,17 @@ def block_worth(a, b, h, block: int) -> float | None:
     return 0.95
 
 
+def block_budget(a) -> float | None:
+    """The most share of its earlier key blocks the block certificate's sampled last child
+    may leave to score exactly (``block_sparse.certify_blocks``' ``budget``), or None: any.
+    On the CPU its scoring, in float64 and not fused, costs several times the fused reading
+    of the same pairs: measured at 8,192 and 16,384 tokens (``benchmarks/
+    bench_certificates.py``), the heads it pays for need at most 3.6% of their blocks scored
+    there (FoX's default gate, ALiBi's two fastest heads), those it does not at least 6.7%
+    (ALiBi on large tokens, whose sample alone then cost 5–10% of a forward and backward)."""
+    return 0.05 if a.device.type == "cpu" and not _SET_ASIDE[0] else None
+
+
 def blocks_together(a) -> bool:
     """Whether the heads' blocks are certified together (``certify_blocks``'s ``together``):
     on the CPU, whose kernels parallelise over heads, where more than half the heads would

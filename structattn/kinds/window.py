@@ -34,6 +34,7 @@ from ..checking._validation import is_exporting
 from ..operators import band
 from . import distance_table
 from .base import Operator, Support
+from .certificate_costs import block_budget as _block_budget
 from .certificate_costs import block_worth as _block_worth
 from .certificate_costs import blocks_together as _blocks_together
 from .certificate_costs import table_pays as _table_pays
@@ -267,7 +268,8 @@ class WindowOperator(Operator):
                 self.truncation = read_whole(a, b, h, prior.tol, block=prior.block_size) \
                     if worth is None else certify_blocks(a, b, scale, h, prior.tol,
                                                          block=prior.block_size, worth=worth,
-                                                         together=_blocks_together(a))
+                                                         together=_blocks_together(a),
+                                                         budget=_block_budget(a))
             blk = torch.arange(a.shape[-2], device=a.device) // self.truncation.block
             read = self.truncation.read[..., blk, :][..., blk]
             return causal_posterior(a, b, scale, h, read)
@@ -285,7 +287,7 @@ class WindowOperator(Operator):
                 return _whole_past(a, b, u, scale, h)
             out, self.truncation = block_sparse_attention(
                 a, b, u, scale, h, prior.tol, block=prior.block_size, whole_past=_whole_past,
-                worth=worth, together=_blocks_together(a))
+                worth=worth, together=_blocks_together(a), budget=_block_budget(a))
             return out
         if self._reads_to_certify():
             return self._certified_read(u)

@@ -175,3 +175,39 @@ def test_the_last_child_rejects_a_band_before_any_sample(gate_bias, rejected, mo
         torch.testing.assert_close(y, want, rtol=0, atol=0)
     else:
         assert c.certified and c.skipped > 0.9 and bool((c.bound <= 1e-4).all())
+
+
+@pytest.mark.parametrize("model, kw, scale, computed", [
+    ("alibi_attention", {}, 6.0, False),
+    ("forgetting_attention", {"gate_bias": 0.0}, 1.0, True)])
+def test_a_block_certificate_whose_scoring_would_cost_a_reading_is_not_sampled(
+        model, kw, scale, computed, monkeypatch):
+    """With a gradient and 128 key blocks the block certificate may pay on the CPU; ALiBi on
+    large tokens (scores spread over hundreds: the ceilings loose) would have to score most
+    blocks exactly — the last sampled child says so by its ceilings against its exact mass,
+    no block of the sample is scored, and the layer equals the one without ``tol``. FoX's
+    sharp gate leaves few to score: the sample and the certificate follow, and skip most
+    pairs."""
+    from structattn import block_sparse
+
+    chosen = []
+    real = block_sparse.choose_blocks
+    monkeypatch.setattr(block_sparse, "choose_blocks",
+                        lambda *a, **k: chosen.append(1) or real(*a, **k))
+    torch.manual_seed(2)
+    m = getattr(sa.models, model)(32, heads=4, d_k=16, tol=1e-4, certificate="blocks",
+                                  block_size=8, **kw)
+    exact = getattr(sa.models, model)(32, heads=4, d_k=16, **kw)
+    exact.load_state_dict(m.state_dict())
+    x = torch.randn(1, 1024, 32) * scale
+    y, trace = sa.compile(m)(x, return_trace=True)
+    c = trace.truncation[m.family_name]
+    assert bool(chosen) is computed
+    if computed:
+        assert c.certified and c.skipped > 0.9 and bool((c.bound <= 1e-4).all())
+    else:
+        assert c.skipped == 0 and bool((c.bound == 0).all())
+        torch.testing.assert_close(y, sa.compile(exact)(x), rtol=1e-6, atol=1e-6)
+    assert certificate_costs.block_budget(x) == 0.05
+    with certificate_costs.set_aside():
+        assert certificate_costs.block_budget(x) is None

@@ -334,6 +334,51 @@ def test_the_last_childs_shortcut_never_changes_the_blocks(heads, block, nb, kin
     assert torch.equal(fast.bound, plain.bound)
 
 
+@settings(max_examples=40, deadline=None)
+@given(heads=st.integers(1, 4), block=st.sampled_from([2, 3, 4]), nb=st.integers(17, 40),
+       kind=st.sampled_from(["uniform", "alibi", "forget"]), sharp=st.sampled_from([0.3, 3.0, 12.0]),
+       budget=st.sampled_from([0.0, 0.05, 0.3]), eps=st.sampled_from([1e-2, 1e-4]),
+       seed=st.integers(0, 10_000))
+def test_a_budget_only_reads_heads_whole(heads, block, nb, kind, sharp, budget, eps, seed):
+    """``budget``, a cost rule, changes no certified head: each head chooses the blocks,
+    counts and bounds it chooses without one, or reads all of its past (bound 0)."""
+    gen = torch.Generator().manual_seed(seed)
+    n = nb * block - (seed % block)
+    a = torch.randn(heads, n, 4, generator=gen, dtype=torch.float64) * sharp
+    b = torch.randn(heads, n, 4, generator=gen, dtype=torch.float64)
+    h = _prior(kind, heads, n, gen)
+    plain = certify_blocks(a, b, 0.5, h, eps, block=block, worth=0.5)
+    held = certify_blocks(a, b, 0.5, h, eps, block=block, worth=0.5, budget=budget)
+    earlier = torch.arange(held.count.shape[-1])
+    for g in range(heads):
+        same = torch.equal(held.count[g], plain.count[g]) and torch.equal(
+            held.bound[g], plain.bound[g]) and torch.equal(held.read[g], plain.read[g])
+        whole = torch.equal(held.count[g], earlier) and bool((held.bound[g] == 0).all())
+        assert same or whole, g
+
+
+def test_scores_needed_is_the_first_rank_whose_tail_fits():
+    """``scores_needed`` against its definition, term by term in Python: the fewest top
+    ceilings to score before the rest's sum is at most UNSCORED_SHARE·ε of the known mass."""
+    from structattn.certificates.block_choice import UNSCORED_SHARE, scores_needed
+
+    gen = torch.Generator().manual_seed(4)
+    for eps in (1e-2, 1e-4):
+        T = torch.randn(6, 30, generator=gen, dtype=torch.float64) * 8
+        T[0, 5:] = float("-inf")  # blocks without keys
+        known = torch.randn(6, generator=gen, dtype=torch.float64) * 8 + 10
+        got = scores_needed(T, known, eps)
+        for r in range(6):
+            ranked = sorted(T[r].tolist(), reverse=True)
+            need = 0
+            while need < len(ranked):
+                rest = sum(math.exp(t) for t in ranked[need:])
+                if rest / (rest + math.exp(known[r])) <= UNSCORED_SHARE * eps:
+                    break
+                need += 1
+            assert int(got[r]) == need, (r, int(got[r]), need)
+
+
 def test_on_flat_scores_no_statistic_of_every_child_is_computed(monkeypatch):
     """Uniform scores over 2,048 tokens: the last sampled child leaves out no block, so every
     head reads all of its past without the certificate's ceilings being computed."""
