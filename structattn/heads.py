@@ -46,7 +46,8 @@ def merge_heads(t: torch.Tensor) -> torch.Tensor:
     """
     if t.shape[-3] == 1:  # one head: the same values, one operation
         out = t.squeeze(-3)
-        if not torch.compiler.is_compiling():  # (dynamo: its graph drops the pair itself)
+        if not (torch.compiler.is_compiling() or t.is_inference()):  # (dynamo's graph drops
+            # the pair itself; an inference tensor has no version to check)
             _MERGED[out] = (t, (t._version, out._version))
         return out
     return t.transpose(-3, -2).flatten(-2)
