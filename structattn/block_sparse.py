@@ -32,9 +32,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .certificates.block_choice import choose_blocks, scores_needed, skipped_pairs
+from .certificates.block_choice import block_ceilings, choose_blocks, scores_needed, skipped_pairs
 from .certificates.block_choice import in_blocks as _blocks
-from .certificates.ceilings import RUN_ENTRIES, key_block_ceilings, score_ceiling
+from .certificates.ceilings import RUN_ENTRIES, score_ceiling
 from .checking._validation import check_size
 
 __all__ = ["BlockSparse", "block_sparse_attention", "causal_posterior", "certify_blocks",
@@ -95,7 +95,7 @@ def _whole_heads(a, b, A, B, hh, scale: float, eps: float, L: int, nb: int, lead
     whole = torch.zeros(G, dtype=torch.bool, device=dev)
     if sample.numel() >= 2:  # the last sampled block's last child, exactly: what it
         # cannot leave out, its block cannot (no statistic of every child computed)
-        whole = _last_child_whole(A, B, hh, scale, eps, L, int(sample[-1]), worth, budget)
+        whole = _last_child_whole(A, B, hh, scale, eps, L, nb, int(sample[-1]), worth, budget)
         if together and 2 * int(whole.sum()) > G:
             whole[:] = True
     slack = None
@@ -122,7 +122,7 @@ def _whole_heads(a, b, A, B, hh, scale: float, eps: float, L: int, nb: int, lead
     return whole, slack
 
 
-def _last_child_whole(A, B, hh, scale: float, eps: float, L: int, c: int,
+def _last_child_whole(A, B, hh, scale: float, eps: float, L: int, nb: int, c: int,
                       worth: float, budget: float | None) -> torch.Tensor:
     """``(G,)``: the heads whose child block ``c``'s last child alone, by its exact
     posterior, cannot leave out ``worth`` of its ``c`` earlier blocks with mass ≤ ``eps``
@@ -141,10 +141,8 @@ def _last_child_whole(A, B, hh, scale: float, eps: float, L: int, c: int,
     whole = 1 - (c - fits) / c < worth
     if budget is None or bool(whole.all()):
         return whole
-    nb = math.ceil(B.shape[1] / L)
-    T = key_block_ceilings(A[:, i:i + 1], B, scale, L)[:, 0, :c] \
-        + _blocks(hh, nb, L, float("-inf")).logsumexp(-1)[:, :c]  # (G, c), as choose_blocks'
-    return whole | (scores_needed(T, s.logsumexp(-1), eps) > budget * c)
+    T = block_ceilings(A[:, i:i + 1], B, _blocks(hh, nb, L, float("-inf")), scale, L)
+    return whole | (scores_needed(T[:, 0, :c], s.logsumexp(-1), eps) > budget * c)
 
 
 def _flat(x: torch.Tensor, lead, *tail) -> torch.Tensor:

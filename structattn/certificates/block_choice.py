@@ -32,7 +32,7 @@ import torch
 
 from .ceilings import RUN_ENTRIES, key_block_ceilings
 
-__all__ = ["choose_blocks", "in_blocks", "scores_needed"]
+__all__ = ["block_ceilings", "choose_blocks", "in_blocks", "scores_needed"]
 
 #: the share of ε the unscored blocks' ceilings may take (the rest: scored blocks skipped)
 UNSCORED_SHARE = 0.5
@@ -62,6 +62,15 @@ def choose_blocks(A, B, hh, slack, scale, eps, L, nb, sel):
     step = max(1, RUN_ENTRIES // max(1, G * L * nb))
     out = [_choose(ops, scale, eps, L, nb, sel[i:i + step]) for i in range(0, sel.numel(), step)]
     return tuple(torch.cat(parts, 1) for parts in zip(*out, strict=True))
+
+
+def block_ceilings(rows: torch.Tensor, B: torch.Tensor, hb: torch.Tensor, scale: float,
+                   L: int) -> torch.Tensor:
+    """``(G, R, nb)`` float64: the ceiling T of each child of ``rows`` ``(G, R, k)`` in each
+    key block of ``B`` ``(G, N, k)``, ``hb`` ``(G, nb, L)`` the prior's terms in blocks: the
+    scores' bound (``key_block_ceilings``) plus the prior summed exactly, log Σ_{j∈β} e^{h_j}
+    — what ``choose_blocks`` ranks and scores by."""
+    return key_block_ceilings(rows, B, scale, L) + hb.logsumexp(-1)[:, None, :]
 
 
 def scores_needed(T: torch.Tensor, known: torch.Tensor, eps: float) -> torch.Tensor:
@@ -104,8 +113,7 @@ def _ceilings(ops, scale, L, nb, sel):
     own = _own_mass(Ab[:, sel], Bb[:, sel], hb[:, sel], scale).flatten(1) - slack[:, rows]
     earlier = ((torch.arange(nb, device=dev)[None, :] < sel.repeat_interleave(L)[:, None])
                & (rows < n)[:, None])  # (R, nb)
-    T = key_block_ceilings(Ab[:, sel].flatten(1, 2), ops["B"], scale, L) \
-        + hb.logsumexp(-1)[:, None, :]  # the prior summed exactly: log Σ_{j∈β} e^{h_j}
+    T = block_ceilings(Ab[:, sel].flatten(1, 2), ops["B"], hb, scale, L)
     T = T.masked_fill(~earlier, -inf)  # (G, R, nb)
     rank = _by_rows(T - own[..., None], S, L).sort(dim=-1, descending=True, stable=True).indices
     return own, T.gather(-1, rank.repeat_interleave(L, 1)), rank

@@ -136,7 +136,6 @@ def _differentiated(*groups) -> bool:
 
 
 
-
 def _why(err: BaseException) -> str:
     """A plan's ``reason`` where its recording failed: where, the error's type and first line."""
     return f"{_where(err)}{type(err).__name__}: {str(err).splitlines()[0][:200]}"
