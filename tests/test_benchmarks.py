@@ -19,16 +19,16 @@ def in_this_process(monkeypatch):
     """Runs a benchmark script as ``__main__`` in this process (its torch, structattn and
     libraries already imported: a fresh interpreter's imports are most of a smoke run), with
     what a script may change put back after: the torch threads and float32 matmul precision,
-    the garbage collector's switch, ``sys.argv``, ``sys.path`` and the modules of the script's
-    own folder (``_results``, ``_memory``)."""
+    the garbage collector's switch, ``sys.argv``, ``sys.path`` (``monkeypatch``) and the
+    modules of the script's own folder (``_results``, ``_memory``)."""
     import gc
 
     threads, precision = torch.get_num_threads(), torch.get_float32_matmul_precision()
-    path, modules, collecting = list(sys.path), set(sys.modules), gc.isenabled()
+    modules, collecting = set(sys.modules), gc.isenabled()
 
     def run(script: pathlib.Path, *argv: str) -> None:
         monkeypatch.setattr(sys, "argv", [str(script), *argv])
-        sys.path.insert(0, str(script.parent))  # as ``python script`` puts it
+        monkeypatch.syspath_prepend(str(script.parent))  # as ``python script`` puts it
         try:
             runpy.run_path(str(script), run_name="__main__")
         except SystemExit as done:
@@ -39,7 +39,6 @@ def in_this_process(monkeypatch):
     torch.set_float32_matmul_precision(precision)
     if collecting:
         gc.enable()
-    sys.path[:] = path
     for name in set(sys.modules) - modules:
         if getattr(sys.modules[name], "__file__", None) and \
                 pathlib.Path(sys.modules[name].__file__).parent == BENCHMARKS:

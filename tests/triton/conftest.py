@@ -39,23 +39,21 @@ def _patch_the_language_once_a_launch():
     except ImportError:  # no Triton: its tests skip
         return
     patch, launch = interpreter._patch_lang, interpreter.GridExecutor.__call__
-    patched: set = set()  # the modules patched in the launch under way (None: none is)
-    state = {"launching": False}
+    patched: set = set()  # the modules patched in the launch under way (empty between)
 
     def _patch_lang(fn):
         langs = {id(v) for v in fn.__globals__.values() if v is tl or v is tl.core}
-        if state["launching"] and langs <= patched:
+        if patched and langs <= patched:
             return interpreter._LangPatchScope()
         scope = patch(fn)
         patched.update(langs)
         return scope
 
     def __call__(self, *args, **kwargs):
-        state["launching"] = True
+        patched.clear()  # the launch's own patch is always made
         try:
             return launch(self, *args, **kwargs)
         finally:
-            state["launching"] = False
             patched.clear()
 
     interpreter._patch_lang, interpreter.GridExecutor.__call__ = _patch_lang, __call__
